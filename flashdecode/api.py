@@ -1,0 +1,78 @@
+"""The public call: validate -> plan -> run."""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from . import hardware, planner
+from .reference import reference_decode
+from .validate import validate
+
+
+def _tilelang_available() -> bool:
+    try:
+        from .kernels import tilelang as _  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def resolve_backend(backend: str, device: torch.device) -> str:
+    """The backend that will run: 'reference' on CPU tensors, else the requested or best kernel."""
+    if device.type != "cuda":
+        return "reference" if backend in ("auto", "reference") else backend
+    if backend == "auto":
+        return "tilelang" if _tilelang_available() else "triton"
+    return backend
+
+
+def _kernel_module(backend: str):
+    if backend == "triton":
+        from .kernels import triton as module
+    elif backend == "tilelang":
+        from .kernels import tilelang as module
+    else:
+        raise ValueError(f"backend {backend!r} has no kernels")
+    return module
+
+
+def flash_decode_with_kvcache(q, k_cache, v_cache, cache_seqlens=None, *, softmax_scale=None,
+                              num_splits=0, return_softmax_lse=False, backend="auto", out=None):
+    """Decode attention over a KV cache; a drop-in for flash_attn_with_kvcache's decode path.
+
+    q: (batch, 1, nheads, headdim); k_cache, v_cache: (batch, seqlen_cache, nheads_k, headdim),
+    float16 or bfloat16, nheads a multiple of nheads_k (GQA). cache_seqlens: int32 tensor (batch,),
+    an int for every row, or None (= seqlen_cache). Returns out (batch, 1, nheads, headdim) in q's
+    dtype, and with ``return_softmax_lse`` also lse (batch, nheads, 1) float32 (natural log).
+    A row of length 0 gives output 0 and lse -inf. ``num_splits`` > 0 forces that many KV splits;
+    0 lets the planner decide. ``backend``: "auto", "tilelang", "triton" or "reference"
+    (CPU tensors always use the reference unless a kernel backend is named, e.g. for Triton's
+    interpreter).
+    """
+    problem, seqlens = validate(q, k_cache, v_cache, cache_seqlens, softmax_scale, num_splits, backend, out)
+    scale = 1.0 / math.sqrt(problem.headdim) if softmax_scale is None else float(softmax_scale)
+    if seqlens is None or isinstance(seqlens, int):
+        fill = problem.seqlen_cache if seqlens is None else seqlens
+        seqlens = torch.full((problem.batch,), fill, dtype=torch.int32, device=q.device)
+    chosen = resolve_backend(backend, q.device)
+    if chosen == "reference":
+        result, lse = reference_decode(q, k_cache, v_cache, seqlens, scale)
+        if out is not None:
+            out.copy_(result)
+            result = out
+        return (result, lse) if return_softmax_lse else result
+
+    plan = planner.plan(problem, hardware.profile_for(q.device), num_splits)
+    result = torch.empty_like(q) if out is None else out
+    # One float32 allocation holds lse and the split partials: [lse | part_lse | part_o].
+    rows = problem.batch * problem.nheads
+    part_rows = plan.programs_per_head * problem.nheads if plan.needs_combine else 0
+    workspace = torch.empty(rows + part_rows * (1 + problem.headdim), dtype=torch.float32, device=q.device)
+    lse = workspace[:rows].view(problem.batch, problem.nheads)
+    part_lse = workspace[rows:rows + part_rows].view(-1, problem.nheads)
+    part_o = workspace[rows + part_rows:].view(-1, problem.nheads, problem.headdim)
+    _kernel_module(chosen).run(
+        plan, problem, q[:, 0], k_cache, v_cache, seqlens.contiguous(), result[:, 0], lse,
+        part_o, part_lse, scale)
+    return (result, lse.unsqueeze(-1)) if return_softmax_lse else result

@@ -1,0 +1,180 @@
+"""Split-KV GQA decode in Triton: a split kernel over the plan and a combine kernel.
+
+Grid (P, Hk): program (p, h) finds its sequence and KV block range from ``cache_seqlens`` with the
+planner's rule (``flashdecode.planner``), loads the G query heads of KV head h as one (G, D) tile,
+and streams its K/V blocks once, with an online softmax in base 2 (log2(e) folded into the scale)
+and float32 accumulators. A sequence served by one program writes ``out``/``lse`` directly; the
+others write float32 partials that ``_combine_kernel`` merges. Runs on CUDA, and on CPU tensors
+under ``TRITON_INTERPRET=1``.
+"""
+from __future__ import annotations
+
+import math
+
+import triton
+import triton.language as tl
+
+LN2 = tl.constexpr(math.log(2.0))
+LOG2E = 1.0 / math.log(2.0)
+
+
+@triton.jit
+def _split_counts(Lens, batch, capacity, num_programs, forced_splits,
+                  BLOCK_N: tl.constexpr, BATCH_PAD: tl.constexpr):
+    """The planner's device-side rule for all sequences: (offsets, raw lengths, splits, cumsum)."""
+    offs = tl.arange(0, BATCH_PAD)
+    raw = tl.load(Lens + offs, mask=offs < batch, other=0)
+    blocks = tl.cdiv(tl.minimum(tl.maximum(raw, 0), capacity), BLOCK_N)
+    chunk = tl.maximum(tl.cdiv(tl.sum(blocks, 0), tl.maximum(num_programs - batch, 1)), 1)
+    splits = tl.where(forced_splits > 0, tl.minimum(blocks, forced_splits), tl.cdiv(blocks, chunk))
+    splits = tl.where(offs < batch, tl.maximum(splits, 1), 0)
+    return offs, raw, splits, tl.cumsum(splits, 0)
+
+
+@triton.jit
+def _entry(offs, values, index):
+    """values[index] of a vector indexed by offs."""
+    return tl.sum(tl.where(offs == index, values, 0), 0)
+
+
+@triton.jit
+def _locate(Lens, pid, batch, capacity, num_programs, forced_splits,
+            BLOCK_N: tl.constexpr, BATCH_PAD: tl.constexpr, CAN_SPLIT: tl.constexpr):
+    """Program pid's (sequence, split, splits of that sequence, raw length)."""
+    if CAN_SPLIT:
+        offs, raw, splits, ends = _split_counts(
+            Lens, batch, capacity, num_programs, forced_splits, BLOCK_N, BATCH_PAD)
+        seq = tl.sum((ends <= pid).to(tl.int32), 0)
+        num_splits = _entry(offs, splits, seq)
+        split = pid - (_entry(offs, ends, seq) - num_splits)
+        raw_len = _entry(offs, raw, seq)
+    else:
+        seq = pid
+        split = 0
+        num_splits = 1
+        raw_len = tl.load(Lens + tl.minimum(pid, batch - 1))
+    return seq, split, num_splits, raw_len
+
+
+@triton.jit
+def _split_kernel(Q, K, V, Lens, Out, Lse, PartO, PartLse,
+                  scale_log2, batch, capacity, num_programs, forced_splits, nheads,
+                  stride_qb, stride_qh, stride_kb, stride_kt, stride_kh,
+                  stride_vb, stride_vt, stride_vh, stride_ob, stride_oh,
+                  GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
+                  BLOCK_N: tl.constexpr, BATCH_PAD: tl.constexpr, CAN_SPLIT: tl.constexpr):
+    pid = tl.program_id(0)
+    head_k = tl.program_id(1)
+    seq, split, num_splits, raw_len = _locate(
+        Lens, pid, batch, capacity, num_programs, forced_splits, BLOCK_N, BATCH_PAD, CAN_SPLIT)
+    if seq < batch:
+        # Out-of-range lengths are clamped (no stray reads) and flagged with NaN outputs.
+        length = tl.minimum(tl.maximum(raw_len, 0), capacity)
+        valid = (raw_len >= 0) & (raw_len <= capacity)
+        blocks = tl.cdiv(length, BLOCK_N)
+        start = (split * blocks // num_splits) * BLOCK_N
+        end = tl.minimum(((split + 1) * blocks // num_splits) * BLOCK_N, length)
+
+        offs_g = tl.arange(0, GROUP_PAD)
+        offs_d = tl.arange(0, HEAD_DIM)
+        offs_n = tl.arange(0, BLOCK_N)
+        heads = head_k * GROUP + offs_g
+        q_ptrs = Q + seq * stride_qb + heads[:, None] * stride_qh + offs_d[None, :]
+        q = tl.load(q_ptrs, mask=offs_g[:, None] < GROUP, other=0.0)
+        k_base = K + seq.to(tl.int64) * stride_kb + head_k * stride_kh
+        v_base = V + seq.to(tl.int64) * stride_vb + head_k * stride_vh
+
+        m = tl.full([GROUP_PAD], float("-inf"), tl.float32)
+        l = tl.zeros([GROUP_PAD], tl.float32)
+        acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
+        for block_start in range(start, end, BLOCK_N):
+            tokens = block_start + offs_n
+            in_range = tokens < end
+            k = tl.load(k_base + tokens[:, None] * stride_kt + offs_d[None, :], mask=in_range[:, None], other=0.0)
+            scores = tl.dot(q, tl.trans(k)) * scale_log2
+            scores = tl.where(in_range[None, :], scores, float("-inf"))
+            m_new = tl.maximum(m, tl.max(scores, 1))
+            alpha = tl.exp2(m - m_new)
+            p = tl.exp2(scores - m_new[:, None])
+            l = l * alpha + tl.sum(p, 1)
+            v = tl.load(v_base + tokens[:, None] * stride_vt + offs_d[None, :], mask=in_range[:, None], other=0.0)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            m = m_new
+
+        nonempty = l > 0
+        o = tl.where(nonempty[:, None], acc / tl.where(nonempty, l, 1.0)[:, None], 0.0)
+        lse2 = tl.where(nonempty, m + tl.log2(tl.where(nonempty, l, 1.0)), float("-inf"))
+        head_mask = offs_g < GROUP
+        if num_splits == 1:
+            o = tl.where(valid, o, float("nan"))
+            out_ptrs = Out + seq * stride_ob + heads[:, None] * stride_oh + offs_d[None, :]
+            tl.store(out_ptrs, o.to(Out.dtype.element_ty), mask=head_mask[:, None])
+            tl.store(Lse + seq * nheads + heads, lse2 * LN2, mask=head_mask)
+        else:
+            part = pid * nheads + heads
+            tl.store(PartO + part[:, None] * HEAD_DIM + offs_d[None, :], o, mask=head_mask[:, None])
+            tl.store(PartLse + part, lse2, mask=head_mask)
+
+
+@triton.jit
+def _combine_kernel(Lens, Out, Lse, PartO, PartLse,
+                    batch, capacity, num_programs, forced_splits, nheads,
+                    stride_ob, stride_oh,
+                    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
+                    BLOCK_N: tl.constexpr, BATCH_PAD: tl.constexpr):
+    """Merge the partials of every sequence that was split; grid (batch, Hk)."""
+    seq = tl.program_id(0)
+    head_k = tl.program_id(1)
+    offs, raw, splits, ends = _split_counts(
+        Lens, batch, capacity, num_programs, forced_splits, BLOCK_N, BATCH_PAD)
+    num_splits = _entry(offs, splits, seq)
+    first = _entry(offs, ends, seq) - num_splits
+    raw_len = _entry(offs, raw, seq)
+    if num_splits > 1:
+        offs_g = tl.arange(0, GROUP_PAD)
+        offs_d = tl.arange(0, HEAD_DIM)
+        heads = head_k * GROUP + offs_g
+        head_mask = offs_g < GROUP
+        m = tl.full([GROUP_PAD], float("-inf"), tl.float32)
+        weight = tl.zeros([GROUP_PAD], tl.float32)
+        acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
+        for program in range(first, first + num_splits):
+            part = program * nheads + heads
+            part_lse = tl.load(PartLse + part, mask=head_mask, other=0.0)
+            part_o = tl.load(PartO + part[:, None] * HEAD_DIM + offs_d[None, :], mask=head_mask[:, None], other=0.0)
+            m_new = tl.maximum(m, part_lse)
+            alpha = tl.exp2(m - m_new)
+            w = tl.exp2(part_lse - m_new)
+            acc = acc * alpha[:, None] + w[:, None] * part_o
+            weight = weight * alpha + w
+            m = m_new
+        valid = (raw_len >= 0) & (raw_len <= capacity)
+        o = tl.where(valid, acc / weight[:, None], float("nan"))
+        tl.store(Out + seq * stride_ob + heads[:, None] * stride_oh + offs_d[None, :],
+                 o.to(Out.dtype.element_ty), mask=head_mask[:, None])
+        tl.store(Lse + seq * nheads + heads, (m + tl.log2(weight)) * LN2, mask=head_mask)
+
+
+def run(plan, problem, q, k_cache, v_cache, seqlens, out, lse, part_o, part_lse, softmax_scale):
+    """Launch the split kernel (and the combine kernel when the plan may split).
+
+    q, out: (B, Hq, D) views; lse: (B, Hq) fp32; part_o: (P, Hq, D) fp32; part_lse: (P, Hq) fp32.
+    """
+    group = problem.group
+    group_pad = max(16, triton.next_power_of_2(group))
+    batch_pad = max(16, triton.next_power_of_2(problem.batch))
+    num_warps = 4 if problem.headdim <= 128 else 8
+    args = (problem.batch, problem.seqlen_cache, plan.programs_per_head, plan.forced_splits)
+    _split_kernel[plan.grid(problem)](
+        q, k_cache, v_cache, seqlens, out, lse, part_o, part_lse,
+        softmax_scale * LOG2E, *args, problem.nheads,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), out.stride(0), out.stride(1),
+        GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=problem.headdim, BLOCK_N=plan.block_n,
+        BATCH_PAD=batch_pad, CAN_SPLIT=plan.can_split, num_warps=num_warps, num_stages=2)
+    if plan.needs_combine:
+        _combine_kernel[(problem.batch, problem.nheads_k)](
+            seqlens, out, lse, part_o, part_lse, *args, problem.nheads,
+            out.stride(0), out.stride(1),
+            GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=problem.headdim, BLOCK_N=plan.block_n,
+            BATCH_PAD=batch_pad, num_warps=4)
