@@ -64,6 +64,15 @@ def flash_decode_with_kvcache(q, k_cache, v_cache, cache_seqlens=None, *, softma
         return (result, lse) if return_softmax_lse else result
 
     plan = planner.plan(problem, hardware.profile_for(q.device), num_splits)
+    result, lse = run_kernels(chosen, plan, problem, q, k_cache, v_cache, seqlens, scale, out)
+    return (result, lse.unsqueeze(-1)) if return_softmax_lse else result
+
+
+def run_kernels(backend, plan, problem, q, k_cache, v_cache, seqlens, softmax_scale, out=None):
+    """Allocate the outputs and workspace, launch one backend's kernels; returns (out, lse (B, Hq)).
+
+    No checks happen here: callers pass validated inputs (tests use it to feed out-of-range lengths).
+    """
     result = torch.empty_like(q) if out is None else out
     # One float32 allocation holds lse and the split partials: [lse | part_lse | part_o].
     rows = problem.batch * problem.nheads
@@ -72,7 +81,7 @@ def flash_decode_with_kvcache(q, k_cache, v_cache, cache_seqlens=None, *, softma
     lse = workspace[:rows].view(problem.batch, problem.nheads)
     part_lse = workspace[rows:rows + part_rows].view(-1, problem.nheads)
     part_o = workspace[rows + part_rows:].view(-1, problem.nheads, problem.headdim)
-    _kernel_module(chosen).run(
+    _kernel_module(backend).run(
         plan, problem, q[:, 0], k_cache, v_cache, seqlens.contiguous(), result[:, 0], lse,
-        part_o, part_lse, scale)
-    return (result, lse.unsqueeze(-1)) if return_softmax_lse else result
+        part_o, part_lse, softmax_scale)
+    return result, lse

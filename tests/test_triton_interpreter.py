@@ -1,0 +1,99 @@
+"""Triton kernels against the reference, on CPU tensors under TRITON_INTERPRET=1 (CUDA tensors on a GPU).
+
+Triton's interpreter computes bfloat16 wrongly (a known upstream limitation: it has no bf16 numpy
+type), so these tests use float16; bfloat16 runs in the GPU tests.
+
+Tolerances: the kernel rounds P to float16 before the PV product and accumulates in float32, so its
+relative L2 error against the float32 reference is ~1e-3; we allow 5e-3. A real bug (a block read
+twice or skipped, a wrong head mapping, a mask off by one, a bad combine weight) moves the output
+by O(1/length) or more of a unit-variance signal, far beyond 5e-3 on these short sequences, and the
+LSE by more than its 2e-3 tolerance.
+"""
+import itertools
+
+import pytest
+import torch
+
+from conftest import HAS_CUDA, rel_error
+from flashdecode import flash_decode_with_kvcache
+from flashdecode.api import run_kernels
+from flashdecode.hardware import profile_for
+from flashdecode.planner import Problem, plan
+from flashdecode.reference import reference_decode
+
+DEVICE = "cuda" if HAS_CUDA else "cpu"
+OUT_TOLERANCE = 5e-3
+LSE_TOLERANCE = 2e-3
+
+
+def random_inputs(batch, seqlen_cache, nheads_k, group, headdim, lengths, dtype=torch.float16, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=generator).to(dtype).to(DEVICE)
+
+    q = randn(batch, 1, nheads_k * group, headdim)
+    k = randn(batch, seqlen_cache, nheads_k, headdim)
+    v = randn(batch, seqlen_cache, nheads_k, headdim)
+    return q, k, v, torch.tensor(lengths, dtype=torch.int32, device=DEVICE)
+
+
+def check_against_reference(q, k, v, seqlens, num_splits=0):
+    out, lse = flash_decode_with_kvcache(q, k, v, seqlens, num_splits=num_splits, backend="triton",
+                                         return_softmax_lse=True)
+    expected_out, expected_lse = reference_decode(q, k, v, seqlens)
+    assert out.shape == q.shape and out.dtype == q.dtype and lse.shape == expected_lse.shape
+    assert not out.isnan().any() and not lse.isnan().any()
+    nonempty = seqlens.cpu() > 0
+    assert (out[~nonempty] == 0).all() and torch.isneginf(lse[~nonempty]).all()
+    if nonempty.any():
+        assert rel_error(out[nonempty], expected_out[nonempty]) < OUT_TOLERANCE
+        torch.testing.assert_close(lse[nonempty], expected_lse[nonempty], atol=LSE_TOLERANCE, rtol=0)
+
+
+SHAPES = [  # (batch, seqlen_cache, nheads_k, group, headdim, lengths)
+    (1, 1, 1, 1, 64, [1]),
+    (2, 65, 2, 4, 64, [65, 63]),
+    (3, 100, 1, 8, 128, [0, 100, 37]),
+    (2, 40, 1, 32, 64, [40, 17]),
+    (1, 33, 2, 4, 256, [33]),
+    (4, 130, 2, 4, 128, [129, 1, 64, 0]),
+]
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "b{}-s{}-hk{}-g{}-d{}".format(*s[:5]))
+@pytest.mark.parametrize("num_splits", [0, 1, 3])
+def test_matches_reference(shape, num_splits):
+    check_against_reference(*random_inputs(*shape), num_splits=num_splits)
+
+
+def test_many_splits_with_skewed_lengths():
+    """A long row among short ones under the planner's own (balanced) split rule."""
+    q, k, v, seqlens = random_inputs(5, 600, 1, 4, 64, [600, 3, 64, 65, 0])
+    p = plan(Problem(5, 600, 4, 1, 64, "float16"), profile_for(q.device))
+    assert p.can_split
+    check_against_reference(q, k, v, seqlens)
+
+
+@pytest.mark.parametrize("group", [1, 4, 8, 32])
+def test_groups(group):
+    check_against_reference(*random_inputs(2, 70, 1, group, 64, [70, 5]), num_splits=2)
+
+
+def test_out_of_range_length_poisons_its_row_only():
+    """Without the host check, a bad length still reads in bounds and marks its row with NaN."""
+    q, k, v, _ = random_inputs(3, 20, 1, 4, 64, [0, 0, 0])
+    problem = Problem(3, 20, 4, 1, 64, "float16")
+    seqlens = torch.tensor([20, 21, -1], dtype=torch.int32, device=DEVICE)
+    for num_splits in (0, 2):
+        p = plan(problem, profile_for(q.device), num_splits)
+        out, _ = run_kernels("triton", p, problem, q, k, v, seqlens, 0.125)
+        assert not out[0].isnan().any()
+        assert out[1].isnan().all() and out[2].isnan().all()
+
+
+@pytest.mark.parametrize("offset", [-1, 0, 1])
+def test_lengths_around_block_boundaries(offset):
+    block_n = plan(Problem(3, 200, 4, 1, 64, "float16"), profile_for(torch.device(DEVICE))).block_n
+    lengths = [block_n + offset, 2 * block_n + offset, 1]
+    check_against_reference(*random_inputs(3, 200, 1, 4, 64, lengths), num_splits=2)

@@ -1,0 +1,84 @@
+"""Every bad input raises the documented error, naming the argument."""
+import pytest
+import torch
+
+import flashdecode
+from flashdecode import flash_decode_with_kvcache
+
+
+def good(batch=2, seqlen=16, nheads=8, nheads_k=2, headdim=64, dtype=torch.float16):
+    q = torch.randn(batch, 1, nheads, headdim, dtype=dtype)
+    k = torch.randn(batch, seqlen, nheads_k, headdim, dtype=dtype)
+    v = torch.randn(batch, seqlen, nheads_k, headdim, dtype=dtype)
+    return q, k, v, torch.full((batch,), seqlen, dtype=torch.int32)
+
+
+def call(q, k, v, seqlens=None, **kwargs):
+    return flash_decode_with_kvcache(q, k, v, seqlens, **kwargs)
+
+
+BAD_INPUTS = {
+    "q not a tensor": (lambda q, k, v, s: call(q.tolist(), k, v, s), TypeError, "q must be a torch.Tensor"),
+    "q float32": (lambda q, k, v, s: call(q.float(), k, v, s), TypeError, "q must be float16 or bfloat16"),
+    "mixed dtypes": (lambda q, k, v, s: call(q, k.bfloat16(), v, s), TypeError, "k_cache must have q's dtype"),
+    "v dtype": (lambda q, k, v, s: call(q, k, v.bfloat16(), s), TypeError, "v_cache must have q's dtype"),
+    "q rank": (lambda q, k, v, s: call(q[:, 0], k, v, s), ValueError, "q must have 4 dimensions"),
+    "k rank": (lambda q, k, v, s: call(q, k[0], v, s), ValueError, "k_cache must have 4 dimensions"),
+    "seqlen_q 2": (lambda q, k, v, s: call(q.expand(2, 2, 8, 64), k, v, s), ValueError, "seqlen_q == 1"),
+    "head dim 32": (lambda q, k, v, s: call(q[..., :32], k[..., :32], v[..., :32], s), ValueError, "head dim"),
+    "k batch": (lambda q, k, v, s: call(q, k[:1], v[:1], s), ValueError, "k_cache must have shape"),
+    "k headdim": (lambda q, k, v, s: call(q, torch.cat([k, k], -1), v, s), ValueError, "k_cache must have shape"),
+    "v shape": (lambda q, k, v, s: call(q, k, v[:, :8], s), ValueError, "v_cache must have k_cache's shape"),
+    "gqa ratio": (lambda q, k, v, s: call(q[:, :, :7], k, v, s), ValueError, "multiple of k_cache's nheads_k"),
+    "k last dim strided": (lambda q, k, v, s: call(q, k.transpose(2, 3).contiguous().transpose(2, 3), v, s),
+                           ValueError, "k_cache must be contiguous in its last dimension"),
+    "seqlens dtype": (lambda q, k, v, s: call(q, k, v, s.long()), TypeError, "cache_seqlens must be int32"),
+    "seqlens shape": (lambda q, k, v, s: call(q, k, v, s[:1]), ValueError, r"cache_seqlens must have shape \(2,\)"),
+    "seqlens type": (lambda q, k, v, s: call(q, k, v, [16, 16]), TypeError, "cache_seqlens must be an int32 tensor"),
+    "seqlens above": (lambda q, k, v, s: call(q, k, v, s + 1), ValueError, r"\[0, seqlen_cache=16\], got values in \[17, 17\]"),
+    "seqlens below": (lambda q, k, v, s: call(q, k, v, s - 17), ValueError, "cache_seqlens must be in"),
+    "seqlens int above": (lambda q, k, v, s: call(q, k, v, 17), ValueError, "cache_seqlens must be in"),
+    "num_splits": (lambda q, k, v, s: call(q, k, v, s, num_splits=-1), ValueError, "num_splits must be an int >= 0"),
+    "backend": (lambda q, k, v, s: call(q, k, v, s, backend="cuda"), ValueError, "backend must be one of"),
+    "scale": (lambda q, k, v, s: call(q, k, v, s, softmax_scale="x"), TypeError, "softmax_scale"),
+    "out shape": (lambda q, k, v, s: call(q, k, v, s, out=torch.empty(2, 1, 8, 32, dtype=torch.float16)),
+                  ValueError, "out must match q"),
+    "batch 0": (lambda q, k, v, s: call(q[:0], k[:0], v[:0], s[:0]), ValueError, "batch >= 1"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(BAD_INPUTS))
+def test_bad_input_raises(name):
+    make_call, error, message = BAD_INPUTS[name]
+    with pytest.raises(error, match=message):
+        make_call(*good())
+
+
+def test_device_mismatch_named():
+    q, k, v, s = good()
+    meta_k = k.to("meta")
+    with pytest.raises(ValueError, match="k_cache must be on q's device"):
+        call(q, meta_k, v, s)
+    with pytest.raises(ValueError, match="cache_seqlens must be on q's device"):
+        call(q, k, v, s.to("meta"))
+
+
+def test_seqlens_check_switch(monkeypatch):
+    """The host bounds check of device lengths is off by default and can be switched on."""
+    import flashdecode.validate as validate
+
+    assert validate._check_seqlens_on_device is False
+    flashdecode.set_seqlens_check(True)
+    try:
+        assert validate._check_seqlens_on_device is True
+    finally:
+        flashdecode.set_seqlens_check(False)
+
+
+def test_good_input_accepted_in_every_form():
+    q, k, v, s = good()
+    expected = call(q, k, v, s)
+    for seqlens in (None, 16):
+        torch.testing.assert_close(call(q, k, v, seqlens), expected)
+    out = torch.empty_like(q)
+    assert call(q, k, v, s, out=out) is out
