@@ -1,6 +1,8 @@
 """The public call: validate -> plan -> run."""
 from __future__ import annotations
 
+import functools
+import importlib.util
 import math
 
 import torch
@@ -10,7 +12,11 @@ from .reference import reference_decode
 from .validate import validate
 
 
-def _tilelang_available() -> bool:
+@functools.lru_cache(maxsize=None)
+def tilelang_available() -> bool:
+    """Whether the TileLang backend can be imported (TileLang is an optional extra)."""
+    if importlib.util.find_spec("tilelang") is None:
+        return False
     try:
         from .kernels import tilelang as _  # noqa: F401
     except ImportError:
@@ -23,7 +29,7 @@ def resolve_backend(backend: str, device: torch.device) -> str:
     if device.type != "cuda":
         return "reference" if backend in ("auto", "reference") else backend
     if backend == "auto":
-        return "tilelang" if _tilelang_available() else "triton"
+        return "tilelang" if tilelang_available() else "triton"
     return backend
 
 
