@@ -1,0 +1,14 @@
+"""The benchmark behind ``flashdecode bench``: timing, peers, the run over the case matrix, reports.
+
+Modules: ``timing`` (the one timing helper, shared with the profiler), ``ceiling`` (the in-run
+bandwidth ceiling), ``peers`` (other decode implementations), ``runner`` (the run itself),
+``results`` (the data it produces) and ``report`` (table, machine lines, JSON, CSV, plot, jsonl
+record). Importing ``ceiling`` or ``runner`` imports Triton, so on a machine without CUDA set
+``TRITON_INTERPRET=1`` first (the CLI does).
+"""
+
+
+class BenchError(Exception):
+    """A request the benchmark cannot honour (unknown case, a backend or peer that cannot run here).
+
+    The CLI prints the message and exits non-zero."""

@@ -1,0 +1,261 @@
+"""Everything a benchmark run writes: terminal table, machine lines, JSON, CSV, plot, jsonl record.
+
+Works on a :class:`~flashdecode.bench.results.BenchRun` without importing the runner (and Triton),
+so the formats can be read, tested and reused on their own.
+"""
+from __future__ import annotations
+
+import csv
+import dataclasses
+import json
+import math
+import pathlib
+import sys
+import uuid
+
+#: Machine-line fields in order: (key, how a value is written). None is written "n/a".
+MACHINE_FIELDS = (
+    ("CASE", str), ("COMPILED", str), ("CORRECT", str), ("BACKEND", str),
+    ("RUNTIME", "{:.4f}".format), ("REF_RUNTIME", "{:.4f}".format), ("SPEEDUP", "{:.4f}x".format),
+    ("BW_GBPS", str), ("BW_FRACTION", "{:.2f}".format),
+)
+_PARSERS = {
+    "CASE": int, "COMPILED": lambda v: v == "True", "CORRECT": lambda v: v == "True", "BACKEND": str,
+    "RUNTIME": float, "REF_RUNTIME": float, "SPEEDUP": lambda v: float(v.removesuffix("x")),
+    "BW_GBPS": int, "BW_FRACTION": float,
+}
+TECHNIQUE = "split-kv gqa-packed"
+
+
+def _rounded(value, digits):
+    return None if value is None else round(value, digits)
+
+
+def machine_fields(case_run, result) -> dict:
+    """The machine line of one (case, backend) as a dict, rounded as it is written (ms, 4 decimals)."""
+    return {
+        "case": case_run.case.number, "compiled": result.compiled, "correct": result.correct,
+        "backend": result.system,
+        "runtime": _rounded(result.timing and result.timing.median_us / 1e3, 4),
+        "ref_runtime": _rounded(case_run.baseline_us and case_run.baseline_us / 1e3, 4),
+        "speedup": _rounded(result.speedup, 4),
+        "bw_gbps": _rounded(result.bandwidth_gbps, None),
+        "bw_fraction": _rounded(result.fraction, 2),
+    }
+
+
+def format_machine_line(fields: dict) -> str:
+    """``CASE:10 COMPILED:True CORRECT:True BACKEND:tilelang RUNTIME:0.0623 ... BW_FRACTION:0.60``."""
+    return " ".join(f"{key}:{'n/a' if fields[key.lower()] is None else write(fields[key.lower()])}"
+                    for key, write in MACHINE_FIELDS)
+
+
+def parse_machine_line(line: str) -> dict:
+    """Inverse of :func:`format_machine_line`: lower-case keys, typed values, None for n/a."""
+    fields = {}
+    for item in line.split():
+        key, _, value = item.partition(":")
+        if key not in _PARSERS:
+            raise ValueError(f"unknown machine-line field {key!r} in {line!r}")
+        fields[key.lower()] = None if value == "n/a" else _PARSERS[key](value)
+    missing = [key for key, _ in MACHINE_FIELDS if key.lower() not in fields]
+    if missing:
+        raise ValueError(f"machine line lacks {missing}: {line!r}")
+    return fields
+
+
+def machine_lines(run) -> list[str]:
+    """One line per (case, our backend)."""
+    return [format_machine_line(machine_fields(case_run, result))
+            for case_run in run.cases for result in case_run.results if result.kind == "ours"]
+
+
+def _shape(case) -> dict:
+    return {"batch": case.batch, "seqlen_cache": case.seqlen_cache, "nheads_k": case.nheads_k,
+            "group": case.group, "nheads": case.nheads}
+
+
+def _timing_fields(result) -> dict:
+    timing, graph = result.timing, result.graph
+    return {"median_us": timing and timing.median_us, "min_us": timing and timing.min_us,
+            "p80_us": timing and timing.p80_us, "runs": timing and timing.runs,
+            "graph_us": graph and graph.median_us}
+
+
+def _result_dict(result) -> dict:
+    fields = {"kind": result.kind, "compiled": result.compiled, "correct": result.correct,
+              **_timing_fields(result), "host_overhead_us": result.host_overhead_us,
+              "bandwidth_gbps": result.bandwidth_gbps, "fraction_of_ceiling": result.fraction,
+              "speedup": result.speedup, "rel_err": result.rel_err, "fresh_rel_err": result.fresh_rel_err,
+              "error": result.error}
+    if result.kind == "ours":
+        fields["plan"] = result.plan
+    return fields
+
+
+def _finite(value):
+    """JSON has no NaN/inf: write them as strings ("nan" marks a NaN output)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    if isinstance(value, dict):
+        return {key: _finite(item) for key, item in value.items()}
+    if isinstance(value, list):
+        return [_finite(item) for item in value]
+    return value
+
+
+def run_to_dict(run) -> dict:
+    """The whole run as plain data (what --json writes)."""
+    return _finite({
+        **run.environment,
+        "settings": run.settings,
+        "ceiling": dataclasses.asdict(run.ceiling),
+        "systems": [{"name": s.name, "kind": s.kind, "version": s.version, "description": s.description}
+                    for s in run.systems],
+        "skipped": run.skipped,
+        "notes": run.notes,
+        "cases": [{"case": c.case.number, "matrix_shape": _shape(c.case), "shape": _shape(c.shape),
+                   "bytes": c.bytes, "baseline_us": c.baseline_us, "baseline_source": c.baseline_source,
+                   "results": {r.system: _result_dict(r) for r in c.results}}
+                  for c in run.cases],
+    })
+
+
+def write_json(run, path) -> None:
+    pathlib.Path(path).write_text(json.dumps(run_to_dict(run), indent=1, allow_nan=False) + "\n")
+
+
+CSV_COLUMNS = ("case", "shape", "bytes", "system", "kind", "compiled", "correct", "median_us", "min_us",
+               "p80_us", "runs", "graph_us", "host_overhead_us", "bandwidth_gbps", "fraction_of_ceiling",
+               "speedup", "rel_err", "fresh_rel_err", "baseline_us", "baseline_source", "error")
+
+
+def write_csv(run, path) -> None:
+    """One row per (case, system)."""
+    with open(path, "w", newline="") as handle:
+        writer = csv.DictWriter(handle, CSV_COLUMNS, extrasaction="ignore")
+        writer.writeheader()
+        for c in run.cases:
+            for r in c.results:
+                writer.writerow({"case": c.case.number, "shape": c.shape.describe(), "bytes": c.bytes,
+                                 "system": r.system, "baseline_us": c.baseline_us,
+                                 "baseline_source": c.baseline_source, **_result_dict(r)})
+
+
+def write_plot(run, path) -> None:
+    """Achieved bandwidth per case, one bar per system, the in-run ceiling as a line (PNG, Agg)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = [system.name for system in run.systems]
+    width = 0.8 / len(names)
+    figure, axes = plt.subplots(figsize=(max(6.0, 1.0 * len(run.cases) + 2), 4.5))
+    for index, name in enumerate(names):
+        xs, heights = [], []
+        for position, c in enumerate(run.cases):
+            result = next(r for r in c.results if r.system == name)
+            xs.append(position + (index - (len(names) - 1) / 2) * width)
+            heights.append(result.bandwidth_gbps or 0.0)
+        axes.bar(xs, heights, width, label=name)
+    axes.axhline(run.ceiling.gbps, color="black", linestyle="--", label=f"ceiling {run.ceiling.gbps:.0f} GB/s")
+    axes.set_xticks(range(len(run.cases)), [str(c.case.number) for c in run.cases])
+    axes.set_xlabel("case")
+    axes.set_ylabel("achieved bandwidth (GB/s)")
+    cpu = "" if run.environment["cuda"] else " (CPU timings, not comparable)"
+    axes.set_title(f"flashdecode bench on {run.environment['device']}{cpu}", fontsize=9)
+    axes.legend(fontsize=8)
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+
+
+def candidate_records(run) -> list[dict]:
+    """One record per (case, our backend), for the candidates log."""
+    return [
+        _finite({"id": uuid.uuid4().hex, "timestamp": run.environment["date"],
+                 "git_commit": run.environment["git_commit"], "device": run.environment["device"],
+                 "case": c.case.number, "backend": r.system, "technique": f"{TECHNIQUE} {r.system}",
+                 "config": r.plan, "validation": "pass" if r.correct else "fail",
+                 "runtime_ms": r.timing and r.timing.median_us / 1e3,
+                 "ref_runtime_ms": c.baseline_us and c.baseline_us / 1e3, "speedup": r.speedup})
+        for c in run.cases for r in c.results if r.kind == "ours"
+    ]
+
+
+def append_records(run, path) -> None:
+    """Append the run's records to a jsonl file (created with its folder if absent); earlier lines stay."""
+    path = pathlib.Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a") as handle:
+        for record in candidate_records(run):
+            handle.write(json.dumps(record, allow_nan=False) + "\n")
+
+
+def _number(value, spec, missing="-"):
+    return missing if value is None else format(value, spec)
+
+
+def format_table(run) -> str:
+    """The terminal report: header (device, versions, ceiling, notes), one row per (case, system)."""
+    env = run.environment
+    lines = [f"flashdecode bench on {env['device']}, commit {env['git_commit'] or 'unknown'}, {env['date']}"]
+    lines += [f"system {s.name} [{s.version}]: {s.description}" for s in run.systems]
+    lines += [f"ceiling: {run.ceiling.what}: {run.ceiling.gbps:.0f} GB/s"]
+    lines += [f"skipped: {reason}" for reason in run.skipped]
+    lines += [f"note: {note}" for note in run.notes]
+    header = (f"{'case':>4}  {'shape':<20} {'system':<12} {'median us':>10} {'min us':>10} {'p80 us':>10} "
+              f"{'graph us':>9} {'host us':>8} {'GB/s':>6} {'ceil':>5} {'speedup':>8}  correct (rel err timed/fresh)")
+    lines += ["", header, "-" * len(header)]
+    errors = []
+    for c in run.cases:
+        for r in c.results:
+            t = r.timing
+            speedup = "-" if r.speedup is None else f"{r.speedup:.3f}x"
+            if r.compiled and r.rel_err is not None:
+                correct = f"{'ok' if r.correct else 'FAIL'} {r.rel_err:.1e}/{_number(r.fresh_rel_err, '.1e')}"
+            else:
+                correct = "ERROR"
+            lines.append(
+                f"{c.case.number:>4}  {c.shape.describe():<20} {r.system:<12} "
+                f"{_number(t and t.median_us, '10.2f'):>10} {_number(t and t.min_us, '10.2f'):>10} "
+                f"{_number(t and t.p80_us, '10.2f'):>10} {_number(r.graph and r.graph.median_us, '9.2f'):>9} "
+                f"{_number(r.host_overhead_us, '8.1f'):>8} {_number(r.bandwidth_gbps, '6.0f'):>6} "
+                f"{_number(r.fraction, '5.0%'):>5} {speedup:>8}  "
+                f"{correct}")
+            if r.error:
+                errors.append(f"case {c.case.number} {r.system}: {r.error}")
+        if c.baseline_system is None and c.baseline_us is not None:
+            lines.append(f"{'':>4}  {'':<20} {'fa2 (file)':<12} {c.baseline_us:>10.2f}   "
+                         f"<- baseline: {c.baseline_source}")
+    lines += ["", "errors:"] + errors if errors else []
+    return "\n".join(lines)
+
+
+class Progress:
+    """Progress on stderr: tqdm when it imports, else a counter."""
+
+    def __init__(self, total: int, stream=sys.stderr):
+        self.total, self.done, self.stream = total, 0, stream
+        try:
+            from tqdm import tqdm
+        except ImportError:
+            self._bar = None
+        else:
+            self._bar = tqdm(total=total, file=stream, unit="step", leave=False)
+
+    def advance(self, label: str) -> None:
+        self.done += 1
+        if self._bar is not None:
+            self._bar.set_postfix_str(label)
+            self._bar.update()
+        else:
+            end = "\r" if self.stream.isatty() else "\n"
+            print(f"[{self.done}/{self.total}] {label}", end=end, file=self.stream, flush=True)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+        elif self.stream.isatty():
+            print(file=self.stream)
