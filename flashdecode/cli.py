@@ -131,10 +131,24 @@ def _run_bench(args) -> int:
     return 0
 
 
+def _add_profile(subparsers) -> None:
+    from .profile import command
+
+    parser = subparsers.add_parser(
+        "profile", help="diagnose one case: occupancy, tail, stalls, tensor cores, timeline, bandwidth",
+        description="Run one case (or a shape given with flags) and write DIR/report.md and DIR/report.json "
+                    "covering six dimensions, each with its figures and a one-line diagnosis "
+                    "(docs/diagnosis.md). Counters come from Nsight Compute (ncu), the timeline from "
+                    "torch.profiler. Without CUDA: the plan-based dimensions for the H200 and C500 profiles.")
+    command.add_arguments(parser)
+    parser.set_defaults(handler=command.run, command_parser=parser)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="flashdecode", description="flashdecode command-line tools")
     subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     _add_bench(subparsers)
+    _add_profile(subparsers)
     return parser
 
 

@@ -1,0 +1,109 @@
+"""The six dimensions of a profile and the catalogue of diagnosis patterns, as data (the one place).
+
+A pattern fires when its conditions hold on the figures of a profile (all of them, or any of
+them with ``any_of``); each condition compares one named figure with a threshold. docs/diagnosis.md
+explains every pattern (symptoms, metric, threshold, usual fix) and a test keeps it in step.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+#: (key, title) of each dimension, in report order.
+DIMENSIONS = (
+    ("occupancy", "1. Occupancy and launch geometry"),
+    ("tail", "2. Tail effect"),
+    ("stalls", "3. Stall breakdown"),
+    ("tensor", "4. Tensor core utilisation"),
+    ("timeline", "5. Timeline"),
+    ("memory", "6. Memory bandwidth"),
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class Condition:
+    figure: str
+    op: str  # "<" or ">"
+    threshold: float
+
+    def holds(self, figures: dict) -> bool | None:
+        """None when the figure is missing (not measured here)."""
+        value = figures.get(self.figure)
+        if value is None:
+            return None
+        return value < self.threshold if self.op == "<" else value > self.threshold
+
+    def evidence(self, figures: dict) -> str:
+        return f"{self.figure} {figures[self.figure]:.3g} {self.op} {self.threshold:g}"
+
+    def __str__(self) -> str:
+        return f"{self.figure} {self.op} {self.threshold:g}"
+
+
+@dataclasses.dataclass(frozen=True)
+class Pattern:
+    key: str
+    dimension: str
+    title: str
+    conditions: tuple[Condition, ...]
+    fix: str  # one line; docs/diagnosis.md has the longer story
+    any_of: bool = False  # False: every condition must hold
+    note: bool = False  # expected behaviour worth stating, not a problem
+
+    def triggered(self, figures: dict) -> bool | None:
+        """True/False, or None when a missing figure leaves the answer open."""
+        results = [condition.holds(figures) for condition in self.conditions]
+        decisive = True if self.any_of else False
+        if decisive in results:
+            return decisive
+        return None if None in results else not decisive
+
+    def line(self, figures: dict) -> str:
+        held = [c.evidence(figures) for c in self.conditions if c.holds(figures)]
+        kind = "note" if self.note else "fix"
+        return f"{self.title} ({', '.join(held)}); {kind}: {self.fix}"
+
+
+PATTERNS: tuple[Pattern, ...] = (
+    Pattern("small_grid", "occupancy", "small grid", (Condition("programs_per_sm", "<", 1.0),),
+            "split the KV further so every multiprocessor gets a program (planner's split rule)"),
+    Pattern("residency_below_plan", "occupancy", "fewer resident programs than planned",
+            (Condition("residency_vs_plan", "<", 1.0),),
+            "cut registers or shared memory per program (stages, block_n), or plan for the residency measured"),
+    Pattern("wave_tail", "tail", "wave tail", (Condition("last_wave_idle_fraction", ">", 0.25),),
+            "size the grid to a whole number of waves of resident programs"),
+    Pattern("work_imbalance", "tail", "unbalanced work", (Condition("max_over_mean_work", ">", 1.5),),
+            "balance splits across sequences (smaller chunks for long ones, a smaller block_n)"),
+    Pattern("latency_bound", "stalls", "latency-bound",
+            (Condition("long_scoreboard_share", ">", 0.4), Condition("dram_fraction_of_ceiling", "<", 0.7)),
+            "keep more bytes in flight: deeper pipeline, larger tiles, TMA/cp.async, more resident warps"),
+    Pattern("barrier_bound", "stalls", "barrier-bound", (Condition("barrier_share", ">", 0.3),),
+            "fewer block-wide barriers per tile: warp specialisation, more stages, mbarrier waits"),
+    Pattern("bank_conflicts", "stalls", "shared-memory bank conflicts", (Condition("bank_conflict_ratio", ">", 0.1),),
+            "swizzle or pad the shared-memory layout of the K/V tiles"),
+    Pattern("low_tensor_use", "tensor", "low tensor-core use", (Condition("tensor_active_pct", "<", 10.0),),
+            "expected for decode (G query rows per K/V tile: a few flops per byte); not a problem", note=True),
+    Pattern("launch_bound", "timeline", "launch-bound",
+            (Condition("kernel_time_us", "<", 10.0), Condition("gap_share", ">", 0.2)),
+            "replay in a CUDA graph, skip the combine pass when nothing split, drop extra fills", any_of=True),
+    Pattern("extra_dram_traffic", "memory", "extra DRAM traffic", (Condition("dram_read_over_problem", ">", 1.1),),
+            "read each K/V tile once per KV head (whole GQA group per program); keep partials small"),
+)
+
+
+def diagnose(dimension: str, figures: dict) -> tuple[str, list[str]]:
+    """(one-line diagnosis, keys of the patterns that fired) for one dimension, from all figures."""
+    fired, open_ = [], []
+    for pattern in PATTERNS:
+        if pattern.dimension != dimension:
+            continue
+        result = pattern.triggered(figures)
+        if result:
+            fired.append(pattern)
+        elif result is None:
+            open_.append(pattern.key)
+    if fired:
+        return "; ".join(p.line(figures) for p in fired), [p.key for p in fired]
+    line = "no pattern of the catalogue fires"
+    if open_:
+        line += f" (not evaluated for lack of figures: {', '.join(open_)})"
+    return line, []

@@ -1,0 +1,92 @@
+"""``flashdecode profile``: arguments, the device run (timing, trace, counters) or the plan-only report."""
+from __future__ import annotations
+
+import argparse
+import datetime
+import pathlib
+import platform
+import sys
+
+import torch
+
+import flashdecode
+from .. import api, hardware
+from ..bench.timing import Timer
+from . import ncu, timeline
+from . import shape as shapes
+from .report import Measurements, build, notes_for, plan_only, section, write
+
+BACKENDS = ("tilelang", "triton")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    shapes.add_arguments(parser)
+    parser.add_argument("--backend", choices=BACKENDS,
+                        help="kernel backend (default: tilelang when it imports, else triton)")
+    parser.add_argument("--out", metavar="DIR", type=pathlib.Path,
+                        help="where report.md, report.json, trace.json and ncu.csv go "
+                             "(default: profiles/<case>-<backend>)")
+    parser.add_argument("--ncu", default="ncu", metavar="PATH",
+                        help="the Nsight Compute command (default: %(default)s)")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Resolve the shape and backend, profile (or plan only without CUDA), write and print the report."""
+    parser = args.command_parser
+    try:
+        shape = shapes.from_args(args)
+    except ValueError as error:
+        parser.error(str(error))
+    cuda = torch.cuda.is_available()
+    if not cuda and args.backend == "tilelang":
+        parser.error("--backend tilelang needs a CUDA device and this machine has none; "
+                     "leave --backend out for the plan-only report")
+    if cuda and args.backend == "tilelang" and not api.tilelang_available():
+        parser.error("backend 'tilelang' cannot run here: flashdecode.kernels.tilelang does not import")
+    backend = args.backend or (api.resolve_backend("auto", torch.device("cuda")) if cuda else None)
+    out = args.out or pathlib.Path("profiles") / f"{shape.label}-{backend or 'plan'}"
+    report = measure(shape, backend, out, args.ncu) if cuda else plan_only(shape, backend)
+    json_path, md_path = write(report, out)
+    print(md_path.read_text())
+    print(f"flashdecode profile: wrote {md_path} and {json_path}", file=sys.stderr)
+    return 0
+
+
+def measure(shape: shapes.Shape, backend: str, out: pathlib.Path, ncu_command: str) -> dict:
+    """Time the call and the ceiling, trace one call, collect counters under ncu; build the report."""
+    import triton  # these import Triton: only here, where a device is measured
+
+    from ..bench.ceiling import measure_ceiling
+    from ..bench.runner import CUDA_ITERS, CUDA_WARMUP, git_commit
+
+    out.mkdir(parents=True, exist_ok=True)
+    device = torch.device("cuda")
+    q, k_cache, v_cache, seqlens = shape.inputs(device)
+
+    def call():
+        return flashdecode.flash_decode_with_kvcache(q, k_cache, v_cache, seqlens, backend=backend)
+
+    timer = Timer(device, CUDA_ITERS, CUDA_WARMUP)
+    measured = Measurements(ceiling_gbps=measure_ceiling(timer).gbps, call_us=timer.time(call).median_us)
+    try:
+        measured.activity = timeline.capture(call, timer.flush_bytes, out / "trace.json")
+    except Exception as error:  # noqa: BLE001 - no trace is reported, the profile goes on
+        measured.errors["timeline"] = f"torch.profiler failed: {type(error).__name__}: {error}"
+    if not measured.activity and "timeline" not in measured.errors:
+        measured.errors["timeline"] = "the trace holds no device activity for the call"
+    measured.counters = ncu.collect([*shape.argv(), "--backend", backend], out, ncu_command)
+    if measured.counters.csv_text:
+        (out / "ncu.csv").write_text(measured.counters.csv_text)
+    profile = hardware.current()
+    extra = {
+        "device": torch.cuda.get_device_name(),
+        "environment": {"python": platform.python_version(), "torch": torch.__version__,
+                        "triton": triton.__version__, "flashdecode": flashdecode.__version__,
+                        "git_commit": git_commit(),
+                        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")},
+        "ncu_command": measured.counters.command or None,
+        "files": {"trace": "trace.json" if measured.activity else None,
+                  "ncu_csv": "ncu.csv" if measured.counters.csv_text else None,
+                  "ncu_report": "ncu.ncu-rep" if measured.counters.kernels else None},
+    }
+    return build(shape, backend, "measured", [section(shape, profile, measured)], notes_for(measured), extra)

@@ -1,0 +1,96 @@
+"""The shape a profile runs: a case of the matrix, or one given with flags (lengths by the matrix's rule)."""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+
+from .. import cases, planner
+from ..validate import SUPPORTED_HEADDIMS
+
+DTYPES = ("bfloat16", "float16")
+SHAPE_FLAGS = ("batch", "seqlen_cache", "nheads_k", "group")
+
+
+@dataclasses.dataclass(frozen=True)
+class Shape:
+    """A decode problem: ``case.number`` is 0 for a shape given with flags."""
+
+    case: cases.Case
+    headdim: int = cases.HEADDIM
+    dtype: str = "bfloat16"
+
+    @property
+    def label(self) -> str:
+        """Short name for directories: ``case12`` or ``b8-s32768-hk8-g4[-d64][-float16]``."""
+        if self.case.number:
+            return f"case{self.case.number}"
+        c = self.case
+        extra = ("" if self.headdim == cases.HEADDIM else f"-d{self.headdim}") + \
+                ("" if self.dtype == "bfloat16" else f"-{self.dtype}")
+        return f"b{c.batch}-s{c.seqlen_cache}-hk{c.nheads_k}-g{c.group}{extra}"
+
+    def describe(self) -> str:
+        name = f"case {self.case.number}" if self.case.number else "shape"
+        return f"{name} ({self.case.describe()}, headdim {self.headdim}, {self.dtype})"
+
+    def problem(self) -> planner.Problem:
+        c = self.case
+        return planner.Problem(c.batch, c.seqlen_cache, c.nheads, c.nheads_k, self.headdim, self.dtype)
+
+    def lengths(self) -> list[int]:
+        return cases.case_seqlens(self.case.batch, self.case.seqlen_cache).tolist()
+
+    def problem_bytes(self) -> int:
+        """Bytes the call must move (cases.bytes_read): K and V of the real tokens, q and out."""
+        return cases.bytes_read(self.lengths(), self.case.nheads_k, self.case.nheads, self.headdim,
+                                planner.DTYPE_BYTES[self.dtype])
+
+    def argv(self) -> list[str]:
+        """The arguments that name this shape again (for ``python -m flashdecode.profile.target``)."""
+        if self.case.number:
+            return ["--case", str(self.case.number)]
+        c = self.case
+        return ["--batch", str(c.batch), "--seqlen-cache", str(c.seqlen_cache), "--nheads-k", str(c.nheads_k),
+                "--group", str(c.group), "--headdim", str(self.headdim), "--dtype", self.dtype]
+
+    def inputs(self, device):
+        """q, k_cache, v_cache, cache_seqlens as ``cases.make_inputs`` makes them for the benchmark."""
+        import torch
+
+        return cases.make_inputs(self.case, device, dtype=getattr(torch, self.dtype), headdim=self.headdim)
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}")
+    return value
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """--case N, or --batch --seqlen-cache --nheads-k --group [--headdim --dtype]."""
+    parser.add_argument("--case", type=int, help=f"a case of the matrix, 1-{len(cases.CASES)}")
+    for flag in SHAPE_FLAGS:
+        parser.add_argument("--" + flag.replace("_", "-"), type=_positive, help="instead of --case: the shape")
+    parser.add_argument("--headdim", type=int, choices=SUPPORTED_HEADDIMS, default=cases.HEADDIM,
+                        help="with the shape flags (default %(default)s)")
+    parser.add_argument("--dtype", choices=DTYPES, default="bfloat16",
+                        help="with the shape flags (default %(default)s)")
+
+
+def from_args(args: argparse.Namespace) -> Shape:
+    """The Shape the arguments name; ValueError (a message for the user) when they name none or two."""
+    given = [flag for flag in SHAPE_FLAGS if getattr(args, flag) is not None]
+    flags = "--batch, --seqlen-cache, --nheads-k and --group"
+    if args.case is not None:
+        if given or args.headdim != cases.HEADDIM or args.dtype != "bfloat16":
+            raise ValueError(f"give --case or the shape flags ({flags}), not both")
+        if args.case not in cases.CASES_BY_NUMBER:
+            raise ValueError(f"unknown case {args.case}: cases are 1-{len(cases.CASES)}")
+        return Shape(cases.CASES_BY_NUMBER[args.case])
+    if len(given) != len(SHAPE_FLAGS):
+        raise ValueError(f"need --case N, or all of {flags}")
+    return Shape(cases.Case(0, args.batch, args.seqlen_cache, args.nheads_k, args.group), args.headdim, args.dtype)

@@ -1,0 +1,416 @@
+"""``flashdecode profile`` on CPU: plan-based dimensions, pattern rules, ncu's CSV, the report built
+from recorded counters (tests/fixtures/ncu_case12_*.csv), the no-ncu path, the trace reader, the CLI.
+
+The fixture in the repository may be a hand-written placeholder; docs/diagnosis.md says how to
+capture the real one on a GPU, and these tests read whichever ``ncu_case12_*.csv`` is there.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from flashdecode import cases, cli, hardware, planner
+from flashdecode.profile import catalogue, geometry, ncu, report, shape, timeline
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+FIXTURES = sorted((REPO / "tests" / "fixtures").glob("ncu_case12_*.csv"), key=lambda p: "placeholder" in p.name)
+H200, C500 = hardware.PROFILES["h200"], hardware.PROFILES["c500"]
+NO_CUDA = not torch.cuda.is_available()
+
+
+def _shape(number: int) -> shape.Shape:
+    return shape.Shape(cases.CASES_BY_NUMBER[number])
+
+
+def _plan_section(number: int, profile=H200) -> dict:
+    return report.section(_shape(number), profile)
+
+
+# --- plan-based dimensions ----------------------------------------------------------------------
+
+def test_schedule_on_known_work():
+    assert geometry.schedule([1.0] * 4, 4) == (0.0, 0.0)
+    idle, last = geometry.schedule([1.0] * 5, 4)  # one program in a second wave
+    assert idle == pytest.approx(1 - 5 / 8) and last == pytest.approx(1 - 1 / 4)
+    assert geometry.schedule([2.0, 1.0, 1.0], 2) == (0.0, 0.0)  # the third fills the second slot's gap
+    idle, last = geometry.schedule([4.0, 1.0], 2)  # one wave, one long program
+    assert idle == pytest.approx(1 - 5 / 8) and last == pytest.approx(1 - 5 / 8)
+    assert geometry.schedule([0.0, 0.0], 2) == (0.0, 0.0)
+
+
+def test_case12_plan_figures_on_h200():
+    problem, lengths = _shape(12).problem(), _shape(12).lengths()
+    plan = planner.plan(problem, H200)
+    dims = _plan_section(12)["dimensions"]
+    occupancy, tail = dims["occupancy"]["figures"], dims["tail"]["figures"]
+    with_work = sum(planner.splits_per_sequence(plan, lengths)) * problem.nheads_k
+    assert occupancy["grid"] == [plan.programs_per_head, 8] == [74, 8]
+    assert occupancy["combine_grid"] == [8, 8]
+    assert occupancy["programs_launched"] == 74 * 8
+    assert occupancy["programs_with_work"] == with_work
+    assert occupancy["programs_per_sm"] == pytest.approx(with_work / 132)
+    assert occupancy["waves"] == pytest.approx(74 * 8 / (132 * planner.PROGRAMS_PER_MULTIPROCESSOR))
+    assert occupancy["waves_with_work"] == pytest.approx(with_work / (132 * planner.PROGRAMS_PER_MULTIPROCESSOR))
+    tokens = [item.tokens for item in planner.work_list(plan, lengths)]
+    assert (tail["tokens_min"], tail["tokens_max"]) == (min(tokens), max(tokens))
+    assert tail["max_over_mean_work"] == pytest.approx(max(tokens) * len(tokens) / sum(lengths))
+    assert tail["slots"] == 132 * planner.PROGRAMS_PER_MULTIPROCESSOR
+    assert set(dims) == {"occupancy", "tail"}
+
+
+def test_unsplit_single_block_case_is_a_small_grid():
+    occupancy = _plan_section(1)["dimensions"]["occupancy"]  # b1 s1 hk4: one block, no split
+    assert occupancy["figures"]["grid"] == [1, 4] and occupancy["figures"]["combine_grid"] is None
+    assert occupancy["figures"]["programs_with_work"] == 4
+    assert occupancy["patterns"] == ["small_grid"]
+
+
+def test_one_long_sequence_fills_exactly_one_wave():
+    dims = _plan_section(13)["dimensions"]  # b1 s58966 hk8: 66 splits x 8 heads = 528 = 132 x 4
+    assert dims["occupancy"]["figures"]["programs_with_work"] == 528
+    assert dims["occupancy"]["figures"]["waves_with_work"] == pytest.approx(1.0)
+    assert dims["occupancy"]["figures"]["waves"] == pytest.approx(67 * 8 / 528)
+    assert dims["tail"]["figures"]["max_over_mean_work"] < 1.05
+    assert dims["tail"]["figures"]["last_wave_idle_fraction"] < 0.25
+    assert dims["tail"]["patterns"] == []
+
+
+def test_c500_profile_plans_with_its_own_units():
+    occupancy = _plan_section(12, C500)["dimensions"]["occupancy"]["figures"]
+    assert occupancy["multiprocessors"] == 104
+    assert occupancy["grid"] == list(planner.plan(_shape(12).problem(), C500).grid(_shape(12).problem()))
+
+
+# --- pattern rules ------------------------------------------------------------------------------
+
+def _side(condition: catalogue.Condition, holds: bool) -> float:
+    step = abs(condition.threshold) * 0.5 + 0.01
+    above = (condition.op == ">") == holds
+    return condition.threshold + step if above else condition.threshold - step
+
+
+@pytest.mark.parametrize("pattern", catalogue.PATTERNS, ids=lambda p: p.key)
+def test_each_pattern_fires_and_stays_quiet(pattern):
+    firing = {c.figure: _side(c, True) for c in pattern.conditions}
+    quiet = {c.figure: _side(c, False) for c in pattern.conditions}
+    assert pattern.triggered(firing) is True
+    assert pattern.triggered(quiet) is False
+    line, keys = catalogue.diagnose(pattern.dimension, firing)
+    assert pattern.key in keys and pattern.title in line
+    for condition in pattern.conditions:
+        assert condition.figure in line
+    assert catalogue.diagnose(pattern.dimension, quiet)[1] == []
+
+
+@pytest.mark.parametrize("pattern", [p for p in catalogue.PATTERNS if len(p.conditions) > 1], ids=lambda p: p.key)
+def test_compound_patterns_need_all_or_any(pattern):
+    first, second = pattern.conditions
+    mixed = {first.figure: _side(first, True), second.figure: _side(second, False)}
+    assert pattern.triggered(mixed) is pattern.any_of
+    assert pattern.triggered({first.figure: _side(first, True)}) is (True if pattern.any_of else None)
+
+
+def test_named_thresholds():
+    latency = next(p for p in catalogue.PATTERNS if p.key == "latency_bound")
+    assert latency.triggered({"long_scoreboard_share": 0.55, "dram_fraction_of_ceiling": 0.5}) is True
+    assert latency.triggered({"long_scoreboard_share": 0.55, "dram_fraction_of_ceiling": 0.9}) is False
+    assert latency.triggered({"long_scoreboard_share": 0.3, "dram_fraction_of_ceiling": 0.5}) is False
+    launch = next(p for p in catalogue.PATTERNS if p.key == "launch_bound")
+    assert launch.triggered({"kernel_time_us": 6.0, "gap_share": 0.0}) is True
+    assert launch.triggered({"kernel_time_us": 60.0, "gap_share": 0.3}) is True
+    assert launch.triggered({"kernel_time_us": 60.0, "gap_share": 0.1}) is False
+    tail = next(p for p in catalogue.PATTERNS if p.key == "wave_tail")
+    assert tail.triggered({"last_wave_idle_fraction": 0.26}) and not tail.triggered({"last_wave_idle_fraction": 0.25})
+
+
+def test_missing_figures_leave_patterns_open():
+    line, keys = catalogue.diagnose("memory", {})
+    assert keys == [] and "extra_dram_traffic" in line and "not evaluated" in line
+
+
+def test_docs_describe_every_pattern_with_its_threshold():
+    docs = (REPO / "docs" / "diagnosis.md").read_text()
+    for pattern in catalogue.PATTERNS:
+        assert f"`{pattern.key}`" in docs
+        for condition in pattern.conditions:
+            assert f"`{condition}" in docs, f"docs/diagnosis.md lacks the threshold {condition}"
+    assert {p.dimension for p in catalogue.PATTERNS} <= {key for key, _ in catalogue.DIMENSIONS}
+
+
+# --- ncu's CSV ----------------------------------------------------------------------------------
+
+RAW = '''==PROF== Connected to process 123
+"ID","Process ID","Kernel Name","Grid Size","dram__bytes_read.sum","gpu__time_duration.sum","launch__registers_per_thread","sm__warps_active.avg.pct_of_peak_sustained_active"
+"","","","","Kbyte","usecond","register/thread","%"
+"0","123","void split<int, 2>(float*, int)","(74, 8, 1)","1,234.5","2.5","168","n/a"
+"1","123","combine_kernel","(8, 8, 1)","12","0.5","40","6.02"
+"2","123","void split<int, 2>(float*, int)","(74, 8, 1)","1,236.5","3.5","168","15.5"
+'''
+
+
+def test_parse_csv_quotes_units_and_separators():
+    launches = ncu.parse_csv(RAW)
+    assert len(launches) == 3
+    first = launches[0]
+    assert first["Kernel Name"] == "void split<int, 2>(float*, int)" and first["Grid Size"] == "(74, 8, 1)"
+    assert first["dram__bytes_read.sum"] == pytest.approx(1_234_500.0)  # Kbyte -> byte, "," dropped
+    assert first["gpu__time_duration.sum"] == pytest.approx(2500.0)  # usecond -> nanosecond
+    assert first["launch__registers_per_thread"] == 168.0
+    assert first["sm__warps_active.avg.pct_of_peak_sustained_active"] is None  # "n/a"
+
+
+def test_merge_takes_medians_and_missing_metrics_are_none():
+    kernels = ncu.merge(ncu.parse_csv(RAW))
+    assert [(k.name, k.role, k.launches) for k in kernels] == [
+        ("void split<int, 2>(float*, int)", "split", 2), ("combine_kernel", "combine", 1)]
+    split = kernels[0]
+    assert split.get("gpu__time_duration.sum") == pytest.approx(3000.0)
+    assert split.get("sm__warps_active.avg.pct_of_peak_sustained_active") == 15.5  # the one known value
+    assert split.get("dram__bytes_write.sum") is None
+    assert ncu.resident_programs(split) is None and ncu.stall_shares(split) is None
+    assert ncu.main_kernel(kernels) is split
+
+
+def test_parse_csv_without_header_or_units_row():
+    assert ncu.parse_csv("") == [] and ncu.parse_csv("==ERROR== something failed\n") == []
+    no_units = '"ID","Kernel Name","gpu__time_duration.sum"\n"0","k","2,000"\n'
+    assert ncu.parse_csv(no_units)[0]["gpu__time_duration.sum"] == 2000.0
+
+
+def test_stall_shares_read_both_metric_families():
+    kernel = ncu.KernelCounters("k", 1, {
+        "smsp__average_warps_issue_stalled_long_scoreboard_per_issue_active.ratio": 6.0,
+        "smsp__average_warp_latency_issue_stalled_barrier.ratio": 2.0,
+        "smsp__average_warps_issue_stalled_wait_per_issue_active.ratio": None,
+    })
+    assert ncu.stall_shares(kernel) == {"long_scoreboard": 0.75, "barrier": 0.25}
+
+
+# --- the report from recorded counters ----------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def recorded() -> ncu.NcuResult:
+    assert FIXTURES, "tests/fixtures/ncu_case12_*.csv is missing"
+    text = FIXTURES[0].read_text()
+    return ncu.NcuResult(ncu.merge(ncu.parse_csv(text)), None, "recorded", text)
+
+
+def test_fixture_holds_the_split_kernel(recorded):
+    main = ncu.main_kernel(recorded.kernels)
+    assert main.role == "split"
+    for metric in ("gpu__time_duration.sum", "dram__bytes_read.sum", "launch__registers_per_thread"):
+        assert main.get(metric), metric
+    assert ncu.resident_programs(main) >= 1
+
+
+def test_report_from_recorded_counters(recorded, tmp_path):
+    measured = report.Measurements(ceiling_gbps=4000.0, call_us=250.0, counters=recorded,
+                                   errors={"timeline": "no trace recorded"})
+    section = report.section(_shape(12), H200, measured)
+    dims = section["dimensions"]
+    assert list(dims) == [key for key, _ in catalogue.DIMENSIONS]
+    for dim in dims.values():
+        assert dim["diagnosis"] and "\n" not in dim["diagnosis"]
+    main = ncu.main_kernel(recorded.kernels)
+    assert dims["occupancy"]["figures"]["resident_programs_per_sm"] == ncu.resident_programs(main)
+    assert dims["occupancy"]["figures"]["registers_per_thread"] == main.get("launch__registers_per_thread")
+    assert sum(dims["stalls"]["figures"]["stall_shares"].values()) == pytest.approx(1.0)
+    memory = dims["memory"]["figures"]
+    assert memory["problem_bytes"] == cases.bytes_read(_shape(12).lengths(), 8, 32)
+    assert 0.5 < memory["dram_read_over_problem"] < 3.0
+    assert dims["timeline"]["figures"]["kernel_time_us"] > 0  # from ncu when there is no trace
+    assert "no trace recorded" in dims["timeline"]["source"]
+    tail = dims["tail"]["figures"]
+    assert tail["ideal_us"] == pytest.approx(memory["problem_bytes"] / 4000.0 / 1e3)
+    built = report.build(_shape(12), "triton", "measured", [section], report.notes_for(measured), {})
+    json_path, md_path = report.write(built, tmp_path)
+    assert json.loads(json_path.read_text())["sections"][0]["dimensions"]["stalls"]["figures"]["top_stall"]
+    text = md_path.read_text()
+    for _, title in catalogue.DIMENSIONS:
+        assert f"### {title}" in text
+    assert "| kernel | role |" in text
+
+
+# --- without counters ---------------------------------------------------------------------------
+
+def test_missing_ncu_is_reported_not_raised(tmp_path):
+    result = ncu.collect(["--case", "12", "--backend", "triton"], tmp_path, ncu="no-such-ncu-here")
+    assert result.kernels == [] and "ncu not found" in result.error
+    measured = report.Measurements(ceiling_gbps=4000.0, call_us=250.0, counters=result)
+    dims = report.section(_shape(12), H200, measured)["dimensions"]
+    for key in ("stalls", "tensor"):
+        assert dims[key]["unavailable"] == result.error and "not measured" in dims[key]["diagnosis"]
+    assert dims["memory"]["figures"]["call_gbps"] == pytest.approx(_shape(12).problem_bytes() / 250.0 / 1e3)
+    assert "dram_read_bytes" not in dims["memory"]["figures"]
+    assert any("ncu not found" in note for note in report.notes_for(measured))
+
+
+FAKE_NCU = '''#!{python}
+"""A stand-in for ncu: {behaviour}."""
+import pathlib, sys
+args = sys.argv[1:]
+state = pathlib.Path({state!r})
+if "--import" in args:
+    print(pathlib.Path({fixture!r}).read_text())
+    sys.exit(0)
+runs = int(state.read_text()) if state.exists() else 0
+state.write_text(str(runs + 1))
+metrics = args[args.index("--metrics") + 1].split(",")
+if {behaviour!r} == "no-permission":
+    print("==ERROR== ERR_NVGPUCTRPERM - The user does not have permission to access NVIDIA GPU Performance Counters")
+    sys.exit(1)
+if {behaviour!r} == "unknown-metric" and "{unknown}" in metrics:
+    print("==ERROR== Failed to find metric {unknown}")
+    sys.exit(1)
+pathlib.Path(args[args.index("--export") + 1]).write_text("report")
+'''
+
+
+def _fake_ncu(tmp_path, behaviour) -> str:
+    path = tmp_path / "fake-ncu"
+    path.write_text(FAKE_NCU.format(python=sys.executable, behaviour=behaviour, state=str(tmp_path / "runs"),
+                                    fixture=str(FIXTURES[0]), unknown=ncu.METRICS[-1]))
+    path.chmod(0o755)
+    return str(path)
+
+
+@pytest.mark.skipif(os.name != "posix", reason="the stand-in ncu is a script with a shebang")
+def test_collect_reads_the_imported_csv(tmp_path):
+    result = ncu.collect(["--case", "12", "--backend", "triton"], tmp_path, ncu=_fake_ncu(tmp_path, "ok"))
+    assert result.error is None and ncu.main_kernel(result.kernels).role == "split"
+    assert "--clock-control none" in result.command and "flashdecode.profile.target --case 12" in result.command
+
+
+@pytest.mark.skipif(os.name != "posix", reason="the stand-in ncu is a script with a shebang")
+def test_collect_explains_missing_permission(tmp_path):
+    result = ncu.collect(["--case", "12", "--backend", "triton"], tmp_path, ncu=_fake_ncu(tmp_path, "no-permission"))
+    assert result.kernels == [] and "ERR_NVGPUCTRPERM" in result.error
+
+
+@pytest.mark.skipif(os.name != "posix", reason="the stand-in ncu is a script with a shebang")
+def test_collect_drops_a_metric_ncu_does_not_know(tmp_path):
+    result = ncu.collect(["--case", "12", "--backend", "triton"], tmp_path, ncu=_fake_ncu(tmp_path, "unknown-metric"))
+    assert result.error is None and result.dropped == [ncu.METRICS[-1]]
+    assert (tmp_path / "runs").read_text() == "2"
+
+
+def test_explain_failure_names_known_causes():
+    assert "LibraryNotLoaded" in ncu.explain_failure("==ERROR== LibraryNotLoaded: libfoo.so", 1)
+    assert "exit status 3" in ncu.explain_failure("==ERROR== the application returned an error", 3)
+
+
+# --- the trace ----------------------------------------------------------------------------------
+
+def _event(name, cat, ts, dur):
+    return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur}
+
+
+def test_last_call_and_its_gaps():
+    trace = {"traceEvents": [
+        _event(timeline.CALL_RANGE, "user_annotation", 100.0, 50.0),
+        _event("_split_kernel", "kernel", 110.0, 20.0),
+        _event("FillFunctor", "kernel", 200.0, 5.0),  # the flush between calls: outside both ranges
+        _event(timeline.CALL_RANGE, "user_annotation", 300.0, 100.0),
+        _event("Memset (Device)", "gpu_memset", 310.0, 2.0),
+        _event("_split_kernel", "kernel", 314.0, 60.0),
+        _event("_combine_kernel", "kernel", 380.0, 6.0),
+        _event("cudaLaunchKernel", "cuda_runtime", 305.0, 3.0),
+    ]}
+    activity = timeline.last_call(trace)
+    assert [a.name for a in activity] == ["Memset (Device)", "_split_kernel", "_combine_kernel"]
+    assert [a.start_us for a in activity] == [0.0, 4.0, 70.0]
+    figures = timeline.figures(activity)
+    assert figures["kernel_time_us"] == pytest.approx(66.0) and figures["kernel_count"] == 2
+    assert figures["call_span_us"] == pytest.approx(76.0)
+    assert figures["gap_us"] == pytest.approx(2.0 + 6.0)
+    assert figures["gap_share"] == pytest.approx(8.0 / 76.0)
+    assert figures["extra_activity"] == ["Memset (Device)"]
+    assert timeline.last_call({"traceEvents": []}) == []
+
+
+# --- shapes and the command line ----------------------------------------------------------------
+
+def _parse(argv):
+    parser = argparse.ArgumentParser()
+    shape.add_arguments(parser)
+    return shape.from_args(parser.parse_args(argv))
+
+
+def test_shapes_round_trip_through_their_arguments():
+    custom = shape.Shape(cases.Case(0, 3, 1000, 2, 8), 64, "float16")
+    for item in (_shape(12), custom):
+        assert _parse(item.argv()) == item
+    assert custom.label == "b3-s1000-hk2-g8-d64-float16" and _shape(12).label == "case12"
+    assert custom.lengths() == cases.case_seqlens(3, 1000).tolist()
+
+
+def _fails(capsys, argv, message):
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(argv)
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["profile", "--case", "99"], "unknown case 99"),
+    (["profile", "--case", "12", "--backend", "cuda"], "invalid choice"),
+    (["profile"], "need --case N"),
+    (["profile", "--batch", "2", "--seqlen-cache", "64"], "need --case N"),
+    (["profile", "--case", "3", "--batch", "2"], "not both"),
+    (["profile", "--batch", "0", "--seqlen-cache", "64", "--nheads-k", "2", "--group", "4"], "positive integer"),
+])
+def test_profile_argument_errors(capsys, argv, message):
+    _fails(capsys, argv, message)
+
+
+@pytest.mark.skipif(not NO_CUDA, reason="checks the message of a machine without CUDA")
+def test_tilelang_without_cuda_is_an_error(capsys, tmp_path):
+    _fails(capsys, ["profile", "--case", "12", "--backend", "tilelang", "--out", str(tmp_path)], "needs a CUDA device")
+    assert not (tmp_path / "report.json").exists()
+
+
+@pytest.mark.skipif(not NO_CUDA, reason="the plan-only report is what a machine without CUDA writes")
+def test_cli_plan_only_report_end_to_end(tmp_path):
+    done = subprocess.run([sys.executable, "-m", "flashdecode", "profile", "--case", "12", "--out", str(tmp_path)],
+                          capture_output=True, text=True, cwd=REPO, timeout=120)
+    assert done.returncode == 0, done.stderr
+    data = json.loads((tmp_path / "report.json").read_text())
+    assert data["mode"] == "plan-only" and data["shape"]["case"] == 12
+    assert [s["hardware"] for s in data["sections"]] == ["h200", "c500"]
+    for section in data["sections"]:
+        assert section["plan_only"] and list(section["dimensions"]) == ["occupancy", "tail"]
+    text = (tmp_path / "report.md").read_text()
+    assert "PLAN ONLY" in text and "## h200 (plan only)" in text and "## c500 (plan only)" in text
+    assert "### 1. Occupancy and launch geometry" in text and "### 2. Tail effect" in text
+    assert "### 1. Occupancy and launch geometry" in done.stdout
+
+
+@pytest.mark.skipif(not NO_CUDA, reason="the plan-only report is what a machine without CUDA writes")
+def test_cli_plan_only_for_a_shape_given_with_flags(tmp_path, capsys):
+    argv = ["profile", "--batch", "4", "--seqlen-cache", "4096", "--nheads-k", "2", "--group", "8",
+            "--out", str(tmp_path)]
+    assert cli.main(argv) == 0
+    data = json.loads((tmp_path / "report.json").read_text())
+    assert data["shape"]["label"] == "b4-s4096-hk2-g8" and data["shape"]["case"] is None
+    assert data["lengths"] == cases.case_seqlens(4, 4096).tolist()
+    assert math.isclose(data["sections"][0]["dimensions"]["occupancy"]["figures"]["multiprocessors"], 132)
+
+
+@pytest.mark.gpu
+def test_measured_profile_without_ncu(tmp_path, capsys):
+    """On a GPU: timing, ceiling and trace are measured; a missing ncu leaves dimensions 3-4 unmeasured."""
+    argv = ["profile", "--case", "3", "--backend", "triton", "--out", str(tmp_path), "--ncu", "no-such-ncu-here"]
+    assert cli.main(argv) == 0
+    data = json.loads((tmp_path / "report.json").read_text())
+    dims = data["sections"][0]["dimensions"]
+    assert data["mode"] == "measured" and list(dims) == [key for key, _ in catalogue.DIMENSIONS]
+    assert dims["stalls"]["unavailable"] and dims["memory"]["figures"]["call_us"] > 0
+    assert dims["timeline"]["figures"]["kernel_count"] >= 1 and (tmp_path / "trace.json").exists()
