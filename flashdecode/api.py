@@ -24,12 +24,18 @@ def tilelang_available() -> bool:
     return True
 
 
-def resolve_backend(backend: str, device: torch.device) -> str:
-    """The backend that will run: 'reference' on CPU tensors, else the requested or best kernel."""
+def resolve_backend(backend: str, device: torch.device, contiguous: bool = True) -> str:
+    """The backend that will run: 'reference' on CPU tensors, else the requested or best kernel.
+
+    TileLang's kernels take contiguous q, caches and out only; 'auto' gives other layouts to Triton.
+    """
     if device.type != "cuda":
         return "reference" if backend in ("auto", "reference") else backend
     if backend == "auto":
-        return "tilelang" if tilelang_available() else "triton"
+        return "tilelang" if contiguous and tilelang_available() else "triton"
+    if backend == "tilelang" and not contiguous:
+        raise ValueError("backend 'tilelang' needs contiguous q, k_cache, v_cache and out; "
+                         "use backend='triton' for strided layouts")
     return backend
 
 
@@ -61,7 +67,8 @@ def flash_decode_with_kvcache(q, k_cache, v_cache, cache_seqlens=None, *, softma
     if seqlens is None or isinstance(seqlens, int):
         fill = problem.seqlen_cache if seqlens is None else seqlens
         seqlens = torch.full((problem.batch,), fill, dtype=torch.int32, device=q.device)
-    chosen = resolve_backend(backend, q.device)
+    contiguous = all(t.is_contiguous() for t in (q, k_cache, v_cache) + (() if out is None else (out,)))
+    chosen = resolve_backend(backend, q.device, contiguous)
     if chosen == "reference":
         result, lse = reference_decode(q, k_cache, v_cache, seqlens, scale)
         if out is not None:
@@ -74,19 +81,25 @@ def flash_decode_with_kvcache(q, k_cache, v_cache, cache_seqlens=None, *, softma
     return (result, lse.unsqueeze(-1)) if return_softmax_lse else result
 
 
+def _round_up(value: int, multiple: int) -> int:
+    return -(-value // multiple) * multiple
+
+
 def run_kernels(backend, plan, problem, q, k_cache, v_cache, seqlens, softmax_scale, out=None):
     """Allocate the outputs and workspace, launch one backend's kernels; returns (out, lse (B, Hq)).
 
     No checks happen here: callers pass validated inputs (tests use it to feed out-of-range lengths).
     """
     result = torch.empty_like(q) if out is None else out
-    # One float32 allocation holds lse and the split partials: [lse | part_lse | part_o].
+    # One float32 allocation holds [part_o | part_lse | lse]; every piece starts 16-byte aligned.
     rows = problem.batch * problem.nheads
     part_rows = plan.programs_per_head * problem.nheads if plan.needs_combine else 0
-    workspace = torch.empty(rows + part_rows * (1 + problem.headdim), dtype=torch.float32, device=q.device)
-    lse = workspace[:rows].view(problem.batch, problem.nheads)
-    part_lse = workspace[rows:rows + part_rows].view(-1, problem.nheads)
-    part_o = workspace[rows + part_rows:].view(-1, problem.nheads, problem.headdim)
+    part_o_size = part_rows * problem.headdim
+    lse_start = part_o_size + _round_up(part_rows, 4)
+    workspace = torch.empty(lse_start + rows, dtype=torch.float32, device=q.device)
+    part_o = workspace[:part_o_size].view(-1, problem.nheads, problem.headdim)
+    part_lse = workspace[part_o_size:part_o_size + part_rows].view(-1, problem.nheads)
+    lse = workspace[lse_start:].view(problem.batch, problem.nheads)
     _kernel_module(backend).run(
         plan, problem, q[:, 0], k_cache, v_cache, seqlens.contiguous(), result[:, 0], lse,
         part_o, part_lse, softmax_scale)

@@ -8,7 +8,9 @@ Sources of the named numbers (see docs/hardware.md):
 - H100 SXM and H200: NVIDIA datasheets (SMs, shared memory, bandwidth); L2 as PyTorch reports it
   on the H200 this project measures on (60 MiB), 50 MiB for the H100.
 - MetaX C500: the vendor's figures as given in this project's brief (104 compute units, wave64,
-  64 KiB shared memory per unit, 8 MiB L2, about 1.8 TB/s).
+  64 KiB shared memory per unit, 8 MiB L2, about 1.8 TB/s). Its register file size is not in
+  that brief: 64 Ki registers per unit is an assumption (the NVIDIA figure), to be checked.
+- Registers: 64 Ki 32-bit registers per SM on Hopper (CUDA programming guide).
 """
 from __future__ import annotations
 
@@ -28,13 +30,14 @@ class HardwareProfile:
     shared_memory_per_multiprocessor: int  # bytes
     l2_bytes: int
     wave_width: int  # threads per warp / wavefront
+    registers_per_multiprocessor: int  # 32-bit registers
     hbm_bandwidth: float  # bytes per second, vendor figure (the benchmark measures its own ceiling)
 
 
 PROFILES: dict[str, HardwareProfile] = {
-    "h100": HardwareProfile("h100", 132, 228 * KIB, 50 * MIB, 32, 3.35e12),
-    "h200": HardwareProfile("h200", 132, 228 * KIB, 60 * MIB, 32, 4.8e12),
-    "c500": HardwareProfile("c500", 104, 64 * KIB, 8 * MIB, 64, 1.8e12),
+    "h100": HardwareProfile("h100", 132, 228 * KIB, 50 * MIB, 32, 64 * KIB, 3.35e12),
+    "h200": HardwareProfile("h200", 132, 228 * KIB, 60 * MIB, 32, 64 * KIB, 4.8e12),
+    "c500": HardwareProfile("c500", 104, 64 * KIB, 8 * MIB, 64, 64 * KIB, 1.8e12),
 }
 
 
@@ -66,6 +69,8 @@ def current(device_index: int | None = None) -> HardwareProfile:
         shared_memory_per_multiprocessor=props.shared_memory_per_multiprocessor,
         l2_bytes=props.L2_cache_size,
         wave_width=props.warp_size,
+        registers_per_multiprocessor=getattr(
+            props, "regs_per_multiprocessor", (named or PROFILES["h100"]).registers_per_multiprocessor),
         hbm_bandwidth=named.hbm_bandwidth if named else 0.0,
     )
 

@@ -50,7 +50,7 @@ def test_case(backend, case):
 
 
 @pytest.mark.parametrize("backend", KERNEL_BACKENDS)
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=25, deadline=None)
 @given(data=st.data())
 def test_random_shapes(backend, data):
     backend_or_skip(backend)

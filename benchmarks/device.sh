@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# Runs on the H200 machine (the device tool): unpack the TileLang bundle, then each step named on
+# the command line, logging everything under $OUT. Steps:
+#   tests       GPU test suite (tests/test_gpu.py) for both backends
+#   bench ARGS  flashdecode bench with the given arguments (quote them as one word)
+#   sweep ARGS  benchmarks/sweep.py with the given arguments
+#   sanitize    compute-sanitizer memcheck + racecheck on a few cases (TileLang)
+#   profile N   flashdecode profile --case N for both backends into $OUT/profile-*
+set -uo pipefail
+export PYTHONUNBUFFERED=1
+mkdir -p /tmp/tl && tar -xJf .gpu-bundle/tilelang-cp312.tar.xz -C /tmp/tl
+export PYTHONPATH=$PWD:/tmp/tl/tilelang_site${PYTHONPATH:+:$PYTHONPATH} CUDA_HOME=${CUDA_HOME:-/usr/local/cuda}
+OUT=${OUT:-/tmp/out}
+summary=()
+while [ $# -gt 0 ]; do
+  step=$1; shift
+  case $step in
+    tests)
+      python3 -m pytest tests/test_gpu.py -q -p no:cacheprovider --maxfail=10 2>&1 | tee "$OUT/gpu_tests.log" | tail -40
+      summary+=("tests rc=${PIPESTATUS[0]}");;
+    bench)
+      args=$1; shift
+      python3 -m flashdecode bench $args 2>"$OUT/bench_stderr.log" | tee -a "$OUT/bench.log"
+      summary+=("bench rc=${PIPESTATUS[0]}");;
+    sweep)
+      args=$1; shift
+      python3 benchmarks/sweep.py $args 2>&1 | tee -a "$OUT/sweep.log" | tail -20
+      summary+=("sweep rc=${PIPESTATUS[0]}");;
+    sanitize)
+      for tool in memcheck racecheck; do
+        compute-sanitizer --tool $tool python3 benchmarks/sanitize_target.py 2>&1 | tee "$OUT/sanitize_$tool.log" | tail -6
+        summary+=("sanitize $tool rc=${PIPESTATUS[0]}")
+      done;;
+    profile)
+      n=$1; shift
+      for backend in tilelang triton; do
+        python3 -m flashdecode profile --case "$n" --backend $backend --out "$OUT/profile-$backend" 2>&1 | tail -15
+        summary+=("profile $n $backend rc=${PIPESTATUS[0]}")
+      done;;
+    *) echo "unknown step $step"; exit 2;;
+  esac
+done
+printf '%s\n' "${summary[@]}"

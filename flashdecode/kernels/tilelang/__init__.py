@@ -1,0 +1,3 @@
+from .decode import run
+
+__all__ = ["run"]

@@ -1,0 +1,335 @@
+"""TileLang kernels for GQA KV-cache decode attention (one query token per sequence).
+
+Two kernels, compiled once per specialisation (dtype, head_dim, group size G, KV heads,
+tile parameters) and cached; batch size, cache capacity, workspace rows, the number of
+split programs P, softmax_scale and forced_splits are runtime values, so new shapes and
+lengths never recompile.
+
+* Split kernel, grid (P, Hk).  Program (p, h) serves all G query heads of KV head h, so
+  each K/V tile is read once per KV head.  The q tile is G rows zero-padded to 64 per
+  consumer warpgroup, so both GEMMs are Hopper wgmma (QK^T from shared memory, PV with
+  the probabilities kept in registers).  Each program replays the planner's work rule
+  over ``cache_seqlens`` (``_chunk``/``_splits``) to find its sequence, split and block
+  range.  Full blocks stream through ``T.Pipelined`` (TMA + mbarriers, warp-specialised
+  producer/consumer on sm_90); the last, partially filled block of a sequence is copied
+  outside the pipeline, its scores masked and its V rows >= len zeroed, so stale cache
+  contents (even NaN) past the end never reach the result.  Online softmax runs in
+  float32 in base 2 (log2 e is folded into the scale).  Unsplit sequences write ``out``
+  and ``lse`` (natural log; length 0 gives 0 and -inf), split ones write ``part_o`` and
+  ``part_lse`` (base 2).
+* Combine kernel, grid (B, Hk): merges the partials of every sequence with > 1 split.
+
+As in the Triton backend, a length outside [0, capacity] is clamped for the schedule and
+the reads, and its row of ``out`` is set to NaN.
+
+Warp specialisation stays on by default: the pipelined loop's trip count is dynamic (0,
+1, 2, ... blocks), and for a dynamic count TileLang 0.1.15 emits the multi-dimensional
+TMA path (``arrive_and_expect_tx``) with phase parity ``(i // stages) & 1``, correct for
+every count (tilelang issue #2566, a hang, only hits loops statically known to run
+once).  ``warp_specialized=False`` selects a cp.async software pipeline instead.
+"""
+
+import functools
+import math
+
+import tilelang
+import tilelang.language as T
+
+from ... import hardware
+
+__all__ = ["build_split_kernel", "build_combine_kernel", "kernels_for", "run"]
+
+_LOG2E = 1.4426950408889634
+_LN2 = 0.6931471805599453
+_NAN = float("nan")
+
+
+def _freeze(target):
+    """Dict targets become hashable so the builders can be lru-cached."""
+    return tuple(sorted(target.items())) if isinstance(target, dict) else target
+
+
+def _compile(func, target, warp_specialized):
+    target = dict(target) if isinstance(target, tuple) else target
+    configs = {tilelang.PassConfigKey.TL_DISABLE_WARP_SPECIALIZED: not warp_specialized}
+    return tilelang.compile(func, target=target or "auto", execution_backend="tvm_ffi",
+                            pass_configs=configs)
+
+
+def default_blocks_per_sm(head_dim, block_n, threads, warp_specialized, registers_per_sm):
+    """2 when a consumer thread's accumulators (D/2 + 3*block_n/4 registers, plus ~16 for
+    addressing) fit the register share of two resident programs, else 1."""
+    launched = threads + 128 if warp_specialized else threads  # + the TMA producer warpgroup
+    needed = head_dim // 2 + 3 * block_n // 4 + 16
+    return 2 if needed <= min(255, registers_per_sm // (2 * launched)) else 1
+
+
+@T.macro
+def _blocks(seqlens, b, capacity, block_n):
+    """KV blocks of sequence b, its length clamped to [0, capacity]."""
+    return T.ceildiv(T.min(T.max(seqlens[b], 0), capacity), block_n)
+
+
+@T.macro
+def _chunk(seqlens, batch, capacity, programs, forced_splits, block_n, can_split):
+    """Blocks per split when ``programs`` are balanced over the batch (1 if unused)."""
+    chunk = T.alloc_var(T.int32, init=1)
+    if can_split:
+        if forced_splits <= 0:
+            total = T.alloc_var(T.int32, init=0)
+            for b in T.serial(batch):
+                total += _blocks(seqlens, b, capacity, block_n)
+            chunk = T.max(1, T.ceildiv(total, T.max(programs - batch, 1)))
+    return chunk
+
+
+@T.macro
+def _splits(nblk, chunk, forced_splits, can_split):
+    """splits_b of a sequence with ``nblk`` blocks (1 when forced_splits <= 0 and not can_split)."""
+    sp = T.max(1, T.min(forced_splits, nblk))
+    if can_split:
+        sp = T.if_then_else(forced_splits > 0, sp, T.max(1, T.ceildiv(nblk, chunk)))
+    return sp
+
+
+def build_split_kernel(dtype: str, head_dim: int, group: int, kv_heads: int, block_n: int,
+                       num_stages: int, threads: int, can_split: bool,
+                       blocks_per_sm: int, warp_specialized: bool = True, target=None):
+    """Compiled split kernel (cached).  ``threads`` counts consumer threads (128 per q tile of
+    64 rows); warp specialisation adds a 128-thread TMA producer.  ``blocks_per_sm`` (0: auto)
+    is the occupancy ptxas must allow (``__launch_bounds__``).  ``target`` defaults to the
+    local GPU; pass e.g. {"kind": "cuda", "arch": "sm_90a"} to build without one.
+
+    Call: (q, k_cache, v_cache, cache_seqlens, out, lse, part_o, part_lse,
+    programs, forced_splits, softmax_scale); grid (programs, kv_heads).
+    """
+    return _split_kernel(dtype, head_dim, group, kv_heads, block_n, num_stages, threads,
+                         bool(can_split), bool(warp_specialized), blocks_per_sm, _freeze(target))
+
+
+@functools.lru_cache(maxsize=None)
+def _split_kernel(dtype, D, G, Hk, block_n, num_stages, threads, can_split, warp_specialized,
+                  blocks_per_sm, target):
+    Hq = Hk * G
+    rows = threads // 2  # q tile rows: 64 (one wgmma M tile) per warpgroup of 128 threads
+    if not 1 <= G <= rows:
+        raise ValueError(f"group size {G} needs threads >= {2 * G}")
+    shared_registers = warp_specialized and blocks_per_sm > 1
+    B, S, W = T.dynamic("batch, capacity, workspace_rows")
+    f32 = T.float32
+
+    @T.macro
+    def attend(q_s, k_s, v_s, s_f, p_f, o_f, m_f, l_f, m_prev, alpha, rsum, scale, n_valid):
+        """One online-softmax step over a K/V tile whose first ``n_valid`` tokens count."""
+        T.clear(s_f)
+        T.gemm(q_s, k_s, s_f, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
+        for i, j in T.Parallel(rows, block_n):
+            s_f[i, j] = T.if_then_else(j < n_valid, s_f[i, j] * scale, -T.infinity(f32))
+        T.copy(m_f, m_prev)
+        T.reduce_max(s_f, m_f, dim=1, clear=False)
+        for i in T.Parallel(rows):
+            alpha[i] = T.exp2(m_prev[i] - m_f[i])
+        for i, j in T.Parallel(rows, block_n):
+            s_f[i, j] = T.exp2(s_f[i, j] - m_f[i])
+        T.reduce_sum(s_f, rsum, dim=1)
+        for i in T.Parallel(rows):
+            l_f[i] = l_f[i] * alpha[i] + rsum[i]
+        for i, d in T.Parallel(rows, D):
+            o_f[i, d] *= alpha[i]
+        T.copy(s_f, p_f)
+        T.gemm(p_f, v_s, o_f, policy=T.GemmWarpPolicy.FullRow)
+
+    @T.prim_func
+    def decode_split(
+        Q: T.Tensor((B, Hq, D), dtype),
+        K: T.Tensor((B, S, Hk, D), dtype),
+        V: T.Tensor((B, S, Hk, D), dtype),
+        seqlens: T.Tensor((B,), T.int32),
+        Out: T.Tensor((B, Hq, D), dtype),
+        Lse: T.Tensor((B, Hq), f32),
+        PartO: T.Tensor((W, Hq, D), f32),
+        PartLse: T.Tensor((W, Hq), f32),
+        programs: T.int32,
+        forced_splits: T.int32,
+        softmax_scale: f32,
+    ):
+        with T.Kernel(programs, Hk, threads=threads) as (pid, h):
+            T.annotate_min_blocks_per_sm(blocks_per_sm)
+            if shared_registers:
+                T.no_set_max_nreg()  # two programs per SM: keep the even register split
+            q_s = T.alloc_shared((rows, D), dtype)
+            k_s = T.alloc_shared((block_n, D), dtype)
+            v_s = T.alloc_shared((block_n, D), dtype)
+            k_tail = T.alloc_shared((block_n, D), dtype)  # shares memory with k_s/v_s once
+            v_tail = T.alloc_shared((block_n, D), dtype)  # the pipelined loop is done
+            s_f = T.alloc_fragment((rows, block_n), f32)
+            p_f = T.alloc_fragment((rows, block_n), dtype)
+            o_f = T.alloc_fragment((rows, D), f32)
+            m_f = T.alloc_fragment((rows,), f32)
+            l_f = T.alloc_fragment((rows,), f32)
+            m_prev = T.alloc_fragment((rows,), f32)
+            alpha = T.alloc_fragment((rows,), f32)
+            rsum = T.alloc_fragment((rows,), f32)
+
+            # This program's (sequence, split); seq stays -1 when it has no work.
+            seq = T.alloc_var(T.int32, init=-1)
+            split = T.alloc_var(T.int32, init=0)
+            nsplit = T.alloc_var(T.int32, init=1)
+            if can_split or forced_splits > 0:
+                chunk = _chunk(seqlens, B, S, programs, forced_splits, block_n, can_split)
+                first = T.alloc_var(T.int32, init=0)
+                sp = T.alloc_var(T.int32)
+                for b in T.serial(B):
+                    sp = _splits(_blocks(seqlens, b, S, block_n), chunk, forced_splits, can_split)
+                    if first <= pid and pid < first + sp:
+                        seq = b
+                        split = pid - first
+                        nsplit = sp
+                    first += sp
+            elif pid < B:
+                seq = pid
+
+            b = T.max(seq, 0)
+            raw_len = T.if_then_else(seq >= 0, seqlens[b], 0)
+            seqlen = T.min(T.max(raw_len, 0), S)
+            nblk = T.ceildiv(seqlen, block_n)
+            blk_lo = T.cast(T.cast(split, T.int64) * nblk // nsplit, T.int32)
+            blk_hi = T.cast(T.cast(split + 1, T.int64) * nblk // nsplit, T.int32)
+            full_hi = T.min(blk_hi, seqlen // block_n)  # blocks before it hold only valid tokens
+            scale = softmax_scale * _LOG2E
+
+            for i, d in T.Parallel(rows, D):
+                q_s[i, d] = T.if_then_else(i < G, Q[b, h * G + i, d], T.cast(0, dtype))
+            T.fill(o_f, 0)
+            T.fill(l_f, 0)
+            T.fill(m_f, -T.infinity(f32))
+
+            for kb in T.Pipelined(blk_lo, full_hi, num_stages=num_stages):
+                T.copy(K[b, kb * block_n:(kb + 1) * block_n, h, :], k_s)
+                T.copy(V[b, kb * block_n:(kb + 1) * block_n, h, :], v_s)
+                attend(q_s, k_s, v_s, s_f, p_f, o_f, m_f, l_f, m_prev, alpha, rsum, scale, block_n)
+
+            if full_hi < blk_hi:  # the sequence's last block, partially filled
+                base = full_hi * block_n
+                T.copy(K[b, base:base + block_n, h, :], k_tail)
+                T.copy(V[b, base:base + block_n, h, :], v_tail)
+                for j, d in T.Parallel(block_n, D):  # p = 0 there, but 0 * stale NaN is NaN
+                    if base + j >= seqlen:
+                        v_tail[j, d] = T.cast(0, dtype)
+                attend(q_s, k_tail, v_tail, s_f, p_f, o_f, m_f, l_f, m_prev, alpha, rsum, scale,
+                       seqlen - base)
+
+            if seq >= 0:
+                if nsplit == 1:
+                    bad = raw_len != seqlen  # length outside [0, capacity]
+                    for i, d in T.Parallel(rows, D):
+                        if i < G:
+                            o = T.if_then_else(l_f[i] > 0, o_f[i, d] / l_f[i], 0)
+                            Out[b, h * G + i, d] = T.cast(T.if_then_else(bad, _NAN, o), dtype)
+                    for i in T.Parallel(rows):
+                        if i < G:
+                            Lse[b, h * G + i] = T.if_then_else(
+                                l_f[i] > 0, (T.log2(l_f[i]) + m_f[i]) * _LN2, -T.infinity(f32))
+                else:
+                    for i, d in T.Parallel(rows, D):
+                        if i < G:
+                            PartO[pid, h * G + i, d] = o_f[i, d] / l_f[i]
+                    for i in T.Parallel(rows):
+                        if i < G:
+                            PartLse[pid, h * G + i] = T.log2(l_f[i]) + m_f[i]
+
+    return _compile(decode_split, target, warp_specialized)
+
+
+def build_combine_kernel(dtype: str, head_dim: int, group: int, kv_heads: int, block_n: int,
+                         can_split: bool, threads: int = 128, target=None):
+    """Compiled combine kernel (cached), grid (B, kv_heads).
+
+    Call: (cache_seqlens, part_o, part_lse, out, lse, capacity, programs, forced_splits).
+    """
+    return _combine_kernel(dtype, head_dim, group, kv_heads, block_n, bool(can_split), threads,
+                           _freeze(target))
+
+
+@functools.lru_cache(maxsize=None)
+def _combine_kernel(dtype, D, G, Hk, block_n, can_split, threads, target):
+    Hq = Hk * G
+    B, W = T.dynamic("batch, workspace_rows")
+    f32 = T.float32
+
+    @T.prim_func
+    def decode_combine(
+        seqlens: T.Tensor((B,), T.int32),
+        PartO: T.Tensor((W, Hq, D), f32),
+        PartLse: T.Tensor((W, Hq), f32),
+        Out: T.Tensor((B, Hq, D), dtype),
+        Lse: T.Tensor((B, Hq), f32),
+        capacity: T.int32,
+        programs: T.int32,
+        forced_splits: T.int32,
+    ):
+        with T.Kernel(B, Hk, threads=threads) as (bid, h):
+            acc = T.alloc_fragment((G, D), f32)
+            lse_max = T.alloc_fragment((G,), f32)
+            wsum = T.alloc_fragment((G,), f32)
+            w = T.alloc_fragment((G,), f32)
+
+            chunk = _chunk(seqlens, B, capacity, programs, forced_splits, block_n, can_split)
+            first = T.alloc_var(T.int32, init=0)
+            for b in T.serial(bid):
+                first += _splits(_blocks(seqlens, b, capacity, block_n), chunk, forced_splits, can_split)
+            nsplit = T.alloc_var(T.int32)
+            nsplit = _splits(_blocks(seqlens, bid, capacity, block_n), chunk, forced_splits, can_split)
+
+            if nsplit > 1:
+                bad = seqlens[bid] > capacity  # (a negative length never splits)
+                T.fill(lse_max, -T.infinity(f32))
+                T.fill(wsum, 0)
+                T.fill(acc, 0)
+                for s in T.serial(nsplit):
+                    for g in T.Parallel(G):
+                        lse_max[g] = T.max(lse_max[g], PartLse[first + s, h * G + g])
+                for s in T.serial(nsplit):
+                    for g in T.Parallel(G):
+                        w[g] = T.exp2(PartLse[first + s, h * G + g] - lse_max[g])
+                        wsum[g] += w[g]
+                    for g, d in T.Parallel(G, D):
+                        acc[g, d] += w[g] * PartO[first + s, h * G + g, d]
+                for g, d in T.Parallel(G, D):
+                    Out[bid, h * G + g, d] = T.cast(
+                        T.if_then_else(bad, _NAN, acc[g, d] / wsum[g]), dtype)
+                for g in T.Parallel(G):
+                    Lse[bid, h * G + g] = (lse_max[g] + T.log2(wsum[g])) * _LN2
+
+    return _compile(decode_combine, target, True)
+
+
+@functools.lru_cache(maxsize=None)
+def kernels_for(dtype: str, head_dim: int, group: int, kv_heads: int, block_n: int, can_split: bool,
+                registers_per_sm: int, num_stages: int = 2, threads: int = 128):
+    """(split kernel, combine kernel or None) for one specialisation, built once."""
+    blocks_per_sm = default_blocks_per_sm(head_dim, block_n, threads, True, registers_per_sm)
+    split = build_split_kernel(dtype, head_dim, group, kv_heads, block_n, num_stages, threads, can_split,
+                               blocks_per_sm)
+    combine = build_combine_kernel(dtype, head_dim, group, kv_heads, block_n, can_split) if can_split else None
+    return split, combine
+
+
+def run(plan, problem, q, k_cache, v_cache, cache_seqlens, out, lse, part_o, part_lse, softmax_scale):
+    """Launch the split kernel, then the combine kernel when the plan may split.
+
+    q, out: (B, Hq, D) contiguous; k_cache, v_cache: (B, S, Hk, D) contiguous; lse: (B, Hq) fp32;
+    part_o (P, Hq, D) and part_lse (P, Hq) fp32, 16-byte aligned (empty when nothing splits).
+    """
+    if problem.seqlen_cache == 0:  # no tokens anywhere (and no valid TMA descriptor for an empty cache)
+        out.zero_().masked_fill_((cache_seqlens != 0)[:, None, None], math.nan)
+        lse.fill_(-math.inf)
+        return
+    split, combine = kernels_for(problem.dtype, problem.headdim, problem.group, problem.nheads_k,
+                                 plan.block_n, plan.can_split,
+                                 hardware.profile_for(q.device).registers_per_multiprocessor)
+    split(q, k_cache, v_cache, cache_seqlens, out, lse, part_o, part_lse,
+          plan.programs_per_head, plan.forced_splits, softmax_scale)
+    if combine is not None:
+        combine(cache_seqlens, part_o, part_lse, out, lse, problem.seqlen_cache, plan.programs_per_head,
+                plan.forced_splits)
