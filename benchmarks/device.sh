@@ -5,6 +5,7 @@
 #   bench ARGS  flashdecode bench with the given arguments (quote them as one word)
 #   sweep ARGS  benchmarks/sweep.py with the given arguments
 #   sanitize    compute-sanitizer memcheck + racecheck on a few cases (TileLang)
+#   hostprof    host time per call, by stage and cProfile (case 3, both backends)
 #   profile N   flashdecode profile --case N for both backends into $OUT/profile-*
 set -uo pipefail
 export PYTHONUNBUFFERED=1
@@ -37,6 +38,11 @@ while [ $# -gt 0 ]; do
         python3 -m flashdecode profile --case "$n" --backend $backend --out "$OUT/profile-$backend" 2>&1 | tail -15
         summary+=("profile $n $backend rc=${PIPESTATUS[0]}")
       done;;
+    hostprof)
+      for backend in tilelang triton; do
+        python3 benchmarks/host_profile.py --case 3 --backend $backend 2>&1 | tee "$OUT/hostprof_$backend.log" | head -8
+      done
+      summary+=("hostprof");;
     *) echo "unknown step $step"; exit 2;;
   esac
 done

@@ -1,8 +1,9 @@
 """Tuning sweep on the GPU: time a backend on the matrix cases over planner knobs.
 
-Times with triton.testing.do_bench (cold L2: it zeroes a 256 MB buffer before every run; median),
-the method of flashdecode/data/h200-peers.json, and checks every variant against the reference in
-the same run. Usage: python benchmarks/sweep.py --backend triton --ppsm 2,4,8 --block-n 32,64
+Times GPU work with the benchmark's Timer (cold L2, the call replayed from a CUDA graph, median of
+50), so host overhead does not hide kernel differences, and checks every variant against the
+reference in the same run.
+Usage: python benchmarks/sweep.py --backend triton --ppsm 2,4,8 --block-n 32,64 --min-chunk 2,4
 Prints one line per (case, variant) and a best-per-case table last; --log PATH keeps the lines.
 """
 import argparse
@@ -10,9 +11,9 @@ import itertools
 import json
 
 import torch
-import triton.testing
 
 from flashdecode import flash_decode_with_kvcache, planner
+from flashdecode.bench.timing import Timer
 from flashdecode.cases import CASES, bytes_read, make_inputs
 from flashdecode.reference import reference_decode
 
@@ -22,25 +23,31 @@ def main():
     parser.add_argument("--backend", default="triton")
     parser.add_argument("--ppsm", default=str(planner.PROGRAMS_PER_MULTIPROCESSOR))
     parser.add_argument("--block-n", default=",".join(map(str, planner.BLOCK_N_CANDIDATES[:1])))
+    parser.add_argument("--min-chunk", default=str(planner.MIN_BLOCKS_PER_SPLIT))
     parser.add_argument("--cases", default="")
     parser.add_argument("--log", default=None)
     args = parser.parse_args()
     numbers = [int(c) for c in args.cases.split(",")] if args.cases else [c.number for c in CASES]
     fa2 = {c["case"]: c["fa2"]["median_us"] for c in json.load(open("flashdecode/data/h200-peers.json"))["cases"]}
     rows, best = [], {}
+    timer = Timer(torch.device("cuda"), iters=50, warmup=5)
     for case in (c for c in CASES if c.number in numbers):
         q, k, v, seqlens = make_inputs(case, device="cuda")
         expected, _ = reference_decode(q, k, v, seqlens)
         nbytes = bytes_read(seqlens.tolist(), case.nheads_k, case.nheads)
-        for ppsm, block_n in itertools.product(map(int, args.ppsm.split(",")), map(int, args.block_n.split(","))):
+        knobs = itertools.product(*(map(int, arg.split(",")) for arg in (args.ppsm, args.block_n, args.min_chunk)))
+        for ppsm, block_n, min_chunk in knobs:
             planner.PROGRAMS_PER_MULTIPROCESSOR = ppsm
             planner.BLOCK_N_CANDIDATES = (block_n,)
+            planner.MIN_BLOCKS_PER_SPLIT = min_chunk
             planner.plan.cache_clear()
             fn = lambda: flash_decode_with_kvcache(q, k, v, seqlens, backend=args.backend)
             out = fn()
             err = ((out.float() - expected.float()).norm() / expected.float().norm()).item()
-            us = triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median") * 1e3
-            row = dict(case=case.number, ppsm=ppsm, block_n=block_n, us=round(us, 2),
+            timing, graph_out = timer.time_graph(fn)
+            err = max(err, ((graph_out.float() - expected.float()).norm() / expected.float().norm()).item())
+            us = timing.median_us
+            row = dict(case=case.number, ppsm=ppsm, block_n=block_n, min_chunk=min_chunk, us=round(us, 2),
                        gbps=round(nbytes / us / 1e3), speedup=round(fa2[case.number] / us, 3), rel_err=err)
             rows.append(row)
             print(json.dumps(row), flush=True)
@@ -49,9 +56,10 @@ def main():
     if args.log:
         with open(args.log, "w") as f:
             f.writelines(json.dumps(r) + "\n" for r in rows)
-    print(f"{'case':>4} {'ppsm':>4} {'bn':>4} {'us':>8} {'GB/s':>6} {'vsFA2':>6}")
+    print(f"{'case':>4} {'ppsm':>4} {'bn':>4} {'minc':>4} {'graph us':>8} {'GB/s':>6} {'vsFA2':>6}")
     for number, r in sorted(best.items()):
-        print(f"{number:>4} {r['ppsm']:>4} {r['block_n']:>4} {r['us']:>8.2f} {r['gbps']:>6} {r['speedup']:>6.2f}")
+        print(f"{number:>4} {r['ppsm']:>4} {r['block_n']:>4} {r['min_chunk']:>4} {r['us']:>8.2f} {r['gbps']:>6} "
+              f"{r['speedup']:>6.2f}")
 
 
 if __name__ == "__main__":

@@ -22,12 +22,14 @@ The schedule is decided in two steps.
    evaluate it in each program from ``cache_seqlens``, a few integer operations per sequence):
 
    * nblk_b   = ceil(len_b / block_n)
-   * chunk    = max(1, ceil(sum_b nblk_b / (P - B)))           (blocks per program, at most)
+   * chunk    = max(m, ceil(sum_b nblk_b / (P - B)))           (blocks per program, at most)
    * splits_b = max(1, ceil(nblk_b / chunk))                  (sum_b splits_b <= P, proven below)
    * program p serves the sequence b whose programs [first_b, first_b + splits_b) contain p,
      and the blocks [s * nblk_b // splits_b, (s + 1) * nblk_b // splits_b) with s = p - first_b;
      programs past sum_b splits_b exit at once.
 
+   where m = ``min_chunk`` (``MIN_BLOCKS_PER_SPLIT``) keeps splits long enough that a program's
+   fixed cost and the combine pass stay small next to its streaming.
    Since ceil(x) < x + 1, sum_b splits_b <= sum_b nblk_b / chunk + B <= (P - B) + B = P.
    Every program carries at most ``chunk`` blocks, about the mean work per program, whatever the
    mix of lengths: a 65k-token sequence among short ones is cut into many splits, short sequences
@@ -48,6 +50,8 @@ from .hardware import HardwareProfile
 #: Resident programs aimed for per multiprocessor when splitting. A tuning knob measured on the
 #: H200 (docs/perf-log.md), not a hardware fact.
 PROGRAMS_PER_MULTIPROCESSOR = 4
+#: Fewest KV blocks a split may carry (unless the sequence is shorter). Tuning knob, measured.
+MIN_BLOCKS_PER_SPLIT = 4
 #: Pipeline depth the shared-memory budget for K/V tiles is sized for.
 PIPELINE_STAGES = 2
 #: Programs that should fit in one multiprocessor's shared memory at once.
@@ -87,6 +91,7 @@ class Plan:
     programs_per_head: int  # P: grid is (P, nheads_k)
     forced_splits: int  # 0: balanced rule from the lengths; F > 0: every sequence split F ways
     can_split: bool  # False: one program per sequence, no combine pass
+    min_chunk: int = 1  # fewest blocks per split under the balanced rule
 
     @property
     def needs_combine(self) -> bool:
@@ -131,12 +136,13 @@ def plan(problem: Problem, profile: HardwareProfile, num_splits: int = 0) -> Pla
     batch, heads_k = problem.batch, problem.nheads_k
     if num_splits > 0:
         return Plan(block_n, batch * num_splits, num_splits, can_split=num_splits > 1)
+    min_chunk = MIN_BLOCKS_PER_SPLIT
     target_programs = profile.multiprocessors * PROGRAMS_PER_MULTIPROCESSOR
     max_blocks = math.ceil(problem.seqlen_cache / block_n)
-    if batch * heads_k >= target_programs or max_blocks <= 1:
+    if batch * heads_k >= target_programs or max_blocks <= min_chunk:
         return Plan(block_n, batch, 0, can_split=False)
     extra = math.ceil(target_programs / heads_k)
-    return Plan(block_n, batch + extra, 0, can_split=True)
+    return Plan(block_n, batch + extra, 0, can_split=True, min_chunk=min_chunk)
 
 
 def splits_per_sequence(plan_: Plan, lengths: list[int]) -> list[int]:
@@ -146,7 +152,7 @@ def splits_per_sequence(plan_: Plan, lengths: list[int]) -> list[int]:
         return [min(plan_.forced_splits, max(1, nb)) for nb in blocks]
     if not plan_.can_split:
         return [1] * len(lengths)
-    chunk = max(1, math.ceil(sum(blocks) / (plan_.programs_per_head - len(lengths))))
+    chunk = max(plan_.min_chunk, math.ceil(sum(blocks) / (plan_.programs_per_head - len(lengths))))
     return [max(1, math.ceil(nb / chunk)) for nb in blocks]
 
 

@@ -58,9 +58,10 @@ def test_matrix_cases_fill_the_machine_without_tail(profile_name, case):
     items = assert_covers_exactly_once(p, lengths)
     blocks = sum(math.ceil(n / p.block_n) for n in lengths)
     programs = len(items) * case.nheads_k
-    # The grid fills every multiprocessor wherever there are enough KV blocks to go round.
-    if blocks * case.nheads_k >= profile.multiprocessors:
-        assert programs >= profile.multiprocessors
+    # The grid fills every multiprocessor wherever there are enough KV blocks to go round in
+    # splits of at least min_chunk blocks.
+    if p.can_split:
+        assert programs >= min(profile.multiprocessors, blocks // p.min_chunk * case.nheads_k)
     # No program carries much more than the average: at most twice the mean, plus one block.
     mean = sum(lengths) / len(items)
     assert max(item.tokens for item in items) <= 2 * mean + p.block_n

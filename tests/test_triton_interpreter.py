@@ -97,3 +97,13 @@ def test_lengths_around_block_boundaries(offset):
     block_n = plan(Problem(3, 200, 4, 1, 64, "float16"), profile_for(torch.device(DEVICE))).block_n
     lengths = [block_n + offset, 2 * block_n + offset, 1]
     check_against_reference(*random_inputs(3, 200, 1, 4, 64, lengths), num_splits=2)
+
+
+def test_combine_over_more_splits_than_one_step():
+    """More splits than the combine kernel loads per step: its running max must carry over."""
+    from flashdecode.kernels.triton.decode import COMBINE_SPLITS_PER_STEP
+
+    block_n = plan(Problem(1, 64, 4, 1, 64, "float16"), profile_for(torch.device(DEVICE))).block_n
+    splits = COMBINE_SPLITS_PER_STEP + 3
+    length = splits * block_n - 5
+    check_against_reference(*random_inputs(1, length, 1, 4, 64, [length]), num_splits=splits)

@@ -71,7 +71,7 @@ def _blocks(seqlens, b, capacity, block_n):
 
 
 @T.macro
-def _chunk(seqlens, batch, capacity, programs, forced_splits, block_n, can_split):
+def _chunk(seqlens, batch, capacity, programs, forced_splits, min_chunk, block_n, can_split):
     """Blocks per split when ``programs`` are balanced over the batch (1 if unused)."""
     chunk = T.alloc_var(T.int32, init=1)
     if can_split:
@@ -79,7 +79,7 @@ def _chunk(seqlens, batch, capacity, programs, forced_splits, block_n, can_split
             total = T.alloc_var(T.int32, init=0)
             for b in T.serial(batch):
                 total += _blocks(seqlens, b, capacity, block_n)
-            chunk = T.max(1, T.ceildiv(total, T.max(programs - batch, 1)))
+            chunk = T.max(min_chunk, T.ceildiv(total, T.max(programs - batch, 1)))
     return chunk
 
 
@@ -101,7 +101,7 @@ def build_split_kernel(dtype: str, head_dim: int, group: int, kv_heads: int, blo
     local GPU; pass e.g. {"kind": "cuda", "arch": "sm_90a"} to build without one.
 
     Call: (q, k_cache, v_cache, cache_seqlens, out, lse, part_o, part_lse,
-    programs, forced_splits, softmax_scale); grid (programs, kv_heads).
+    programs, forced_splits, min_chunk, softmax_scale); grid (programs, kv_heads).
     """
     return _split_kernel(dtype, head_dim, group, kv_heads, block_n, num_stages, threads,
                          bool(can_split), bool(warp_specialized), blocks_per_sm, _freeze(target))
@@ -151,6 +151,7 @@ def _split_kernel(dtype, D, G, Hk, block_n, num_stages, threads, can_split, warp
         PartLse: T.Tensor((W, Hq), f32),
         programs: T.int32,
         forced_splits: T.int32,
+        min_chunk: T.int32,
         softmax_scale: f32,
     ):
         with T.Kernel(programs, Hk, threads=threads) as (pid, h):
@@ -176,7 +177,7 @@ def _split_kernel(dtype, D, G, Hk, block_n, num_stages, threads, can_split, warp
             split = T.alloc_var(T.int32, init=0)
             nsplit = T.alloc_var(T.int32, init=1)
             if can_split or forced_splits > 0:
-                chunk = _chunk(seqlens, B, S, programs, forced_splits, block_n, can_split)
+                chunk = _chunk(seqlens, B, S, programs, forced_splits, min_chunk, block_n, can_split)
                 first = T.alloc_var(T.int32, init=0)
                 sp = T.alloc_var(T.int32)
                 for b in T.serial(B):
@@ -242,17 +243,17 @@ def _split_kernel(dtype, D, G, Hk, block_n, num_stages, threads, can_split, warp
 
 
 def build_combine_kernel(dtype: str, head_dim: int, group: int, kv_heads: int, block_n: int,
-                         can_split: bool, threads: int = 128, target=None):
-    """Compiled combine kernel (cached), grid (B, kv_heads).
+                         can_split: bool, splits_per_step: int = 16, target=None):
+    """Compiled combine kernel (cached), grid (B, Hq), one thread per head-dim element.
 
-    Call: (cache_seqlens, part_o, part_lse, out, lse, capacity, programs, forced_splits).
+    Call: (cache_seqlens, part_o, part_lse, out, lse, capacity, programs, forced_splits, min_chunk).
     """
-    return _combine_kernel(dtype, head_dim, group, kv_heads, block_n, bool(can_split), threads,
+    return _combine_kernel(dtype, head_dim, group, kv_heads, block_n, bool(can_split), splits_per_step,
                            _freeze(target))
 
 
 @functools.lru_cache(maxsize=None)
-def _combine_kernel(dtype, D, G, Hk, block_n, can_split, threads, target):
+def _combine_kernel(dtype, D, G, Hk, block_n, can_split, step, target):
     Hq = Hk * G
     B, W = T.dynamic("batch, workspace_rows")
     f32 = T.float32
@@ -267,14 +268,18 @@ def _combine_kernel(dtype, D, G, Hk, block_n, can_split, threads, target):
         capacity: T.int32,
         programs: T.int32,
         forced_splits: T.int32,
+        min_chunk: T.int32,
     ):
-        with T.Kernel(B, Hk, threads=threads) as (bid, h):
-            acc = T.alloc_fragment((G, D), f32)
-            lse_max = T.alloc_fragment((G,), f32)
-            wsum = T.alloc_fragment((G,), f32)
-            w = T.alloc_fragment((G,), f32)
+        with T.Kernel(B, Hq, threads=D) as (bid, hq):
+            d = T.get_thread_binding()
+            part_lse = T.alloc_local((step,), f32)
+            part_o = T.alloc_local((step,), f32)
+            m = T.alloc_var(f32, init=-T.infinity(f32))
+            m_new = T.alloc_var(f32)
+            w_sum = T.alloc_var(f32, init=0)
+            acc = T.alloc_var(f32, init=0)
 
-            chunk = _chunk(seqlens, B, capacity, programs, forced_splits, block_n, can_split)
+            chunk = _chunk(seqlens, B, capacity, programs, forced_splits, min_chunk, block_n, can_split)
             first = T.alloc_var(T.int32, init=0)
             for b in T.serial(bid):
                 first += _splits(_blocks(seqlens, b, capacity, block_n), chunk, forced_splits, can_split)
@@ -282,24 +287,26 @@ def _combine_kernel(dtype, D, G, Hk, block_n, can_split, threads, target):
             nsplit = _splits(_blocks(seqlens, bid, capacity, block_n), chunk, forced_splits, can_split)
 
             if nsplit > 1:
+                # A step's partials are all loaded before any is used, so their loads overlap.
+                for c in T.serial(T.ceildiv(nsplit, step)):
+                    for s in T.unroll(step):
+                        live = c * step + s < nsplit
+                        row = T.min(first + c * step + s, W - 1)
+                        part_lse[s] = T.if_then_else(live, PartLse[row, hq], -T.infinity(f32))
+                        part_o[s] = T.if_then_else(live, PartO[row, hq, d], 0)
+                    m_new = m
+                    for s in T.unroll(step):
+                        m_new = T.max(m_new, part_lse[s])
+                    w_sum = w_sum * T.exp2(m - m_new)
+                    acc = acc * T.exp2(m - m_new)
+                    for s in T.unroll(step):
+                        w_sum = w_sum + T.exp2(part_lse[s] - m_new)
+                        acc = acc + T.exp2(part_lse[s] - m_new) * part_o[s]
+                    m = m_new
                 bad = seqlens[bid] > capacity  # (a negative length never splits)
-                T.fill(lse_max, -T.infinity(f32))
-                T.fill(wsum, 0)
-                T.fill(acc, 0)
-                for s in T.serial(nsplit):
-                    for g in T.Parallel(G):
-                        lse_max[g] = T.max(lse_max[g], PartLse[first + s, h * G + g])
-                for s in T.serial(nsplit):
-                    for g in T.Parallel(G):
-                        w[g] = T.exp2(PartLse[first + s, h * G + g] - lse_max[g])
-                        wsum[g] += w[g]
-                    for g, d in T.Parallel(G, D):
-                        acc[g, d] += w[g] * PartO[first + s, h * G + g, d]
-                for g, d in T.Parallel(G, D):
-                    Out[bid, h * G + g, d] = T.cast(
-                        T.if_then_else(bad, _NAN, acc[g, d] / wsum[g]), dtype)
-                for g in T.Parallel(G):
-                    Lse[bid, h * G + g] = (lse_max[g] + T.log2(wsum[g])) * _LN2
+                Out[bid, hq, d] = T.cast(T.if_then_else(bad, _NAN, acc / w_sum), dtype)
+                if d == 0:
+                    Lse[bid, hq] = (m + T.log2(w_sum)) * _LN2
 
     return _compile(decode_combine, target, True)
 
@@ -329,7 +336,7 @@ def run(plan, problem, q, k_cache, v_cache, cache_seqlens, out, lse, part_o, par
                                  plan.block_n, plan.can_split,
                                  hardware.profile_for(q.device).registers_per_multiprocessor)
     split(q, k_cache, v_cache, cache_seqlens, out, lse, part_o, part_lse,
-          plan.programs_per_head, plan.forced_splits, softmax_scale)
+          plan.programs_per_head, plan.forced_splits, plan.min_chunk, softmax_scale)
     if combine is not None:
         combine(cache_seqlens, part_o, part_lse, out, lse, problem.seqlen_cache, plan.programs_per_head,
-                plan.forced_splits)
+                plan.forced_splits, plan.min_chunk)

@@ -16,16 +16,18 @@ import triton.language as tl
 
 LN2 = tl.constexpr(math.log(2.0))
 LOG2E = 1.0 / math.log(2.0)
+#: Partials the combine kernel loads at once (per query head).
+COMBINE_SPLITS_PER_STEP = 16
 
 
 @triton.jit
-def _split_counts(Lens, batch, capacity, num_programs, forced_splits,
+def _split_counts(Lens, batch, capacity, num_programs, forced_splits, min_chunk,
                   BLOCK_N: tl.constexpr, BATCH_PAD: tl.constexpr):
     """The planner's device-side rule for all sequences: (offsets, raw lengths, splits, cumsum)."""
     offs = tl.arange(0, BATCH_PAD)
     raw = tl.load(Lens + offs, mask=offs < batch, other=0)
     blocks = tl.cdiv(tl.minimum(tl.maximum(raw, 0), capacity), BLOCK_N)
-    chunk = tl.maximum(tl.cdiv(tl.sum(blocks, 0), tl.maximum(num_programs - batch, 1)), 1)
+    chunk = tl.maximum(tl.cdiv(tl.sum(blocks, 0), tl.maximum(num_programs - batch, 1)), min_chunk)
     splits = tl.where(forced_splits > 0, tl.minimum(blocks, forced_splits), tl.cdiv(blocks, chunk))
     splits = tl.where(offs < batch, tl.maximum(splits, 1), 0)
     return offs, raw, splits, tl.cumsum(splits, 0)
@@ -38,12 +40,12 @@ def _entry(offs, values, index):
 
 
 @triton.jit
-def _locate(Lens, pid, batch, capacity, num_programs, forced_splits,
+def _locate(Lens, pid, batch, capacity, num_programs, forced_splits, min_chunk,
             BLOCK_N: tl.constexpr, BATCH_PAD: tl.constexpr, CAN_SPLIT: tl.constexpr):
     """Program pid's (sequence, split, splits of that sequence, raw length)."""
     if CAN_SPLIT:
         offs, raw, splits, ends = _split_counts(
-            Lens, batch, capacity, num_programs, forced_splits, BLOCK_N, BATCH_PAD)
+            Lens, batch, capacity, num_programs, forced_splits, min_chunk, BLOCK_N, BATCH_PAD)
         seq = tl.sum((ends <= pid).to(tl.int32), 0)
         num_splits = _entry(offs, splits, seq)
         split = pid - (_entry(offs, ends, seq) - num_splits)
@@ -58,7 +60,7 @@ def _locate(Lens, pid, batch, capacity, num_programs, forced_splits,
 
 @triton.jit
 def _split_kernel(Q, K, V, Lens, Out, Lse, PartO, PartLse,
-                  scale_log2, batch, capacity, num_programs, forced_splits, nheads,
+                  scale_log2, batch, capacity, num_programs, forced_splits, min_chunk, nheads,
                   stride_qb, stride_qh, stride_kb, stride_kt, stride_kh,
                   stride_vb, stride_vt, stride_vh, stride_ob, stride_oh,
                   GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
@@ -66,7 +68,7 @@ def _split_kernel(Q, K, V, Lens, Out, Lse, PartO, PartLse,
     pid = tl.program_id(0)
     head_k = tl.program_id(1)
     seq, split, num_splits, raw_len = _locate(
-        Lens, pid, batch, capacity, num_programs, forced_splits, BLOCK_N, BATCH_PAD, CAN_SPLIT)
+        Lens, pid, batch, capacity, num_programs, forced_splits, min_chunk, BLOCK_N, BATCH_PAD, CAN_SPLIT)
     if seq < batch:
         # Out-of-range lengths are clamped (no stray reads) and flagged with NaN outputs.
         length = tl.minimum(tl.maximum(raw_len, 0), capacity)
@@ -118,41 +120,42 @@ def _split_kernel(Q, K, V, Lens, Out, Lse, PartO, PartLse,
 
 @triton.jit
 def _combine_kernel(Lens, Out, Lse, PartO, PartLse,
-                    batch, capacity, num_programs, forced_splits, nheads,
+                    batch, capacity, num_programs, forced_splits, min_chunk, nheads,
                     stride_ob, stride_oh,
-                    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
-                    BLOCK_N: tl.constexpr, BATCH_PAD: tl.constexpr):
-    """Merge the partials of every sequence that was split; grid (batch, Hk)."""
+                    HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, BATCH_PAD: tl.constexpr,
+                    SPLITS_PER_STEP: tl.constexpr):
+    """Merge the partials of one (sequence, query head) if that sequence was split; grid (B, Hq).
+
+    Partials are read SPLITS_PER_STEP at a time, all loads of a step in flight together, and merged
+    with a running max so any number of splits works."""
     seq = tl.program_id(0)
-    head_k = tl.program_id(1)
+    head = tl.program_id(1)
     offs, raw, splits, ends = _split_counts(
-        Lens, batch, capacity, num_programs, forced_splits, BLOCK_N, BATCH_PAD)
+        Lens, batch, capacity, num_programs, forced_splits, min_chunk, BLOCK_N, BATCH_PAD)
     num_splits = _entry(offs, splits, seq)
     first = _entry(offs, ends, seq) - num_splits
     raw_len = _entry(offs, raw, seq)
     if num_splits > 1:
-        offs_g = tl.arange(0, GROUP_PAD)
+        offs_s = tl.arange(0, SPLITS_PER_STEP)
         offs_d = tl.arange(0, HEAD_DIM)
-        heads = head_k * GROUP + offs_g
-        head_mask = offs_g < GROUP
-        m = tl.full([GROUP_PAD], float("-inf"), tl.float32)
-        weight = tl.zeros([GROUP_PAD], tl.float32)
-        acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
-        for program in range(first, first + num_splits):
-            part = program * nheads + heads
-            part_lse = tl.load(PartLse + part, mask=head_mask, other=0.0)
-            part_o = tl.load(PartO + part[:, None] * HEAD_DIM + offs_d[None, :], mask=head_mask[:, None], other=0.0)
-            m_new = tl.maximum(m, part_lse)
-            alpha = tl.exp2(m - m_new)
+        m = float("-inf")
+        weight = 0.0
+        acc = tl.zeros([HEAD_DIM], tl.float32)
+        for step in range(0, num_splits, SPLITS_PER_STEP):
+            live = step + offs_s < num_splits
+            part = (first + step + offs_s) * nheads + head
+            part_lse = tl.load(PartLse + part, mask=live, other=float("-inf"))
+            part_o = tl.load(PartO + part[:, None] * HEAD_DIM + offs_d[None, :], mask=live[:, None], other=0.0)
+            m_new = tl.maximum(m, tl.max(part_lse, 0))
             w = tl.exp2(part_lse - m_new)
-            acc = acc * alpha[:, None] + w[:, None] * part_o
-            weight = weight * alpha + w
+            alpha = tl.exp2(m - m_new)
+            acc = acc * alpha + tl.sum(w[:, None] * part_o, 0)
+            weight = weight * alpha + tl.sum(w, 0)
             m = m_new
         valid = (raw_len >= 0) & (raw_len <= capacity)
-        o = tl.where(valid, acc / weight[:, None], float("nan"))
-        tl.store(Out + seq * stride_ob + heads[:, None] * stride_oh + offs_d[None, :],
-                 o.to(Out.dtype.element_ty), mask=head_mask[:, None])
-        tl.store(Lse + seq * nheads + heads, (m + tl.log2(weight)) * LN2, mask=head_mask)
+        o = tl.where(valid, acc / weight, float("nan"))
+        tl.store(Out + seq * stride_ob + head * stride_oh + offs_d, o.to(Out.dtype.element_ty))
+        tl.store(Lse + seq * nheads + head, (m + tl.log2(weight)) * LN2)
 
 
 def run(plan, problem, q, k_cache, v_cache, seqlens, out, lse, part_o, part_lse, softmax_scale):
@@ -164,7 +167,7 @@ def run(plan, problem, q, k_cache, v_cache, seqlens, out, lse, part_o, part_lse,
     group_pad = max(16, triton.next_power_of_2(group))
     batch_pad = max(16, triton.next_power_of_2(problem.batch))
     num_warps = 4 if problem.headdim <= 128 else 8
-    args = (problem.batch, problem.seqlen_cache, plan.programs_per_head, plan.forced_splits)
+    args = (problem.batch, problem.seqlen_cache, plan.programs_per_head, plan.forced_splits, plan.min_chunk)
     _split_kernel[plan.grid(problem)](
         q, k_cache, v_cache, seqlens, out, lse, part_o, part_lse,
         softmax_scale * LOG2E, *args, problem.nheads,
@@ -173,8 +176,8 @@ def run(plan, problem, q, k_cache, v_cache, seqlens, out, lse, part_o, part_lse,
         GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=problem.headdim, BLOCK_N=plan.block_n,
         BATCH_PAD=batch_pad, CAN_SPLIT=plan.can_split, num_warps=num_warps, num_stages=2)
     if plan.needs_combine:
-        _combine_kernel[(problem.batch, problem.nheads_k)](
+        _combine_kernel[(problem.batch, problem.nheads)](
             seqlens, out, lse, part_o, part_lse, *args, problem.nheads,
             out.stride(0), out.stride(1),
-            GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=problem.headdim, BLOCK_N=plan.block_n,
-            BATCH_PAD=batch_pad, num_warps=4)
+            HEAD_DIM=problem.headdim, BLOCK_N=plan.block_n, BATCH_PAD=batch_pad,
+            SPLITS_PER_STEP=COMBINE_SPLITS_PER_STEP, num_warps=4)

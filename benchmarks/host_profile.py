@@ -1,0 +1,56 @@
+"""Where the host time of one call goes: per-call wall time of each stage, then cProfile's top entries.
+
+Usage (GPU): python benchmarks/host_profile.py --case 3 --backend tilelang
+"""
+import argparse
+import cProfile
+import pstats
+import time
+
+import torch
+
+from flashdecode import flash_decode_with_kvcache, hardware, planner
+from flashdecode.api import run_kernels
+from flashdecode.cases import CASES_BY_NUMBER, make_inputs
+from flashdecode.validate import validate
+
+
+def per_call_us(fn, calls=2000):
+    fn()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    elapsed = time.perf_counter() - start
+    torch.cuda.synchronize()
+    return elapsed / calls * 1e6
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--case", type=int, default=3)
+    parser.add_argument("--backend", default="tilelang")
+    args = parser.parse_args()
+    q, k, v, seqlens = make_inputs(CASES_BY_NUMBER[args.case], device="cuda")
+    problem, _ = validate(q, k, v, seqlens, None, 0, args.backend, None)
+    plan = planner.plan(problem, hardware.profile_for(q.device))
+    stages = {
+        "whole call": lambda: flash_decode_with_kvcache(q, k, v, seqlens, backend=args.backend),
+        "validate": lambda: validate(q, k, v, seqlens, None, 0, args.backend, None),
+        "plan": lambda: planner.plan(problem, hardware.profile_for(q.device)),
+        "run_kernels": lambda: run_kernels(args.backend, plan, problem, q, k, v, seqlens, 0.088),
+        "torch.empty x1": lambda: torch.empty(16, device="cuda"),
+    }
+    for name, fn in stages.items():
+        print(f"{args.backend} case {args.case} {name:16s} {per_call_us(fn):8.2f} us/call", flush=True)
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for _ in range(2000):
+        stages["whole call"]()
+    profiler.disable()
+    torch.cuda.synchronize()
+    pstats.Stats(profiler).sort_stats("tottime").print_stats(18)
+
+
+if __name__ == "__main__":
+    main()
