@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Runs on the H200 machine (the device tool): unpack the TileLang bundle, then each step named on
 # the command line, logging everything under $OUT. Steps:
-#   tests       GPU test suite (tests/test_gpu.py) for both backends
+#   tests       GPU test suite (tests/test_gpu.py) for both backends (TESTS_K: a pytest -k filter)
 #   bench ARGS  flashdecode bench with the given arguments (quote them as one word)
 #   sweep ARGS  benchmarks/sweep.py with the given arguments
 #   sanitize    compute-sanitizer memcheck + racecheck on a few cases (TileLang)
@@ -17,11 +17,11 @@ while [ $# -gt 0 ]; do
   step=$1; shift
   case $step in
     tests)
-      python3 -m pytest tests/test_gpu.py -q -p no:cacheprovider --maxfail=10 2>&1 | tee "$OUT/gpu_tests.log" | tail -40
+      python3 -m pytest tests/test_gpu.py -q -p no:cacheprovider --maxfail=10 ${TESTS_K:+-k "$TESTS_K"} 2>&1 | tee "$OUT/gpu_tests.log" | tail -40
       summary+=("tests rc=${PIPESTATUS[0]}");;
     bench)
       args=$1; shift
-      python3 -m flashdecode bench $args 2>"$OUT/bench_stderr.log" | tee -a "$OUT/bench.log"
+      python3 -m flashdecode bench $args 2>/tmp/bench_stderr.log | tee -a "$OUT/bench.log"
       summary+=("bench rc=${PIPESTATUS[0]}");;
     sweep)
       args=$1; shift
@@ -35,9 +35,10 @@ while [ $# -gt 0 ]; do
     profile)
       n=$1; shift
       for backend in tilelang triton; do
-        python3 -m flashdecode profile --case "$n" --backend $backend --out "$OUT/profile-$backend" 2>&1 | tail -15
+        timeout 200 python3 -m flashdecode profile --case "$n" --backend $backend --out "/tmp/prof/case$n-$backend" 2>&1 | tail -15
         summary+=("profile $n $backend rc=${PIPESTATUS[0]}")
-      done;;
+      done
+      tar -czf "$OUT/profiles.tar.gz" -C /tmp/prof .;;
     hostprof)
       for backend in tilelang triton; do
         python3 benchmarks/host_profile.py --case 3 --backend $backend 2>&1 | tee "$OUT/hostprof_$backend.log" | head -8

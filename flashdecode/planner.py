@@ -13,10 +13,12 @@ The schedule is decided in two steps.
    never waits for the device and can be captured in a CUDA graph; a new batch size or new lengths
    only change P, never the compiled kernel.
 
-   * No split (P = B, no combine pass) when the grid already fills the machine
-     (B * Hk >= ``target_programs``) or no sequence can span two blocks.
-   * Otherwise P = B + ceil(target_programs / Hk): one program per sequence plus enough extra to
-     fill ``target_programs`` = multiprocessors * ``PROGRAMS_PER_MULTIPROCESSOR``.
+   * No split (P = B, no combine pass) when no sequence can be longer than one split
+     (``seqlen_cache`` <= ``min_chunk`` blocks).
+   * Otherwise, even when B * Hk already fills the machine (one long sequence among short ones
+     would still leave a tail), P = B + floor(target_programs / Hk): one program per sequence plus
+     enough extra to fill, without exceeding, ``target_programs`` = multiprocessors *
+     ``PROGRAMS_PER_MULTIPROCESSOR``.
 
 2. On the device, from the real lengths (:func:`work_list` is the same rule in Python; the kernels
    evaluate it in each program from ``cache_seqlens``, a few integer operations per sequence):
@@ -49,9 +51,9 @@ from .hardware import HardwareProfile
 
 #: Resident programs aimed for per multiprocessor when splitting. A tuning knob measured on the
 #: H200 (docs/perf-log.md), not a hardware fact.
-PROGRAMS_PER_MULTIPROCESSOR = 4
+PROGRAMS_PER_MULTIPROCESSOR = 2
 #: Fewest KV blocks a split may carry (unless the sequence is shorter). Tuning knob, measured.
-MIN_BLOCKS_PER_SPLIT = 4
+MIN_BLOCKS_PER_SPLIT = 8
 #: Pipeline depth the shared-memory budget for K/V tiles is sized for.
 PIPELINE_STAGES = 2
 #: Programs that should fit in one multiprocessor's shared memory at once.
@@ -139,9 +141,9 @@ def plan(problem: Problem, profile: HardwareProfile, num_splits: int = 0) -> Pla
     min_chunk = MIN_BLOCKS_PER_SPLIT
     target_programs = profile.multiprocessors * PROGRAMS_PER_MULTIPROCESSOR
     max_blocks = math.ceil(problem.seqlen_cache / block_n)
-    if batch * heads_k >= target_programs or max_blocks <= min_chunk:
+    if max_blocks <= min_chunk:
         return Plan(block_n, batch, 0, can_split=False)
-    extra = math.ceil(target_programs / heads_k)
+    extra = max(1, target_programs // heads_k)  # never more than one wave of targets
     return Plan(block_n, batch + extra, 0, can_split=True, min_chunk=min_chunk)
 
 

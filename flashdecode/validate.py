@@ -103,8 +103,9 @@ def _validate_seqlens(cache_seqlens, batch, seqlen_cache, device):
         return cache_seqlens
     if cache_seqlens.dtype != torch.int32:
         raise TypeError(f"cache_seqlens must be int32, got {cache_seqlens.dtype}")
-    if cache_seqlens.shape != (batch,):
-        raise ValueError(f"cache_seqlens must have shape ({batch},), got {tuple(cache_seqlens.shape)}")
+    if cache_seqlens.shape != (batch,) or cache_seqlens.stride(0) != 1:
+        raise ValueError(f"cache_seqlens must be a contiguous tensor of shape ({batch},), "
+                         f"got shape {tuple(cache_seqlens.shape)}, strides {cache_seqlens.stride()}")
     if cache_seqlens.device != device:
         raise ValueError(f"cache_seqlens must be on q's device {device}, got {cache_seqlens.device}")
     if cache_seqlens.device.type == "cpu" or _check_seqlens_on_device:

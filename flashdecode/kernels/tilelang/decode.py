@@ -141,11 +141,11 @@ def _split_kernel(dtype, D, G, Hk, block_n, num_stages, threads, can_split, warp
 
     @T.prim_func
     def decode_split(
-        Q: T.Tensor((B, Hq, D), dtype),
+        Q: T.Tensor((B, 1, Hq, D), dtype),
         K: T.Tensor((B, S, Hk, D), dtype),
         V: T.Tensor((B, S, Hk, D), dtype),
         seqlens: T.Tensor((B,), T.int32),
-        Out: T.Tensor((B, Hq, D), dtype),
+        Out: T.Tensor((B, 1, Hq, D), dtype),
         Lse: T.Tensor((B, Hq), f32),
         PartO: T.Tensor((W, Hq, D), f32),
         PartLse: T.Tensor((W, Hq), f32),
@@ -200,7 +200,7 @@ def _split_kernel(dtype, D, G, Hk, block_n, num_stages, threads, can_split, warp
             scale = softmax_scale * _LOG2E
 
             for i, d in T.Parallel(rows, D):
-                q_s[i, d] = T.if_then_else(i < G, Q[b, h * G + i, d], T.cast(0, dtype))
+                q_s[i, d] = T.if_then_else(i < G, Q[b, 0, h * G + i, d], T.cast(0, dtype))
             T.fill(o_f, 0)
             T.fill(l_f, 0)
             T.fill(m_f, -T.infinity(f32))
@@ -226,7 +226,7 @@ def _split_kernel(dtype, D, G, Hk, block_n, num_stages, threads, can_split, warp
                     for i, d in T.Parallel(rows, D):
                         if i < G:
                             o = T.if_then_else(l_f[i] > 0, o_f[i, d] / l_f[i], 0)
-                            Out[b, h * G + i, d] = T.cast(T.if_then_else(bad, _NAN, o), dtype)
+                            Out[b, 0, h * G + i, d] = T.cast(T.if_then_else(bad, _NAN, o), dtype)
                     for i in T.Parallel(rows):
                         if i < G:
                             Lse[b, h * G + i] = T.if_then_else(
@@ -263,7 +263,7 @@ def _combine_kernel(dtype, D, G, Hk, block_n, can_split, step, target):
         seqlens: T.Tensor((B,), T.int32),
         PartO: T.Tensor((W, Hq, D), f32),
         PartLse: T.Tensor((W, Hq), f32),
-        Out: T.Tensor((B, Hq, D), dtype),
+        Out: T.Tensor((B, 1, Hq, D), dtype),
         Lse: T.Tensor((B, Hq), f32),
         capacity: T.int32,
         programs: T.int32,
@@ -304,7 +304,7 @@ def _combine_kernel(dtype, D, G, Hk, block_n, can_split, step, target):
                         acc = acc + T.exp2(part_lse[s] - m_new) * part_o[s]
                     m = m_new
                 bad = seqlens[bid] > capacity  # (a negative length never splits)
-                Out[bid, hq, d] = T.cast(T.if_then_else(bad, _NAN, acc / w_sum), dtype)
+                Out[bid, 0, hq, d] = T.cast(T.if_then_else(bad, _NAN, acc / w_sum), dtype)
                 if d == 0:
                     Lse[bid, hq] = (m + T.log2(w_sum)) * _LN2
 
@@ -325,7 +325,7 @@ def kernels_for(dtype: str, head_dim: int, group: int, kv_heads: int, block_n: i
 def run(plan, problem, q, k_cache, v_cache, cache_seqlens, out, lse, part_o, part_lse, softmax_scale):
     """Launch the split kernel, then the combine kernel when the plan may split.
 
-    q, out: (B, Hq, D) contiguous; k_cache, v_cache: (B, S, Hk, D) contiguous; lse: (B, Hq) fp32;
+    q, out: (B, 1, Hq, D) contiguous; k_cache, v_cache: (B, S, Hk, D) contiguous; lse: (B, Hq) fp32;
     part_o (P, Hq, D) and part_lse (P, Hq) fp32, 16-byte aligned (empty when nothing splits).
     """
     if problem.seqlen_cache == 0:  # no tokens anywhere (and no valid TMA descriptor for an empty cache)

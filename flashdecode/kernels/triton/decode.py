@@ -161,7 +161,7 @@ def _combine_kernel(Lens, Out, Lse, PartO, PartLse,
 def run(plan, problem, q, k_cache, v_cache, seqlens, out, lse, part_o, part_lse, softmax_scale):
     """Launch the split kernel (and the combine kernel when the plan may split).
 
-    q, out: (B, Hq, D) views; lse: (B, Hq) fp32; part_o: (P, Hq, D) fp32; part_lse: (P, Hq) fp32.
+    q, out: (B, 1, Hq, D); lse: (B, Hq) fp32; part_o: (P, Hq, D) fp32; part_lse: (P, Hq) fp32.
     """
     group = problem.group
     group_pad = max(16, triton.next_power_of_2(group))
@@ -171,13 +171,13 @@ def run(plan, problem, q, k_cache, v_cache, seqlens, out, lse, part_o, part_lse,
     _split_kernel[plan.grid(problem)](
         q, k_cache, v_cache, seqlens, out, lse, part_o, part_lse,
         softmax_scale * LOG2E, *args, problem.nheads,
-        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), out.stride(0), out.stride(1),
+        q.stride(0), q.stride(2), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), out.stride(0), out.stride(2),
         GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=problem.headdim, BLOCK_N=plan.block_n,
         BATCH_PAD=batch_pad, CAN_SPLIT=plan.can_split, num_warps=num_warps, num_stages=2)
     if plan.needs_combine:
         _combine_kernel[(problem.batch, problem.nheads)](
             seqlens, out, lse, part_o, part_lse, *args, problem.nheads,
-            out.stride(0), out.stride(1),
+            out.stride(0), out.stride(2),
             HEAD_DIM=problem.headdim, BLOCK_N=plan.block_n, BATCH_PAD=batch_pad,
             SPLITS_PER_STEP=COMBINE_SPLITS_PER_STEP, num_warps=4)
