@@ -17,7 +17,8 @@ lengths never recompile.
   float32 in base 2 (log2 e is folded into the scale).  Unsplit sequences write ``out``
   and ``lse`` (natural log; length 0 gives 0 and -inf), split ones write ``part_o`` and
   ``part_lse`` (base 2).
-* Combine kernel, grid (B, Hk): merges the partials of every sequence with > 1 split.
+* Combine kernel, grid (B, Hq): one program per (sequence, query head) merges the partials of
+  every sequence with > 1 split, a step of partials at a time.
 
 As in the Triton backend, a length outside [0, capacity] is clamped for the schedule and
 the reads, and its row of ``out`` is set to NaN.
