@@ -42,7 +42,8 @@ def _names(text: str) -> tuple[str, ...]:
     return () if names == ("none",) else names
 
 
-def _positive(text: str) -> int:
+def positive_int(text: str) -> int:
+    """argparse type: an integer >= 1."""
     try:
         value = int(text)
     except ValueError:
@@ -66,7 +67,7 @@ def _add_bench(subparsers) -> None:
     parser.add_argument("--peers", type=_names, default=None,
                         help="peers: fa2,flashinfer,sdpa,flex or none (default: all that import); "
                              "a named peer that cannot run is an error")
-    parser.add_argument("--iters", type=_positive, default=None,
+    parser.add_argument("--iters", type=positive_int, default=None,
                         help="timed runs per result (default 100 on CUDA, at least 50; 3 on CPU)")
     parser.add_argument("--warm-cache", action="store_true", help="do not flush L2 before each timed run")
     parser.add_argument("--machine", action="store_true",

@@ -34,3 +34,13 @@ def pytest_terminal_summary(terminalreporter):
         terminalreporter.write_line("max rel L2 error per case (2 seeds):")
         for (backend, case), error in sorted(CASE_ERRORS.items()):
             terminalreporter.write_line(f"  {backend:9s} case {case:2d}: {error:.2e}")
+
+
+def cli_fails(capsys, argv, message):
+    """`flashdecode ARGV` exits 2 with ``message`` on stderr."""
+    from flashdecode import cli
+
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(argv)
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err

@@ -12,6 +12,7 @@ import sys
 import pytest
 import torch
 
+from conftest import cli_fails
 from flashdecode import cli
 from flashdecode.bench import peers, report
 
@@ -40,13 +41,6 @@ def interpret(monkeypatch):
         monkeypatch.setenv("TRITON_INTERPRET", "1")
 
 
-def _fails(capsys, argv, message):
-    with pytest.raises(SystemExit) as exit_info:
-        cli.main(argv)
-    assert exit_info.value.code == 2
-    assert message in capsys.readouterr().err
-
-
 @pytest.mark.parametrize("argv, message", [
     (["bench", "--cases", "0"], "unknown case 0"),
     (["bench", "--cases", "15"], "unknown case 15"),
@@ -56,18 +50,18 @@ def _fails(capsys, argv, message):
     ([], "required"),
 ])
 def test_argument_errors_exit_nonzero(capsys, argv, message):
-    _fails(capsys, argv, message)
+    cli_fails(capsys, argv, message)
 
 
 def test_unknown_peer_and_backend(capsys, interpret):
-    _fails(capsys, ["bench", "--peers", "nope"], "unknown peer 'nope'")
-    _fails(capsys, ["bench", "--backends", "cuda"], "unknown backends ['cuda']")
+    cli_fails(capsys, ["bench", "--peers", "nope"], "unknown peer 'nope'")
+    cli_fails(capsys, ["bench", "--backends", "cuda"], "unknown backends ['cuda']")
 
 
 @pytest.mark.skipif(not NO_CUDA, reason="checks the errors of a machine without CUDA")
 def test_gpu_only_requests_fail_without_cuda(capsys, interpret):
-    _fails(capsys, ["bench", "--backends", "tilelang"], "backend 'tilelang' needs a CUDA device")
-    _fails(capsys, ["bench", "--peers", "flex"], "peer 'flex' cannot run here: needs a CUDA device")
+    cli_fails(capsys, ["bench", "--backends", "tilelang"], "backend 'tilelang' needs a CUDA device")
+    cli_fails(capsys, ["bench", "--peers", "flex"], "peer 'flex' cannot run here: needs a CUDA device")
 
 
 def test_named_peer_that_does_not_import_is_an_error(capsys, interpret, monkeypatch):
@@ -76,7 +70,7 @@ def test_named_peer_that_does_not_import_is_an_error(capsys, interpret, monkeypa
 
     monkeypatch.setitem(peers.PEERS, "sdpa", peers.PEERS["sdpa"].__class__(
         "sdpa", "stand-in", False, missing, None))
-    _fails(capsys, ["bench", "--peers", "sdpa"], "peer 'sdpa' cannot run here: No module named 'flash_attn'")
+    cli_fails(capsys, ["bench", "--peers", "sdpa"], "peer 'sdpa' cannot run here: No module named 'flash_attn'")
 
 
 def test_end_to_end_cpu_run(tmp_path):

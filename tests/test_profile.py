@@ -17,6 +17,7 @@ import sys
 import pytest
 import torch
 
+from conftest import cli_fails
 from flashdecode import cases, cli, hardware, planner
 from flashdecode.profile import catalogue, geometry, ncu, report, shape, timeline
 
@@ -354,13 +355,6 @@ def test_shapes_round_trip_through_their_arguments():
     assert custom.lengths() == cases.case_seqlens(3, 1000).tolist()
 
 
-def _fails(capsys, argv, message):
-    with pytest.raises(SystemExit) as exit_info:
-        cli.main(argv)
-    assert exit_info.value.code == 2
-    assert message in capsys.readouterr().err
-
-
 @pytest.mark.parametrize("argv, message", [
     (["profile", "--case", "99"], "unknown case 99"),
     (["profile", "--case", "12", "--backend", "cuda"], "invalid choice"),
@@ -370,12 +364,12 @@ def _fails(capsys, argv, message):
     (["profile", "--batch", "0", "--seqlen-cache", "64", "--nheads-k", "2", "--group", "4"], "positive integer"),
 ])
 def test_profile_argument_errors(capsys, argv, message):
-    _fails(capsys, argv, message)
+    cli_fails(capsys, argv, message)
 
 
 @pytest.mark.skipif(not NO_CUDA, reason="checks the message of a machine without CUDA")
 def test_tilelang_without_cuda_is_an_error(capsys, tmp_path):
-    _fails(capsys, ["profile", "--case", "12", "--backend", "tilelang", "--out", str(tmp_path)], "needs a CUDA device")
+    cli_fails(capsys, ["profile", "--case", "12", "--backend", "tilelang", "--out", str(tmp_path)], "needs a CUDA device")
     assert not (tmp_path / "report.json").exists()
 
 

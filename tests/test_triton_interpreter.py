@@ -9,7 +9,6 @@ twice or skipped, a wrong head mapping, a mask off by one, a bad combine weight)
 by O(1/length) or more of a unit-variance signal, far beyond 5e-3 on these short sequences, and the
 LSE by more than its 2e-3 tolerance.
 """
-import itertools
 
 import pytest
 import torch

@@ -5,6 +5,7 @@ import argparse
 import dataclasses
 
 from .. import cases, planner
+from ..cli import positive_int
 from ..validate import SUPPORTED_HEADDIMS
 
 DTYPES = ("bfloat16", "float16")
@@ -60,21 +61,11 @@ class Shape:
         return cases.make_inputs(self.case, device, dtype=getattr(torch, self.dtype), headdim=self.headdim)
 
 
-def _positive(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}")
-    return value
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """--case N, or --batch --seqlen-cache --nheads-k --group [--headdim --dtype]."""
     parser.add_argument("--case", type=int, help=f"a case of the matrix, 1-{len(cases.CASES)}")
     for flag in SHAPE_FLAGS:
-        parser.add_argument("--" + flag.replace("_", "-"), type=_positive, help="instead of --case: the shape")
+        parser.add_argument("--" + flag.replace("_", "-"), type=positive_int, help="instead of --case: the shape")
     parser.add_argument("--headdim", type=int, choices=SUPPORTED_HEADDIMS, default=cases.HEADDIM,
                         help="with the shape flags (default %(default)s)")
     parser.add_argument("--dtype", choices=DTYPES, default="bfloat16",
