@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Runs on the H200 machine (the device tool): unpack the TileLang bundle, then each step named on
-# the command line, logging everything under $OUT. Steps:
+# the command line, logging everything under $OUT (STEP_TIMEOUT, default 400 s, bounds the bench
+# and sweep steps so one stuck step cannot eat the whole call). Steps:
 #   tests       GPU test suite (tests/test_gpu.py) for both backends (TESTS_K: a pytest -k filter)
 #   bench ARGS  flashdecode bench with the given arguments (quote them as one word)
 #   sweep ARGS  benchmarks/sweep.py with the given arguments
@@ -21,11 +22,12 @@ while [ $# -gt 0 ]; do
       summary+=("tests rc=${PIPESTATUS[0]}");;
     bench)
       args=$1; shift
-      python3 -m flashdecode bench $args 2>/tmp/bench_stderr.log | tee -a "$OUT/bench.log"
+      # stderr carries the progress bar: kept, so a slow or stuck run shows where it was.
+      timeout "${STEP_TIMEOUT:-400}" python3 -m flashdecode bench $args 2>"$OUT/bench_progress.log" | tee -a "$OUT/bench.log"
       summary+=("bench rc=${PIPESTATUS[0]}");;
     sweep)
       args=$1; shift
-      python3 benchmarks/sweep.py $args 2>&1 | tee -a "$OUT/sweep.log" | tail -20
+      timeout "${STEP_TIMEOUT:-400}" python3 benchmarks/sweep.py $args 2>&1 | tee -a "$OUT/sweep.log" | tail -20
       summary+=("sweep rc=${PIPESTATUS[0]}");;
     sanitize)
       for tool in memcheck racecheck; do
@@ -41,7 +43,8 @@ while [ $# -gt 0 ]; do
       tar -czf "$OUT/profiles.tar.gz" -C /tmp/prof .;;
     hostprof)
       for backend in tilelang triton; do
-        python3 benchmarks/host_profile.py --case 3 --backend $backend 2>&1 | tee "$OUT/hostprof_$backend.log" | head -8
+        python3 benchmarks/host_profile.py --case 3 --backend $backend > "$OUT/hostprof_$backend.log" 2>&1
+        head -8 "$OUT/hostprof_$backend.log"
       done
       summary+=("hostprof");;
     *) echo "unknown step $step"; exit 2;;
