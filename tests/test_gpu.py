@@ -82,5 +82,15 @@ def test_out_of_range_lengths_give_nan_rows_on_device(backend):
     assert not out[[0, 1, 2, 4, 5, 6]].isnan().any()
 
 
+@pytest.mark.parametrize("backend", KERNEL_BACKENDS)
+def test_empty_cache(backend):
+    backend_or_skip(backend)
+    q = torch.randn(3, 1, 8, 128, device="cuda", dtype=torch.bfloat16)
+    k = torch.empty(3, 0, 2, 128, device="cuda", dtype=torch.bfloat16)
+    out, lse = flash_decode_with_kvcache(q, k, k, torch.zeros(3, dtype=torch.int32, device="cuda"),
+                                         backend=backend, return_softmax_lse=True)
+    assert (out == 0).all() and torch.isneginf(lse).all()
+
+
 def test_auto_backend_is_a_kernel_on_cuda():
     assert resolve_backend("auto", torch.device("cuda")) in KERNEL_BACKENDS

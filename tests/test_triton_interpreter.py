@@ -57,6 +57,7 @@ SHAPES = [  # (batch, seqlen_cache, nheads_k, group, headdim, lengths)
     (2, 40, 1, 32, 64, [40, 17]),
     (1, 33, 2, 4, 256, [33]),
     (4, 130, 2, 4, 128, [129, 1, 64, 0]),
+    (2, 0, 1, 4, 64, [0, 0]),  # an empty cache
 ]
 
 

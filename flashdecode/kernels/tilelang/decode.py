@@ -330,7 +330,7 @@ def run(plan, problem, q, k_cache, v_cache, cache_seqlens, out, lse, part_o, par
     part_o (P, Hq, D) and part_lse (P, Hq) fp32, 16-byte aligned (empty when nothing splits).
     """
     if problem.seqlen_cache == 0:  # no tokens anywhere (and no valid TMA descriptor for an empty cache)
-        out.zero_().masked_fill_((cache_seqlens != 0)[:, None, None], math.nan)
+        out.zero_().masked_fill_((cache_seqlens != 0)[:, None, None, None], math.nan)
         lse.fill_(-math.inf)
         return
     split, combine = kernels_for(problem.dtype, problem.headdim, problem.group, problem.nheads_k,
