@@ -1,6 +1,7 @@
 """The public call: validate -> plan -> run."""
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib.util
 import math
@@ -24,18 +25,32 @@ def tilelang_available() -> bool:
     return True
 
 
-def resolve_backend(backend: str, device: torch.device, contiguous: bool = True) -> str:
+#: The largest GQA group TileLang's kernel takes (its q tile has 64 rows).
+TILELANG_MAX_GROUP = 64
+
+
+def tilelang_limitation(tensors, group: int) -> str | None:
+    """Why TileLang cannot take this call, or None: it needs contiguous, 16-byte aligned tensors
+    (TMA descriptors, vector loads) and a group of at most TILELANG_MAX_GROUP."""
+    if group > TILELANG_MAX_GROUP:
+        return f"a GQA group of at most {TILELANG_MAX_GROUP} (got {group})"
+    if not all(t.is_contiguous() and t.data_ptr() % 16 == 0 for t in tensors):
+        return "contiguous, 16-byte aligned q, k_cache, v_cache and out"
+    return None
+
+
+def resolve_backend(backend: str, device: torch.device, tilelang_limit: str | None = None) -> str:
     """The backend that will run: 'reference' on CPU tensors, else the requested or best kernel.
 
-    TileLang's kernels take contiguous q, caches and out only; 'auto' gives other layouts to Triton.
+    'auto' picks TileLang where it can take the call (lower host time per call, measured: README),
+    Triton elsewhere; naming TileLang for a call it cannot take is an error.
     """
     if device.type != "cuda":
         return "reference" if backend in ("auto", "reference") else backend
     if backend == "auto":
-        return "tilelang" if contiguous and tilelang_available() else "triton"
-    if backend == "tilelang" and not contiguous:
-        raise ValueError("backend 'tilelang' needs contiguous q, k_cache, v_cache and out; "
-                         "use backend='triton' for strided layouts")
+        return "tilelang" if tilelang_limit is None and tilelang_available() else "triton"
+    if backend == "tilelang" and tilelang_limit is not None:
+        raise ValueError(f"backend 'tilelang' needs {tilelang_limit}; use backend='triton'")
     return backend
 
 
@@ -47,6 +62,13 @@ def _kernel_module(backend: str):
     else:
         raise ValueError(f"backend {backend!r} has no kernels")
     return module
+
+
+@functools.lru_cache(maxsize=64)
+def _uniform_seqlens(batch: int, length: int, device: torch.device) -> torch.Tensor:
+    """The int32 lengths tensor for an int (or None) cache_seqlens, made once per value: no fill
+    kernel per call. Kernels only read it."""
+    return torch.full((batch,), length, dtype=torch.int32, device=device)
 
 
 def flash_decode_with_kvcache(q, k_cache, v_cache, cache_seqlens=None, *, softmax_scale=None,
@@ -65,10 +87,11 @@ def flash_decode_with_kvcache(q, k_cache, v_cache, cache_seqlens=None, *, softma
     problem, seqlens = validate(q, k_cache, v_cache, cache_seqlens, softmax_scale, num_splits, backend, out)
     scale = 1.0 / math.sqrt(problem.headdim) if softmax_scale is None else float(softmax_scale)
     if seqlens is None or isinstance(seqlens, int):
-        fill = problem.seqlen_cache if seqlens is None else seqlens
-        seqlens = torch.full((problem.batch,), fill, dtype=torch.int32, device=q.device)
-    contiguous = all(t.is_contiguous() for t in (q, k_cache, v_cache) + (() if out is None else (out,)))
-    chosen = resolve_backend(backend, q.device, contiguous)
+        seqlens = _uniform_seqlens(problem.batch, problem.seqlen_cache if seqlens is None else seqlens, q.device)
+    limit = None
+    if q.device.type == "cuda" and backend in ("auto", "tilelang"):
+        limit = tilelang_limitation((q, k_cache, v_cache) + (() if out is None else (out,)), problem.group)
+    chosen = resolve_backend(backend, q.device, limit)
     if chosen == "reference":
         result, lse = reference_decode(q, k_cache, v_cache, seqlens, scale)
         if out is not None:
@@ -76,7 +99,7 @@ def flash_decode_with_kvcache(q, k_cache, v_cache, cache_seqlens=None, *, softma
             result = out
         return (result, lse) if return_softmax_lse else result
 
-    plan = planner.plan(problem, hardware.profile_for(q.device), num_splits)
+    plan = planner.plan(problem, hardware.profile_for(q.device), int(num_splits))
     result, lse = run_kernels(chosen, plan, problem, q, k_cache, v_cache, seqlens, scale, out)
     return (result, lse.unsqueeze(-1)) if return_softmax_lse else result
 
@@ -92,6 +115,14 @@ def run_kernels(backend, plan, problem, q, k_cache, v_cache, seqlens, softmax_sc
     part_rows = plan.programs_per_head if plan.needs_combine else 0
     part_o = torch.empty((part_rows, problem.nheads, problem.headdim), dtype=torch.float32, device=q.device)
     part_lse = torch.empty((part_rows, problem.nheads), dtype=torch.float32, device=q.device)
-    _kernel_module(backend).run(
-        plan, problem, q, k_cache, v_cache, seqlens, result, lse, part_o, part_lse, softmax_scale)
+    with _on_device(q.device):
+        _kernel_module(backend).run(
+            plan, problem, q, k_cache, v_cache, seqlens, result, lse, part_o, part_lse, softmax_scale)
     return result, lse
+
+
+def _on_device(device: torch.device):
+    """Triton launches on the current CUDA device; make it q's when it is not (no-op otherwise)."""
+    if device.type == "cuda" and device.index is not None and device.index != torch.cuda.current_device():
+        return torch.cuda.device(device)
+    return contextlib.nullcontext()

@@ -39,7 +39,7 @@ The schedule is decided in two steps.
    their output directly; the combine pass merges the others.
 
 A forced ``num_splits = F > 0`` (for tests and tuning) gives splits_b = min(F, max(1, nblk_b))
-and P = B * F.
+and P = B * F, F first capped at the blocks of a full-length sequence.
 """
 from __future__ import annotations
 
@@ -137,6 +137,7 @@ def plan(problem: Problem, profile: HardwareProfile, num_splits: int = 0) -> Pla
     block_n = choose_block_n(problem, profile)
     batch, heads_k = problem.batch, problem.nheads_k
     if num_splits > 0:
+        num_splits = min(num_splits, max(1, math.ceil(problem.seqlen_cache / block_n)))  # no empty splits
         return Plan(block_n, batch * num_splits, num_splits, can_split=num_splits > 1)
     min_chunk = MIN_BLOCKS_PER_SPLIT
     target_programs = profile.multiprocessors * PROGRAMS_PER_MULTIPROCESSOR

@@ -9,6 +9,8 @@ an out-of-range length, so a bad length is never a silent wrong answer.
 """
 from __future__ import annotations
 
+import math
+import numbers
 import os
 
 import torch
@@ -70,15 +72,18 @@ def validate(q, k_cache, v_cache, cache_seqlens, softmax_scale, num_splits, back
     if v_cache.shape != k_cache.shape:
         raise ValueError(f"v_cache must have k_cache's shape {tuple(k_cache.shape)}, got {tuple(v_cache.shape)}")
     seqlen_cache, nheads_k = k_cache.shape[1], k_cache.shape[2]
-    if nheads_k == 0 or nheads % nheads_k != 0:
+    if nheads == 0 or nheads_k == 0 or nheads % nheads_k != 0:
         raise ValueError(f"q's nheads ({nheads}) must be a multiple of k_cache's nheads_k ({nheads_k})")
     for name, tensor in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
         if tensor.stride(-1) != 1:
             raise ValueError(f"{name} must be contiguous in its last dimension, got strides {tensor.stride()}")
     seqlens = _validate_seqlens(cache_seqlens, batch, seqlen_cache, q.device)
-    if softmax_scale is not None and not isinstance(softmax_scale, (int, float)):
-        raise TypeError(f"softmax_scale must be a float or None, got {type(softmax_scale).__name__}")
-    if isinstance(num_splits, bool) or not isinstance(num_splits, int) or num_splits < 0:
+    if softmax_scale is not None:
+        if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, numbers.Real):
+            raise TypeError(f"softmax_scale must be a float or None, got {type(softmax_scale).__name__}")
+        if not math.isfinite(softmax_scale):
+            raise ValueError(f"softmax_scale must be finite, got {softmax_scale}")
+    if isinstance(num_splits, bool) or not isinstance(num_splits, numbers.Integral) or num_splits < 0:
         raise ValueError(f"num_splits must be an int >= 0 (0: planner decides), got {num_splits!r}")
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")

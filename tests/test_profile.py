@@ -54,7 +54,7 @@ def test_case12_plan_figures_on_h200():
     occupancy, tail = dims["occupancy"]["figures"], dims["tail"]["figures"]
     with_work = sum(planner.splits_per_sequence(plan, lengths)) * problem.nheads_k
     assert occupancy["grid"] == [plan.programs_per_head, 8]
-    assert occupancy["combine_grid"] == [8, 8]
+    assert occupancy["combine_grid"] == [8, 32]
     assert occupancy["programs_launched"] == plan.programs_per_head * 8
     assert occupancy["programs_with_work"] == with_work
     assert occupancy["programs_per_sm"] == pytest.approx(with_work / 132)

@@ -107,3 +107,14 @@ def test_combine_over_more_splits_than_one_step():
     splits = COMBINE_SPLITS_PER_STEP + 3
     length = splits * block_n - 5
     check_against_reference(*random_inputs(1, length, 1, 4, 64, [length]), num_splits=splits)
+
+
+@pytest.mark.parametrize("num_splits", [0, 1, 2])
+def test_nan_in_the_cache_comes_out_as_nan(num_splits):
+    """A NaN inside a row's valid tokens is not mistaken for an empty row, nor weighted away."""
+    q, k, v, seqlens = random_inputs(2, 130, 1, 4, 64, [130, 7])
+    k[0, 5, 0, 0] = float("nan")
+    out = flash_decode_with_kvcache(q, k, v, seqlens, num_splits=num_splits, backend="triton")
+    assert out[0].isnan().all()
+    assert not out[1].isnan().any()
+

@@ -84,3 +84,23 @@ def test_good_input_accepted_in_every_form():
         torch.testing.assert_close(call(q, k, v, seqlens), expected)
     out = torch.empty_like(q)
     assert call(q, k, v, s, out=out) is out
+
+
+@pytest.mark.parametrize("scale, error", [(float("nan"), ValueError), (float("inf"), ValueError), (True, TypeError)])
+def test_softmax_scale_must_be_a_finite_number(scale, error):
+    with pytest.raises(error, match="softmax_scale"):
+        call(*good(), softmax_scale=scale)
+
+
+def test_zero_query_heads_rejected():
+    q, k, v, s = good()
+    with pytest.raises(ValueError, match="nheads"):
+        call(q[:, :, :0], k, v, s)
+
+
+def test_numpy_scalars_accepted():
+    import numpy as np
+
+    q, k, v, s = good()
+    torch.testing.assert_close(call(q, k, v, s, softmax_scale=np.float32(0.125), num_splits=np.int64(2)),
+                               call(q, k, v, s, softmax_scale=0.125))

@@ -47,7 +47,7 @@ def occupancy(problem: planner.Problem, plan: planner.Plan, lengths: list[int], 
     return {
         "block_n": plan.block_n,
         "grid": list(grid),
-        "combine_grid": [problem.batch, problem.nheads_k] if plan.needs_combine else None,
+        "combine_grid": [problem.batch, problem.nheads] if plan.needs_combine else None,
         "programs_launched": launched,
         "programs_with_work": with_work,
         "multiprocessors": profile.multiprocessors,

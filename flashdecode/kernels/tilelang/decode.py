@@ -226,12 +226,12 @@ def _split_kernel(dtype, D, G, Hk, block_n, num_stages, threads, can_split, warp
                     bad = raw_len != seqlen  # length outside [0, capacity]
                     for i, d in T.Parallel(rows, D):
                         if i < G:
-                            o = T.if_then_else(l_f[i] > 0, o_f[i, d] / l_f[i], 0)
+                            o = T.if_then_else(l_f[i] == 0, 0, o_f[i, d] / l_f[i])
                             Out[b, 0, h * G + i, d] = T.cast(T.if_then_else(bad, _NAN, o), dtype)
                     for i in T.Parallel(rows):
                         if i < G:
                             Lse[b, h * G + i] = T.if_then_else(
-                                l_f[i] > 0, (T.log2(l_f[i]) + m_f[i]) * _LN2, -T.infinity(f32))
+                                l_f[i] == 0, -T.infinity(f32), (T.log2(l_f[i]) + m_f[i]) * _LN2)
                 else:
                     for i, d in T.Parallel(rows, D):
                         if i < G:

@@ -58,7 +58,7 @@ def _locate(Lens, pid, batch, capacity, num_programs, forced_splits, min_chunk,
     return seq, split, num_splits, raw_len
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["batch", "capacity", "num_programs", "forced_splits", "min_chunk"])
 def _split_kernel(Q, K, V, Lens, Out, Lse, PartO, PartLse,
                   scale_log2, batch, capacity, num_programs, forced_splits, min_chunk, nheads,
                   stride_qb, stride_qh, stride_kb, stride_kt, stride_kh,
@@ -83,8 +83,9 @@ def _split_kernel(Q, K, V, Lens, Out, Lse, PartO, PartLse,
         heads = head_k * GROUP + offs_g
         q_ptrs = Q + seq * stride_qb + heads[:, None] * stride_qh + offs_d[None, :]
         q = tl.load(q_ptrs, mask=offs_g[:, None] < GROUP, other=0.0)
-        k_base = K + seq.to(tl.int64) * stride_kb + head_k * stride_kh
-        v_base = V + seq.to(tl.int64) * stride_vb + head_k * stride_vh
+        # 64-bit offsets: a cache can exceed 2^31 elements, and so can a strided view's offsets.
+        k_base = K + seq.to(tl.int64) * stride_kb + head_k.to(tl.int64) * stride_kh
+        v_base = V + seq.to(tl.int64) * stride_vb + head_k.to(tl.int64) * stride_vh
 
         m = tl.full([GROUP_PAD], float("-inf"), tl.float32)
         l = tl.zeros([GROUP_PAD], tl.float32)
@@ -92,20 +93,23 @@ def _split_kernel(Q, K, V, Lens, Out, Lse, PartO, PartLse,
         for block_start in range(start, end, BLOCK_N):
             tokens = block_start + offs_n
             in_range = tokens < end
-            k = tl.load(k_base + tokens[:, None] * stride_kt + offs_d[None, :], mask=in_range[:, None], other=0.0)
+            k = tl.load(k_base + tokens.to(tl.int64)[:, None] * stride_kt + offs_d[None, :],
+                        mask=in_range[:, None], other=0.0)
             scores = tl.dot(q, tl.trans(k)) * scale_log2
             scores = tl.where(in_range[None, :], scores, float("-inf"))
             m_new = tl.maximum(m, tl.max(scores, 1))
             alpha = tl.exp2(m - m_new)
             p = tl.exp2(scores - m_new[:, None])
             l = l * alpha + tl.sum(p, 1)
-            v = tl.load(v_base + tokens[:, None] * stride_vt + offs_d[None, :], mask=in_range[:, None], other=0.0)
+            v = tl.load(v_base + tokens.to(tl.int64)[:, None] * stride_vt + offs_d[None, :],
+                        mask=in_range[:, None], other=0.0)
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
             m = m_new
 
-        nonempty = l > 0
-        o = tl.where(nonempty[:, None], acc / tl.where(nonempty, l, 1.0)[:, None], 0.0)
-        lse2 = tl.where(nonempty, m + tl.log2(tl.where(nonempty, l, 1.0)), float("-inf"))
+        # Only l == 0 means "no tokens": a NaN in the data makes l NaN, and NaN must come out.
+        empty = l == 0
+        o = tl.where(empty[:, None], 0.0, acc / tl.where(empty, 1.0, l)[:, None])
+        lse2 = tl.where(empty, float("-inf"), m + tl.log2(tl.where(empty, 1.0, l)))
         head_mask = offs_g < GROUP
         if num_splits == 1:
             o = tl.where(valid, o, float("nan"))
@@ -118,7 +122,7 @@ def _split_kernel(Q, K, V, Lens, Out, Lse, PartO, PartLse,
             tl.store(PartLse + part, lse2, mask=head_mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["batch", "capacity", "num_programs", "forced_splits", "min_chunk"])
 def _combine_kernel(Lens, Out, Lse, PartO, PartLse,
                     batch, capacity, num_programs, forced_splits, min_chunk, nheads,
                     stride_ob, stride_oh,
@@ -146,7 +150,7 @@ def _combine_kernel(Lens, Out, Lse, PartO, PartLse,
             part = (first + step + offs_s) * nheads + head
             part_lse = tl.load(PartLse + part, mask=live, other=float("-inf"))
             part_o = tl.load(PartO + part[:, None] * HEAD_DIM + offs_d[None, :], mask=live[:, None], other=0.0)
-            m_new = tl.maximum(m, tl.max(part_lse, 0))
+            m_new = tl.maximum(m, tl.max(part_lse, 0))  # a NaN partial still spoils w, hence the output
             w = tl.exp2(part_lse - m_new)
             alpha = tl.exp2(m - m_new)
             acc = acc * alpha + tl.sum(w[:, None] * part_o, 0)
