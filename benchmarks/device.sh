@@ -13,6 +13,8 @@ export PYTHONUNBUFFERED=1
 mkdir -p /tmp/tl && tar -xJf .gpu-bundle/tilelang-cp312.tar.xz -C /tmp/tl
 export PYTHONPATH=$PWD:/tmp/tl/tilelang_site${PYTHONPATH:+:$PYTHONPATH} CUDA_HOME=${CUDA_HOME:-/usr/local/cuda}
 OUT=${OUT:-/tmp/out}
+# Kernels prebuilt on the CPU machine (benchmarks/prebuild_tilelang_cache.py), carried as .tl-cache.
+[ -d .tl-cache ] && export TILELANG_CACHE_DIR=$PWD/.tl-cache
 summary=()
 while [ $# -gt 0 ]; do
   step=$1; shift

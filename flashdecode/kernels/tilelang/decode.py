@@ -312,14 +312,30 @@ def _combine_kernel(dtype, D, G, Hk, block_n, can_split, step, target):
     return _compile(decode_combine, target, True)
 
 
+def device_target() -> dict:
+    """The current CUDA device as an explicit TileLang target, e.g. {"kind": "cuda", "arch": "sm_90a"}.
+
+    Explicit rather than "auto" so that a kernel built for it on a machine without the GPU (CI,
+    ``benchmarks/prebuild_tilelang_cache.py``) has the same TileLang cache key as one built here.
+    """
+    import torch
+    from tilelang.contrib import nvcc
+
+    return {"kind": "cuda", "arch": f"sm_{nvcc.get_target_arch(torch.cuda.get_device_capability())}"}
+
+
 @functools.lru_cache(maxsize=None)
 def kernels_for(dtype: str, head_dim: int, group: int, kv_heads: int, block_n: int, can_split: bool,
-                registers_per_sm: int, num_stages: int = 2, threads: int = 128):
-    """(split kernel, combine kernel or None) for one specialisation, built once."""
+                registers_per_sm: int, num_stages: int = 2, threads: int = 128, target=None):
+    """(split kernel, combine kernel or None) for one specialisation, built once.
+
+    ``target``: a frozen target (``_freeze``); None means the current device's."""
+    target = target if target is not None else _freeze(device_target())
     blocks_per_sm = default_blocks_per_sm(head_dim, block_n, threads, True, registers_per_sm)
     split = build_split_kernel(dtype, head_dim, group, kv_heads, block_n, num_stages, threads, can_split,
-                               blocks_per_sm)
-    combine = build_combine_kernel(dtype, head_dim, group, kv_heads, block_n, can_split) if can_split else None
+                               blocks_per_sm, target=target)
+    combine = (build_combine_kernel(dtype, head_dim, group, kv_heads, block_n, can_split, target=target)
+               if can_split else None)
     return split, combine
 
 
