@@ -39,3 +39,10 @@ def test_compiles_for_sm90a(dtype, head_dim, group, nheads_k, can_split):
         combine = decode.build_combine_kernel(dtype, head_dim, group, nheads_k, block_n, can_split,
                                               target=TARGET)
         assert "decode_combine" in combine.get_kernel_source()
+
+
+def test_kernels_for_returns_launchers_of_the_compiled_module():
+    """The launch path bypasses TileLang's adapter: it must still find the compiled entry function."""
+    split, combine = decode.kernels_for("bfloat16", 128, 8, 4, 64, True, H200.registers_per_multiprocessor,
+                                        target=decode._freeze(TARGET))
+    assert type(split).__name__ == "Function" and type(combine).__name__ == "Function"
