@@ -5,25 +5,13 @@ Usage (GPU): python benchmarks/host_profile.py --case 3 --backend tilelang
 import argparse
 import cProfile
 import pstats
-import time
-
 import torch
 
 from flashdecode import flash_decode_with_kvcache, hardware, planner
 from flashdecode.api import run_kernels
+from flashdecode.bench.timing import Timer
 from flashdecode.cases import CASES_BY_NUMBER, make_inputs
 from flashdecode.validate import validate
-
-
-def per_call_us(fn, calls=2000):
-    fn()
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    elapsed = time.perf_counter() - start
-    torch.cuda.synchronize()
-    return elapsed / calls * 1e6
 
 
 def main():
@@ -41,8 +29,11 @@ def main():
         "run_kernels": lambda: run_kernels(args.backend, plan, problem, q, k, v, seqlens, 0.088),
         "torch.empty x1": lambda: torch.empty(16, device="cuda"),
     }
+    timer = Timer(q.device, iters=1, warmup=1, cold_l2=False)
     for name, fn in stages.items():
-        print(f"{args.backend} case {args.case} {name:16s} {per_call_us(fn):8.2f} us/call", flush=True)
+        fn()  # warm-up: compiles and caches out of the figure
+        print(f"{args.backend} case {args.case} {name:16s} {timer.host_overhead_us(fn, 2000):8.2f} us/call",
+              flush=True)
     profiler = cProfile.Profile()
     profiler.enable()
     for _ in range(2000):

@@ -1,7 +1,6 @@
 """The public call: validate -> plan -> run."""
 from __future__ import annotations
 
-import contextlib
 import functools
 import importlib.util
 import math
@@ -115,14 +114,6 @@ def run_kernels(backend, plan, problem, q, k_cache, v_cache, seqlens, softmax_sc
     part_rows = plan.programs_per_head if plan.needs_combine else 0
     part_o = torch.empty((part_rows, problem.nheads, problem.headdim), dtype=torch.float32, device=q.device)
     part_lse = torch.empty((part_rows, problem.nheads), dtype=torch.float32, device=q.device)
-    with _on_device(q.device):
-        _kernel_module(backend).run(
-            plan, problem, q, k_cache, v_cache, seqlens, result, lse, part_o, part_lse, softmax_scale)
+    _kernel_module(backend).run(
+        plan, problem, q, k_cache, v_cache, seqlens, result, lse, part_o, part_lse, softmax_scale)
     return result, lse
-
-
-def _on_device(device: torch.device):
-    """Triton launches on the current CUDA device; make it q's when it is not (no-op otherwise)."""
-    if device.type == "cuda" and device.index is not None and device.index != torch.cuda.current_device():
-        return torch.cuda.device(device)
-    return contextlib.nullcontext()

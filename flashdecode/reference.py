@@ -33,3 +33,11 @@ def reference_decode(q, k_cache, v_cache, cache_seqlens, softmax_scale=None):
         out[b] = torch.einsum("hgs,shd->hgd", probs, vb).reshape(nheads, headdim)
         lse[b] = row_lse.reshape(nheads)
     return out.to(q.dtype).unsqueeze(1), lse.unsqueeze(-1)
+
+
+def relative_error(out: torch.Tensor, reference: torch.Tensor) -> float:
+    """||out - reference|| / ||reference|| in float32 (NaN anywhere gives NaN, which fails)."""
+    if out.shape != reference.shape:
+        raise ValueError(f"output shape {tuple(out.shape)} differs from the reference's {tuple(reference.shape)}")
+    reference = reference.float()
+    return float(torch.linalg.vector_norm(out.float() - reference) / torch.linalg.vector_norm(reference))

@@ -18,12 +18,6 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
-def rel_error(actual, expected):
-    """||actual - expected|| / ||expected|| in float32 (NaN fails every comparison)."""
-    actual, expected = actual.float(), expected.float()
-    return ((actual - expected).norm() / expected.norm().clamp_min(1e-30)).item()
-
-
 def pytest_terminal_summary(terminalreporter):
     """Print the max relative error per (backend, case) gathered by the GPU tests."""
     try:

@@ -8,11 +8,10 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from conftest import rel_error
 from flashdecode import flash_decode_with_kvcache
 from flashdecode.api import resolve_backend
 from flashdecode.cases import CASES, make_inputs
-from flashdecode.reference import reference_decode
+from flashdecode.reference import reference_decode, relative_error
 
 pytestmark = pytest.mark.gpu
 TOLERANCE = 1e-2
@@ -35,7 +34,7 @@ def check(backend, q, k, v, seqlens, num_splits=0):
     assert not out.isnan().any() and not lse.isnan().any()
     empty = (seqlens == 0).cpu()
     assert (out[empty] == 0).all() and torch.isneginf(lse[empty]).all()
-    error = rel_error(out[~empty], expected_out[~empty]) if (~empty).any() else 0.0
+    error = relative_error(out[~empty], expected_out[~empty]) if (~empty).any() else 0.0
     assert error < TOLERANCE
     torch.testing.assert_close(lse[~empty], expected_lse[~empty], atol=LSE_TOLERANCE, rtol=0)
     return error

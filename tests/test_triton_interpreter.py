@@ -13,12 +13,12 @@ LSE by more than its 2e-3 tolerance.
 import pytest
 import torch
 
-from conftest import HAS_CUDA, rel_error
+from conftest import HAS_CUDA
 from flashdecode import flash_decode_with_kvcache
 from flashdecode.api import run_kernels
 from flashdecode.hardware import profile_for
 from flashdecode.planner import Problem, plan
-from flashdecode.reference import reference_decode
+from flashdecode.reference import reference_decode, relative_error
 
 DEVICE = "cuda" if HAS_CUDA else "cpu"
 OUT_TOLERANCE = 5e-3
@@ -46,7 +46,7 @@ def check_against_reference(q, k, v, seqlens, num_splits=0):
     nonempty = seqlens.cpu() > 0
     assert (out[~nonempty] == 0).all() and torch.isneginf(lse[~nonempty]).all()
     if nonempty.any():
-        assert rel_error(out[nonempty], expected_out[nonempty]) < OUT_TOLERANCE
+        assert relative_error(out[nonempty], expected_out[nonempty]) < OUT_TOLERANCE
         torch.testing.assert_close(lse[nonempty], expected_lse[nonempty], atol=LSE_TOLERANCE, rtol=0)
 
 

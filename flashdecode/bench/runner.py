@@ -26,7 +26,7 @@ import triton
 
 import flashdecode
 from flashdecode import cases, hardware, planner
-from flashdecode.reference import reference_decode
+from flashdecode.reference import reference_decode, relative_error
 from flashdecode.validate import validate
 
 from . import BenchError
@@ -170,14 +170,6 @@ def _run_case(case, selection, timer, ceiling, anchor, advance) -> CaseRun:
         if result.correct and baseline[0] is not None:
             result.speedup = baseline[0] / result.timing.median_us
     return CaseRun(case, shape, nbytes, *baseline, results)
-
-
-def relative_error(out: torch.Tensor, reference: torch.Tensor) -> float:
-    """||out - reference|| / ||reference|| in float32 (NaN anywhere gives NaN, which fails)."""
-    if out.shape != reference.shape:
-        raise ValueError(f"output shape {tuple(out.shape)} differs from the reference's {tuple(reference.shape)}")
-    reference = reference.float()
-    return float(torch.linalg.vector_norm(out.float() - reference) / torch.linalg.vector_norm(reference))
 
 
 def _measure(system: System, inputs, fresh, references, timer: Timer) -> Result:

@@ -9,8 +9,10 @@ under ``TRITON_INTERPRET=1``.
 """
 from __future__ import annotations
 
+import contextlib
 import math
 
+import torch
 import triton
 import triton.language as tl
 
@@ -163,10 +165,22 @@ def _combine_kernel(Lens, Out, Lse, PartO, PartLse,
 
 
 def run(plan, problem, q, k_cache, v_cache, seqlens, out, lse, part_o, part_lse, softmax_scale):
-    """Launch the split kernel (and the combine kernel when the plan may split).
+    """Launch the split kernel (and the combine kernel when the plan may split) on q's device.
 
     q, out: (B, 1, Hq, D); lse: (B, Hq) fp32; part_o: (P, Hq, D) fp32; part_lse: (P, Hq) fp32.
     """
+    with _on_device(q.device):
+        _launch(plan, problem, q, k_cache, v_cache, seqlens, out, lse, part_o, part_lse, softmax_scale)
+
+
+def _on_device(device):
+    """Triton launches on the current CUDA device: make it q's when it is not (no-op otherwise)."""
+    if device.type == "cuda" and device.index is not None and device.index != torch.cuda.current_device():
+        return torch.cuda.device(device)
+    return contextlib.nullcontext()
+
+
+def _launch(plan, problem, q, k_cache, v_cache, seqlens, out, lse, part_o, part_lse, softmax_scale):
     group = problem.group
     group_pad = max(16, triton.next_power_of_2(group))
     batch_pad = max(16, triton.next_power_of_2(problem.batch))
