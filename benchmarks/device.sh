@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Runs on the H200 machine (the device tool): unpack the TileLang bundle, then each step named on
-# the command line, logging everything under $OUT (STEP_TIMEOUT, default 400 s, bounds the bench
-# and sweep steps so one stuck step cannot eat the whole call). Steps:
+# the command line, logging everything under $OUT (STEP_TIMEOUT, default 400 s, bounds the bench,
+# sweep and sanitize steps so one stuck step cannot eat the whole call). Steps:
 #   tests       GPU test suite (tests/test_gpu.py) for both backends (TESTS_K: a pytest -k filter)
 #   bench ARGS  flashdecode bench with the given arguments (quote them as one word)
 #   sweep ARGS  benchmarks/sweep.py with the given arguments
@@ -13,7 +13,9 @@ export PYTHONUNBUFFERED=1
 mkdir -p /tmp/tl && tar -xJf .gpu-bundle/tilelang-cp312.tar.xz -C /tmp/tl
 export PYTHONPATH=$PWD:/tmp/tl/tilelang_site${PYTHONPATH:+:$PYTHONPATH} CUDA_HOME=${CUDA_HOME:-/usr/local/cuda}
 OUT=${OUT:-/tmp/out}
-# Kernels prebuilt on the CPU machine (benchmarks/prebuild_tilelang_cache.py), carried as .tl-cache.
+# Kernels prebuilt on the CPU machine (benchmarks/prebuild_tilelang_cache.py), carried as
+# .tl-cache.tar.xz (tar -cJf .tl-cache.tar.xz .tl-cache: ~2 MB instead of ~30 MB of the carry limit).
+[ -f .tl-cache.tar.xz ] && tar -xJf .tl-cache.tar.xz
 [ -d .tl-cache ] && export TILELANG_CACHE_DIR=$PWD/.tl-cache
 summary=()
 while [ $# -gt 0 ]; do
@@ -24,16 +26,22 @@ while [ $# -gt 0 ]; do
       summary+=("tests rc=${PIPESTATUS[0]}");;
     bench)
       args=$1; shift
-      # stderr carries the progress bar: kept, so a slow or stuck run shows where it was.
-      timeout "${STEP_TIMEOUT:-400}" python3 -m flashdecode bench $args 2>"$OUT/bench_progress.log" | tee -a "$OUT/bench.log"
-      summary+=("bench rc=${PIPESTATUS[0]}");;
+      # stderr carries the progress bar: kept, so a slow or stuck run shows where it was; on the
+      # time limit SIGABRT makes faulthandler print every thread's Python stack there, and
+      # nvidia-smi samples (every 10 s) show whether the GPU was busy meanwhile.
+      nvidia-smi --query-gpu=timestamp,utilization.gpu,memory.used --format=csv -l 10 > "$OUT/bench_smi.csv" &
+      smi=$!
+      timeout -s ABRT "${STEP_TIMEOUT:-400}" python3 -X faulthandler -m flashdecode bench $args \
+        2>"$OUT/bench_progress.log" | tee -a "$OUT/bench.log"
+      summary+=("bench rc=${PIPESTATUS[0]}")
+      kill $smi;;
     sweep)
       args=$1; shift
       timeout "${STEP_TIMEOUT:-400}" python3 benchmarks/sweep.py $args 2>&1 | tee -a "$OUT/sweep.log" | tail -20
       summary+=("sweep rc=${PIPESTATUS[0]}");;
     sanitize)
       for tool in memcheck racecheck; do
-        compute-sanitizer --tool $tool python3 benchmarks/sanitize_target.py 2>&1 | tee "$OUT/sanitize_$tool.log" | tail -6
+        timeout "${STEP_TIMEOUT:-400}" compute-sanitizer --tool $tool python3 benchmarks/sanitize_target.py 2>&1 | tee "$OUT/sanitize_$tool.log" | tail -6
         summary+=("sanitize $tool rc=${PIPESTATUS[0]}")
       done;;
     profile)

@@ -4,6 +4,8 @@ Times GPU work with the benchmark's Timer (cold L2, the call replayed from a CUD
 50), so host overhead does not hide kernel differences, and checks every variant against the
 reference in the same run.
 Usage: python benchmarks/sweep.py --backend triton --ppsm 2,4,8 --block-n 32,64 --min-chunk 2,4
+       python benchmarks/sweep.py --backend tilelang,triton --tl-stages 2,3 --tl-rows 64,16
+(--tl-* vary the TileLang split kernel's pipeline depth and q tile rows; ignored for Triton.)
 Prints one line per (case, variant) and a best-per-case table last; --log PATH keeps the lines.
 """
 import argparse
@@ -15,6 +17,7 @@ import torch
 from flashdecode import flash_decode_with_kvcache, planner
 from flashdecode.bench.timing import Timer
 from flashdecode.cases import CASES, bytes_read, make_inputs
+from flashdecode.kernels.tilelang import decode as tilelang_decode
 from flashdecode.reference import reference_decode, relative_error
 
 
@@ -24,30 +27,37 @@ def main():
     parser.add_argument("--ppsm", default=str(planner.PROGRAMS_PER_MULTIPROCESSOR))
     parser.add_argument("--block-n", default=",".join(map(str, planner.BLOCK_N_CANDIDATES[:1])))
     parser.add_argument("--min-chunk", default=str(planner.MIN_BLOCKS_PER_SPLIT))
+    parser.add_argument("--tl-stages", default=str(tilelang_decode.NUM_STAGES))
+    parser.add_argument("--tl-rows", default=str(tilelang_decode.MIN_Q_ROWS))
     parser.add_argument("--cases", default="")
     parser.add_argument("--log", default=None)
     args = parser.parse_args()
     numbers = [int(c) for c in args.cases.split(",")] if args.cases else [c.number for c in CASES]
     fa2 = {c["case"]: c["fa2"]["median_us"] for c in json.load(open("flashdecode/data/h200-peers.json"))["cases"]}
     rows, best = [], {}
+    first_tilelang_knobs = (int(args.tl_stages.split(",")[0]), int(args.tl_rows.split(",")[0]))
     timer = Timer(torch.device("cuda"), iters=50, warmup=5)
     for case in (c for c in CASES if c.number in numbers):
         q, k, v, seqlens = make_inputs(case, device="cuda")
         expected, _ = reference_decode(q, k, v, seqlens)
         nbytes = bytes_read(seqlens.tolist(), case.nheads_k, case.nheads)
-        knobs = itertools.product(*(map(int, arg.split(",")) for arg in (args.ppsm, args.block_n, args.min_chunk)))
-        for ppsm, block_n, min_chunk in knobs:
+        knobs = itertools.product(args.backend.split(","), *(
+            map(int, arg.split(",")) for arg in (args.ppsm, args.block_n, args.min_chunk, args.tl_stages, args.tl_rows)))
+        for backend, ppsm, block_n, min_chunk, stages, q_rows in knobs:
+            if backend != "tilelang" and (stages, q_rows) != first_tilelang_knobs:
+                continue  # TileLang's knobs do not change other backends: one run each
+            tilelang_decode.NUM_STAGES, tilelang_decode.MIN_Q_ROWS = stages, q_rows
             planner.PROGRAMS_PER_MULTIPROCESSOR = ppsm
             planner.BLOCK_N_CANDIDATES = (block_n,)
             planner.MIN_BLOCKS_PER_SPLIT = min_chunk
             planner.plan.cache_clear()
-            fn = lambda: flash_decode_with_kvcache(q, k, v, seqlens, backend=args.backend)
+            fn = lambda: flash_decode_with_kvcache(q, k, v, seqlens, backend=backend)
             out = fn()
             err = relative_error(out, expected)
             timing, graph_out = timer.time_graph(fn)
             err = max(err, relative_error(graph_out, expected))
             us = timing.median_us
-            row = dict(case=case.number, ppsm=ppsm, block_n=block_n, min_chunk=min_chunk, us=round(us, 2),
+            row = dict(case=case.number, backend=backend, stages=stages, rows=q_rows, ppsm=ppsm, block_n=block_n, min_chunk=min_chunk, us=round(us, 2),
                        gbps=round(nbytes / us / 1e3), speedup=round(fa2[case.number] / us, 3), rel_err=err)
             rows.append(row)
             print(json.dumps(row), flush=True)
@@ -56,10 +66,11 @@ def main():
     if args.log:
         with open(args.log, "w") as f:
             f.writelines(json.dumps(r) + "\n" for r in rows)
-    print(f"{'case':>4} {'ppsm':>4} {'bn':>4} {'minc':>4} {'graph us':>8} {'GB/s':>6} {'vsFA2':>6}")
+    print(f"{'case':>4} {'backend':>8} {'st':>2} {'rows':>4} {'ppsm':>4} {'bn':>4} {'minc':>4} {'graph us':>8} "
+          f"{'GB/s':>6} {'vsFA2':>6}")
     for number, r in sorted(best.items()):
-        print(f"{number:>4} {r['ppsm']:>4} {r['block_n']:>4} {r['min_chunk']:>4} {r['us']:>8.2f} {r['gbps']:>6} "
-              f"{r['speedup']:>6.2f}")
+        print(f"{number:>4} {r['backend']:>8} {r['stages']:>2} {r['rows']:>4} {r['ppsm']:>4} {r['block_n']:>4} "
+              f"{r['min_chunk']:>4} {r['us']:>8.2f} {r['gbps']:>6} {r['speedup']:>6.2f}")
 
 
 if __name__ == "__main__":

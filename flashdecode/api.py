@@ -103,6 +103,15 @@ def flash_decode_with_kvcache(q, k_cache, v_cache, cache_seqlens=None, *, softma
     return (result, lse.unsqueeze(-1)) if return_softmax_lse else result
 
 
+@functools.lru_cache(maxsize=64)
+def _no_partials(device: torch.device, nheads: int, headdim: int):
+    """Zero-row partial buffers for plans that never split, made once: nothing reads or writes
+    them, so sharing them between calls and streams is safe, and it saves two allocations
+    (~5 us each on the H200 machine's CPU) per call."""
+    return (torch.empty((0, nheads, headdim), dtype=torch.float32, device=device),
+            torch.empty((0, nheads), dtype=torch.float32, device=device))
+
+
 def run_kernels(backend, plan, problem, q, k_cache, v_cache, seqlens, softmax_scale, out=None):
     """Allocate the outputs and workspace, launch one backend's kernels; returns (out, lse (B, Hq)).
 
@@ -110,10 +119,12 @@ def run_kernels(backend, plan, problem, q, k_cache, v_cache, seqlens, softmax_sc
     """
     result = torch.empty_like(q) if out is None else out
     lse = torch.empty((problem.batch, problem.nheads), dtype=torch.float32, device=q.device)
-    # Split partials (16-byte aligned, as fresh allocations are); empty when nothing splits.
-    part_rows = plan.programs_per_head if plan.needs_combine else 0
-    part_o = torch.empty((part_rows, problem.nheads, problem.headdim), dtype=torch.float32, device=q.device)
-    part_lse = torch.empty((part_rows, problem.nheads), dtype=torch.float32, device=q.device)
+    if plan.needs_combine:  # split partials (16-byte aligned, as fresh allocations are)
+        rows = plan.programs_per_head
+        part_o = torch.empty((rows, problem.nheads, problem.headdim), dtype=torch.float32, device=q.device)
+        part_lse = torch.empty((rows, problem.nheads), dtype=torch.float32, device=q.device)
+    else:
+        part_o, part_lse = _no_partials(q.device, problem.nheads, problem.headdim)
     _kernel_module(backend).run(
         plan, problem, q, k_cache, v_cache, seqlens, result, lse, part_o, part_lse, softmax_scale)
     return result, lse

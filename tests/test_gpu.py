@@ -48,17 +48,26 @@ def test_case(backend, case):
     CASE_ERRORS[(backend, case.number)] = max(errors)
 
 
+#: (dtype, head dim, nheads_k, group) of the random-shape test: every dtype, head dim and a spread of
+#: groups, a fixed list because each is a compiled TileLang specialisation (~15 s to build on the
+#: H200 machine, so benchmarks/prebuild_tilelang_cache.py builds them ahead). Batch, capacity,
+#: lengths and splits are runtime values and vary freely.
+KERNEL_SHAPES = [
+    (torch.float16, 64, 1, 1), (torch.bfloat16, 64, 2, 32), (torch.float16, 128, 4, 5),
+    (torch.bfloat16, 128, 8, 16), (torch.bfloat16, 128, 1, 2), (torch.float16, 256, 2, 8),
+    (torch.bfloat16, 256, 1, 4),
+]
+RANDOM_CAPACITIES = [1, 2, 63, 64, 65, 127, 128, 129, 1000, 5000]
+
+
 @pytest.mark.parametrize("backend", KERNEL_BACKENDS)
 @settings(max_examples=25, deadline=None)
 @given(data=st.data())
 def test_random_shapes(backend, data):
     backend_or_skip(backend)
     batch = data.draw(st.integers(1, 40))
-    seqlen_cache = data.draw(st.sampled_from([1, 2, 63, 64, 65, 127, 128, 129, 1000, 5000, 70000 // batch]))
-    nheads_k = data.draw(st.sampled_from([1, 2, 4, 8]))
-    group = data.draw(st.sampled_from([1, 2, 4, 5, 8, 16, 32]))
-    headdim = data.draw(st.sampled_from([64, 128, 256]))
-    dtype = data.draw(st.sampled_from([torch.float16, torch.bfloat16]))
+    seqlen_cache = data.draw(st.sampled_from(RANDOM_CAPACITIES + [70000 // batch]))
+    dtype, headdim, nheads_k, group = data.draw(st.sampled_from(KERNEL_SHAPES))
     num_splits = data.draw(st.sampled_from([0, 0, 0, 1, 3, 16]))
     lengths = data.draw(st.lists(
         st.sampled_from([0, 1, seqlen_cache, max(0, seqlen_cache - 1)]) | st.integers(0, seqlen_cache),

@@ -2,7 +2,8 @@
 
 Runs on CPU machines: TileLang compiles without a GPU when given an explicit target. Each split
 kernel must keep the Hopper features the design relies on: TMA loads (``tma_load``) into a
-warp-specialised pipeline and wgmma for both products. The kernels run in the GPU tests.
+warp-specialised pipeline, and wgmma for both products where the q tile has 64 rows (mma.sync for
+smaller tiles). The kernels are built with the shipped knobs; they run in the GPU tests.
 """
 import itertools
 import shutil
@@ -30,11 +31,12 @@ SPECIALISATIONS = [  # (dtype, head_dim, group, nheads_k, can_split)
                          ids=lambda v: str(v))
 def test_compiles_for_sm90a(dtype, head_dim, group, nheads_k, can_split):
     block_n = choose_block_n(Problem(1, 4096, group * nheads_k, nheads_k, head_dim, dtype), H200)
-    blocks_per_sm = decode.default_blocks_per_sm(head_dim, block_n, 128, True, H200.registers_per_multiprocessor)
-    split = decode.build_split_kernel(dtype, head_dim, group, nheads_k, block_n, 2, 128, can_split,
-                                      blocks_per_sm, target=TARGET)
+    rows = decode.q_tile_rows(group, decode.MIN_Q_ROWS)
+    blocks_per_sm = decode.default_blocks_per_sm(head_dim, block_n, 128, H200.registers_per_multiprocessor, rows)
+    split = decode.build_split_kernel(dtype, head_dim, group, nheads_k, block_n, decode.NUM_STAGES, 128, can_split,
+                                      blocks_per_sm, rows, target=TARGET)
     source = split.get_kernel_source()
-    assert "tma_load" in source and "wgmma" in source
+    assert "tma_load" in source and ("wgmma" if rows >= 64 else "mma_sync") in source
     if can_split:
         combine = decode.build_combine_kernel(dtype, head_dim, group, nheads_k, block_n, can_split,
                                               target=TARGET)
@@ -44,5 +46,5 @@ def test_compiles_for_sm90a(dtype, head_dim, group, nheads_k, can_split):
 def test_kernels_for_returns_launchers_of_the_compiled_module():
     """The launch path bypasses TileLang's adapter: it must still find the compiled entry function."""
     split, combine = decode.kernels_for("bfloat16", 128, 8, 4, 64, True, H200.registers_per_multiprocessor,
-                                        target=decode._freeze(TARGET))
+                                        decode.NUM_STAGES, decode.MIN_Q_ROWS, target=decode._freeze(TARGET))
     assert type(split).__name__ == "Function" and type(combine).__name__ == "Function"

@@ -27,7 +27,9 @@ Warp specialisation stays on by default: the pipelined loop's trip count is dyna
 1, 2, ... blocks), and for a dynamic count TileLang 0.1.15 emits the multi-dimensional
 TMA path (``arrive_and_expect_tx``) with phase parity ``(i // stages) & 1``, correct for
 every count (tilelang issue #2566, a hang, only hits loops statically known to run
-once).  ``warp_specialized=False`` selects a cp.async software pipeline instead.
+once).  TileLang's other lowering, a cp.async software pipeline without warp specialisation,
+gave wrong results for these kernels on the H200 (docs/perf-log.md section 9), so it is not
+offered.
 """
 
 import functools
@@ -44,24 +46,35 @@ _LOG2E = 1.4426950408889634
 _LN2 = 0.6931471805599453
 _NAN = float("nan")
 
+#: Tuning knobs of the split kernel (benchmarks/sweep.py varies them; docs/perf-log.md has the
+#: measurements).  Depth of the K/V pipeline:
+NUM_STAGES = 2
+#: Fewest rows of the q tile (the G query heads of a KV head, zero-padded): 64 is one wgmma M tile
+#: per consumer warpgroup; 16 pads small groups less and runs mma.sync instead.
+MIN_Q_ROWS = 64
+
+
+def q_tile_rows(group: int, min_rows: int) -> int:
+    """Rows of the q tile: the group rounded up to a power of two, at least ``min_rows``."""
+    return max(min_rows, 1 << (group - 1).bit_length())
+
 
 def _freeze(target):
     """Dict targets become hashable so the builders can be lru-cached."""
     return tuple(sorted(target.items())) if isinstance(target, dict) else target
 
 
-def _compile(func, target, warp_specialized):
+def _compile(func, target):
     target = dict(target) if isinstance(target, tuple) else target
-    configs = {tilelang.PassConfigKey.TL_DISABLE_WARP_SPECIALIZED: not warp_specialized}
-    return tilelang.compile(func, target=target or "auto", execution_backend="tvm_ffi",
-                            pass_configs=configs)
+    return tilelang.compile(func, target=target or "auto", execution_backend="tvm_ffi")
 
 
-def default_blocks_per_sm(head_dim, block_n, threads, warp_specialized, registers_per_sm):
-    """2 when a consumer thread's accumulators (D/2 + 3*block_n/4 registers, plus ~16 for
-    addressing) fit the register share of two resident programs, else 1."""
-    launched = threads + 128 if warp_specialized else threads  # + the TMA producer warpgroup
-    needed = head_dim // 2 + 3 * block_n // 4 + 16
+def default_blocks_per_sm(head_dim, block_n, threads, registers_per_sm, rows=64):
+    """2 when a consumer thread's accumulators (output rows*D/threads, fp32 scores and bf16
+    probabilities 1.5*rows*block_n/threads registers, plus ~16 for addressing) fit the register
+    share of two resident programs, else 1."""
+    launched = threads + 128  # + the TMA producer warpgroup
+    needed = (rows * head_dim + 3 * rows * block_n // 2) // threads + 16
     return 2 if needed <= min(255, registers_per_sm // (2 * launched)) else 1
 
 
@@ -95,7 +108,7 @@ def _splits(nblk, chunk, forced_splits, can_split):
 
 def build_split_kernel(dtype: str, head_dim: int, group: int, kv_heads: int, block_n: int,
                        num_stages: int, threads: int, can_split: bool,
-                       blocks_per_sm: int, warp_specialized: bool = True, target=None):
+                       blocks_per_sm: int, q_rows: int = 64, target=None):
     """Compiled split kernel (cached).  ``threads`` counts consumer threads (128 per q tile of
     64 rows); warp specialisation adds a 128-thread TMA producer.  ``blocks_per_sm`` (0: auto)
     is the occupancy ptxas must allow (``__launch_bounds__``).  ``target`` defaults to the
@@ -105,17 +118,18 @@ def build_split_kernel(dtype: str, head_dim: int, group: int, kv_heads: int, blo
     programs, forced_splits, min_chunk, softmax_scale); grid (programs, kv_heads).
     """
     return _split_kernel(dtype, head_dim, group, kv_heads, block_n, num_stages, threads,
-                         bool(can_split), bool(warp_specialized), blocks_per_sm, _freeze(target))
+                         bool(can_split), blocks_per_sm, q_rows, _freeze(target))
 
 
 @functools.lru_cache(maxsize=None)
-def _split_kernel(dtype, D, G, Hk, block_n, num_stages, threads, can_split, warp_specialized,
-                  blocks_per_sm, target):
+def _split_kernel(dtype, D, G, Hk, block_n, num_stages, threads, can_split, blocks_per_sm, q_rows,
+                  target):
     Hq = Hk * G
-    rows = threads // 2  # q tile rows: 64 (one wgmma M tile) per warpgroup of 128 threads
+    rows = q_rows
+    policy = T.GemmWarpPolicy.FullRow if rows >= 64 else T.GemmWarpPolicy.FullCol
     if not 1 <= G <= rows:
-        raise ValueError(f"group size {G} needs threads >= {2 * G}")
-    shared_registers = warp_specialized and blocks_per_sm > 1
+        raise ValueError(f"group size {G} does not fit a q tile of {rows} rows")
+    shared_registers = blocks_per_sm > 1
     B, S, W = T.dynamic("batch, capacity, workspace_rows")
     f32 = T.float32
 
@@ -123,7 +137,7 @@ def _split_kernel(dtype, D, G, Hk, block_n, num_stages, threads, can_split, warp
     def attend(q_s, k_s, v_s, s_f, p_f, o_f, m_f, l_f, m_prev, alpha, rsum, scale, n_valid):
         """One online-softmax step over a K/V tile whose first ``n_valid`` tokens count."""
         T.clear(s_f)
-        T.gemm(q_s, k_s, s_f, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
+        T.gemm(q_s, k_s, s_f, transpose_B=True, policy=policy)
         for i, j in T.Parallel(rows, block_n):
             s_f[i, j] = T.if_then_else(j < n_valid, s_f[i, j] * scale, -T.infinity(f32))
         T.copy(m_f, m_prev)
@@ -137,8 +151,8 @@ def _split_kernel(dtype, D, G, Hk, block_n, num_stages, threads, can_split, warp
             l_f[i] = l_f[i] * alpha[i] + rsum[i]
         for i, d in T.Parallel(rows, D):
             o_f[i, d] *= alpha[i]
-        T.copy(s_f, p_f)
-        T.gemm(p_f, v_s, o_f, policy=T.GemmWarpPolicy.FullRow)
+        T.copy(s_f, p_f)  # p_f: a register fragment (64-row tile) or shared memory (smaller tiles)
+        T.gemm(p_f, v_s, o_f, policy=policy)
 
     @T.prim_func
     def decode_split(
@@ -165,7 +179,9 @@ def _split_kernel(dtype, D, G, Hk, block_n, num_stages, threads, can_split, warp
             k_tail = T.alloc_shared((block_n, D), dtype)  # shares memory with k_s/v_s once
             v_tail = T.alloc_shared((block_n, D), dtype)  # the pipelined loop is done
             s_f = T.alloc_fragment((rows, block_n), f32)
-            p_f = T.alloc_fragment((rows, block_n), dtype)
+            # PV reads P from registers when the q tile is one wgmma M tile (64 rows); a smaller
+            # tile's warps split the scores by column, so P goes through shared memory.
+            p_f = (T.alloc_fragment if rows >= 64 else T.alloc_shared)((rows, block_n), dtype)
             o_f = T.alloc_fragment((rows, D), f32)
             m_f = T.alloc_fragment((rows,), f32)
             l_f = T.alloc_fragment((rows,), f32)
@@ -240,7 +256,7 @@ def _split_kernel(dtype, D, G, Hk, block_n, num_stages, threads, can_split, warp
                         if i < G:
                             PartLse[pid, h * G + i] = T.log2(l_f[i]) + m_f[i]
 
-    return _compile(decode_split, target, warp_specialized)
+    return _compile(decode_split, target)
 
 
 def build_combine_kernel(dtype: str, head_dim: int, group: int, kv_heads: int, block_n: int,
@@ -309,7 +325,7 @@ def _combine_kernel(dtype, D, G, Hk, block_n, can_split, step, target):
                 if d == 0:
                     Lse[bid, hq] = (m + T.log2(w_sum)) * _LN2
 
-    return _compile(decode_combine, target, True)
+    return _compile(decode_combine, target)
 
 
 def device_target() -> dict:
@@ -326,14 +342,16 @@ def device_target() -> dict:
 
 @functools.lru_cache(maxsize=None)
 def kernels_for(dtype: str, head_dim: int, group: int, kv_heads: int, block_n: int, can_split: bool,
-                registers_per_sm: int, num_stages: int = 2, threads: int = 128, target=None):
+                registers_per_sm: int, num_stages: int, min_q_rows: int,
+                threads: int = 128, target=None):
     """(split launcher, combine launcher or None) for one specialisation, built once.
 
     ``target``: a frozen target (``_freeze``); None means the current device's."""
     target = target if target is not None else _freeze(device_target())
-    blocks_per_sm = default_blocks_per_sm(head_dim, block_n, threads, True, registers_per_sm)
+    rows = q_tile_rows(group, min_q_rows)
+    blocks_per_sm = default_blocks_per_sm(head_dim, block_n, threads, registers_per_sm, rows)
     split = build_split_kernel(dtype, head_dim, group, kv_heads, block_n, num_stages, threads, can_split,
-                               blocks_per_sm, target=target)
+                               blocks_per_sm, rows, target=target)
     combine = (build_combine_kernel(dtype, head_dim, group, kv_heads, block_n, can_split, target=target)
                if can_split else None)
     return _launcher(split), combine and _launcher(combine)
@@ -367,7 +385,8 @@ def run(plan, problem, q, k_cache, v_cache, cache_seqlens, out, lse, part_o, par
         return
     split, combine = kernels_for(problem.dtype, problem.headdim, problem.group, problem.nheads_k,
                                  plan.block_n, plan.can_split,
-                                 hardware.profile_for(q.device).registers_per_multiprocessor)
+                                 hardware.profile_for(q.device).registers_per_multiprocessor,
+                                 NUM_STAGES, MIN_Q_ROWS)
     split(q, k_cache, v_cache, cache_seqlens, out, lse, part_o, part_lse,
           plan.programs_per_head, plan.forced_splits, plan.min_chunk, softmax_scale)
     if combine is not None:
