@@ -248,3 +248,24 @@ def test_measure_checks_outputs_and_survives_failures(runner):
     assert wrong.compiled and not wrong.correct and wrong.rel_err == 1.0
     broken = measure(lambda q, k, v, lens: 1 / 0)
     assert not broken.compiled and not broken.correct and "ZeroDivisionError" in broken.error
+
+
+def test_git_commit_marks_uncommitted_changes(runner, tmp_path, monkeypatch):
+    """A run from a modified checkout must not claim a clean commit: the hash gets "-dirty"."""
+    import flashdecode
+
+    def git(*args):
+        subprocess.run(["git", *args], cwd=tmp_path, check=True, capture_output=True)
+
+    package = tmp_path / "flashdecode"
+    package.mkdir()
+    (package / "__init__.py").write_text("x = 1\n")
+    git("init", "-q")
+    git("-c", "user.email=t@t", "-c", "user.name=t", "commit", "-q", "--allow-empty", "-m", "empty")
+    git("add", ".")
+    git("-c", "user.email=t@t", "-c", "user.name=t", "commit", "-q", "-m", "package")
+    monkeypatch.setattr(flashdecode, "__file__", str(package / "__init__.py"))
+    clean = runner.git_commit()
+    assert clean is not None and len(clean) == 40
+    (package / "__init__.py").write_text("x = 2\n")
+    assert runner.git_commit() == clean + "-dirty"

@@ -221,13 +221,19 @@ def _version(distribution: str) -> str | None:
 
 
 def git_commit() -> str | None:
-    """HEAD of the repository flashdecode is imported from, or None (not a checkout, no git)."""
-    try:
-        done = subprocess.run(["git", "rev-parse", "HEAD"], cwd=pathlib.Path(flashdecode.__file__).parent,
+    """HEAD of the repository flashdecode is imported from, with "-dirty" appended when tracked files
+    differ from it (the numbers then belong to uncommitted code); None when not a checkout or no git."""
+    def git(*args):
+        return subprocess.run(["git", *args], cwd=pathlib.Path(flashdecode.__file__).parent,
                               capture_output=True, text=True, timeout=10)
+    try:
+        head = git("rev-parse", "HEAD")
+        if head.returncode != 0:
+            return None
+        changed = git("status", "--porcelain", "--untracked-files=no")
     except (OSError, subprocess.SubprocessError):
         return None
-    return done.stdout.strip() if done.returncode == 0 else None
+    return head.stdout.strip() + ("-dirty" if changed.returncode == 0 and changed.stdout.strip() else "")
 
 
 def _environment(selection: Selection) -> dict:
