@@ -41,13 +41,21 @@ def tilelang_limitation(tensors, group: int) -> str | None:
 def resolve_backend(backend: str, device: torch.device, tilelang_limit: str | None = None) -> str:
     """The backend that will run: 'reference' on CPU tensors, else the requested or best kernel.
 
-    'auto' picks TileLang where it can take the call (lower host time per call, measured: README),
-    Triton elsewhere; naming TileLang for a call it cannot take is an error.
+    'auto', from the H200 benchmark in docs/benchmarks.md ("How auto chooses"):
+    * while a CUDA graph is being captured, Triton: replayed, a call costs only GPU time, and
+      Triton's is lower on 11 of the 14 cases (by 3-43%; TileLang's by at most 6% on the other 3);
+    * eagerly, TileLang where it can take the call: a call then costs its host time whenever the
+      GPU work is shorter, and TileLang's is about half of Triton's (56 against 120 us on the GPU
+      machine's CPU), which gave it the lower median on 10 of the 14 cases.
+    Triton takes whatever TileLang cannot (or when TileLang is not installed); naming TileLang for
+    a call it cannot take is an error.
     """
     if device.type != "cuda":
         return "reference" if backend in ("auto", "reference") else backend
     if backend == "auto":
-        return "tilelang" if tilelang_limit is None and tilelang_available() else "triton"
+        if tilelang_limit is not None or not tilelang_available() or torch.cuda.is_current_stream_capturing():
+            return "triton"
+        return "tilelang"
     if backend == "tilelang" and tilelang_limit is not None:
         raise ValueError(f"backend 'tilelang' needs {tilelang_limit}; use backend='triton'")
     return backend

@@ -104,3 +104,20 @@ def test_numpy_scalars_accepted():
     q, k, v, s = good()
     torch.testing.assert_close(call(q, k, v, s, softmax_scale=np.float32(0.125), num_splits=np.int64(2)),
                                call(q, k, v, s, softmax_scale=0.125))
+
+
+def test_auto_backend_rule(monkeypatch):
+    """'auto' on CUDA: Triton under CUDA-graph capture (lower GPU time), TileLang eagerly where it can
+    run (lower host time), Triton where TileLang cannot take the call (docs/benchmarks.md)."""
+    from flashdecode import api
+
+    cuda = torch.device("cuda", 0)
+    monkeypatch.setattr(api, "tilelang_available", lambda: True)
+    for capturing, limit, expected in [(False, None, "tilelang"), (True, None, "triton"),
+                                       (False, "a GQA group of at most 64 (got 128)", "triton")]:
+        monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing)
+        assert api.resolve_backend("auto", cuda, limit) == expected
+    monkeypatch.setattr(api, "tilelang_available", lambda: False)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    assert api.resolve_backend("auto", cuda) == "triton"
+    assert api.resolve_backend("auto", torch.device("cpu")) == "reference"
