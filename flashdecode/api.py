@@ -28,9 +28,17 @@ def tilelang_available() -> bool:
 TILELANG_MAX_GROUP = 64
 
 
+@functools.lru_cache(maxsize=None)
+def _is_hopper(device_index: int) -> bool:
+    return torch.cuda.get_device_capability(device_index)[0] == 9
+
+
 def tilelang_limitation(tensors, group: int) -> str | None:
-    """Why TileLang cannot take this call, or None: it needs contiguous, 16-byte aligned tensors
-    (TMA descriptors, vector loads) and a group of at most TILELANG_MAX_GROUP."""
+    """Why TileLang cannot take this call, or None: it needs a Hopper GPU (TMA, wgmma, sm_90a),
+    contiguous, 16-byte aligned tensors (TMA descriptors, vector loads) and a group of at most
+    TILELANG_MAX_GROUP."""
+    if not _is_hopper(tensors[0].device.index):
+        return "a Hopper GPU (compute capability 9.x)"
     if group > TILELANG_MAX_GROUP:
         return f"a GQA group of at most {TILELANG_MAX_GROUP} (got {group})"
     if not all(t.is_contiguous() and t.data_ptr() % 16 == 0 for t in tensors):

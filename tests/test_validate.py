@@ -121,3 +121,20 @@ def test_auto_backend_rule(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
     assert api.resolve_backend("auto", cuda) == "triton"
     assert api.resolve_backend("auto", torch.device("cpu")) == "reference"
+
+
+def test_tilelang_limitation_names_what_tilelang_needs(monkeypatch):
+    """TileLang's kernels are sm_90a-only (TMA, wgmma): other GPUs, odd groups and strided tensors go
+    to Triton under 'auto', and naming TileLang for them is an error."""
+    from flashdecode import api
+
+    q = torch.randn(2, 1, 8, 64)
+    k = torch.randn(2, 16, 2, 64)
+    monkeypatch.setattr(api, "_is_hopper", lambda index: False)
+    assert "Hopper" in api.tilelang_limitation((q, k, k), 4)
+    monkeypatch.setattr(api, "_is_hopper", lambda index: True)
+    assert api.tilelang_limitation((q, k, k), 4) is None
+    assert "group of at most 64" in api.tilelang_limitation((q, k, k), 128)
+    assert "contiguous" in api.tilelang_limitation((q, k.transpose(1, 2), k), 4)
+    with pytest.raises(ValueError, match="backend 'tilelang' needs a Hopper GPU"):
+        api.resolve_backend("tilelang", torch.device("cuda", 0), "a Hopper GPU (compute capability 9.x)")
