@@ -29,7 +29,9 @@ TILELANG_MAX_GROUP = 64
 
 
 @functools.lru_cache(maxsize=None)
-def _is_hopper(device_index: int) -> bool:
+def is_hopper(device_index: int | None) -> bool:
+    """Whether CUDA device ``device_index`` (None: the current one) is a Hopper (sm_90), the only
+    GPU TileLang's kernels are built for."""
     return torch.cuda.get_device_capability(device_index)[0] == 9
 
 
@@ -37,7 +39,7 @@ def tilelang_limitation(tensors, group: int) -> str | None:
     """Why TileLang cannot take this call, or None: it needs a Hopper GPU (TMA, wgmma, sm_90a),
     contiguous, 16-byte aligned tensors (TMA descriptors, vector loads) and a group of at most
     TILELANG_MAX_GROUP."""
-    if not _is_hopper(tensors[0].device.index):
+    if not is_hopper(tensors[0].device.index):
         return "a Hopper GPU (compute capability 9.x)"
     if group > TILELANG_MAX_GROUP:
         return f"a GQA group of at most {TILELANG_MAX_GROUP} (got {group})"
@@ -49,19 +51,18 @@ def tilelang_limitation(tensors, group: int) -> str | None:
 def resolve_backend(backend: str, device: torch.device, tilelang_limit: str | None = None) -> str:
     """The backend that will run: 'reference' on CPU tensors, else the requested or best kernel.
 
-    'auto', from the H200 benchmark in docs/benchmarks.md ("How auto chooses"):
-    * while a CUDA graph is being captured, Triton: replayed, a call costs only GPU time, and
-      Triton's is lower on 11 of the 14 cases (by 3-43%; TileLang's by at most 6% on the other 3);
-    * eagerly, TileLang where it can take the call: a call then costs its host time whenever the
-      GPU work is shorter, and TileLang's is about half of Triton's (56 against 120 us on the GPU
-      machine's CPU), which gave it the lower median on 10 of the 14 cases.
-    Triton takes whatever TileLang cannot (or when TileLang is not installed); naming TileLang for
-    a call it cannot take is an error.
+    'auto' takes TileLang where it can run the call (Hopper, contiguous 16-byte aligned tensors,
+    group <= 64) and Triton elsewhere. Measured on the H200 (docs/benchmarks.md, "How auto
+    chooses"): a call costs its host time whenever the GPU work is shorter, and TileLang's is about
+    half of Triton's, which gave it the lower median on 10 of the 14 cases. Replayed from a CUDA
+    graph, where only GPU time counts, Triton is faster on 11 of the 14: graph users should name
+    backend="triton" (auto does not switch during capture, where a first Triton compile could not
+    run). Naming TileLang for a call it cannot take is an error.
     """
     if device.type != "cuda":
         return "reference" if backend in ("auto", "reference") else backend
     if backend == "auto":
-        if tilelang_limit is not None or not tilelang_available() or torch.cuda.is_current_stream_capturing():
+        if tilelang_limit is not None or not tilelang_available() or not is_hopper(device.index):
             return "triton"
         return "tilelang"
     if backend == "tilelang" and tilelang_limit is not None:

@@ -269,3 +269,14 @@ def test_git_commit_marks_uncommitted_changes(runner, tmp_path, monkeypatch):
     assert clean is not None and len(clean) == 40
     (package / "__init__.py").write_text("x = 2\n")
     assert runner.git_commit() == clean + "-dirty"
+
+
+def test_tilelang_backend_needs_a_hopper(runner, monkeypatch):
+    """On another GPU the TileLang backend is skipped with the reason, not timed into 14 failures."""
+    from flashdecode.bench import BenchError
+
+    monkeypatch.setattr(runner, "is_hopper", lambda index: False)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *args: "Fake A100")
+    with pytest.raises(BenchError, match="needs a Hopper GPU .*Fake A100"):
+        runner._our_backend("tilelang", cuda=True)

@@ -26,6 +26,7 @@ import triton
 
 import flashdecode
 from flashdecode import cases, hardware, planner
+from flashdecode.api import is_hopper
 from flashdecode.reference import reference_decode, relative_error
 from flashdecode.validate import validate
 
@@ -85,6 +86,9 @@ def _our_backend(name: str, cuda: bool) -> System:
                       _OURS_CALL.format(name), _setup_ours(name))
     if not cuda:
         raise BenchError(f"backend {name!r} needs a CUDA device")
+    if not is_hopper(torch.cuda.current_device()):
+        raise BenchError(f"backend {name!r} needs a Hopper GPU (compute capability 9.x), "
+                         f"got {torch.cuda.get_device_name()}")
     try:
         from flashdecode.kernels import tilelang as module
     except Exception as error:  # noqa: BLE001 - any import failure means the backend cannot run
@@ -233,7 +237,9 @@ def git_commit() -> str | None:
         changed = git("status", "--porcelain", "--untracked-files=no")
     except (OSError, subprocess.SubprocessError):
         return None
-    return head.stdout.strip() + ("-dirty" if changed.returncode == 0 and changed.stdout.strip() else "")
+    if changed.returncode != 0:
+        return head.stdout.strip() + "-unknown-state"
+    return head.stdout.strip() + ("-dirty" if changed.stdout.strip() else "")
 
 
 def _environment(selection: Selection) -> dict:
