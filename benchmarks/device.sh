@@ -29,12 +29,13 @@ while [ $# -gt 0 ]; do
       # stderr carries the progress bar: kept, so a slow or stuck run shows where it was; on the
       # time limit SIGABRT makes faulthandler print every thread's Python stack there, and
       # nvidia-smi samples (every 10 s) show whether the GPU was busy meanwhile.
-      nvidia-smi --query-gpu=timestamp,utilization.gpu,memory.used --format=csv -l 10 > "$OUT/bench_smi.csv" &
+      nvidia-smi --query-gpu=timestamp,utilization.gpu,memory.used --format=csv -l 10 >> "$OUT/bench_smi.csv" &
       smi=$!
-      timeout -s ABRT "${STEP_TIMEOUT:-400}" python3 -X faulthandler -m flashdecode bench $args \
+      trap 'kill $smi 2>/dev/null' EXIT
+      timeout -k 30 -s ABRT "${STEP_TIMEOUT:-400}" python3 -X faulthandler -m flashdecode bench $args \
         2>"$OUT/bench_progress.log" | tee -a "$OUT/bench.log"
       summary+=("bench rc=${PIPESTATUS[0]}")
-      kill $smi;;
+      kill $smi 2>/dev/null; trap - EXIT;;
     sweep)
       args=$1; shift
       timeout "${STEP_TIMEOUT:-400}" python3 benchmarks/sweep.py $args 2>&1 | tee -a "$OUT/sweep.log" | tail -20

@@ -23,9 +23,6 @@ from flashdecode.cases import CASES  # noqa: E402
 from flashdecode.hardware import PROFILES  # noqa: E402
 from flashdecode.kernels.tilelang import decode  # noqa: E402
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "tests"))
-import test_gpu  # noqa: E402  (its KERNEL_SHAPES: the random-shape test's specialisations)
-
 H200_TARGET = decode._freeze({"kind": "cuda", "arch": "sm_90a"})
 
 
@@ -34,10 +31,14 @@ def specialisations(with_tests: bool):
     with ``with_tests`` the GPU tests' calls."""
     problems = [planner.Problem(c.batch, c.seqlen_cache, c.nheads, c.nheads_k, 128, "bfloat16") for c in CASES]
     problems.append(planner.Problem(3, 1, 8, 2, 128, "bfloat16"))  # empty-cache test's kernels (unsplit)
-    for dtype, headdim, nheads_k, group in test_gpu.KERNEL_SHAPES if with_tests else ():
-        for batch, capacity in itertools.product((1, 40), test_gpu.RANDOM_CAPACITIES + [70000]):
-            problems.append(planner.Problem(batch, capacity, nheads_k * group, nheads_k, headdim,
-                                            str(dtype).removeprefix("torch.")))
+    if with_tests:  # the random-shape test's kernels (its KERNEL_SHAPES); needs pytest and hypothesis
+        sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "tests"))
+        import test_gpu
+
+        for dtype, headdim, nheads_k, group in test_gpu.KERNEL_SHAPES:
+            for batch, capacity in itertools.product((1, 40), test_gpu.RANDOM_CAPACITIES + [70000]):
+                problems.append(planner.Problem(batch, capacity, nheads_k * group, nheads_k, headdim,
+                                                str(dtype).removeprefix("torch.")))
     for problem in problems:
         for num_splits in (0, 3):
             yield problem, planner.plan(problem, PROFILES["h200"], num_splits)

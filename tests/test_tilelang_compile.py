@@ -43,6 +43,20 @@ def test_compiles_for_sm90a(dtype, head_dim, group, nheads_k, can_split):
         assert "decode_combine" in combine.get_kernel_source()
 
 
+@pytest.mark.parametrize("dtype,head_dim,group", [("bfloat16", 128, 8), ("float16", 256, 4), ("bfloat16", 64, 32)],
+                         ids=str)
+def test_small_q_tile_variant_compiles(dtype, head_dim, group):
+    """The sweep's ``MIN_Q_ROWS = 16`` variant (perf log 10): mma.sync with column-split warps."""
+    block_n = choose_block_n(Problem(1, 4096, group * 2, 2, head_dim, dtype), H200)
+    rows = decode.q_tile_rows(group, 16)
+    assert rows == max(16, group)
+    blocks_per_sm = decode.default_blocks_per_sm(head_dim, block_n, 128, H200.registers_per_multiprocessor, rows)
+    split = decode.build_split_kernel(dtype, head_dim, group, 2, block_n, decode.NUM_STAGES, 128, True,
+                                      blocks_per_sm, rows, target=TARGET)
+    source = split.get_kernel_source()
+    assert "tma_load" in source and "mma_sync" in source and "wgmma" not in source
+
+
 def test_kernels_for_returns_launchers_of_the_compiled_module():
     """The launch path bypasses TileLang's adapter: it must still find the compiled entry function."""
     split, combine = decode.kernels_for("bfloat16", 128, 8, 4, 64, True, H200.registers_per_multiprocessor,

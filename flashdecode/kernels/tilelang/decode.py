@@ -109,8 +109,8 @@ def _splits(nblk, chunk, forced_splits, can_split):
 def build_split_kernel(dtype: str, head_dim: int, group: int, kv_heads: int, block_n: int,
                        num_stages: int, threads: int, can_split: bool,
                        blocks_per_sm: int, q_rows: int = 64, target=None):
-    """Compiled split kernel (cached).  ``threads`` counts consumer threads (128 per q tile of
-    64 rows); warp specialisation adds a 128-thread TMA producer.  ``blocks_per_sm`` (0: auto)
+    """Compiled split kernel (cached).  ``threads`` counts consumer threads: one warpgroup, 128,
+    whatever the q tile's ``q_rows``; warp specialisation adds a 128-thread TMA producer.  ``blocks_per_sm`` (0: auto)
     is the occupancy ptxas must allow (``__launch_bounds__``).  ``target`` defaults to the
     local GPU; pass e.g. {"kind": "cuda", "arch": "sm_90a"} to build without one.
 
@@ -126,6 +126,8 @@ def _split_kernel(dtype, D, G, Hk, block_n, num_stages, threads, can_split, bloc
                   target):
     Hq = Hk * G
     rows = q_rows
+    if threads != 128:
+        raise ValueError(f"the split kernel has one consumer warpgroup (128 threads), got {threads}")
     policy = T.GemmWarpPolicy.FullRow if rows >= 64 else T.GemmWarpPolicy.FullCol
     if not 1 <= G <= rows:
         raise ValueError(f"group size {G} does not fit a q tile of {rows} rows")
@@ -342,13 +344,12 @@ def device_target() -> dict:
 
 @functools.lru_cache(maxsize=None)
 def kernels_for(dtype: str, head_dim: int, group: int, kv_heads: int, block_n: int, can_split: bool,
-                registers_per_sm: int, num_stages: int, min_q_rows: int,
-                threads: int = 128, target=None):
+                registers_per_sm: int, num_stages: int, min_q_rows: int, target=None):
     """(split launcher, combine launcher or None) for one specialisation, built once.
 
     ``target``: a frozen target (``_freeze``); None means the current device's."""
     target = target if target is not None else _freeze(device_target())
-    rows = q_tile_rows(group, min_q_rows)
+    rows, threads = q_tile_rows(group, min_q_rows), 128
     blocks_per_sm = default_blocks_per_sm(head_dim, block_n, threads, registers_per_sm, rows)
     split = build_split_kernel(dtype, head_dim, group, kv_heads, block_n, num_stages, threads, can_split,
                                blocks_per_sm, rows, target=target)
