@@ -36,11 +36,9 @@ def is_hopper(device_index: int | None) -> bool:
 
 
 def tilelang_limitation(tensors, group: int) -> str | None:
-    """Why TileLang cannot take this call, or None: it needs a Hopper GPU (TMA, wgmma, sm_90a),
-    contiguous, 16-byte aligned tensors (TMA descriptors, vector loads) and a group of at most
-    TILELANG_MAX_GROUP."""
-    if not is_hopper(tensors[0].device.index):
-        return "a Hopper GPU (compute capability 9.x)"
+    """Why TileLang cannot take these tensors, or None: it needs contiguous, 16-byte aligned tensors
+    (TMA descriptors, vector loads) and a group of at most TILELANG_MAX_GROUP. (The device's own
+    requirement, a Hopper, is checked by resolve_backend.)"""
     if group > TILELANG_MAX_GROUP:
         return f"a GQA group of at most {TILELANG_MAX_GROUP} (got {group})"
     if not all(t.is_contiguous() and t.data_ptr() % 16 == 0 for t in tensors):
@@ -51,21 +49,24 @@ def tilelang_limitation(tensors, group: int) -> str | None:
 def resolve_backend(backend: str, device: torch.device, tilelang_limit: str | None = None) -> str:
     """The backend that will run: 'reference' on CPU tensors, else the requested or best kernel.
 
-    'auto' takes TileLang where it can run the call (Hopper, contiguous 16-byte aligned tensors,
-    group <= 64) and Triton elsewhere. Measured on the H200 (docs/benchmarks.md, "How auto
-    chooses"): a call costs its host time whenever the GPU work is shorter, and TileLang's is about
-    half of Triton's, which gave it the lower median on 10 of the 14 cases. Replayed from a CUDA
-    graph, where only GPU time counts, Triton is faster on 11 of the 14: graph users should name
-    backend="triton" (auto does not switch during capture, where a first Triton compile could not
-    run). Naming TileLang for a call it cannot take is an error.
+    ``tilelang_limit``: what the call's tensors lack for TileLang (``tilelang_limitation``); the
+    device is checked here (TileLang's kernels are Hopper-only: TMA, wgmma, sm_90a).
+    'auto' takes TileLang where it can run the call and Triton elsewhere. Measured on the H200
+    (docs/benchmarks.md, "How auto chooses"): a call costs its host time whenever the GPU work is
+    shorter, and TileLang's is about half of Triton's, which gave it the lower median on 10 of the
+    14 cases. Replayed from a CUDA graph, where only GPU time counts, Triton is faster on 11 of the
+    14: graph users should name backend="triton" (auto does not switch during capture, where a
+    first Triton compile could not run). Naming TileLang for a call it cannot take is an error.
     """
     if device.type != "cuda":
         return "reference" if backend in ("auto", "reference") else backend
+    if backend not in ("auto", "tilelang"):
+        return backend
+    if tilelang_limit is None and not is_hopper(device.index):
+        tilelang_limit = "a Hopper GPU (compute capability 9.x)"
     if backend == "auto":
-        if tilelang_limit is not None or not tilelang_available() or not is_hopper(device.index):
-            return "triton"
-        return "tilelang"
-    if backend == "tilelang" and tilelang_limit is not None:
+        return "tilelang" if tilelang_limit is None and tilelang_available() else "triton"
+    if tilelang_limit is not None:
         raise ValueError(f"backend 'tilelang' needs {tilelang_limit}; use backend='triton'")
     return backend
 

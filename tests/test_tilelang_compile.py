@@ -32,8 +32,8 @@ SPECIALISATIONS = [  # (dtype, head_dim, group, nheads_k, can_split)
 def test_compiles_for_sm90a(dtype, head_dim, group, nheads_k, can_split):
     block_n = choose_block_n(Problem(1, 4096, group * nheads_k, nheads_k, head_dim, dtype), H200)
     rows = decode.q_tile_rows(group, decode.MIN_Q_ROWS)
-    blocks_per_sm = decode.default_blocks_per_sm(head_dim, block_n, 128, H200.registers_per_multiprocessor, rows)
-    split = decode.build_split_kernel(dtype, head_dim, group, nheads_k, block_n, decode.NUM_STAGES, 128, can_split,
+    blocks_per_sm = decode.default_blocks_per_sm(head_dim, block_n, H200.registers_per_multiprocessor, rows)
+    split = decode.build_split_kernel(dtype, head_dim, group, nheads_k, block_n, decode.NUM_STAGES, can_split,
                                       blocks_per_sm, rows, target=TARGET)
     source = split.get_kernel_source()
     assert "tma_load" in source and ("wgmma" if rows >= 64 else "mma_sync") in source
@@ -50,8 +50,8 @@ def test_small_q_tile_variant_compiles(dtype, head_dim, group):
     block_n = choose_block_n(Problem(1, 4096, group * 2, 2, head_dim, dtype), H200)
     rows = decode.q_tile_rows(group, 16)
     assert rows == max(16, group)
-    blocks_per_sm = decode.default_blocks_per_sm(head_dim, block_n, 128, H200.registers_per_multiprocessor, rows)
-    split = decode.build_split_kernel(dtype, head_dim, group, 2, block_n, decode.NUM_STAGES, 128, True,
+    blocks_per_sm = decode.default_blocks_per_sm(head_dim, block_n, H200.registers_per_multiprocessor, rows)
+    split = decode.build_split_kernel(dtype, head_dim, group, 2, block_n, decode.NUM_STAGES, True,
                                       blocks_per_sm, rows, target=TARGET)
     source = split.get_kernel_source()
     assert "tma_load" in source and "mma_sync" in source and "wgmma" not in source

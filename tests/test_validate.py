@@ -128,11 +128,17 @@ def test_tilelang_limitation_names_what_tilelang_needs(monkeypatch):
 
     q = torch.randn(2, 1, 8, 64)
     k = torch.randn(2, 16, 2, 64)
+    cuda = torch.device("cuda", 0)
+    monkeypatch.setattr(api, "tilelang_available", lambda: True)
     monkeypatch.setattr(api, "is_hopper", lambda index: False)
-    assert "Hopper" in api.tilelang_limitation((q, k, k), 4)
+    assert api.resolve_backend("auto", cuda, api.tilelang_limitation((q, k, k), 4)) == "triton"
+    with pytest.raises(ValueError, match="backend 'tilelang' needs a Hopper GPU"):
+        api.resolve_backend("tilelang", cuda, api.tilelang_limitation((q, k, k), 4))
     monkeypatch.setattr(api, "is_hopper", lambda index: True)
     assert api.tilelang_limitation((q, k, k), 4) is None
+    assert api.resolve_backend("tilelang", cuda, None) == "tilelang"
     assert "group of at most 64" in api.tilelang_limitation((q, k, k), 128)
     assert "contiguous" in api.tilelang_limitation((q, k.transpose(1, 2), k), 4)
-    with pytest.raises(ValueError, match="backend 'tilelang' needs a Hopper GPU"):
-        api.resolve_backend("tilelang", torch.device("cuda", 0), "a Hopper GPU (compute capability 9.x)")
+    with pytest.raises(ValueError, match="backend 'tilelang' needs contiguous"):
+        api.resolve_backend("tilelang", cuda, api.tilelang_limitation((q, k.transpose(1, 2), k), 4))
+    assert api.resolve_backend("triton", cuda, None) == "triton"

@@ -54,6 +54,11 @@ NUM_STAGES = 2
 MIN_Q_ROWS = 64
 
 
+#: Consumer threads of the split kernel: one warpgroup, whatever the q tile's rows (warp
+#: specialisation adds a 128-thread TMA producer warpgroup).
+CONSUMER_THREADS = 128
+
+
 def q_tile_rows(group: int, min_rows: int) -> int:
     """Rows of the q tile: the group rounded up to a power of two, at least ``min_rows``."""
     return max(min_rows, 1 << (group - 1).bit_length())
@@ -69,12 +74,12 @@ def _compile(func, target):
     return tilelang.compile(func, target=target or "auto", execution_backend="tvm_ffi")
 
 
-def default_blocks_per_sm(head_dim, block_n, threads, registers_per_sm, rows=64):
+def default_blocks_per_sm(head_dim, block_n, registers_per_sm, rows=64):
     """2 when a consumer thread's accumulators (output rows*D/threads, fp32 scores and bf16
     probabilities 1.5*rows*block_n/threads registers, plus ~16 for addressing) fit the register
     share of two resident programs, else 1."""
-    launched = threads + 128  # + the TMA producer warpgroup
-    needed = (rows * head_dim + 3 * rows * block_n // 2) // threads + 16
+    launched = 2 * CONSUMER_THREADS  # consumers + the TMA producer warpgroup
+    needed = (rows * head_dim + 3 * rows * block_n // 2) // CONSUMER_THREADS + 16
     return 2 if needed <= min(255, registers_per_sm // (2 * launched)) else 1
 
 
@@ -107,27 +112,24 @@ def _splits(nblk, chunk, forced_splits, can_split):
 
 
 def build_split_kernel(dtype: str, head_dim: int, group: int, kv_heads: int, block_n: int,
-                       num_stages: int, threads: int, can_split: bool,
-                       blocks_per_sm: int, q_rows: int = 64, target=None):
-    """Compiled split kernel (cached).  ``threads`` counts consumer threads: one warpgroup, 128,
-    whatever the q tile's ``q_rows``; warp specialisation adds a 128-thread TMA producer.  ``blocks_per_sm`` (0: auto)
-    is the occupancy ptxas must allow (``__launch_bounds__``).  ``target`` defaults to the
-    local GPU; pass e.g. {"kind": "cuda", "arch": "sm_90a"} to build without one.
+                       num_stages: int, can_split: bool, blocks_per_sm: int, q_rows: int = 64,
+                       target=None):
+    """Compiled split kernel (cached): a q tile of ``q_rows`` rows, ``CONSUMER_THREADS`` consumer
+    threads and a TMA producer warpgroup.  ``blocks_per_sm`` is the occupancy ptxas must allow
+    (``__launch_bounds__``).  ``target`` defaults to the local GPU; pass e.g.
+    {"kind": "cuda", "arch": "sm_90a"} to build without one.
 
     Call: (q, k_cache, v_cache, cache_seqlens, out, lse, part_o, part_lse,
     programs, forced_splits, min_chunk, softmax_scale); grid (programs, kv_heads).
     """
-    return _split_kernel(dtype, head_dim, group, kv_heads, block_n, num_stages, threads,
-                         bool(can_split), blocks_per_sm, q_rows, _freeze(target))
+    return _split_kernel(dtype, head_dim, group, kv_heads, block_n, num_stages, bool(can_split),
+                         blocks_per_sm, q_rows, _freeze(target))
 
 
 @functools.lru_cache(maxsize=None)
-def _split_kernel(dtype, D, G, Hk, block_n, num_stages, threads, can_split, blocks_per_sm, q_rows,
-                  target):
+def _split_kernel(dtype, D, G, Hk, block_n, num_stages, can_split, blocks_per_sm, q_rows, target):
     Hq = Hk * G
-    rows = q_rows
-    if threads != 128:
-        raise ValueError(f"the split kernel has one consumer warpgroup (128 threads), got {threads}")
+    rows, threads = q_rows, CONSUMER_THREADS
     policy = T.GemmWarpPolicy.FullRow if rows >= 64 else T.GemmWarpPolicy.FullCol
     if not 1 <= G <= rows:
         raise ValueError(f"group size {G} does not fit a q tile of {rows} rows")
@@ -349,9 +351,9 @@ def kernels_for(dtype: str, head_dim: int, group: int, kv_heads: int, block_n: i
 
     ``target``: a frozen target (``_freeze``); None means the current device's."""
     target = target if target is not None else _freeze(device_target())
-    rows, threads = q_tile_rows(group, min_q_rows), 128
-    blocks_per_sm = default_blocks_per_sm(head_dim, block_n, threads, registers_per_sm, rows)
-    split = build_split_kernel(dtype, head_dim, group, kv_heads, block_n, num_stages, threads, can_split,
+    rows = q_tile_rows(group, min_q_rows)
+    blocks_per_sm = default_blocks_per_sm(head_dim, block_n, registers_per_sm, rows)
+    split = build_split_kernel(dtype, head_dim, group, kv_heads, block_n, num_stages, can_split,
                                blocks_per_sm, rows, target=target)
     combine = (build_combine_kernel(dtype, head_dim, group, kv_heads, block_n, can_split, target=target)
                if can_split else None)
