@@ -61,7 +61,8 @@ def main():
     for problem, plan in specialisations(with_tests=shipped or args.with_tests):
         for stages, q_rows in variants:
             key = (problem.dtype, problem.headdim, problem.group, problem.nheads_k, plan.block_n, plan.can_split,
-                   PROFILES["h200"].registers_per_multiprocessor, stages, q_rows)
+                   PROFILES["h200"].registers_per_multiprocessor,
+                   PROFILES["h200"].shared_memory_per_multiprocessor, stages, q_rows)
             if key in seen:
                 continue
             seen.add(key)

@@ -27,12 +27,26 @@ SPECIALISATIONS = [  # (dtype, head_dim, group, nheads_k, can_split)
 ]
 
 
+def _resident(head_dim, block_n, rows):
+    return decode.resident_programs(head_dim, block_n, rows, decode.NUM_STAGES, H200.registers_per_multiprocessor,
+                                    H200.shared_memory_per_multiprocessor)
+
+
+@pytest.mark.parametrize("head_dim,block_n,rows,expected", [
+    (128, 64, 64, 2),   # the benchmark's kernels: registers and shared memory both allow 2
+    (128, 64, 16, 3),   # 16-row tile: registers would allow 4, shared memory (72 KiB) 3
+    (256, 32, 64, 1),   # 192 registers a thread: one program
+])
+def test_resident_programs(head_dim, block_n, rows, expected):
+    assert _resident(head_dim, block_n, rows) == expected
+
+
 @pytest.mark.parametrize("dtype,head_dim,group,nheads_k,can_split", SPECIALISATIONS,
                          ids=lambda v: str(v))
 def test_compiles_for_sm90a(dtype, head_dim, group, nheads_k, can_split):
     block_n = choose_block_n(Problem(1, 4096, group * nheads_k, nheads_k, head_dim, dtype), H200)
     rows = decode.q_tile_rows(group, decode.MIN_Q_ROWS)
-    blocks_per_sm = decode.default_blocks_per_sm(head_dim, block_n, H200.registers_per_multiprocessor, rows)
+    blocks_per_sm = _resident(head_dim, block_n, rows)
     split = decode.build_split_kernel(dtype, head_dim, group, nheads_k, block_n, decode.NUM_STAGES, can_split,
                                       blocks_per_sm, rows, target=TARGET)
     source = split.get_kernel_source()
@@ -50,7 +64,7 @@ def test_small_q_tile_variant_compiles(dtype, head_dim, group):
     block_n = choose_block_n(Problem(1, 4096, group * 2, 2, head_dim, dtype), H200)
     rows = decode.q_tile_rows(group, 16)
     assert rows == max(16, group)
-    blocks_per_sm = decode.default_blocks_per_sm(head_dim, block_n, H200.registers_per_multiprocessor, rows)
+    blocks_per_sm = _resident(head_dim, block_n, rows)
     split = decode.build_split_kernel(dtype, head_dim, group, 2, block_n, decode.NUM_STAGES, True,
                                       blocks_per_sm, rows, target=TARGET)
     source = split.get_kernel_source()
@@ -60,5 +74,5 @@ def test_small_q_tile_variant_compiles(dtype, head_dim, group):
 def test_kernels_for_returns_launchers_of_the_compiled_module():
     """The launch path bypasses TileLang's adapter: it must still find the compiled entry function."""
     split, combine = decode.kernels_for("bfloat16", 128, 8, 4, 64, True, H200.registers_per_multiprocessor,
-                                        decode.NUM_STAGES, decode.MIN_Q_ROWS, target=decode._freeze(TARGET))
+                                        H200.shared_memory_per_multiprocessor, decode.NUM_STAGES, decode.MIN_Q_ROWS, target=decode._freeze(TARGET))
     assert type(split).__name__ == "Function" and type(combine).__name__ == "Function"

@@ -9,11 +9,12 @@ lengths never recompile.
   each K/V tile is read once per KV head.  The q tile is G rows zero-padded to 64 per
   consumer warpgroup, so both GEMMs are Hopper wgmma (QK^T from shared memory, PV with
   the probabilities kept in registers).  Each program replays the planner's work rule
-  over ``cache_seqlens`` (``_chunk``/``_splits``) to find its sequence, split and block
-  range.  Full blocks stream through ``T.Pipelined`` (TMA + mbarriers, warp-specialised
-  producer/consumer on sm_90); the last, partially filled block of a sequence is copied
-  outside the pipeline, its scores masked and its V rows >= len zeroed, so stale cache
-  contents (even NaN) past the end never reach the result.  Online softmax runs in
+  over ``cache_seqlens`` (``_chunk``/``_load_splits``, all threads reading the lengths at
+  once) to find its sequence, split and block range.  Full blocks stream through
+  ``T.Pipelined`` (TMA + mbarriers, warp-specialised producer/consumer on sm_90); of the
+  last, partially filled block of a sequence only the valid rows are read, outside the
+  pipeline, the others zero-filled and their scores masked, so stale cache contents (even
+  NaN) past the end never reach the result.  Online softmax runs in
   float32 in base 2 (log2 e is folded into the scale).  Unsplit sequences write ``out``
   and ``lse`` (natural log; length 0 gives 0 and -inf), split ones write ``part_o`` and
   ``part_lse`` (base 2).
@@ -38,9 +39,9 @@ import math
 import tilelang
 import tilelang.language as T
 
-from ... import hardware
+from ... import hardware, planner
 
-__all__ = ["build_split_kernel", "build_combine_kernel", "kernels_for", "run"]
+__all__ = ["build_split_kernel", "build_combine_kernel", "kernels_for", "resident_programs_for", "run"]
 
 _LOG2E = 1.4426950408889634
 _LN2 = 0.6931471805599453
@@ -52,6 +53,9 @@ NUM_STAGES = 2
 #: Fewest rows of the q tile (the G query heads of a KV head, zero-padded): 64 is one wgmma M tile
 #: per consumer warpgroup; 16 pads small groups less and runs mma.sync instead.
 MIN_Q_ROWS = 64
+#: Sequences whose lengths a program reads at once when it locates its work (``_chunk``,
+#: ``_load_splits``): one parallel load per SCAN_WIDTH sequences, in shared memory.
+SCAN_WIDTH = 256
 
 
 #: Consumer threads of the split kernel: one warpgroup, whatever the q tile's rows (warp
@@ -74,13 +78,44 @@ def _compile(func, target):
     return tilelang.compile(func, target=target or "auto", execution_backend="tvm_ffi")
 
 
-def default_blocks_per_sm(head_dim, block_n, registers_per_sm, rows=64):
-    """2 when a consumer thread's accumulators (output rows*D/threads, fp32 scores and bf16
-    probabilities 1.5*rows*block_n/threads registers, plus ~16 for addressing) fit the register
-    share of two resident programs, else 1."""
-    launched = 2 * CONSUMER_THREADS  # consumers + the TMA producer warpgroup
+#: Most split programs ptxas is asked to fit on one SM (``__launch_bounds__``).
+MAX_RESIDENT_PROGRAMS = 4
+
+
+def split_kernel_shared_bytes(head_dim, block_n, rows, num_stages):
+    """Shared memory of one split program: the q tile, the pipelined K/V stages (the tail tiles
+    reuse them), P for tiles under 64 rows, the lengths being scanned, and the 1 KiB the
+    driver reserves per program."""
+    q_tile = rows * head_dim * 2
+    stages = num_stages * 2 * block_n * head_dim * 2
+    probabilities = rows * block_n * 2 if rows < 64 else 0
+    return q_tile + stages + probabilities + SCAN_WIDTH * 4 + 1024
+
+
+def resident_programs(head_dim, block_n, rows, num_stages, registers_per_sm, shared_memory_per_sm):
+    """Split programs that fit on one SM at once (at most MAX_RESIDENT_PROGRAMS): the fewer of
+    what the registers allow (a consumer thread holds output rows*D/threads and scores plus
+    probabilities 1.5*rows*block_n/threads values, plus ~16 for addressing; every program also
+    launches the 128-thread TMA producer warpgroup) and what shared memory allows."""
+    launched = 2 * CONSUMER_THREADS
     needed = (rows * head_dim + 3 * rows * block_n // 2) // CONSUMER_THREADS + 16
-    return 2 if needed <= min(255, registers_per_sm // (2 * launched)) else 1
+    by_registers = max((n for n in range(1, MAX_RESIDENT_PROGRAMS + 1)
+                        if needed <= min(255, registers_per_sm // (n * launched))), default=1)
+    by_shared = shared_memory_per_sm // split_kernel_shared_bytes(head_dim, block_n, rows, num_stages)
+    return max(1, min(by_registers, by_shared))
+
+
+def resident_programs_for(problem, profile) -> int:
+    """Split programs of this call's kernel one SM holds at once, with the shipped knobs (the
+    planner sizes a single sequence's grid to one wave of them)."""
+    return _resident_programs_for(problem, profile, NUM_STAGES, MIN_Q_ROWS)
+
+
+@functools.lru_cache(maxsize=1024)
+def _resident_programs_for(problem, profile, num_stages, min_q_rows):
+    block_n = planner.choose_block_n(problem, profile)
+    return resident_programs(problem.headdim, block_n, q_tile_rows(problem.group, min_q_rows), num_stages,
+                             profile.registers_per_multiprocessor, profile.shared_memory_per_multiprocessor)
 
 
 @T.macro
@@ -90,14 +125,21 @@ def _blocks(seqlens, b, capacity, block_n):
 
 
 @T.macro
-def _chunk(seqlens, batch, capacity, programs, forced_splits, min_chunk, block_n, can_split):
-    """Blocks per split when ``programs`` are balanced over the batch (1 if unused)."""
+def _chunk(seqlens, batch, capacity, programs, forced_splits, min_chunk, block_n, can_split, counts):
+    """Blocks per split when ``programs`` are balanced over the batch (1 if unused).
+
+    The lengths are read SCAN_WIDTH at a time by all threads at once into ``counts`` (shared),
+    then summed from there: one memory round trip per step instead of one per sequence."""
     chunk = T.alloc_var(T.int32, init=1)
     if can_split:
         if forced_splits <= 0:
             total = T.alloc_var(T.int32, init=0)
-            for b in T.serial(batch):
-                total += _blocks(seqlens, b, capacity, block_n)
+            for c in T.serial(T.ceildiv(batch, SCAN_WIDTH)):
+                for t in T.Parallel(SCAN_WIDTH):
+                    counts[t] = T.if_then_else(c * SCAN_WIDTH + t < batch,
+                                               _blocks(seqlens, c * SCAN_WIDTH + t, capacity, block_n), 0)
+                for t in T.serial(T.min(SCAN_WIDTH, batch - c * SCAN_WIDTH)):
+                    total += counts[t]
             chunk = T.max(min_chunk, T.ceildiv(total, T.max(programs - batch, 1)))
     return chunk
 
@@ -109,6 +151,17 @@ def _splits(nblk, chunk, forced_splits, can_split):
     if can_split:
         sp = T.if_then_else(forced_splits > 0, sp, T.max(1, T.ceildiv(nblk, chunk)))
     return sp
+
+
+@T.macro
+def _load_splits(seqlens, batch, capacity, chunk, forced_splits, block_n, can_split, counts, step):
+    """counts[t] = splits_b of sequence b = step * SCAN_WIDTH + t (0 past the batch), all threads
+    at once."""
+    for t in T.Parallel(SCAN_WIDTH):
+        counts[t] = T.if_then_else(
+            step * SCAN_WIDTH + t < batch,
+            _splits(_blocks(seqlens, step * SCAN_WIDTH + t, capacity, block_n), chunk, forced_splits,
+                    can_split), 0)
 
 
 def build_split_kernel(dtype: str, head_dim: int, group: int, kv_heads: int, block_n: int,
@@ -192,22 +245,23 @@ def _split_kernel(dtype, D, G, Hk, block_n, num_stages, can_split, blocks_per_sm
             m_prev = T.alloc_fragment((rows,), f32)
             alpha = T.alloc_fragment((rows,), f32)
             rsum = T.alloc_fragment((rows,), f32)
+            counts = T.alloc_shared((SCAN_WIDTH,), T.int32)
 
             # This program's (sequence, split); seq stays -1 when it has no work.
             seq = T.alloc_var(T.int32, init=-1)
             split = T.alloc_var(T.int32, init=0)
             nsplit = T.alloc_var(T.int32, init=1)
             if can_split or forced_splits > 0:
-                chunk = _chunk(seqlens, B, S, programs, forced_splits, min_chunk, block_n, can_split)
+                chunk = _chunk(seqlens, B, S, programs, forced_splits, min_chunk, block_n, can_split, counts)
                 first = T.alloc_var(T.int32, init=0)
-                sp = T.alloc_var(T.int32)
-                for b in T.serial(B):
-                    sp = _splits(_blocks(seqlens, b, S, block_n), chunk, forced_splits, can_split)
-                    if first <= pid and pid < first + sp:
-                        seq = b
-                        split = pid - first
-                        nsplit = sp
-                    first += sp
+                for c in T.serial(T.ceildiv(B, SCAN_WIDTH)):
+                    _load_splits(seqlens, B, S, chunk, forced_splits, block_n, can_split, counts, c)
+                    for t in T.serial(T.min(SCAN_WIDTH, B - c * SCAN_WIDTH)):
+                        if first <= pid and pid < first + counts[t]:
+                            seq = c * SCAN_WIDTH + t
+                            split = pid - first
+                            nsplit = counts[t]
+                        first += counts[t]
             elif pid < B:
                 seq = pid
 
@@ -233,11 +287,11 @@ def _split_kernel(dtype, D, G, Hk, block_n, num_stages, can_split, blocks_per_sm
 
             if full_hi < blk_hi:  # the sequence's last block, partially filled
                 base = full_hi * block_n
-                T.copy(K[b, base:base + block_n, h, :], k_tail)
-                T.copy(V[b, base:base + block_n, h, :], v_tail)
-                for j, d in T.Parallel(block_n, D):  # p = 0 there, but 0 * stale NaN is NaN
-                    if base + j >= seqlen:
-                        v_tail[j, d] = T.cast(0, dtype)
+                # Only the valid rows are read; the others are zero (p = 0 there, and 0 * a stale
+                # NaN past the end would be NaN).
+                for j, d in T.Parallel(block_n, D):
+                    k_tail[j, d] = T.if_then_else(base + j < seqlen, K[b, base + j, h, d], T.cast(0, dtype))
+                    v_tail[j, d] = T.if_then_else(base + j < seqlen, V[b, base + j, h, d], T.cast(0, dtype))
                 attend(q_s, k_tail, v_tail, s_f, p_f, o_f, m_f, l_f, m_prev, alpha, rsum, scale,
                        seqlen - base)
 
@@ -300,12 +354,16 @@ def _combine_kernel(dtype, D, G, Hk, block_n, can_split, step, target):
             w_sum = T.alloc_var(f32, init=0)
             acc = T.alloc_var(f32, init=0)
 
-            chunk = _chunk(seqlens, B, capacity, programs, forced_splits, min_chunk, block_n, can_split)
-            first = T.alloc_var(T.int32, init=0)
-            for b in T.serial(bid):
-                first += _splits(_blocks(seqlens, b, capacity, block_n), chunk, forced_splits, can_split)
-            nsplit = T.alloc_var(T.int32)
-            nsplit = _splits(_blocks(seqlens, bid, capacity, block_n), chunk, forced_splits, can_split)
+            counts = T.alloc_shared((SCAN_WIDTH,), T.int32)
+            chunk = _chunk(seqlens, B, capacity, programs, forced_splits, min_chunk, block_n, can_split, counts)
+            first = T.alloc_var(T.int32, init=0)  # partial rows before this sequence's
+            nsplit = T.alloc_var(T.int32, init=0)
+            for c in T.serial(bid // SCAN_WIDTH + 1):
+                _load_splits(seqlens, B, capacity, chunk, forced_splits, block_n, can_split, counts, c)
+                for t in T.serial(T.min(SCAN_WIDTH, bid - c * SCAN_WIDTH)):
+                    first += counts[t]
+                if c == bid // SCAN_WIDTH:
+                    nsplit = counts[bid % SCAN_WIDTH]
 
             if nsplit > 1:
                 # A step's partials are all loaded before any is used, so their loads overlap.
@@ -346,13 +404,15 @@ def device_target() -> dict:
 
 @functools.lru_cache(maxsize=None)
 def kernels_for(dtype: str, head_dim: int, group: int, kv_heads: int, block_n: int, can_split: bool,
-                registers_per_sm: int, num_stages: int, min_q_rows: int, target=None):
+                registers_per_sm: int, shared_memory_per_sm: int, num_stages: int, min_q_rows: int,
+                target=None):
     """(split launcher, combine launcher or None) for one specialisation, built once.
 
     ``target``: a frozen target (``_freeze``); None means the current device's."""
     target = target if target is not None else _freeze(device_target())
     rows = q_tile_rows(group, min_q_rows)
-    blocks_per_sm = default_blocks_per_sm(head_dim, block_n, registers_per_sm, rows)
+    blocks_per_sm = resident_programs(head_dim, block_n, rows, num_stages, registers_per_sm,
+                                      shared_memory_per_sm)
     split = build_split_kernel(dtype, head_dim, group, kv_heads, block_n, num_stages, can_split,
                                blocks_per_sm, rows, target=target)
     combine = (build_combine_kernel(dtype, head_dim, group, kv_heads, block_n, can_split, target=target)
@@ -386,10 +446,10 @@ def run(plan, problem, q, k_cache, v_cache, cache_seqlens, out, lse, part_o, par
         out.zero_().masked_fill_((cache_seqlens != 0)[:, None, None, None], math.nan)
         lse.fill_(-math.inf)
         return
+    profile = hardware.profile_for(q.device)
     split, combine = kernels_for(problem.dtype, problem.headdim, problem.group, problem.nheads_k,
-                                 plan.block_n, plan.can_split,
-                                 hardware.profile_for(q.device).registers_per_multiprocessor,
-                                 NUM_STAGES, MIN_Q_ROWS)
+                                 plan.block_n, plan.can_split, profile.registers_per_multiprocessor,
+                                 profile.shared_memory_per_multiprocessor, NUM_STAGES, MIN_Q_ROWS)
     split(q, k_cache, v_cache, cache_seqlens, out, lse, part_o, part_lse,
           plan.programs_per_head, plan.forced_splits, plan.min_chunk, softmax_scale)
     if combine is not None:
