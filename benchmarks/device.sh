@@ -6,7 +6,7 @@
 #   bench ARGS  flashdecode bench with the given arguments (quote them as one word)
 #   sweep ARGS  benchmarks/sweep.py with the given arguments
 #   sanitize    compute-sanitizer memcheck + racecheck on a few cases (TileLang)
-#   hostprof    host time per call, by stage and cProfile (case 3, both backends)
+#   hostprof    host time per call, by stage and cProfile (cases 3 and 12, both backends)
 #   profile N   flashdecode profile --case N for both backends into $OUT/profile-*
 set -uo pipefail
 export PYTHONUNBUFFERED=1
@@ -54,8 +54,10 @@ while [ $# -gt 0 ]; do
       tar -czf "$OUT/profiles.tar.gz" -C /tmp/prof .;;
     hostprof)
       for backend in tilelang triton; do
-        python3 benchmarks/host_profile.py --case 3 --backend $backend > "$OUT/hostprof_$backend.log" 2>&1
-        head -8 "$OUT/hostprof_$backend.log"
+        for n in 3 12; do
+          python3 benchmarks/host_profile.py --case $n --backend $backend > "$OUT/hostprof_${backend}_case$n.log" 2>&1
+          grep "us/call" "$OUT/hostprof_${backend}_case$n.log"
+        done
       done
       summary+=("hostprof");;
     *) echo "unknown step $step"; exit 2;;

@@ -8,7 +8,7 @@ import pstats
 import torch
 
 from flashdecode import flash_decode_with_kvcache, hardware, planner
-from flashdecode.api import run_kernels
+from flashdecode.api import _kernel_module, run_kernels
 from flashdecode.bench.timing import Timer
 from flashdecode.cases import CASES_BY_NUMBER, make_inputs
 from flashdecode.validate import validate
@@ -22,11 +22,17 @@ def main():
     q, k, v, seqlens = make_inputs(CASES_BY_NUMBER[args.case], device="cuda")
     problem, _ = validate(q, k, v, seqlens, None, 0, args.backend, None)
     plan = planner.plan(problem, hardware.profile_for(q.device))
+    out, lse = torch.empty_like(q), torch.empty((problem.batch, problem.nheads), device="cuda")
+    rows = plan.programs_per_head if plan.needs_combine else 0
+    part_o = torch.empty((rows, problem.nheads, problem.headdim), device="cuda")
+    part_lse = torch.empty((rows, problem.nheads), device="cuda")
+    launch = _kernel_module(args.backend).run
     stages = {
         "whole call": lambda: flash_decode_with_kvcache(q, k, v, seqlens, backend=args.backend),
         "validate": lambda: validate(q, k, v, seqlens, None, 0, args.backend, None),
         "plan": lambda: planner.plan(problem, hardware.profile_for(q.device)),
         "run_kernels": lambda: run_kernels(args.backend, plan, problem, q, k, v, seqlens, 0.088),
+        "launches only": lambda: launch(plan, problem, q, k, v, seqlens, out, lse, part_o, part_lse, 0.088),
         "torch.empty x1": lambda: torch.empty(16, device="cuda"),
     }
     timer = Timer(q.device, iters=1, warmup=1, cold_l2=False)

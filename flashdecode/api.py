@@ -71,13 +71,20 @@ def resolve_backend(backend: str, device: torch.device, tilelang_limit: str | No
     return backend
 
 
+_KERNEL_MODULES = {}
+
+
 def _kernel_module(backend: str):
-    if backend == "triton":
-        from .kernels import triton as module
-    elif backend == "tilelang":
-        from .kernels import tilelang as module
-    else:
-        raise ValueError(f"backend {backend!r} has no kernels")
+    """The kernel module of a backend, imported on first use (TileLang is optional)."""
+    module = _KERNEL_MODULES.get(backend)
+    if module is None:
+        if backend == "triton":
+            from .kernels import triton as module
+        elif backend == "tilelang":
+            from .kernels import tilelang as module
+        else:
+            raise ValueError(f"backend {backend!r} has no kernels")
+        _KERNEL_MODULES[backend] = module
     return module
 
 
@@ -116,33 +123,77 @@ def flash_decode_with_kvcache(q, k_cache, v_cache, cache_seqlens=None, *, softma
             result = out
         return (result, lse) if return_softmax_lse else result
 
-    plan = planner.plan(problem, hardware.profile_for(q.device), int(num_splits))
-    result, lse = run_kernels(chosen, plan, problem, q, k_cache, v_cache, seqlens, scale, out)
+    plan = plan_for(chosen, problem, hardware.profile_for(q.device), int(num_splits))
+    result, lse = run_kernels(chosen, plan, problem, q, k_cache, v_cache, seqlens, scale, out,
+                              return_lse=return_softmax_lse)
     return (result, lse.unsqueeze(-1)) if return_softmax_lse else result
+
+
+def plan_for(backend: str, problem, profile, num_splits: int = 0):
+    """The planner's schedule for one backend's kernels (their residency caps a single sequence's
+    grid); without a kernel backend, the planner's assumed residency."""
+    resident = (_kernel_module(backend).resident_programs_for(problem, profile) if backend in ("tilelang", "triton")
+                else planner.ASSUMED_RESIDENT_PROGRAMS)
+    return planner.plan(problem, profile, num_splits, resident)
 
 
 @functools.lru_cache(maxsize=64)
 def _no_partials(device: torch.device, nheads: int, headdim: int):
     """Zero-row partial buffers for plans that never split, made once: nothing reads or writes
-    them, so sharing them between calls and streams is safe, and it saves two allocations
-    (~5 us each on the H200 machine's CPU) per call."""
+    them, so sharing them between calls and streams is safe, and it saves an allocation
+    (~2-5 us on the H200 machines' CPUs) per call."""
     return (torch.empty((0, nheads, headdim), dtype=torch.float32, device=device),
             torch.empty((0, nheads), dtype=torch.float32, device=device))
 
 
-def run_kernels(backend, plan, problem, q, k_cache, v_cache, seqlens, softmax_scale, out=None):
-    """Allocate the outputs and workspace, launch one backend's kernels; returns (out, lse (B, Hq)).
+_LSE_SINKS: dict = {}  # (device, batch, nheads) -> a (batch, nheads) view of a sink buffer
+_SINK_BUFFERS: dict = {}  # device -> every sink buffer ever made there (never freed)
+
+
+def _lse_sink(device: torch.device, batch: int, nheads: int) -> torch.Tensor:
+    """Where the kernels write lse when the caller did not ask for it, instead of a fresh allocation.
+
+    Nothing ever reads it, so calls on different streams writing it at once only overwrite values
+    nobody uses; and no sink buffer is ever freed, so a CUDA graph that captured one keeps a valid
+    pointer. One buffer per device serves every (batch, nheads) until a larger one is needed (the
+    size at least doubles), so the memory stays within twice the largest batch * nheads * 4 bytes."""
+    key = (device, batch, nheads)
+    sink = _LSE_SINKS.get(key)
+    if sink is None:
+        buffers = _SINK_BUFFERS.setdefault(device, [])
+        need = batch * nheads
+        if not buffers or buffers[-1].numel() < need:
+            size = max(need, 2 * buffers[-1].numel()) if buffers else need
+            buffers.append(torch.empty(size, dtype=torch.float32, device=device))
+        sink = _LSE_SINKS[key] = buffers[-1][:need].view(batch, nheads)
+    return sink
+
+
+def _partials(rows: int, nheads: int, headdim: int, device: torch.device):
+    """part_o (rows, nheads, headdim) and part_lse (rows, nheads), float32, as two views of one
+    allocation (a view costs ~1 us of host time, an allocation 2-5 us); part_lse starts
+    rows * nheads * headdim floats in, a multiple of 16 bytes (headdim is), as the kernels need."""
+    body = rows * nheads * headdim
+    workspace = torch.empty(body + rows * nheads, dtype=torch.float32, device=device)
+    return (workspace.as_strided((rows, nheads, headdim), (nheads * headdim, headdim, 1)),
+            workspace.as_strided((rows, nheads), (nheads, 1), body))
+
+
+def run_kernels(backend, plan, problem, q, k_cache, v_cache, seqlens, softmax_scale, out=None, return_lse=True):
+    """Allocate the outputs and workspace, launch one backend's kernels; returns (out, lse (B, Hq)),
+    lse None unless ``return_lse`` (the kernels then write it to a sink).
 
     No checks happen here: callers pass validated inputs (tests use it to feed out-of-range lengths).
     """
     result = torch.empty_like(q) if out is None else out
-    lse = torch.empty((problem.batch, problem.nheads), dtype=torch.float32, device=q.device)
-    if plan.needs_combine:  # split partials (16-byte aligned, as fresh allocations are)
-        rows = plan.programs_per_head
-        part_o = torch.empty((rows, problem.nheads, problem.headdim), dtype=torch.float32, device=q.device)
-        part_lse = torch.empty((rows, problem.nheads), dtype=torch.float32, device=q.device)
+    if return_lse:
+        lse = torch.empty((problem.batch, problem.nheads), dtype=torch.float32, device=q.device)
+    else:
+        lse = _lse_sink(q.device, problem.batch, problem.nheads)
+    if plan.needs_combine:
+        part_o, part_lse = _partials(plan.programs_per_head, problem.nheads, problem.headdim, q.device)
     else:
         part_o, part_lse = _no_partials(q.device, problem.nheads, problem.headdim)
     _kernel_module(backend).run(
         plan, problem, q, k_cache, v_cache, seqlens, result, lse, part_o, part_lse, softmax_scale)
-    return result, lse
+    return result, (lse if return_lse else None)

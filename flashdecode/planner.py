@@ -13,12 +13,15 @@ The schedule is decided in two steps.
    never waits for the device and can be captured in a CUDA graph; a new batch size or new lengths
    only change P, never the compiled kernel.
 
-   * No split (P = B, no combine pass) when no sequence can be longer than one split
-     (``seqlen_cache`` <= ``min_chunk`` blocks).
+   * No split (P = B, no combine pass) when no sequence can be longer than ``SPLIT_ABOVE_BLOCKS``
+     blocks: a combine pass would cost more than the split saves.
    * Otherwise, even when B * Hk already fills the machine (one long sequence among short ones
      would still leave a tail), P = B + floor(target_programs / Hk): one program per sequence plus
-     enough extra to fill, without exceeding, ``target_programs`` = multiprocessors *
-     ``PROGRAMS_PER_MULTIPROCESSOR``.
+     enough extra to fill, without exceeding, ``target_programs`` = multiprocessors * programs per
+     multiprocessor. Sequences of mixed lengths split into programs of unequal work, and finer
+     programs balance better: ``PROGRAMS_PER_MULTIPROCESSOR`` (3). One sequence (B = 1) splits
+     into programs of equal work, which run in whole waves of the backend's resident programs, so
+     there the target is at most one wave: min(3, resident programs per multiprocessor).
 
 2. On the device, from the real lengths (:func:`work_list` is the same rule in Python; the kernels
    evaluate it in each program from ``cache_seqlens``, a few integer operations per sequence):
@@ -49,11 +52,16 @@ import math
 
 from .hardware import HardwareProfile
 
-#: Resident programs aimed for per multiprocessor when splitting. A tuning knob measured on the
-#: H200 (docs/perf-log.md), not a hardware fact.
-PROGRAMS_PER_MULTIPROCESSOR = 2
+#: Programs aimed for per multiprocessor when splitting a batch. A tuning knob measured on the
+#: H200 (docs/perf-log.md section 12), not a hardware fact.
+PROGRAMS_PER_MULTIPROCESSOR = 3
 #: Fewest KV blocks a split may carry (unless the sequence is shorter). Tuning knob, measured.
-MIN_BLOCKS_PER_SPLIT = 8
+MIN_BLOCKS_PER_SPLIT = 4
+#: Caches of at most this many KV blocks are never split. Tuning knob, measured.
+SPLIT_ABOVE_BLOCKS = 8
+#: Resident split programs per multiprocessor assumed when no backend is named (plan-only
+#: reports, tests): TileLang's count for the benchmark's kernels (two per SM).
+ASSUMED_RESIDENT_PROGRAMS = 2
 #: Pipeline depth the shared-memory budget for K/V tiles is sized for.
 PIPELINE_STAGES = 2
 #: Programs that should fit in one multiprocessor's shared memory at once.
@@ -130,8 +138,12 @@ def choose_block_n(problem: Problem, profile: HardwareProfile) -> int:
 
 
 @functools.lru_cache(maxsize=4096)
-def plan(problem: Problem, profile: HardwareProfile, num_splits: int = 0) -> Plan:
-    """Decide the schedule from capacities only (see the module docstring for the rule)."""
+def plan(problem: Problem, profile: HardwareProfile, num_splits: int = 0,
+         resident_programs: int = ASSUMED_RESIDENT_PROGRAMS) -> Plan:
+    """Decide the schedule from capacities only (see the module docstring for the rule).
+
+    ``resident_programs``: how many of the backend's split programs one multiprocessor holds at
+    once (``api.plan_for`` asks the backend); it caps the target of a single sequence."""
     if num_splits < 0:
         raise ValueError(f"num_splits must be >= 0, got {num_splits}")
     block_n = choose_block_n(problem, profile)
@@ -139,13 +151,14 @@ def plan(problem: Problem, profile: HardwareProfile, num_splits: int = 0) -> Pla
     if num_splits > 0:
         num_splits = min(num_splits, max(1, math.ceil(problem.seqlen_cache / block_n)))  # no empty splits
         return Plan(block_n, batch * num_splits, num_splits, can_split=num_splits > 1)
-    min_chunk = MIN_BLOCKS_PER_SPLIT
-    target_programs = profile.multiprocessors * PROGRAMS_PER_MULTIPROCESSOR
     max_blocks = math.ceil(problem.seqlen_cache / block_n)
-    if max_blocks <= min_chunk:
+    if max_blocks <= SPLIT_ABOVE_BLOCKS:
         return Plan(block_n, batch, 0, can_split=False)
-    extra = max(1, target_programs // heads_k)  # never more than one wave of targets
-    return Plan(block_n, batch + extra, 0, can_split=True, min_chunk=min_chunk)
+    per_multiprocessor = PROGRAMS_PER_MULTIPROCESSOR if batch > 1 else min(PROGRAMS_PER_MULTIPROCESSOR,
+                                                                          max(1, resident_programs))
+    target_programs = profile.multiprocessors * per_multiprocessor
+    extra = max(1, target_programs // heads_k)  # never more than the target
+    return Plan(block_n, batch + extra, 0, can_split=True, min_chunk=MIN_BLOCKS_PER_SPLIT)
 
 
 def splits_per_sequence(plan_: Plan, lengths: list[int]) -> list[int]:

@@ -9,6 +9,7 @@ an out-of-range length, so a bad length is never a silent wrong answer.
 """
 from __future__ import annotations
 
+import functools
 import math
 import numbers
 import os
@@ -35,87 +36,122 @@ def _require_tensor(name, value):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
 
 
-def _require_rank4(name, tensor, layout):
-    if tensor.dim() != 4:
-        raise ValueError(f"{name} must have 4 dimensions {layout}, got shape {tuple(tensor.shape)}")
+def _require_rank4(name, shape, layout):
+    if len(shape) != 4:
+        raise ValueError(f"{name} must have 4 dimensions {layout}, got shape {tuple(shape)}")
 
 
 def validate(q, k_cache, v_cache, cache_seqlens, softmax_scale, num_splits, backend, out):
     """Check the inputs of a decode call; return (Problem, cache_seqlens as an int32 tensor or None).
 
     None means "every row has seqlen_cache tokens", which the caller turns into a tensor only when
-    a kernel needs it.
+    a kernel needs it. The checks depend on metadata only (types, shapes, strides, dtypes, devices,
+    the scalars), so their outcome is cached per distinct metadata: a call repeating an earlier
+    call's metadata costs the reads of that metadata (~1-2 us), not the checks. Only the values of
+    a CPU (or, when enabled, CUDA) ``cache_seqlens`` are read every time.
     """
     for name, tensor in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
         _require_tensor(name, tensor)
-    if q.dtype not in SUPPORTED_DTYPES:
-        raise TypeError(f"q must be float16 or bfloat16, got {q.dtype}")
-    for name, tensor in (("k_cache", k_cache), ("v_cache", v_cache)):
-        if tensor.dtype != q.dtype:
-            raise TypeError(f"{name} must have q's dtype {q.dtype}, got {tensor.dtype}")
-        if tensor.device != q.device:
-            raise ValueError(f"{name} must be on q's device {q.device}, got {tensor.device}")
-    _require_rank4("q", q, "(batch, seqlen_q, nheads, headdim)")
-    _require_rank4("k_cache", k_cache, "(batch, seqlen_cache, nheads_k, headdim)")
-    _require_rank4("v_cache", v_cache, "(batch, seqlen_cache, nheads_k, headdim)")
-    batch, seqlen_q, nheads, headdim = q.shape
+    if isinstance(cache_seqlens, torch.Tensor):
+        seqlens_meta = (cache_seqlens.dtype, cache_seqlens.shape, cache_seqlens.stride(), cache_seqlens.device)
+    else:
+        seqlens_meta = (type(cache_seqlens), cache_seqlens)
+    if out is not None:
+        _require_tensor("out", out)
+        out_meta = (out.shape, out.dtype, out.device, out.stride())
+    else:
+        out_meta = None
+    meta = ((q.dtype, q.device, q.shape, q.stride()), (k_cache.dtype, k_cache.device, k_cache.shape, k_cache.stride()),
+            (v_cache.dtype, v_cache.device, v_cache.shape, v_cache.stride()), seqlens_meta,
+            (type(softmax_scale), softmax_scale), (type(num_splits), num_splits), backend, out_meta)
+    try:
+        problem = _checked_problem(*meta)
+    except TypeError as error:  # an unhashable argument (a list, ...): checked, and rejected, uncached
+        if "unhashable" not in str(error):
+            raise
+        problem = _checked_problem.__wrapped__(*meta)
+    if isinstance(cache_seqlens, torch.Tensor) and (cache_seqlens.device.type == "cpu" or _check_seqlens_on_device):
+        low, high = int(cache_seqlens.min()), int(cache_seqlens.max())
+        if low < 0 or high > problem.seqlen_cache:
+            raise ValueError(f"cache_seqlens must be in [0, seqlen_cache={problem.seqlen_cache}], "
+                             f"got values in [{low}, {high}]")
+    return problem, cache_seqlens
+
+
+@functools.lru_cache(maxsize=1024)
+def _checked_problem(q_meta, k_meta, v_meta, seqlens_meta, scale_meta, splits_meta, backend, out_meta):
+    """Every metadata check of ``validate``; the Problem they describe (raises on the first failure).
+
+    Each ``*_meta`` is (dtype, device, shape, strides) of a tensor; ``seqlens_meta`` is (dtype, shape,
+    strides, device) of a tensor or (type, value) of anything else; scalars come as (type, value),
+    so that e.g. True and 1, equal as cache keys, still differ."""
+    (q_dtype, device, q_shape, q_stride) = q_meta
+    if q_dtype not in SUPPORTED_DTYPES:
+        raise TypeError(f"q must be float16 or bfloat16, got {q_dtype}")
+    for name, (dtype, tensor_device, _, _) in (("k_cache", k_meta), ("v_cache", v_meta)):
+        if dtype != q_dtype:
+            raise TypeError(f"{name} must have q's dtype {q_dtype}, got {dtype}")
+        if tensor_device != device:
+            raise ValueError(f"{name} must be on q's device {device}, got {tensor_device}")
+    _require_rank4("q", q_shape, "(batch, seqlen_q, nheads, headdim)")
+    _require_rank4("k_cache", k_meta[2], "(batch, seqlen_cache, nheads_k, headdim)")
+    _require_rank4("v_cache", v_meta[2], "(batch, seqlen_cache, nheads_k, headdim)")
+    batch, seqlen_q, nheads, headdim = q_shape
+    k_shape = k_meta[2]
     if batch == 0:
         raise ValueError("q must have batch >= 1, got batch 0")
     if seqlen_q != 1:
         raise ValueError(f"q must have seqlen_q == 1 (decode), got q.shape[1] = {seqlen_q}")
     if headdim not in SUPPORTED_HEADDIMS:
         raise ValueError(f"q's head dim must be one of {SUPPORTED_HEADDIMS}, got {headdim}")
-    if k_cache.shape[0] != batch or k_cache.shape[3] != headdim:
+    if k_shape[0] != batch or k_shape[3] != headdim:
         raise ValueError(
             f"k_cache must have shape ({batch}, seqlen_cache, nheads_k, {headdim}) to match q, "
-            f"got {tuple(k_cache.shape)}")
-    if v_cache.shape != k_cache.shape:
-        raise ValueError(f"v_cache must have k_cache's shape {tuple(k_cache.shape)}, got {tuple(v_cache.shape)}")
-    seqlen_cache, nheads_k = k_cache.shape[1], k_cache.shape[2]
+            f"got {tuple(k_shape)}")
+    if v_meta[2] != k_shape:
+        raise ValueError(f"v_cache must have k_cache's shape {tuple(k_shape)}, got {tuple(v_meta[2])}")
+    seqlen_cache, nheads_k = k_shape[1], k_shape[2]
     if nheads == 0 or nheads_k == 0 or nheads % nheads_k != 0:
         raise ValueError(f"q's nheads ({nheads}) must be a multiple of k_cache's nheads_k ({nheads_k})")
-    for name, tensor in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
-        if tensor.stride(-1) != 1:
-            raise ValueError(f"{name} must be contiguous in its last dimension, got strides {tensor.stride()}")
-    seqlens = _validate_seqlens(cache_seqlens, batch, seqlen_cache, q.device)
+    for name, stride in (("q", q_stride), ("k_cache", k_meta[3]), ("v_cache", v_meta[3])):
+        if stride[-1] != 1:
+            raise ValueError(f"{name} must be contiguous in its last dimension, got strides {stride}")
+    _check_seqlens(seqlens_meta, batch, seqlen_cache, device)
+    scale_type, softmax_scale = scale_meta
     if softmax_scale is not None:
-        if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, numbers.Real):
-            raise TypeError(f"softmax_scale must be a float or None, got {type(softmax_scale).__name__}")
+        if scale_type is bool or not issubclass(scale_type, numbers.Real):
+            raise TypeError(f"softmax_scale must be a float or None, got {scale_type.__name__}")
         if not math.isfinite(softmax_scale):
             raise ValueError(f"softmax_scale must be finite, got {softmax_scale}")
-    if isinstance(num_splits, bool) or not isinstance(num_splits, numbers.Integral) or num_splits < 0:
+    splits_type, num_splits = splits_meta
+    if splits_type is bool or not issubclass(splits_type, numbers.Integral) or num_splits < 0:
         raise ValueError(f"num_splits must be an int >= 0 (0: planner decides), got {num_splits!r}")
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-    if out is not None:
-        _require_tensor("out", out)
-        if out.shape != q.shape or out.dtype != q.dtype or out.device != q.device or out.stride(-1) != 1:
+    if out_meta is not None:
+        out_shape, out_dtype, out_device, out_stride = out_meta
+        if out_shape != q_shape or out_dtype != q_dtype or out_device != device or out_stride[-1] != 1:
             raise ValueError(
-                f"out must match q (shape {tuple(q.shape)}, {q.dtype}, {q.device}, last dim contiguous), "
-                f"got shape {tuple(out.shape)}, {out.dtype}, {out.device}, strides {out.stride()}")
-    problem = Problem(batch, seqlen_cache, nheads, nheads_k, headdim, str(q.dtype).removeprefix("torch."))
-    return problem, seqlens
+                f"out must match q (shape {tuple(q_shape)}, {q_dtype}, {device}, last dim contiguous), "
+                f"got shape {tuple(out_shape)}, {out_dtype}, {out_device}, strides {out_stride}")
+    return Problem(batch, seqlen_cache, nheads, nheads_k, headdim, str(q_dtype).removeprefix("torch."))
 
 
-def _validate_seqlens(cache_seqlens, batch, seqlen_cache, device):
-    if cache_seqlens is None:
-        return None
-    if isinstance(cache_seqlens, bool) or not isinstance(cache_seqlens, (int, torch.Tensor)):
-        raise TypeError(f"cache_seqlens must be an int32 tensor, an int or None, got {type(cache_seqlens).__name__}")
-    if isinstance(cache_seqlens, int):
-        if not 0 <= cache_seqlens <= seqlen_cache:
-            raise ValueError(f"cache_seqlens must be in [0, seqlen_cache={seqlen_cache}], got {cache_seqlens}")
-        return cache_seqlens
-    if cache_seqlens.dtype != torch.int32:
-        raise TypeError(f"cache_seqlens must be int32, got {cache_seqlens.dtype}")
-    if cache_seqlens.shape != (batch,) or cache_seqlens.stride(0) != 1:
+def _check_seqlens(seqlens_meta, batch, seqlen_cache, device):
+    if len(seqlens_meta) == 2:  # not a tensor: (type, value)
+        kind, value = seqlens_meta
+        if value is None:
+            return
+        if kind is bool or not issubclass(kind, int):
+            raise TypeError(f"cache_seqlens must be an int32 tensor, an int or None, got {kind.__name__}")
+        if not 0 <= value <= seqlen_cache:
+            raise ValueError(f"cache_seqlens must be in [0, seqlen_cache={seqlen_cache}], got {value}")
+        return
+    dtype, shape, stride, seqlens_device = seqlens_meta
+    if dtype != torch.int32:
+        raise TypeError(f"cache_seqlens must be int32, got {dtype}")
+    if shape != (batch,) or stride[0] != 1:
         raise ValueError(f"cache_seqlens must be a contiguous tensor of shape ({batch},), "
-                         f"got shape {tuple(cache_seqlens.shape)}, strides {cache_seqlens.stride()}")
-    if cache_seqlens.device != device:
-        raise ValueError(f"cache_seqlens must be on q's device {device}, got {cache_seqlens.device}")
-    if cache_seqlens.device.type == "cpu" or _check_seqlens_on_device:
-        low, high = int(cache_seqlens.min()), int(cache_seqlens.max())
-        if low < 0 or high > seqlen_cache:
-            raise ValueError(
-                f"cache_seqlens must be in [0, seqlen_cache={seqlen_cache}], got values in [{low}, {high}]")
-    return cache_seqlens
+                         f"got shape {tuple(shape)}, strides {stride}")
+    if seqlens_device != device:
+        raise ValueError(f"cache_seqlens must be on q's device {device}, got {seqlens_device}")

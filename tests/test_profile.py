@@ -58,12 +58,12 @@ def test_case12_plan_figures_on_h200():
     assert occupancy["programs_launched"] == plan.programs_per_head * 8
     assert occupancy["programs_with_work"] == with_work
     assert occupancy["programs_per_sm"] == pytest.approx(with_work / 132)
-    assert occupancy["waves"] == pytest.approx(plan.programs_per_head * 8 / (132 * planner.PROGRAMS_PER_MULTIPROCESSOR))
-    assert occupancy["waves_with_work"] == pytest.approx(with_work / (132 * planner.PROGRAMS_PER_MULTIPROCESSOR))
+    assert occupancy["waves"] == pytest.approx(plan.programs_per_head * 8 / (132 * planner.ASSUMED_RESIDENT_PROGRAMS))
+    assert occupancy["waves_with_work"] == pytest.approx(with_work / (132 * planner.ASSUMED_RESIDENT_PROGRAMS))
     tokens = [item.tokens for item in planner.work_list(plan, lengths)]
     assert (tail["tokens_min"], tail["tokens_max"]) == (min(tokens), max(tokens))
     assert tail["max_over_mean_work"] == pytest.approx(max(tokens) * len(tokens) / sum(lengths))
-    assert tail["slots"] == 132 * planner.PROGRAMS_PER_MULTIPROCESSOR
+    assert tail["slots"] == 132 * planner.ASSUMED_RESIDENT_PROGRAMS
     assert set(dims) == {"occupancy", "tail"}
 
 
@@ -76,7 +76,7 @@ def test_unsplit_single_block_case_is_a_small_grid():
 
 def test_one_long_sequence_fills_exactly_one_wave():
     dims = _plan_section(13)["dimensions"]  # b1 s58966 hk8: splits x 8 heads = one wave of slots
-    slots = 132 * planner.PROGRAMS_PER_MULTIPROCESSOR
+    slots = 132 * planner.ASSUMED_RESIDENT_PROGRAMS
     extra = slots // 8  # the planner's P - B
     assert dims["occupancy"]["figures"]["programs_with_work"] == extra * 8
     assert dims["occupancy"]["figures"]["waves_with_work"] == pytest.approx(extra * 8 / slots)

@@ -118,3 +118,13 @@ def test_nan_in_the_cache_comes_out_as_nan(num_splits):
     assert out[0].isnan().all()
     assert not out[1].isnan().any()
 
+
+
+@pytest.mark.parametrize("num_splits", [0, 3])
+def test_out_without_lse_matches_out_with_it(num_splits):
+    """Without return_softmax_lse the kernels write lse to a shared sink: out must not change."""
+    q, k, v, seqlens = random_inputs(3, 130, 2, 4, 64, [130, 5, 64])
+    with_lse, _ = flash_decode_with_kvcache(q, k, v, seqlens, num_splits=num_splits, backend="triton",
+                                            return_softmax_lse=True)
+    alone = flash_decode_with_kvcache(q, k, v, seqlens, num_splits=num_splits, backend="triton")
+    assert torch.equal(with_lse, alone)

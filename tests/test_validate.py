@@ -142,3 +142,45 @@ def test_tilelang_limitation_names_what_tilelang_needs(monkeypatch):
     with pytest.raises(ValueError, match="backend 'tilelang' needs contiguous"):
         api.resolve_backend("tilelang", cuda, api.tilelang_limitation((q, k.transpose(1, 2), k), 4))
     assert api.resolve_backend("triton", cuda, None) == "triton"
+
+
+def test_validation_outcome_is_cached_per_metadata_not_per_values():
+    """The checks run once per distinct metadata; new values with the same metadata reuse them, and
+    different metadata (here a wrong dtype) is checked again, never served from the cache."""
+    from flashdecode.validate import _checked_problem, validate
+
+    q, k, v, s = good()
+    _checked_problem.cache_clear()
+    first, _ = validate(q, k, v, s, None, 0, "auto", None)
+    second, _ = validate(torch.randn_like(q), torch.randn_like(k), torch.randn_like(v), s.clone(), None, 0, "auto", None)
+    assert first == second and _checked_problem.cache_info().hits == 1
+    with pytest.raises(TypeError, match="k_cache must have q's dtype"):
+        validate(q, k.float(), v, s, None, 0, "auto", None)
+    with pytest.raises(ValueError, match="cache_seqlens must be in"):  # CPU lengths are read every call
+        validate(q, k, v, s.clone().fill_(k.shape[1] + 1), None, 0, "auto", None)
+
+
+def test_lse_sink_is_shared_and_never_freed():
+    """Calls that do not ask for lse share one sink per device; a larger batch gets a larger buffer
+    and the old one stays alive (a captured CUDA graph may still write it)."""
+    from flashdecode import api
+
+    device = torch.device("cpu")
+    small = api._lse_sink(device, 2, 8)
+    assert small.shape == (2, 8) and api._lse_sink(device, 2, 8) is small
+    assert api._lse_sink(device, 1, 8).data_ptr() == small.data_ptr()
+    large = api._lse_sink(device, 64, 8)
+    assert large.shape == (64, 8) and large.data_ptr() != small.data_ptr()
+    assert any(buffer.data_ptr() == small.data_ptr() for buffer in api._SINK_BUFFERS[device])
+
+
+def test_partials_are_disjoint_aligned_views_of_one_allocation():
+    from flashdecode import api
+
+    part_o, part_lse = api._partials(5, 8, 64, torch.device("cpu"))
+    assert part_o.shape == (5, 8, 64) and part_o.is_contiguous()
+    assert part_lse.shape == (5, 8) and part_lse.is_contiguous()
+    assert part_lse.data_ptr() == part_o.data_ptr() + part_o.numel() * 4 and part_lse.data_ptr() % 16 == 0
+    part_o.fill_(1.0)
+    part_lse.fill_(2.0)
+    assert (part_o == 1).all() and (part_lse == 2).all()

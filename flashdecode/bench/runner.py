@@ -25,7 +25,7 @@ import torch
 import triton
 
 import flashdecode
-from flashdecode import cases, hardware, planner
+from flashdecode import api, cases, hardware
 from flashdecode.api import is_hopper
 from flashdecode.reference import reference_decode, relative_error
 from flashdecode.validate import validate
@@ -182,7 +182,7 @@ def _measure(system: System, inputs, fresh, references, timer: Timer) -> Result:
     try:
         if system.kind == "ours":
             problem, _ = validate(*inputs, None, 0, system.name, None)
-            result.plan = dataclasses.asdict(planner.plan(problem, hardware.profile_for(inputs[0].device), 0))
+            result.plan = dataclasses.asdict(api.plan_for(system.name, problem, hardware.profile_for(inputs[0].device)))
         call = system.setup(*inputs)
         out = call()
         timer.synchronize()

@@ -89,4 +89,4 @@ def measure(shape: shapes.Shape, backend: str, out: pathlib.Path, ncu_command: s
                   "ncu_csv": "ncu.csv" if measured.counters.csv_text else None,
                   "ncu_report": "ncu.ncu-rep" if measured.counters.kernels else None},
     }
-    return build(shape, backend, "measured", [section(shape, profile, measured)], notes_for(measured), extra)
+    return build(shape, backend, "measured", [section(shape, profile, measured, backend)], notes_for(measured), extra)

@@ -18,7 +18,6 @@ from .catalogue import DIMENSIONS, diagnose
 from .shape import Shape
 from .timeline import Activity, figures as timeline_figures
 
-PLANNED_RESIDENCY = planner.PROGRAMS_PER_MULTIPROCESSOR
 PLAN_ONLY_PROFILES = ("h200", "c500")
 
 
@@ -37,20 +36,29 @@ def _dimension(figures: dict, source: str, unavailable: str | None = None) -> di
     return {"source": source, "figures": figures, "unavailable": unavailable}
 
 
-def section(shape: Shape, profile: HardwareProfile, measured: Measurements | None = None) -> dict:
-    """One hardware profile's dimensions with their diagnoses; plan-only when ``measured`` is None."""
+def section(shape: Shape, profile: HardwareProfile, measured: Measurements | None = None,
+            backend: str | None = None) -> dict:
+    """One hardware profile's dimensions with their diagnoses; plan-only when ``measured`` is None.
+
+    The plan is ``backend``'s (``api.plan_for``); residency comes from ncu when it was measured,
+    else from the backend's own count, else the planner's assumption."""
+    from .. import api
+
     problem, lengths = shape.problem(), shape.lengths()
-    plan = planner.plan(problem, profile)
+    plan = api.plan_for(backend, problem, profile)
     kernels = measured.counters.kernels if measured and measured.counters else []
     main = ncu.main_kernel(kernels) if kernels else None
+    planned = (api._kernel_module(backend).resident_programs_for(problem, profile) if backend
+               else planner.ASSUMED_RESIDENT_PROGRAMS)
     resident = ncu.resident_programs(main) if main else None
-    occupancy = geometry.occupancy(problem, plan, lengths, profile, resident or PLANNED_RESIDENCY)
-    occupancy["resident_source"] = "ncu occupancy limits" if resident else \
-        f"assumed: the planner's target (planner.PROGRAMS_PER_MULTIPROCESSOR = {PLANNED_RESIDENCY})"
+    occupancy = geometry.occupancy(problem, plan, lengths, profile, resident or planned)
+    occupancy["resident_source"] = "ncu occupancy limits" if resident else (
+        f"assumed: {backend}'s resident_programs_for = {planned}" if backend
+        else f"assumed: planner.ASSUMED_RESIDENT_PROGRAMS = {planned}")
     if resident:
-        occupancy["residency_vs_plan"] = resident / PLANNED_RESIDENCY
+        occupancy["residency_vs_plan"] = resident / planned
     dims = {"occupancy": _dimension(occupancy, "plan"),
-            "tail": _dimension(geometry.tail(problem, plan, lengths, profile, resident or PLANNED_RESIDENCY), "plan")}
+            "tail": _dimension(geometry.tail(problem, plan, lengths, profile, resident or planned), "plan")}
     if measured is not None:
         _add_measured(dims, shape.problem_bytes(), kernels, main, measured)
     figures = {key: value for dim in dims.values() for key, value in dim["figures"].items()}
@@ -126,7 +134,8 @@ def plan_only(shape: Shape, backend: str | None) -> dict:
     """The report of a machine without a device: dimensions 1 and 2 for the H200 and the C500."""
     notes = ["PLAN ONLY: no CUDA device here, so nothing was run or measured; dimensions 1 and 2 come "
              "from the planner for each hardware profile (flashdecode.hardware.PROFILES), with "
-             f"{PLANNED_RESIDENCY} resident programs per multiprocessor assumed (the planner's target)."]
+             f"{planner.ASSUMED_RESIDENT_PROGRAMS} resident programs per multiprocessor assumed (the "
+             "planner's assumption when no backend runs)."]
     return build(shape, backend, "plan-only", [section(shape, PROFILES[name]) for name in PLAN_ONLY_PROFILES],
                  notes, {})
 

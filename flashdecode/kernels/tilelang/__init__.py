@@ -1,3 +1,3 @@
-from .decode import run
+from .decode import resident_programs_for, run
 
-__all__ = ["run"]
+__all__ = ["resident_programs_for", "run"]

@@ -20,6 +20,15 @@ LN2 = tl.constexpr(math.log(2.0))
 LOG2E = 1.0 / math.log(2.0)
 #: Partials the combine kernel loads at once (per query head).
 COMBINE_SPLITS_PER_STEP = 16
+#: Split programs one H200 SM holds at once, as ncu reported for the benchmark's kernels (head dim
+#: 128: 38 KB of shared memory, 107 registers x 128 threads; docs/profiles/case12-triton); head dim
+#: 256 doubles the tiles and runs 8 warps: half as many.
+RESIDENT_PROGRAMS = {64: 4, 128: 4, 256: 2}
+
+
+def resident_programs_for(problem, profile) -> int:
+    """Split programs one SM holds at once (measured for the H200, see RESIDENT_PROGRAMS)."""
+    return RESIDENT_PROGRAMS[problem.headdim]
 
 
 @triton.jit
