@@ -38,7 +38,8 @@ while [ $# -gt 0 ]; do
       kill $smi 2>/dev/null; trap - EXIT;;
     sweep)
       args=$1; shift
-      timeout "${STEP_TIMEOUT:-400}" python3 benchmarks/sweep.py $args 2>&1 | tee -a "$OUT/sweep.log" | tail -20
+      # As for the bench: on the time limit, every Python thread's stack (a sweep hung once, perf log 12).
+      timeout -k 30 -s ABRT "${STEP_TIMEOUT:-400}" python3 -X faulthandler benchmarks/sweep.py $args 2>&1 | tee -a "$OUT/sweep.log" | tail -20
       summary+=("sweep rc=${PIPESTATUS[0]}");;
     sanitize)
       for tool in memcheck racecheck; do

@@ -1,16 +1,20 @@
 """A small workload for compute-sanitizer: TileLang on a few shapes that cover one program per
-sequence, balanced splits, forced splits, empty rows and lengths at block boundaries."""
+sequence, balanced splits, forced splits, empty rows, lengths at block boundaries and the
+single-tile kernel (cases 3, 4: caches of at most one tile)."""
 import torch
 
 from flashdecode import flash_decode_with_kvcache
 from flashdecode.cases import CASES_BY_NUMBER, make_inputs
 
-for number in (3, 5, 10):
+for number in (3, 4, 5, 10):
     q, k, v, seqlens = make_inputs(CASES_BY_NUMBER[number], device="cuda")
     for num_splits in (0, 3):
         flash_decode_with_kvcache(q, k, v, seqlens, num_splits=num_splits, backend="tilelang")
 q, k, v, _ = make_inputs(CASES_BY_NUMBER[5], device="cuda")
 seqlens = torch.tensor([0, 1, 63, 64, 65, 127, 128, 129, 141, 0, 2, 3, 4, 5, 6, 7], dtype=torch.int32, device="cuda")
+flash_decode_with_kvcache(q, k, v, seqlens, backend="tilelang")
+q, k, v, _ = make_inputs(CASES_BY_NUMBER[4], device="cuda")  # 64 x 64 tokens: one tile
+seqlens = torch.tensor([0, 1, 2, 17, 31, 32, 33, 63, 64] * 7 + [0], dtype=torch.int32, device="cuda")
 flash_decode_with_kvcache(q, k, v, seqlens, backend="tilelang")
 torch.cuda.synchronize()
 print("sanitize target done")

@@ -271,6 +271,23 @@ def test_git_commit_marks_uncommitted_changes(runner, tmp_path, monkeypatch):
     assert runner.git_commit() == clean + "-dirty"
 
 
+def test_source_digest_names_the_code_not_the_checkout(runner, tmp_path, monkeypatch):
+    """The digest changes with any package source and with nothing else (it needs no git)."""
+    import flashdecode
+
+    package = tmp_path / "flashdecode"
+    (package / "sub").mkdir(parents=True)
+    (package / "__init__.py").write_text("x = 1\n")
+    (package / "sub" / "k.py").write_text("y = 1\n")
+    monkeypatch.setattr(flashdecode, "__file__", str(package / "__init__.py"))
+    first = runner.source_digest()
+    assert len(first) == 12 and runner.source_digest() == first
+    (tmp_path / "notes.txt").write_text("outside the package")
+    assert runner.source_digest() == first
+    (package / "sub" / "k.py").write_text("y = 2\n")
+    assert runner.source_digest() != first
+
+
 def test_tilelang_backend_needs_a_hopper(runner, monkeypatch):
     """On another GPU the TileLang backend is skipped with the reason, not timed into 14 failures."""
     from flashdecode.bench import BenchError

@@ -80,11 +80,12 @@ def test_random_shapes(backend, data):
 
 
 @pytest.mark.parametrize("backend", KERNEL_BACKENDS)
-def test_out_of_range_lengths_give_nan_rows_on_device(backend):
+@pytest.mark.parametrize("case", [CASES[4], CASES[2]], ids=["case5", "case3-single-tile"])
+def test_out_of_range_lengths_give_nan_rows_on_device(backend, case):
     backend_or_skip(backend)
-    q, k, v, _ = make_inputs(CASES[4], device="cuda")  # case 5: 16 x 141
-    seqlens = torch.full((16,), 100, dtype=torch.int32, device="cuda")
-    seqlens[3], seqlens[7] = 142, -5
+    q, k, v, _ = make_inputs(case, device="cuda")  # 16 x 141 (split kernel), 16 x 17 (single tile)
+    seqlens = torch.full((16,), case.seqlen_cache - 3, dtype=torch.int32, device="cuda")
+    seqlens[3], seqlens[7] = case.seqlen_cache + 1, -5
     out = flash_decode_with_kvcache(q, k, v, seqlens, backend=backend)
     assert out[3].isnan().all() and out[7].isnan().all()
     assert not out[[0, 1, 2, 4, 5, 6]].isnan().any()

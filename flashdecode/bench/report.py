@@ -175,7 +175,8 @@ def candidate_records(run) -> list[dict]:
     """One record per (case, our backend), for the candidates log."""
     return [
         _finite({"id": uuid.uuid4().hex, "timestamp": run.environment["date"],
-                 "git_commit": run.environment["git_commit"], "device": run.environment["device"],
+                 "git_commit": run.environment["git_commit"],
+                 "source_digest": run.environment.get("source_digest"), "device": run.environment["device"],
                  "case": c.case.number, "backend": r.system, "technique": f"{TECHNIQUE} {r.system}",
                  "config": r.plan, "validation": "pass" if r.correct else "fail",
                  "runtime_ms": r.timing and r.timing.median_us / 1e3,
@@ -200,7 +201,8 @@ def _number(value, spec, missing="-"):
 def format_table(run) -> str:
     """The terminal report: header (device, versions, ceiling, notes), one row per (case, system)."""
     env = run.environment
-    lines = [f"flashdecode bench on {env['device']}, commit {env['git_commit'] or 'unknown'}, {env['date']}"]
+    lines = [f"flashdecode bench on {env['device']}, commit {env['git_commit'] or 'unknown'} "
+             f"(sources {env.get('source_digest') or 'unknown'}), {env['date']}"]
     lines += [f"system {s.name} [{s.version}]: {s.description}" for s in run.systems]
     lines += [f"ceiling: {run.ceiling.what}: {run.ceiling.gbps:.0f} GB/s"]
     lines += [f"skipped: {reason}" for reason in run.skipped]

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import hashlib
 import importlib.metadata
 import json
 import pathlib
@@ -242,6 +243,18 @@ def git_commit() -> str | None:
     return head.stdout.strip() + ("-dirty" if changed.stdout.strip() else "")
 
 
+def source_digest() -> str:
+    """sha256 (first 12 hex digits) of the package's Python sources, path by path: names the code that
+    ran even where git's view of the checkout is stale (the GPU machine's copy of the working tree
+    carried an old HEAD, so git_commit read "<old>-dirty"). The same digest of a commit's tree:
+    ``git worktree``/``git archive`` it and call this on that copy."""
+    root = pathlib.Path(flashdecode.__file__).parent
+    digest = hashlib.sha256()
+    for path in sorted(root.rglob("*.py")):
+        digest.update(path.relative_to(root).as_posix().encode() + b"\0" + path.read_bytes() + b"\0")
+    return digest.hexdigest()[:12]
+
+
 def _environment(selection: Selection) -> dict:
     if selection.cuda:
         device = torch.cuda.get_device_name()
@@ -251,7 +264,7 @@ def _environment(selection: Selection) -> dict:
                 "tilelang": _version("tilelang"), "flashdecode": flashdecode.__version__}
     versions.update({s.name: s.version for s in selection.systems if s.kind == "peer"})
     return {"device": device, "cuda": selection.cuda, "versions": versions, "git_commit": git_commit(),
-            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+            "source_digest": source_digest(), "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
 
 
 def _settings(selection: Selection, timer: Timer) -> dict:

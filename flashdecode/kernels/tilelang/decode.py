@@ -1,6 +1,6 @@
 """TileLang kernels for GQA KV-cache decode attention (one query token per sequence).
 
-Two kernels, compiled once per specialisation (dtype, head_dim, group size G, KV heads,
+Three kernels, compiled once per specialisation (dtype, head_dim, group size G, KV heads,
 tile parameters) and cached; batch size, cache capacity, workspace rows, the number of
 split programs P, softmax_scale and forced_splits are runtime values, so new shapes and
 lengths never recompile.
@@ -20,6 +20,9 @@ lengths never recompile.
   ``part_lse`` (base 2).
 * Combine kernel, grid (B, Hq): one program per (sequence, query head) merges the partials of
   every sequence with > 1 split, a step of partials at a time.
+* Single-tile kernel, grid (B, Hk), for caches of at most one tile (``seqlen_cache <=
+  block_n``): the split kernel's pipeline, producer warpgroup and schedule only add latency
+  there, so one warpgroup loads q and the valid K/V rows at once and runs one softmax step.
 
 As in the Triton backend, a length outside [0, capacity] is clamped for the schedule and
 the reads, and its row of ``out`` is set to NaN.
@@ -41,7 +44,8 @@ import tilelang.language as T
 
 from ... import hardware, planner
 
-__all__ = ["build_split_kernel", "build_combine_kernel", "kernels_for", "resident_programs_for", "run"]
+__all__ = ["build_split_kernel", "build_combine_kernel", "build_single_tile_kernel", "kernels_for",
+           "single_tile_kernel_for", "resident_programs_for", "run"]
 
 _LOG2E = 1.4426950408889634
 _LN2 = 0.6931471805599453
@@ -92,17 +96,34 @@ def split_kernel_shared_bytes(head_dim, block_n, rows, num_stages):
     return q_tile + stages + probabilities + SCAN_WIDTH * 4 + 1024
 
 
-def resident_programs(head_dim, block_n, rows, num_stages, registers_per_sm, shared_memory_per_sm):
-    """Split programs that fit on one SM at once (at most MAX_RESIDENT_PROGRAMS): the fewer of
-    what the registers allow (a consumer thread holds output rows*D/threads and scores plus
-    probabilities 1.5*rows*block_n/threads values, plus ~16 for addressing; every program also
-    launches the 128-thread TMA producer warpgroup) and what shared memory allows."""
-    launched = 2 * CONSUMER_THREADS
-    needed = (rows * head_dim + 3 * rows * block_n // 2) // CONSUMER_THREADS + 16
+def _consumer_registers(head_dim, block_n, rows):
+    """Registers a consumer thread needs: output rows*D/threads and scores plus probabilities
+    1.5*rows*block_n/threads values, plus ~16 for addressing."""
+    return (rows * head_dim + 3 * rows * block_n // 2) // CONSUMER_THREADS + 16
+
+
+def _programs_that_fit(registers, threads, shared_bytes, registers_per_sm, shared_memory_per_sm):
+    """Programs of ``threads`` threads needing ``registers`` each and ``shared_bytes`` that fit on
+    one SM at once, between 1 and MAX_RESIDENT_PROGRAMS."""
     by_registers = max((n for n in range(1, MAX_RESIDENT_PROGRAMS + 1)
-                        if needed <= min(255, registers_per_sm // (n * launched))), default=1)
-    by_shared = shared_memory_per_sm // split_kernel_shared_bytes(head_dim, block_n, rows, num_stages)
-    return max(1, min(by_registers, by_shared))
+                        if registers <= min(255, registers_per_sm // (n * threads))), default=1)
+    return max(1, min(by_registers, shared_memory_per_sm // shared_bytes))
+
+
+def resident_programs(head_dim, block_n, rows, num_stages, registers_per_sm, shared_memory_per_sm):
+    """Split programs that fit on one SM at once: every program also launches the 128-thread TMA
+    producer warpgroup, which gets the consumers' register count."""
+    return _programs_that_fit(_consumer_registers(head_dim, block_n, rows), 2 * CONSUMER_THREADS,
+                              split_kernel_shared_bytes(head_dim, block_n, rows, num_stages),
+                              registers_per_sm, shared_memory_per_sm)
+
+
+def single_tile_resident_programs(head_dim, block_n, rows, registers_per_sm, shared_memory_per_sm):
+    """Single-tile programs (one warpgroup; q, K and V tiles, P for tiles under 64 rows) that fit on
+    one SM at once."""
+    shared = (rows + 2 * block_n) * head_dim * 2 + (rows * block_n * 2 if rows < 64 else 0) + 1024
+    return _programs_that_fit(_consumer_registers(head_dim, block_n, rows), CONSUMER_THREADS, shared,
+                              registers_per_sm, shared_memory_per_sm)
 
 
 def resident_programs_for(problem, profile) -> int:
@@ -164,6 +185,54 @@ def _load_splits(seqlens, batch, capacity, chunk, forced_splits, block_n, can_sp
                     can_split), 0)
 
 
+def _attend_macro(rows, block_n, head_dim, policy):
+    """The online-softmax step of a q tile of ``rows`` rows over one K/V tile of ``block_n``
+    tokens, as a macro for the kernels below."""
+    f32 = T.float32
+
+    @T.macro
+    def attend(q_s, k_s, v_s, s_f, p_f, o_f, m_f, l_f, m_prev, alpha, rsum, scale, n_valid):
+        """One online-softmax step over a K/V tile whose first ``n_valid`` tokens count."""
+        T.clear(s_f)
+        T.gemm(q_s, k_s, s_f, transpose_B=True, policy=policy)
+        for i, j in T.Parallel(rows, block_n):
+            s_f[i, j] = T.if_then_else(j < n_valid, s_f[i, j] * scale, -T.infinity(f32))
+        T.copy(m_f, m_prev)
+        T.reduce_max(s_f, m_f, dim=1, clear=False)
+        for i in T.Parallel(rows):
+            alpha[i] = T.exp2(m_prev[i] - m_f[i])
+        for i, j in T.Parallel(rows, block_n):
+            s_f[i, j] = T.exp2(s_f[i, j] - m_f[i])
+        T.reduce_sum(s_f, rsum, dim=1)
+        for i in T.Parallel(rows):
+            l_f[i] = l_f[i] * alpha[i] + rsum[i]
+        for i, d in T.Parallel(rows, head_dim):
+            o_f[i, d] *= alpha[i]
+        T.copy(s_f, p_f)  # p_f: a register fragment (64-row tile) or shared memory (smaller tiles)
+        T.gemm(p_f, v_s, o_f, policy=policy)
+
+    return attend
+
+
+def _write_out_macro(rows, head_dim, group, dtype):
+    """Writes a finished sequence's ``out`` and ``lse`` (natural log) for the G heads of KV head h:
+    0 and -inf for no tokens, NaN rows for a length outside [0, capacity] (``bad``)."""
+    f32 = T.float32
+
+    @T.macro
+    def write_out(Out, Lse, o_f, l_f, m_f, b, h, bad):
+        for i, d in T.Parallel(rows, head_dim):
+            if i < group:
+                o = T.if_then_else(l_f[i] == 0, 0, o_f[i, d] / l_f[i])
+                Out[b, 0, h * group + i, d] = T.cast(T.if_then_else(bad, _NAN, o), dtype)
+        for i in T.Parallel(rows):
+            if i < group:
+                Lse[b, h * group + i] = T.if_then_else(
+                    l_f[i] == 0, -T.infinity(f32), (T.log2(l_f[i]) + m_f[i]) * _LN2)
+
+    return write_out
+
+
 def build_split_kernel(dtype: str, head_dim: int, group: int, kv_heads: int, block_n: int,
                        num_stages: int, can_split: bool, blocks_per_sm: int, q_rows: int = 64,
                        target=None):
@@ -190,26 +259,8 @@ def _split_kernel(dtype, D, G, Hk, block_n, num_stages, can_split, blocks_per_sm
     B, S, W = T.dynamic("batch, capacity, workspace_rows")
     f32 = T.float32
 
-    @T.macro
-    def attend(q_s, k_s, v_s, s_f, p_f, o_f, m_f, l_f, m_prev, alpha, rsum, scale, n_valid):
-        """One online-softmax step over a K/V tile whose first ``n_valid`` tokens count."""
-        T.clear(s_f)
-        T.gemm(q_s, k_s, s_f, transpose_B=True, policy=policy)
-        for i, j in T.Parallel(rows, block_n):
-            s_f[i, j] = T.if_then_else(j < n_valid, s_f[i, j] * scale, -T.infinity(f32))
-        T.copy(m_f, m_prev)
-        T.reduce_max(s_f, m_f, dim=1, clear=False)
-        for i in T.Parallel(rows):
-            alpha[i] = T.exp2(m_prev[i] - m_f[i])
-        for i, j in T.Parallel(rows, block_n):
-            s_f[i, j] = T.exp2(s_f[i, j] - m_f[i])
-        T.reduce_sum(s_f, rsum, dim=1)
-        for i in T.Parallel(rows):
-            l_f[i] = l_f[i] * alpha[i] + rsum[i]
-        for i, d in T.Parallel(rows, D):
-            o_f[i, d] *= alpha[i]
-        T.copy(s_f, p_f)  # p_f: a register fragment (64-row tile) or shared memory (smaller tiles)
-        T.gemm(p_f, v_s, o_f, policy=policy)
+    attend = _attend_macro(rows, block_n, D, policy)
+    write_out = _write_out_macro(rows, D, G, dtype)
 
     @T.prim_func
     def decode_split(
@@ -297,15 +348,7 @@ def _split_kernel(dtype, D, G, Hk, block_n, num_stages, can_split, blocks_per_sm
 
             if seq >= 0:
                 if nsplit == 1:
-                    bad = raw_len != seqlen  # length outside [0, capacity]
-                    for i, d in T.Parallel(rows, D):
-                        if i < G:
-                            o = T.if_then_else(l_f[i] == 0, 0, o_f[i, d] / l_f[i])
-                            Out[b, 0, h * G + i, d] = T.cast(T.if_then_else(bad, _NAN, o), dtype)
-                    for i in T.Parallel(rows):
-                        if i < G:
-                            Lse[b, h * G + i] = T.if_then_else(
-                                l_f[i] == 0, -T.infinity(f32), (T.log2(l_f[i]) + m_f[i]) * _LN2)
+                    write_out(Out, Lse, o_f, l_f, m_f, b, h, raw_len != seqlen)
                 else:
                     for i, d in T.Parallel(rows, D):
                         if i < G:
@@ -315,6 +358,74 @@ def _split_kernel(dtype, D, G, Hk, block_n, num_stages, can_split, blocks_per_sm
                             PartLse[pid, h * G + i] = T.log2(l_f[i]) + m_f[i]
 
     return _compile(decode_split, target)
+
+
+def build_single_tile_kernel(dtype: str, head_dim: int, group: int, kv_heads: int, block_n: int,
+                             blocks_per_sm: int, q_rows: int = 64, target=None):
+    """Compiled kernel for caches of at most one K/V tile (``seqlen_cache <= block_n``), cached.
+
+    Grid (B, Hk), one warpgroup, no pipeline and no split: the program loads q and the valid rows
+    of K and V at once (the rest zero-filled), runs one online-softmax step and writes out/lse.
+    Without the split kernel's TMA pipeline, producer warpgroup and schedule, it is a short chain
+    of memory round trips and fits 4 programs per SM; tiny caches are latency-bound.
+
+    ``blocks_per_sm``: the occupancy ptxas must allow (``single_tile_resident_programs``).
+    Call: (q, k_cache, v_cache, cache_seqlens, out, lse, softmax_scale).
+    """
+    return _single_tile_kernel(dtype, head_dim, group, kv_heads, block_n, blocks_per_sm, q_rows, _freeze(target))
+
+
+@functools.lru_cache(maxsize=None)
+def _single_tile_kernel(dtype, D, G, Hk, block_n, blocks_per_sm, rows, target):
+    Hq = Hk * G
+    policy = T.GemmWarpPolicy.FullRow if rows >= 64 else T.GemmWarpPolicy.FullCol
+    if not 1 <= G <= rows:
+        raise ValueError(f"group size {G} does not fit a q tile of {rows} rows")
+    attend = _attend_macro(rows, block_n, D, policy)
+    write_out = _write_out_macro(rows, D, G, dtype)
+    B, S = T.dynamic("batch, capacity")
+    f32 = T.float32
+
+    @T.prim_func
+    def decode_single_tile(
+        Q: T.Tensor((B, 1, Hq, D), dtype),
+        K: T.Tensor((B, S, Hk, D), dtype),
+        V: T.Tensor((B, S, Hk, D), dtype),
+        seqlens: T.Tensor((B,), T.int32),
+        Out: T.Tensor((B, 1, Hq, D), dtype),
+        Lse: T.Tensor((B, Hq), f32),
+        softmax_scale: f32,
+    ):
+        with T.Kernel(B, Hk, threads=CONSUMER_THREADS) as (b, h):
+            T.annotate_min_blocks_per_sm(blocks_per_sm)
+            q_s = T.alloc_shared((rows, D), dtype)
+            k_s = T.alloc_shared((block_n, D), dtype)
+            v_s = T.alloc_shared((block_n, D), dtype)
+            s_f = T.alloc_fragment((rows, block_n), f32)
+            p_f = (T.alloc_fragment if rows >= 64 else T.alloc_shared)((rows, block_n), dtype)
+            o_f = T.alloc_fragment((rows, D), f32)
+            m_f = T.alloc_fragment((rows,), f32)
+            l_f = T.alloc_fragment((rows,), f32)
+            m_prev = T.alloc_fragment((rows,), f32)
+            alpha = T.alloc_fragment((rows,), f32)
+            rsum = T.alloc_fragment((rows,), f32)
+
+            raw_len = seqlens[b]
+            seqlen = T.min(T.max(raw_len, 0), T.min(S, block_n))
+            for i, d in T.Parallel(rows, D):
+                q_s[i, d] = T.if_then_else(i < G, Q[b, 0, h * G + i, d], T.cast(0, dtype))
+            for j, d in T.Parallel(block_n, D):  # rows past the length are zero: 0 * stale NaN is NaN
+                k_s[j, d] = T.if_then_else(j < seqlen, K[b, j, h, d], T.cast(0, dtype))
+                v_s[j, d] = T.if_then_else(j < seqlen, V[b, j, h, d], T.cast(0, dtype))
+            T.fill(o_f, 0)
+            T.fill(l_f, 0)
+            T.fill(m_f, -T.infinity(f32))
+            if seqlen > 0:
+                attend(q_s, k_s, v_s, s_f, p_f, o_f, m_f, l_f, m_prev, alpha, rsum,
+                       softmax_scale * _LOG2E, seqlen)
+            write_out(Out, Lse, o_f, l_f, m_f, b, h, raw_len != T.min(T.max(raw_len, 0), S))
+
+    return _compile(decode_single_tile, target)
 
 
 def build_combine_kernel(dtype: str, head_dim: int, group: int, kv_heads: int, block_n: int,
@@ -420,6 +531,17 @@ def kernels_for(dtype: str, head_dim: int, group: int, kv_heads: int, block_n: i
     return _launcher(split), combine and _launcher(combine)
 
 
+@functools.lru_cache(maxsize=None)
+def single_tile_kernel_for(dtype: str, head_dim: int, group: int, kv_heads: int, block_n: int,
+                           registers_per_sm: int, shared_memory_per_sm: int, min_q_rows: int, target=None):
+    """The single-tile launcher for one specialisation, built once (``target`` as in kernels_for)."""
+    target = target if target is not None else _freeze(device_target())
+    rows = q_tile_rows(group, min_q_rows)
+    blocks_per_sm = single_tile_resident_programs(head_dim, block_n, rows, registers_per_sm, shared_memory_per_sm)
+    return _launcher(build_single_tile_kernel(dtype, head_dim, group, kv_heads, block_n, blocks_per_sm, rows,
+                                              target=target))
+
+
 def _launcher(kernel):
     """The compiled entry function behind a TileLang kernel.
 
@@ -437,7 +559,8 @@ def _launcher(kernel):
 
 
 def run(plan, problem, q, k_cache, v_cache, cache_seqlens, out, lse, part_o, part_lse, softmax_scale):
-    """Launch the split kernel, then the combine kernel when the plan may split.
+    """Launch the single-tile kernel when the whole cache is one tile, else the split kernel, then
+    the combine kernel when the plan may split.
 
     q, out: (B, 1, Hq, D) contiguous; k_cache, v_cache: (B, S, Hk, D) contiguous; lse: (B, Hq) fp32;
     part_o (P, Hq, D) and part_lse (P, Hq) fp32, 16-byte aligned (empty when nothing splits).
@@ -447,6 +570,12 @@ def run(plan, problem, q, k_cache, v_cache, cache_seqlens, out, lse, part_o, par
         lse.fill_(-math.inf)
         return
     profile = hardware.profile_for(q.device)
+    if problem.seqlen_cache <= plan.block_n:  # nothing to pipeline or split (a forced split is capped to 1)
+        single = single_tile_kernel_for(problem.dtype, problem.headdim, problem.group, problem.nheads_k,
+                                        plan.block_n, profile.registers_per_multiprocessor,
+                                        profile.shared_memory_per_multiprocessor, MIN_Q_ROWS)
+        single(q, k_cache, v_cache, cache_seqlens, out, lse, softmax_scale)
+        return
     split, combine = kernels_for(problem.dtype, problem.headdim, problem.group, problem.nheads_k,
                                  plan.block_n, plan.can_split, profile.registers_per_multiprocessor,
                                  profile.shared_memory_per_multiprocessor, NUM_STAGES, MIN_Q_ROWS)
