@@ -63,10 +63,11 @@ def main():
     for problem, plan in specialisations(with_tests=shipped or args.with_tests):
         for stages, q_rows in variants:
             shape = (problem.dtype, problem.headdim, problem.group, problem.nheads_k, plan.block_n)
-            if problem.seqlen_cache <= plan.block_n:  # run() takes the single-tile kernel
-                key = ("single", *shape, q_rows)
+            if problem.seqlen_cache <= plan.block_n:  # run() takes the single-tile kernel, its own rows
+                key = ("single", *shape, decode.SINGLE_TILE_MIN_Q_ROWS)
                 build = functools.partial(decode.single_tile_kernel_for, *shape, h200.registers_per_multiprocessor,
-                                          h200.shared_memory_per_multiprocessor, q_rows, target=H200_TARGET)
+                                          h200.shared_memory_per_multiprocessor, decode.SINGLE_TILE_MIN_Q_ROWS,
+                                          target=H200_TARGET)
             else:
                 key = ("split", *shape, plan.can_split, stages, q_rows)
                 build = functools.partial(decode.kernels_for, *shape, plan.can_split, h200.registers_per_multiprocessor,

@@ -75,20 +75,21 @@ def test_small_q_tile_variant_compiles(dtype, head_dim, group):
                          [(d, h, 8, 4) for d in ("float16", "bfloat16") for h in (64, 128, 256)]
                          + [("bfloat16", 128, 32, 1), ("bfloat16", 128, 4, 8)], ids=str)
 def test_single_tile_kernel_compiles(dtype, head_dim, group, nheads_k):
-    """Caches of at most one tile take the single-tile kernel: wgmma, no TMA pipeline, no producer."""
+    """Caches of at most one tile take the single-tile kernel: no TMA pipeline, no producer; mma.sync
+    below 64 rows (the shipped 16-row tile), wgmma at 64."""
     block_n = choose_block_n(Problem(1, 64, group * nheads_k, nheads_k, head_dim, dtype), H200)
-    rows = decode.q_tile_rows(group, decode.MIN_Q_ROWS)
+    rows = decode.q_tile_rows(group, decode.SINGLE_TILE_MIN_Q_ROWS)
     blocks_per_sm = decode.single_tile_resident_programs(head_dim, block_n, rows, H200.registers_per_multiprocessor,
                                                          H200.shared_memory_per_multiprocessor)
     source = decode.build_single_tile_kernel(dtype, head_dim, group, nheads_k, block_n, blocks_per_sm, rows,
                                              target=TARGET).get_kernel_source()
-    assert "wgmma" in source and "tma_load" not in source
+    assert ("wgmma" if rows >= 64 else "mma_sync") in source and "tma_load" not in source
     assert f"__launch_bounds__(128, {blocks_per_sm})" in source
 
 
-@pytest.mark.parametrize("head_dim,block_n,expected", [(128, 64, 4), (256, 32, 3)])
-def test_single_tile_resident_programs(head_dim, block_n, expected):
-    assert decode.single_tile_resident_programs(head_dim, block_n, 64, H200.registers_per_multiprocessor,
+@pytest.mark.parametrize("head_dim,block_n,rows,expected", [(128, 64, 64, 4), (256, 32, 64, 3), (256, 32, 16, 4)])
+def test_single_tile_resident_programs(head_dim, block_n, rows, expected):
+    assert decode.single_tile_resident_programs(head_dim, block_n, rows, H200.registers_per_multiprocessor,
                                                 H200.shared_memory_per_multiprocessor) == expected
 
 

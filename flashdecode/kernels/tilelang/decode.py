@@ -57,6 +57,9 @@ NUM_STAGES = 2
 #: Fewest rows of the q tile (the G query heads of a KV head, zero-padded): 64 is one wgmma M tile
 #: per consumer warpgroup; 16 pads small groups less and runs mma.sync instead.
 MIN_Q_ROWS = 64
+#: Fewest rows of the single-tile kernel's q tile: one softmax step is all latency, and a 16-row
+#: mma.sync tile beat the 64-row wgmma tile on every cache of one tile (perf log 15).
+SINGLE_TILE_MIN_Q_ROWS = 16
 #: Sequences whose lengths a program reads at once when it locates its work (``_chunk``,
 #: ``_load_splits``): one parallel load per SCAN_WIDTH sequences, in shared memory.
 SCAN_WIDTH = 256
@@ -364,7 +367,8 @@ def build_single_tile_kernel(dtype: str, head_dim: int, group: int, kv_heads: in
                              blocks_per_sm: int, q_rows: int = 64, target=None):
     """Compiled kernel for caches of at most one K/V tile (``seqlen_cache <= block_n``), cached.
 
-    Grid (B, Hk), one warpgroup, no pipeline and no split: the program loads q and the valid rows
+    Grid (B, Hk), one warpgroup, no pipeline and no split (a q tile under 64 rows runs mma.sync,
+    64 rows wgmma): the program loads q and the valid rows
     of K and V at once (the rest zero-filled), runs one online-softmax step and writes out/lse.
     Without the split kernel's TMA pipeline, producer warpgroup and schedule, it is a short chain
     of memory round trips and fits 4 programs per SM; tiny caches are latency-bound.
@@ -573,7 +577,7 @@ def run(plan, problem, q, k_cache, v_cache, cache_seqlens, out, lse, part_o, par
     if problem.seqlen_cache <= plan.block_n:  # nothing to pipeline or split (a forced split is capped to 1)
         single = single_tile_kernel_for(problem.dtype, problem.headdim, problem.group, problem.nheads_k,
                                         plan.block_n, profile.registers_per_multiprocessor,
-                                        profile.shared_memory_per_multiprocessor, MIN_Q_ROWS)
+                                        profile.shared_memory_per_multiprocessor, SINGLE_TILE_MIN_Q_ROWS)
         single(q, k_cache, v_cache, cache_seqlens, out, lse, softmax_scale)
         return
     split, combine = kernels_for(problem.dtype, problem.headdim, problem.group, problem.nheads_k,
