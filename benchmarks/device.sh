@@ -7,6 +7,8 @@
 #   sweep ARGS  benchmarks/sweep.py with the given arguments
 #   sanitize    compute-sanitizer memcheck + racecheck on a few cases (TileLang)
 #   hostprof    host time per call, by stage and cProfile (cases 3 and 12, both backends)
+#   hang        benchmarks/hang_repro.py on cases 13 and 12: whole call, split kernel alone,
+#               combine kernel alone (HANG_SECONDS each, default 60); perf log 16
 #   profile N   flashdecode profile --case N for both backends into $OUT/profile-*
 set -uo pipefail
 export PYTHONUNBUFFERED=1
@@ -42,7 +44,7 @@ while [ $# -gt 0 ]; do
       timeout -k 30 -s ABRT "${STEP_TIMEOUT:-400}" python3 -X faulthandler benchmarks/sweep.py $args 2>&1 | tee -a "$OUT/sweep.log" | tail -20
       summary+=("sweep rc=${PIPESTATUS[0]}");;
     sanitize)
-      for tool in memcheck racecheck; do
+      for tool in memcheck racecheck synccheck; do
         timeout "${STEP_TIMEOUT:-400}" compute-sanitizer --tool $tool python3 benchmarks/sanitize_target.py 2>&1 | tee "$OUT/sanitize_$tool.log" | tail -6
         summary+=("sanitize $tool rc=${PIPESTATUS[0]}")
       done;;
@@ -61,6 +63,14 @@ while [ $# -gt 0 ]; do
         done
       done
       summary+=("hostprof");;
+    hang)
+      for n in 13 12; do
+        for kernels in both split combine; do
+          timeout -k 10 $(( ${HANG_SECONDS:-60} + 60 )) python3 benchmarks/hang_repro.py --case $n --kernels $kernels \
+            --seconds "${HANG_SECONDS:-60}" 2>&1 | tail -30 | tee -a "$OUT/hang.log"
+          summary+=("hang case $n $kernels rc=${PIPESTATUS[0]}")
+        done
+      done;;
     *) echo "unknown step $step"; exit 2;;
   esac
 done

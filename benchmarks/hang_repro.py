@@ -1,0 +1,69 @@
+"""Try to reproduce TileLang's intermittent GPU hang (perf log 16) and say which kernel hangs.
+
+Loops one matrix case's TileLang call back to back for ``--seconds``, synchronising every
+``--every`` calls; a watchdog dumps every Python thread's stack and exits (code 3) when one
+synchronisation takes longer than ``--timeout`` seconds. ``--kernels split`` launches only the
+split kernel (into the partials), ``combine`` only the combine kernel over partials made once,
+``both`` the whole call. Prints calls made and the outcome.
+
+Usage (GPU): python benchmarks/hang_repro.py --case 13 --kernels both --seconds 120
+"""
+import argparse
+import faulthandler
+import sys
+import time
+
+import torch
+
+from flashdecode import api, hardware
+from flashdecode.cases import CASES_BY_NUMBER, make_inputs
+from flashdecode.kernels.tilelang import decode
+from flashdecode.validate import validate
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--case", type=int, default=13)
+    parser.add_argument("--kernels", choices=("both", "split", "combine"), default="both")
+    parser.add_argument("--seconds", type=float, default=120)
+    parser.add_argument("--every", type=int, default=200)
+    parser.add_argument("--timeout", type=float, default=20)
+    args = parser.parse_args()
+    q, k, v, seqlens = make_inputs(CASES_BY_NUMBER[args.case], device="cuda")
+    problem, _ = validate(q, k, v, seqlens, None, 0, "tilelang", None)
+    profile = hardware.profile_for(q.device)
+    plan = api.plan_for("tilelang", problem, profile)
+    if not plan.needs_combine and args.kernels != "both":
+        sys.exit(f"case {args.case} never splits: only --kernels both applies")
+    split, combine = decode.kernels_for(problem.dtype, problem.headdim, problem.group, problem.nheads_k,
+                                        plan.block_n, plan.can_split, profile.registers_per_multiprocessor,
+                                        profile.shared_memory_per_multiprocessor, decode.NUM_STAGES,
+                                        decode.MIN_Q_ROWS)
+    out, lse = torch.empty_like(q), torch.empty((problem.batch, problem.nheads), device="cuda")
+    part_o, part_lse = api._partials(plan.programs_per_head, problem.nheads, problem.headdim, q.device)
+    scale = problem.headdim ** -0.5
+    launches = {
+        "both": lambda: api.flash_decode_with_kvcache(q, k, v, seqlens, backend="tilelang"),
+        "split": lambda: split(q, k, v, seqlens, out, lse, part_o, part_lse, plan.programs_per_head,
+                               plan.forced_splits, plan.min_chunk, scale),
+        "combine": lambda: combine(seqlens, part_o, part_lse, out, lse, problem.seqlen_cache,
+                                   plan.programs_per_head, plan.forced_splits, plan.min_chunk),
+    }
+    if args.kernels == "combine":
+        launches["split"]()  # real partials for the combine kernel to merge
+    launch = launches[args.kernels]
+    torch.cuda.synchronize()
+    calls, start = 0, time.perf_counter()
+    print(f"case {args.case} kernels {args.kernels} plan {plan}", flush=True)
+    while time.perf_counter() - start < args.seconds:
+        for _ in range(args.every):
+            launch()
+        calls += args.every
+        faulthandler.dump_traceback_later(args.timeout, exit=True)
+        torch.cuda.synchronize()
+        faulthandler.cancel_dump_traceback_later()
+    print(f"no hang: {calls} calls in {time.perf_counter() - start:.0f} s", flush=True)
+
+
+if __name__ == "__main__":
+    main()
