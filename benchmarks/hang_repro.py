@@ -1,8 +1,9 @@
 """Try to reproduce TileLang's intermittent GPU hang (perf log 16) and say which kernel hangs.
 
 Loops one matrix case's TileLang call back to back for ``--seconds``, synchronising every
-``--every`` calls; a watchdog dumps every Python thread's stack and exits (code 3) when one
-synchronisation takes longer than ``--timeout`` seconds. ``--kernels split`` launches only the
+``--every`` calls; a watchdog thread dumps every Python thread's stack and exits with code 3 (a
+hang; 0: none) when one synchronisation takes longer than ``--timeout`` seconds. Should the wait
+hold the GIL, faulthandler dumps the stacks 10 s later and exits with 1, after a "Timeout" line. ``--kernels split`` launches only the
 split kernel (into the partials), ``combine`` only the combine kernel over partials made once,
 ``both`` the whole call. Prints calls made and the outcome.
 
@@ -10,7 +11,9 @@ Usage (GPU): python benchmarks/hang_repro.py --case 13 --kernels both --seconds 
 """
 import argparse
 import faulthandler
+import os
 import sys
+import threading
 import time
 
 import torch
@@ -19,6 +22,17 @@ from flashdecode import api, hardware
 from flashdecode.cases import CASES_BY_NUMBER, make_inputs
 from flashdecode.kernels.tilelang import decode
 from flashdecode.validate import validate
+
+
+HANG_EXIT_CODE = 3
+
+
+def watchdog(synchronised: threading.Event, timeout: float, what: str) -> None:
+    """Wait for one synchronisation; past ``timeout``, dump every thread's stack and exit 3."""
+    if not synchronised.wait(timeout):
+        print(f"HANG: no synchronisation within {timeout} s {what}", flush=True)
+        faulthandler.dump_traceback(all_threads=True)
+        os._exit(HANG_EXIT_CODE)
 
 
 def main():
@@ -59,8 +73,13 @@ def main():
         for _ in range(args.every):
             launch()
         calls += args.every
-        faulthandler.dump_traceback_later(args.timeout, exit=True)
+        synchronised = threading.Event()
+        threading.Thread(target=watchdog, args=(synchronised, args.timeout, f"after {calls} calls"),
+                         daemon=True).start()
+        # Backstop should the wait hold the GIL: faulthandler's own thread dumps and exits (code 1).
+        faulthandler.dump_traceback_later(args.timeout + 10, exit=True)
         torch.cuda.synchronize()
+        synchronised.set()
         faulthandler.cancel_dump_traceback_later()
     print(f"no hang: {calls} calls in {time.perf_counter() - start:.0f} s", flush=True)
 

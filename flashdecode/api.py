@@ -4,6 +4,7 @@ from __future__ import annotations
 import functools
 import importlib.util
 import math
+import threading
 
 import torch
 
@@ -89,10 +90,18 @@ def _kernel_module(backend: str):
     return module
 
 
-@functools.lru_cache(maxsize=64)
 def _uniform_seqlens(batch: int, length: int, device: torch.device) -> torch.Tensor:
-    """The int32 lengths tensor for an int (or None) cache_seqlens, made once per value: no fill
-    kernel per call. Kernels only read it."""
+    """The int32 lengths tensor for an int (or None) cache_seqlens: made once per value for eager
+    calls (no fill kernel per call; kernels only read it), fresh while a CUDA graph is being
+    captured, so that the graph owns it: a cached tensor can be evicted and freed while a graph that
+    recorded its address still replays."""
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        return torch.full((batch,), length, dtype=torch.int32, device=device)
+    return _cached_uniform_seqlens(batch, length, device)
+
+
+@functools.lru_cache(maxsize=64)
+def _cached_uniform_seqlens(batch: int, length: int, device: torch.device) -> torch.Tensor:
     return torch.full((batch,), length, dtype=torch.int32, device=device)
 
 
@@ -148,7 +157,8 @@ def _no_partials(device: torch.device, nheads: int, headdim: int):
 
 
 _LSE_SINKS: dict = {}  # (device, batch, nheads) -> a (batch, nheads) view of a sink buffer
-_SINK_BUFFERS: dict = {}  # device -> every sink buffer ever made there (never freed)
+_SINK_BUFFERS: dict = {}  # device -> every sink buffer ever made there, largest last (never freed)
+_SINK_LOCK = threading.Lock()
 
 
 def _lse_sink(device: torch.device, batch: int, nheads: int) -> torch.Tensor:
@@ -157,16 +167,21 @@ def _lse_sink(device: torch.device, batch: int, nheads: int) -> torch.Tensor:
     Nothing ever reads it, so calls on different streams writing it at once only overwrite values
     nobody uses; and no sink buffer is ever freed, so a CUDA graph that captured one keeps a valid
     pointer. One buffer per device serves every (batch, nheads) until a larger one is needed (the
-    size at least doubles), so the memory stays within twice the largest batch * nheads * 4 bytes."""
+    size at least doubles), so all of them together stay under four times the largest
+    batch * nheads floats. Made under a lock: calls from several threads may miss at once."""
     key = (device, batch, nheads)
     sink = _LSE_SINKS.get(key)
     if sink is None:
-        buffers = _SINK_BUFFERS.setdefault(device, [])
-        need = batch * nheads
-        if not buffers or buffers[-1].numel() < need:
-            size = max(need, 2 * buffers[-1].numel()) if buffers else need
-            buffers.append(torch.empty(size, dtype=torch.float32, device=device))
-        sink = _LSE_SINKS[key] = buffers[-1][:need].view(batch, nheads)
+        with _SINK_LOCK:
+            buffers = _SINK_BUFFERS.setdefault(device, [])
+            need = batch * nheads
+            if buffers and buffers[-1].numel() >= need:
+                buffer = buffers[-1]
+            else:
+                buffer = torch.empty(max(need, 2 * buffers[-1].numel()) if buffers else need,
+                                     dtype=torch.float32, device=device)
+                buffers.append(buffer)
+            sink = _LSE_SINKS[key] = buffer[:need].view(batch, nheads)
     return sink
 
 

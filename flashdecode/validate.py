@@ -82,9 +82,10 @@ def validate(q, k_cache, v_cache, cache_seqlens, softmax_scale, num_splits, back
 def _checked_problem(q_meta, k_meta, v_meta, seqlens_meta, scale_meta, splits_meta, backend, out_meta):
     """Every metadata check of ``validate``; the Problem they describe (raises on the first failure).
 
-    Each ``*_meta`` is (dtype, device, shape, strides) of a tensor; ``seqlens_meta`` is (dtype, shape,
-    strides, device) of a tensor or (type, value) of anything else; scalars come as (type, value),
-    so that e.g. True and 1, equal as cache keys, still differ."""
+    ``q_meta``, ``k_meta``, ``v_meta`` are (dtype, device, shape, strides) of a tensor; ``out_meta``
+    is (shape, dtype, device, strides) or None; ``seqlens_meta`` is (dtype, shape, strides, device)
+    of a tensor or (type, value) of anything else; scalars come as (type, value), so that e.g. True
+    and 1, equal as cache keys, still differ."""
     (q_dtype, device, q_shape, q_stride) = q_meta
     if q_dtype not in SUPPORTED_DTYPES:
         raise TypeError(f"q must be float16 or bfloat16, got {q_dtype}")

@@ -171,6 +171,36 @@ def test_lse_sink_is_shared_and_never_freed():
     large = api._lse_sink(device, 64, 8)
     assert large.shape == (64, 8) and large.data_ptr() != small.data_ptr()
     assert any(buffer.data_ptr() == small.data_ptr() for buffer in api._SINK_BUFFERS[device])
+    sizes = [buffer.numel() for buffer in api._SINK_BUFFERS[device]]
+    assert sizes == sorted(sizes) and sum(sizes) < 4 * sizes[-1]  # the largest is last; total < 4x
+
+
+def test_lse_sink_from_many_threads():
+    """Threads missing the sink at once each get a view of their own shape over a large enough
+    buffer, and the largest buffer stays last."""
+    import threading
+
+    from flashdecode import api
+
+    device = torch.device("cpu")
+    api._LSE_SINKS.clear()
+    api._SINK_BUFFERS.pop(device, None)
+    results, errors = {}, []
+
+    def take(batch):
+        try:
+            results[batch] = api._lse_sink(device, batch, 3)
+        except Exception as error:  # noqa: BLE001 - collected for the assertion below
+            errors.append(error)
+
+    threads = [threading.Thread(target=take, args=(batch,)) for batch in range(1, 65)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert not errors and all(results[batch].shape == (batch, 3) for batch in range(1, 65))
+    sizes = [buffer.numel() for buffer in api._SINK_BUFFERS[device]]
+    assert sizes == sorted(sizes) and sizes[-1] >= 64 * 3
 
 
 def test_partials_are_disjoint_aligned_views_of_one_allocation():
