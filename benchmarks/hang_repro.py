@@ -49,10 +49,7 @@ def main():
     plan = api.plan_for("tilelang", problem, profile)
     if not plan.needs_combine and args.kernels != "both":
         sys.exit(f"case {args.case} never splits: only --kernels both applies")
-    split, combine = decode.kernels_for(problem.dtype, problem.headdim, problem.group, problem.nheads_k,
-                                        plan.block_n, plan.can_split, profile.registers_per_multiprocessor,
-                                        profile.shared_memory_per_multiprocessor, decode.NUM_STAGES,
-                                        decode.MIN_Q_ROWS)
+    split, combine = decode.launchers_for(problem, plan, profile)
     out, lse = torch.empty_like(q), torch.empty((problem.batch, problem.nheads), device="cuda")
     part_o, part_lse = api._partials(plan.programs_per_head, problem.nheads, problem.headdim, q.device)
     scale = problem.headdim ** -0.5

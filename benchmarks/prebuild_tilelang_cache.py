@@ -11,7 +11,6 @@ Usage: python benchmarks/prebuild_tilelang_cache.py [--stages 2,3 --q-rows 64,16
 (about 10 s per kernel on 2 cores; the default builds the shipped knobs, a list builds sweep variants)
 """
 import argparse
-import functools
 import itertools
 import os
 import pathlib
@@ -59,23 +58,17 @@ def main():
                                       map(int, args.q_rows.split(","))))
     seen = set()
     shipped = variants == [(decode.NUM_STAGES, decode.MIN_Q_ROWS)] and not args.block_n
-    h200 = PROFILES["h200"]
-    for problem, plan in specialisations(with_tests=shipped or args.with_tests):
-        for stages, q_rows in variants:
+    calls = list(specialisations(with_tests=shipped or args.with_tests))
+    for stages, q_rows in variants:
+        decode.NUM_STAGES, decode.MIN_Q_ROWS = stages, q_rows  # launchers_for builds with the knobs
+        for problem, plan in calls:
             shape = (problem.dtype, problem.headdim, problem.group, problem.nheads_k, plan.block_n)
-            if problem.seqlen_cache <= plan.block_n:  # run() takes the single-tile kernel, its own rows
-                key = ("single", *shape, decode.SINGLE_TILE_MIN_Q_ROWS)
-                build = functools.partial(decode.single_tile_kernel_for, *shape, h200.registers_per_multiprocessor,
-                                          h200.shared_memory_per_multiprocessor, decode.SINGLE_TILE_MIN_Q_ROWS,
-                                          target=H200_TARGET)
-            else:
-                key = ("split", *shape, plan.can_split, stages, q_rows)
-                build = functools.partial(decode.kernels_for, *shape, plan.can_split, h200.registers_per_multiprocessor,
-                                          h200.shared_memory_per_multiprocessor, stages, q_rows, target=H200_TARGET)
+            single = decode.takes_single_tile(problem, plan)  # its own q tile, no stages
+            key = (*shape, "single") if single else (*shape, plan.can_split, stages, q_rows)
             if key in seen:
                 continue
             seen.add(key)
-            build()
+            decode.launchers_for(problem, plan, PROFILES["h200"], H200_TARGET)
             print("built", key, flush=True)
     print(f"{len(seen)} specialisations in {os.environ['TILELANG_CACHE_DIR']}")
 

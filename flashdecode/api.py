@@ -139,12 +139,18 @@ def flash_decode_with_kvcache(q, k_cache, v_cache, cache_seqlens=None, *, softma
     return (result, lse.unsqueeze(-1)) if return_softmax_lse else result
 
 
-def plan_for(backend: str, problem, profile, num_splits: int = 0):
+def resident_programs(backend: str | None, problem, profile) -> int:
+    """Split programs of ``backend``'s kernel one SM holds at once; without a kernel backend, the
+    planner's assumption (``planner.ASSUMED_RESIDENT_PROGRAMS``)."""
+    if backend in ("tilelang", "triton"):
+        return _kernel_module(backend).resident_programs_for(problem, profile)
+    return planner.ASSUMED_RESIDENT_PROGRAMS
+
+
+def plan_for(backend: str | None, problem, profile, num_splits: int = 0):
     """The planner's schedule for one backend's kernels (their residency caps a single sequence's
-    grid); without a kernel backend, the planner's assumed residency."""
-    resident = (_kernel_module(backend).resident_programs_for(problem, profile) if backend in ("tilelang", "triton")
-                else planner.ASSUMED_RESIDENT_PROGRAMS)
-    return planner.plan(problem, profile, num_splits, resident)
+    grid)."""
+    return planner.plan(problem, profile, num_splits, resident_programs(backend, problem, profile))
 
 
 @functools.lru_cache(maxsize=64)

@@ -58,12 +58,9 @@ def validate(q, k_cache, v_cache, cache_seqlens, softmax_scale, num_splits, back
         seqlens_meta = (type(cache_seqlens), cache_seqlens)
     if out is not None:
         _require_tensor("out", out)
-        out_meta = (out.shape, out.dtype, out.device, out.stride())
-    else:
-        out_meta = None
-    meta = ((q.dtype, q.device, q.shape, q.stride()), (k_cache.dtype, k_cache.device, k_cache.shape, k_cache.stride()),
-            (v_cache.dtype, v_cache.device, v_cache.shape, v_cache.stride()), seqlens_meta,
-            (type(softmax_scale), softmax_scale), (type(num_splits), num_splits), backend, out_meta)
+    meta = (_tensor_meta(q), _tensor_meta(k_cache), _tensor_meta(v_cache), seqlens_meta,
+            (type(softmax_scale), softmax_scale), (type(num_splits), num_splits), backend,
+            None if out is None else _tensor_meta(out))
     try:
         problem = _checked_problem(*meta)
     except TypeError as error:  # an unhashable argument (a list, ...): checked, and rejected, uncached
@@ -78,12 +75,17 @@ def validate(q, k_cache, v_cache, cache_seqlens, softmax_scale, num_splits, back
     return problem, cache_seqlens
 
 
+def _tensor_meta(tensor):
+    """What the checks read of a tensor: (dtype, device, shape, strides)."""
+    return tensor.dtype, tensor.device, tensor.shape, tensor.stride()
+
+
 @functools.lru_cache(maxsize=1024)
 def _checked_problem(q_meta, k_meta, v_meta, seqlens_meta, scale_meta, splits_meta, backend, out_meta):
     """Every metadata check of ``validate``; the Problem they describe (raises on the first failure).
 
-    ``q_meta``, ``k_meta``, ``v_meta`` are (dtype, device, shape, strides) of a tensor; ``out_meta``
-    is (shape, dtype, device, strides) or None; ``seqlens_meta`` is (dtype, shape, strides, device)
+    ``q_meta``, ``k_meta``, ``v_meta`` and ``out_meta`` (or None) are ``_tensor_meta``s;
+    ``seqlens_meta`` is (dtype, shape, strides, device)
     of a tensor or (type, value) of anything else; scalars come as (type, value), so that e.g. True
     and 1, equal as cache keys, still differ."""
     (q_dtype, device, q_shape, q_stride) = q_meta
@@ -130,7 +132,7 @@ def _checked_problem(q_meta, k_meta, v_meta, seqlens_meta, scale_meta, splits_me
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     if out_meta is not None:
-        out_shape, out_dtype, out_device, out_stride = out_meta
+        out_dtype, out_device, out_shape, out_stride = out_meta
         if out_shape != q_shape or out_dtype != q_dtype or out_device != device or out_stride[-1] != 1:
             raise ValueError(
                 f"out must match q (shape {tuple(q_shape)}, {q_dtype}, {device}, last dim contiguous), "

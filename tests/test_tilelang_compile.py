@@ -98,3 +98,17 @@ def test_kernels_for_returns_launchers_of_the_compiled_module():
     split, combine = decode.kernels_for("bfloat16", 128, 8, 4, 64, True, H200.registers_per_multiprocessor,
                                         H200.shared_memory_per_multiprocessor, decode.NUM_STAGES, decode.MIN_Q_ROWS, target=decode._freeze(TARGET))
     assert type(split).__name__ == "Function" and type(combine).__name__ == "Function"
+
+
+def test_launchers_for_picks_the_single_tile_kernel_for_a_one_tile_cache():
+    """run(), the prebuild script and the hang reproducer share this choice."""
+    from flashdecode.planner import plan
+
+    target = decode._freeze(TARGET)
+    for capacity, single in [(64, True), (65, False)]:
+        problem = Problem(2, capacity, 32, 4, 128, "bfloat16")
+        p = plan(problem, H200)
+        assert decode.takes_single_tile(problem, p) == single
+        first, combine = decode.launchers_for(problem, p, H200, target)
+        assert type(first).__name__ == "Function"
+        assert combine is None if single else p.can_split == (combine is not None)

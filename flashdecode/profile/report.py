@@ -45,11 +45,10 @@ def section(shape: Shape, profile: HardwareProfile, measured: Measurements | Non
     from .. import api
 
     problem, lengths = shape.problem(), shape.lengths()
-    plan = api.plan_for(backend, problem, profile)
     kernels = measured.counters.kernels if measured and measured.counters else []
     main = ncu.main_kernel(kernels) if kernels else None
-    planned = (api._kernel_module(backend).resident_programs_for(problem, profile) if backend
-               else planner.ASSUMED_RESIDENT_PROGRAMS)
+    plan = api.plan_for(backend, problem, profile)
+    planned = api.resident_programs(backend, problem, profile)
     resident = ncu.resident_programs(main) if main else None
     occupancy = geometry.occupancy(problem, plan, lengths, profile, resident or planned)
     occupancy["resident_source"] = "ncu occupancy limits" if resident else (

@@ -45,7 +45,7 @@ import tilelang.language as T
 from ... import hardware, planner
 
 __all__ = ["build_split_kernel", "build_combine_kernel", "build_single_tile_kernel", "kernels_for",
-           "single_tile_kernel_for", "resident_programs_for", "run"]
+           "single_tile_kernel_for", "launchers_for", "takes_single_tile", "resident_programs_for", "run"]
 
 _LOG2E = 1.4426950408889634
 _LN2 = 0.6931471805599453
@@ -188,6 +188,28 @@ def _load_splits(seqlens, batch, capacity, chunk, forced_splits, block_n, can_sp
                     can_split), 0)
 
 
+def _softmax_state_macro(rows, block_n, head_dim, dtype):
+    """Allocates the online-softmax state ``attend`` works on: scores, probabilities, output
+    accumulator and the per-row max, sum, previous max, rescale factor and tile sum."""
+    f32 = T.float32
+
+    @T.macro
+    def softmax_state():
+        s_f = T.alloc_fragment((rows, block_n), f32)
+        # PV reads P from registers when the q tile is one wgmma M tile (64 rows); a smaller
+        # tile's warps split the scores by column, so P goes through shared memory.
+        p_f = (T.alloc_fragment if rows >= 64 else T.alloc_shared)((rows, block_n), dtype)
+        o_f = T.alloc_fragment((rows, head_dim), f32)
+        m_f = T.alloc_fragment((rows,), f32)
+        l_f = T.alloc_fragment((rows,), f32)
+        m_prev = T.alloc_fragment((rows,), f32)
+        alpha = T.alloc_fragment((rows,), f32)
+        rsum = T.alloc_fragment((rows,), f32)
+        return s_f, p_f, o_f, m_f, l_f, m_prev, alpha, rsum
+
+    return softmax_state
+
+
 def _attend_macro(rows, block_n, head_dim, policy):
     """The online-softmax step of a q tile of ``rows`` rows over one K/V tile of ``block_n``
     tokens, as a macro for the kernels below."""
@@ -262,6 +284,7 @@ def _split_kernel(dtype, D, G, Hk, block_n, num_stages, can_split, blocks_per_sm
     B, S, W = T.dynamic("batch, capacity, workspace_rows")
     f32 = T.float32
 
+    softmax_state = _softmax_state_macro(rows, block_n, D, dtype)
     attend = _attend_macro(rows, block_n, D, policy)
     write_out = _write_out_macro(rows, D, G, dtype)
 
@@ -289,16 +312,7 @@ def _split_kernel(dtype, D, G, Hk, block_n, num_stages, can_split, blocks_per_sm
             v_s = T.alloc_shared((block_n, D), dtype)
             k_tail = T.alloc_shared((block_n, D), dtype)  # shares memory with k_s/v_s once
             v_tail = T.alloc_shared((block_n, D), dtype)  # the pipelined loop is done
-            s_f = T.alloc_fragment((rows, block_n), f32)
-            # PV reads P from registers when the q tile is one wgmma M tile (64 rows); a smaller
-            # tile's warps split the scores by column, so P goes through shared memory.
-            p_f = (T.alloc_fragment if rows >= 64 else T.alloc_shared)((rows, block_n), dtype)
-            o_f = T.alloc_fragment((rows, D), f32)
-            m_f = T.alloc_fragment((rows,), f32)
-            l_f = T.alloc_fragment((rows,), f32)
-            m_prev = T.alloc_fragment((rows,), f32)
-            alpha = T.alloc_fragment((rows,), f32)
-            rsum = T.alloc_fragment((rows,), f32)
+            s_f, p_f, o_f, m_f, l_f, m_prev, alpha, rsum = softmax_state()
             counts = T.alloc_shared((SCAN_WIDTH,), T.int32)
 
             # This program's (sequence, split); seq stays -1 when it has no work.
@@ -385,6 +399,7 @@ def _single_tile_kernel(dtype, D, G, Hk, block_n, blocks_per_sm, rows, target):
     policy = T.GemmWarpPolicy.FullRow if rows >= 64 else T.GemmWarpPolicy.FullCol
     if not 1 <= G <= rows:
         raise ValueError(f"group size {G} does not fit a q tile of {rows} rows")
+    softmax_state = _softmax_state_macro(rows, block_n, D, dtype)
     attend = _attend_macro(rows, block_n, D, policy)
     write_out = _write_out_macro(rows, D, G, dtype)
     B, S = T.dynamic("batch, capacity")
@@ -405,14 +420,7 @@ def _single_tile_kernel(dtype, D, G, Hk, block_n, blocks_per_sm, rows, target):
             q_s = T.alloc_shared((rows, D), dtype)
             k_s = T.alloc_shared((block_n, D), dtype)
             v_s = T.alloc_shared((block_n, D), dtype)
-            s_f = T.alloc_fragment((rows, block_n), f32)
-            p_f = (T.alloc_fragment if rows >= 64 else T.alloc_shared)((rows, block_n), dtype)
-            o_f = T.alloc_fragment((rows, D), f32)
-            m_f = T.alloc_fragment((rows,), f32)
-            l_f = T.alloc_fragment((rows,), f32)
-            m_prev = T.alloc_fragment((rows,), f32)
-            alpha = T.alloc_fragment((rows,), f32)
-            rsum = T.alloc_fragment((rows,), f32)
+            s_f, p_f, o_f, m_f, l_f, m_prev, alpha, rsum = softmax_state()
 
             raw_len = seqlens[b]
             seqlen = T.min(T.max(raw_len, 0), T.min(S, block_n))
@@ -546,6 +554,23 @@ def single_tile_kernel_for(dtype: str, head_dim: int, group: int, kv_heads: int,
                                               target=target))
 
 
+def takes_single_tile(problem, plan) -> bool:
+    """Whether ``run`` takes the single-tile kernel: the whole cache is one tile, so there is
+    nothing to pipeline or split (a forced split is capped to one there)."""
+    return problem.seqlen_cache <= plan.block_n
+
+
+def launchers_for(problem, plan, profile, target=None):
+    """The launchers ``run`` uses for this call with the current knobs: (single-tile launcher, None)
+    where ``takes_single_tile``, else (split launcher, combine launcher or None). ``target`` as in
+    ``kernels_for``."""
+    shape = (problem.dtype, problem.headdim, problem.group, problem.nheads_k, plan.block_n)
+    registers, shared = profile.registers_per_multiprocessor, profile.shared_memory_per_multiprocessor
+    if takes_single_tile(problem, plan):
+        return single_tile_kernel_for(*shape, registers, shared, SINGLE_TILE_MIN_Q_ROWS, target), None
+    return kernels_for(*shape, plan.can_split, registers, shared, NUM_STAGES, MIN_Q_ROWS, target)
+
+
 def _launcher(kernel):
     """The compiled entry function behind a TileLang kernel.
 
@@ -573,18 +598,12 @@ def run(plan, problem, q, k_cache, v_cache, cache_seqlens, out, lse, part_o, par
         out.zero_().masked_fill_((cache_seqlens != 0)[:, None, None, None], math.nan)
         lse.fill_(-math.inf)
         return
-    profile = hardware.profile_for(q.device)
-    if problem.seqlen_cache <= plan.block_n:  # nothing to pipeline or split (a forced split is capped to 1)
-        single = single_tile_kernel_for(problem.dtype, problem.headdim, problem.group, problem.nheads_k,
-                                        plan.block_n, profile.registers_per_multiprocessor,
-                                        profile.shared_memory_per_multiprocessor, SINGLE_TILE_MIN_Q_ROWS)
-        single(q, k_cache, v_cache, cache_seqlens, out, lse, softmax_scale)
+    launch, combine = launchers_for(problem, plan, hardware.profile_for(q.device))
+    if takes_single_tile(problem, plan):
+        launch(q, k_cache, v_cache, cache_seqlens, out, lse, softmax_scale)
         return
-    split, combine = kernels_for(problem.dtype, problem.headdim, problem.group, problem.nheads_k,
-                                 plan.block_n, plan.can_split, profile.registers_per_multiprocessor,
-                                 profile.shared_memory_per_multiprocessor, NUM_STAGES, MIN_Q_ROWS)
-    split(q, k_cache, v_cache, cache_seqlens, out, lse, part_o, part_lse,
-          plan.programs_per_head, plan.forced_splits, plan.min_chunk, softmax_scale)
+    launch(q, k_cache, v_cache, cache_seqlens, out, lse, part_o, part_lse,
+           plan.programs_per_head, plan.forced_splits, plan.min_chunk, softmax_scale)
     if combine is not None:
         combine(cache_seqlens, part_o, part_lse, out, lse, problem.seqlen_cache, plan.programs_per_head,
                 plan.forced_splits, plan.min_chunk)
