@@ -2,8 +2,9 @@
 
 Runs on CPU machines: TileLang compiles without a GPU when given an explicit target. Each split
 kernel must keep the Hopper features the design relies on: TMA loads (``tma_load``) into a
-warp-specialised pipeline, and wgmma for both products where the q tile has 64 rows (mma.sync for
-smaller tiles). The kernels are built with the shipped knobs; they run in the GPU tests.
+warp-specialised pipeline whose producer loop runs on one warp (``one_warp_producer``), and wgmma
+for both products where the q tile has 64 rows (mma.sync for smaller tiles). The kernels are built
+with the shipped knobs; they run in the GPU tests.
 """
 import itertools
 import shutil
@@ -18,6 +19,7 @@ from flashdecode.planner import Problem, choose_block_n  # noqa: E402
 pytestmark = pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc")
 TARGET = {"kind": "cuda", "arch": "sm_90a"}
 H200 = PROFILES["h200"]
+ONE_WARP_LOOP = f"if (((int)threadIdx.x) < {decode._PRODUCER_LOOP_MACRO}) for (int kb = "
 
 SPECIALISATIONS = [  # (dtype, head_dim, group, nheads_k, can_split)
     *itertools.product(["float16", "bfloat16"], [64, 128, 256], [8], [4], [False, True]),
@@ -51,6 +53,7 @@ def test_compiles_for_sm90a(dtype, head_dim, group, nheads_k, can_split):
                                       blocks_per_sm, rows, target=TARGET)
     source = split.get_kernel_source()
     assert "tma_load" in source and ("wgmma" if rows >= 64 else "mma_sync") in source
+    assert ONE_WARP_LOOP in source
     if can_split:
         combine = decode.build_combine_kernel(dtype, head_dim, group, nheads_k, block_n, can_split,
                                               target=TARGET)
@@ -69,6 +72,7 @@ def test_small_q_tile_variant_compiles(dtype, head_dim, group):
                                       blocks_per_sm, rows, target=TARGET)
     source = split.get_kernel_source()
     assert "tma_load" in source and "mma_sync" in source and "wgmma" not in source
+    assert ONE_WARP_LOOP in source
 
 
 @pytest.mark.parametrize("dtype,head_dim,group,nheads_k",
@@ -112,3 +116,52 @@ def test_launchers_for_picks_the_single_tile_kernel_for_a_one_tile_cache():
         first, combine = decode.launchers_for(problem, p, H200, target)
         assert type(first).__name__ == "Function"
         assert combine is None if single else p.can_split == (combine is not None)
+
+
+PRODUCER_SOURCE = """\
+  if (((int)threadIdx.x) < 128) {
+    tl::fence_proxy_async();
+    for (int kb = blk_lo; kb < blk_hi; ++kb) {
+      mbarrier[4].wait(1);
+      if (tl::tl_shuffle_elect<128>()) { tl::tma_load(K_desc, mbarrier[0], k_s, 0, kb); }
+    }
+  } else {
+    for (int kb_1 = blk_lo_1; kb_1 < blk_hi; ++kb_1) { mbarrier[0].wait(0); }
+  }
+"""
+
+
+def test_one_warp_producer_guards_the_producer_loop_only():
+    rewritten = decode.one_warp_producer(PRODUCER_SOURCE)
+    assert rewritten.replace(ONE_WARP_LOOP, "for (int kb = ") == PRODUCER_SOURCE
+    assert rewritten.count(ONE_WARP_LOOP) == 1 and "for (int kb_1 = " in rewritten
+
+
+@pytest.mark.parametrize("source", [
+    PRODUCER_SOURCE.replace("tl::tma_load", "tl::cp_async"),                 # no TMA in the loop
+    PRODUCER_SOURCE.replace("for (int kb_1", "for (int kb"),                  # two loops of kb
+    PRODUCER_SOURCE.replace("if (((int)threadIdx.x) < 128) {", "if (p) {"),   # no producer branch
+    PRODUCER_SOURCE.replace("tl::fence_proxy_async();", "} else {"),          # the loop is a consumer's
+], ids=["no-tma", "two-loops", "no-branch", "consumer-loop"])
+def test_one_warp_producer_refuses_an_unexpected_source(source):
+    """Another TileLang may emit another loop: the rewrite must fail loudly, not guard the wrong code."""
+    with pytest.raises(ValueError, match="one producer TMA loop"):
+        decode.one_warp_producer(source)
+
+
+def test_postproc_hook_chains_and_is_restored():
+    """The rewrite runs after a hook the user set, only while our kernels compile."""
+    import tvm_ffi
+
+    name = "tilelang_callback_cuda_postproc"
+    user_hook = lambda code, target: code + "// user"  # noqa: E731
+    tvm_ffi.register_global_func(name, f=user_hook, override=True)
+    try:
+        with decode._cuda_postproc(lambda code: code + "// ours"):
+            assert tvm_ffi.get_global_func(name)("x", None) == "x// user// ours"
+        assert tvm_ffi.get_global_func(name)("x", None) == "x// user"
+    finally:
+        tvm_ffi.remove_global_func(name)
+    with decode._cuda_postproc(lambda code: code):
+        pass
+    assert tvm_ffi.get_global_func(name, allow_missing=True) is None

@@ -31,16 +31,22 @@ Warp specialisation stays on by default: the pipelined loop's trip count is dyna
 1, 2, ... blocks), and for a dynamic count TileLang 0.1.15 emits the multi-dimensional
 TMA path (``arrive_and_expect_tx``) with phase parity ``(i // stages) & 1``, correct for
 every count (tilelang issue #2566, a hang, only hits loops statically known to run
-once).  TileLang's other lowering, a cp.async software pipeline without warp specialisation,
+once).  Its producer loop, though, runs on all four warps of the producer warpgroup, and
+three of them only watch barriers that nothing makes them keep up with: one that lags two
+phases waits forever.  The generated source is rewritten so that one warp runs that loop
+(``one_warp_producer``, perf log 18).  TileLang's other lowering, a cp.async software pipeline without warp specialisation,
 gave wrong results for these kernels on the H200 (docs/perf-log.md section 9), so it is not
 offered.
 """
 
+import contextlib
 import functools
 import math
+import threading
 
 import tilelang
 import tilelang.language as T
+import tvm_ffi
 
 from ... import hardware, planner
 
@@ -80,9 +86,62 @@ def _freeze(target):
     return tuple(sorted(target.items())) if isinstance(target, dict) else target
 
 
-def _compile(func, target):
+def _compile(func, target, compile_flags=None):
     target = dict(target) if isinstance(target, tuple) else target
-    return tilelang.compile(func, target=target or "auto", execution_backend="tvm_ffi")
+    return tilelang.compile(func, target=target or "auto", execution_backend="tvm_ffi",
+                            compile_flags=compile_flags)
+
+
+#: Threads of the split kernel's producer warpgroup that run its TMA loop: its first warp
+#: (``one_warp_producer``).
+PRODUCER_LOOP_THREADS = 32
+_PRODUCER_LOOP_MACRO = "FLASHDECODE_PRODUCER_LOOP_THREADS"
+_PRODUCER_BRANCH = "if (((int)threadIdx.x) < 128) {"
+_PRODUCER_LOOP = "for (int kb = "
+_CUDA_POSTPROC = "tilelang_callback_cuda_postproc"
+_postproc_lock = threading.Lock()
+
+
+def one_warp_producer(code: str) -> str:
+    """The split kernel's CUDA source with its producer loop run by one warp instead of four.
+
+    TileLang 0.1.15 runs the warp-specialised producer loop (wait until a stage is free, then one
+    elected thread issues its TMA loads) on all four warps of the producer warpgroup.  Warps 1-3
+    only watch the "stage free" barriers and nothing waits for them, so one that falls two phases
+    of a barrier behind sees the parity it waits for again and spins forever: the program never
+    ends and the GPU hangs (perf log 16, 18).  Guarding the loop with ``threadIdx.x <
+    FLASHDECODE_PRODUCER_LOOP_THREADS`` (defined by the compile flags) lets warps 1-3 finish at
+    once, as CUTLASS and FlashAttention-3 do with their producer warps.  Raises ValueError when
+    the source does not have the one producer loop this expects (another TileLang version).
+    """
+    loop = code.find(_PRODUCER_LOOP)
+    branch = code.rfind(_PRODUCER_BRANCH, 0, loop)
+    if (loop < 0 or code.count(_PRODUCER_LOOP) != 1 or branch < 0 or "} else {" in code[branch:loop]
+            or "tma_load" not in code[loop:code.find("} else {", loop)]):
+        raise ValueError("the split kernel's source does not have the one producer TMA loop expected "
+                         "(TileLang other than 0.1.15?): cannot restrict it to one warp")
+    guard = f"if (((int)threadIdx.x) < {_PRODUCER_LOOP_MACRO}) "
+    return code[:loop] + guard + code[loop:]
+
+
+@contextlib.contextmanager
+def _cuda_postproc(rewrite):
+    """TileLang's CUDA post-processing hook set to ``rewrite`` (after any hook already set) for
+    the compiles inside the block, then restored."""
+    with _postproc_lock:
+        previous = tvm_ffi.get_global_func(_CUDA_POSTPROC, allow_missing=True)
+
+        def postproc(code, target):
+            return rewrite(previous(code, target) if previous is not None else code)
+
+        tvm_ffi.register_global_func(_CUDA_POSTPROC, f=postproc, override=True)
+        try:
+            yield
+        finally:
+            if previous is not None:
+                tvm_ffi.register_global_func(_CUDA_POSTPROC, f=previous, override=True)
+            else:
+                tvm_ffi.remove_global_func(_CUDA_POSTPROC)
 
 
 #: Most split programs ptxas is asked to fit on one SM (``__launch_bounds__``).
@@ -275,6 +334,18 @@ def build_split_kernel(dtype: str, head_dim: int, group: int, kv_heads: int, blo
 
 @functools.lru_cache(maxsize=None)
 def _split_kernel(dtype, D, G, Hk, block_n, num_stages, can_split, blocks_per_sm, q_rows, target):
+    # The macro is the guard's bound, and as a compile flag it is part of TileLang's cache key, so a
+    # kernel built without the rewrite is never loaded from the cache for this one.
+    with _cuda_postproc(one_warp_producer):
+        kernel = _compile(split_kernel_func(dtype, D, G, Hk, block_n, num_stages, can_split, blocks_per_sm, q_rows),
+                          target, [f"-D{_PRODUCER_LOOP_MACRO}={PRODUCER_LOOP_THREADS}"])
+    if _PRODUCER_LOOP_MACRO not in kernel.get_kernel_source():
+        raise RuntimeError("the split kernel was built without its one-warp producer loop")
+    return kernel
+
+
+def split_kernel_func(dtype, D, G, Hk, block_n, num_stages, can_split, blocks_per_sm, q_rows):
+    """The split kernel as a TileLang prim_func, before compilation (``build_split_kernel``)."""
     Hq = Hk * G
     rows, threads = q_rows, CONSUMER_THREADS
     policy = T.GemmWarpPolicy.FullRow if rows >= 64 else T.GemmWarpPolicy.FullCol
@@ -374,7 +445,7 @@ def _split_kernel(dtype, D, G, Hk, block_n, num_stages, can_split, blocks_per_sm
                         if i < G:
                             PartLse[pid, h * G + i] = T.log2(l_f[i]) + m_f[i]
 
-    return _compile(decode_split, target)
+    return decode_split
 
 
 def build_single_tile_kernel(dtype: str, head_dim: int, group: int, kv_heads: int, block_n: int,
