@@ -6,10 +6,14 @@
 #   bench ARGS  flashdecode bench with the given arguments (quote them as one word)
 #   sweep ARGS  benchmarks/sweep.py with the given arguments
 #   sanitize    compute-sanitizer memcheck + racecheck on a few cases (TileLang)
-#   hostprof    host time per call, by stage and cProfile (cases 3 and 12, both backends)
+#   hostprof    host time per call, by stage and cProfile (HOSTPROF_CASES, default 3 12;
+#               HOSTPROF_BACKENDS, default both)
 #   hang        benchmarks/hang_repro.py on cases 13 and 12: whole call, split kernel alone,
 #               combine kernel alone (HANG_SECONDS each, default 60); perf log 16
 #   profile N   flashdecode profile --case N for both backends into $OUT/profile-*
+#   lagcheck    benchmarks/producer_lag_check.py: case 12's split kernel with producer warps 1-3
+#               made to lag, as TileLang emits it (expect a hang, exit 3) and as shipped (perf log 18);
+#               run it last: a hung kernel is only cleared by its process's exit
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 mkdir -p /tmp/tl && tar -xJf .gpu-bundle/tilelang-cp312.tar.xz -C /tmp/tl
@@ -56,8 +60,8 @@ while [ $# -gt 0 ]; do
       done
       tar -czf "$OUT/profiles.tar.gz" -C /tmp/prof .;;
     hostprof)
-      for backend in tilelang triton; do
-        for n in 3 12; do
+      for backend in ${HOSTPROF_BACKENDS:-tilelang triton}; do
+        for n in ${HOSTPROF_CASES:-3 12}; do
           python3 benchmarks/host_profile.py --case $n --backend $backend > "$OUT/hostprof_${backend}_case$n.log" 2>&1
           grep "us/call" "$OUT/hostprof_${backend}_case$n.log"
         done
@@ -70,6 +74,11 @@ while [ $# -gt 0 ]; do
             --seconds "${HANG_SECONDS:-60}" 2>&1 | tail -30 | tee -a "$OUT/hang.log"
           summary+=("hang case $n $kernels rc=${PIPESTATUS[0]}")
         done
+      done;;
+    lagcheck)
+      for variant in four-warps one-warp; do
+        timeout -k 10 120 python3 benchmarks/producer_lag_check.py --variant $variant 2>&1 | tail -4 | tee -a "$OUT/lagcheck.log"
+        summary+=("lagcheck $variant rc=${PIPESTATUS[0]}")
       done;;
     *) echo "unknown step $step"; exit 2;;
   esac

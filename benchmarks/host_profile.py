@@ -35,6 +35,14 @@ def main():
         "launches only": lambda: launch(plan, problem, q, k, v, seqlens, out, lse, part_o, part_lse, 0.088),
         "torch.empty x1": lambda: torch.empty(16, device="cuda"),
     }
+    if args.backend == "tilelang" and plan.needs_combine:  # each of the two launches of a split call
+        from flashdecode.kernels.tilelang import decode
+
+        split, combine = decode.launchers_for(problem, plan, hardware.profile_for(q.device))
+        stages["split launch"] = lambda: split(q, k, v, seqlens, out, lse, part_o, part_lse, plan.programs_per_head,
+                                               plan.forced_splits, plan.min_chunk, 0.088)
+        stages["combine launch"] = lambda: combine(seqlens, part_o, part_lse, out, lse, problem.seqlen_cache,
+                                                   plan.programs_per_head, plan.forced_splits, plan.min_chunk)
     timer = Timer(q.device, iters=1, warmup=1, cold_l2=False)
     for name, fn in stages.items():
         fn()  # warm-up: compiles and caches out of the figure
