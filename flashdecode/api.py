@@ -48,26 +48,26 @@ def tilelang_limitation(tensors, group: int) -> str | None:
 
 
 def resolve_backend(backend: str, device: torch.device, tilelang_limit: str | None = None) -> str:
-    """The backend that will run: 'reference' on CPU tensors, else the requested kernel, or Triton
-    for 'auto'.
+    """The backend that will run: 'reference' on CPU tensors, else the requested or best kernel.
 
-    'auto' takes Triton on every CUDA call. TileLang's split kernel hung the H200 (a GPU-side
-    deadlock: the process waiting in torch.cuda.synchronize, the GPU at 100% for minutes) in four
-    of this project's benchmark and sweep processes, each time in a (group 4, 8 KV heads) split
-    specialisation, after thousands of correct calls; the cause is not found (docs/perf-log.md,
-    section 16). A kernel that can hang the GPU is not a default, whatever its speed, so TileLang
-    runs only when named. ``tilelang_limit``: what the call's tensors lack for TileLang
-    (``tilelang_limitation``); the device is checked here (TileLang's kernels are Hopper-only:
-    TMA, wgmma, sm_90a). Naming TileLang for a call it cannot take is an error.
+    ``tilelang_limit``: what the call's tensors lack for TileLang (``tilelang_limitation``); the
+    device is checked here (TileLang's kernels are Hopper-only: TMA, wgmma, sm_90a).
+    'auto' takes TileLang where it can run the call and Triton elsewhere. Measured on the H200
+    (docs/benchmarks.md, "How auto chooses"): an eager call costs its host time whenever the GPU
+    work is shorter, and TileLang's is a fraction of Triton's, which gave TileLang the lower median
+    on 12 of the 14 cases. Replayed from a CUDA graph, where only GPU time counts, Triton's split
+    kernel is faster on cases 5 and 7-14: graph users should name backend="triton" there (auto
+    does not switch during capture, where a first Triton compile would have to run). Naming
+    TileLang for a call it cannot take is an error.
     """
     if device.type != "cuda":
         return "reference" if backend in ("auto", "reference") else backend
-    if backend == "auto":
-        return "triton"
-    if backend != "tilelang":
+    if backend not in ("auto", "tilelang"):
         return backend
     if tilelang_limit is None and not is_hopper(device.index):
         tilelang_limit = "a Hopper GPU (compute capability 9.x)"
+    if backend == "auto":
+        return "tilelang" if tilelang_limit is None and tilelang_available() else "triton"
     if tilelang_limit is not None:
         raise ValueError(f"backend 'tilelang' needs {tilelang_limit}; use backend='triton'")
     return backend
@@ -123,7 +123,7 @@ def flash_decode_with_kvcache(q, k_cache, v_cache, cache_seqlens=None, *, softma
     if seqlens is None or isinstance(seqlens, int):
         seqlens = _uniform_seqlens(problem.batch, problem.seqlen_cache if seqlens is None else seqlens, q.device)
     limit = None
-    if q.device.type == "cuda" and backend == "tilelang":
+    if q.device.type == "cuda" and backend in ("auto", "tilelang"):
         limit = tilelang_limitation((q, k_cache, v_cache) + (() if out is None else (out,)), problem.group)
     chosen = resolve_backend(backend, q.device, limit)
     if chosen == "reference":

@@ -22,7 +22,7 @@ BACKENDS = ("tilelang", "triton")
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     shapes.add_arguments(parser)
     parser.add_argument("--backend", choices=BACKENDS,
-                        help="kernel backend (default: what backend=\"auto\" runs, Triton)")
+                        help="kernel backend (default: what backend=\"auto\" runs: TileLang where it can)")
     parser.add_argument("--out", metavar="DIR", type=pathlib.Path,
                         help="where report.md, report.json, trace.json and ncu.csv go "
                              "(default: profiles/<case>-<backend>)")
