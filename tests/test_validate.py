@@ -215,3 +215,36 @@ def test_partials_are_disjoint_aligned_views_of_one_allocation():
     part_o.fill_(1.0)
     part_lse.fill_(2.0)
     assert (part_o == 1).all() and (part_lse == 2).all()
+
+
+def test_eager_workspace_is_reused_per_stream_and_thread_fresh_under_capture(monkeypatch):
+    """api._workspace: one workspace per (device, stream, thread, shape) for eager CUDA calls, so a
+    call's split kernel never writes partials another thread's queued combine kernel still reads;
+    a fresh one while a graph is captured (the graph owns it) and on CPU."""
+    import threading
+
+    from flashdecode import api
+
+    made = []
+    monkeypatch.setattr(api, "_partials", lambda *shape: made.append(shape) or object())
+    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda index: streams[-1], raising=False)
+    capturing = [False]
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing[0])
+    api._reused_partials.cache_clear()
+    cuda = torch.device("cuda", 0)
+    streams = [11]
+    first = api._workspace(5, 8, 64, cuda)
+    assert api._workspace(5, 8, 64, cuda) is first                    # same stream, thread, shape
+    assert api._workspace(6, 8, 64, cuda) is not first                # another shape
+    streams.append(12)
+    assert api._workspace(5, 8, 64, cuda) is not first                # another stream
+    streams.append(11)
+    other_thread = []
+    worker = threading.Thread(target=lambda: other_thread.append(api._workspace(5, 8, 64, cuda)))
+    worker.start()
+    worker.join()
+    assert other_thread[0] is not first                               # another thread, same stream
+    capturing[0] = True
+    assert api._workspace(5, 8, 64, cuda) is not api._workspace(5, 8, 64, cuda)   # capture: fresh
+    assert api._workspace(5, 8, 64, torch.device("cpu")) is not api._workspace(5, 8, 64, torch.device("cpu"))
+    api._reused_partials.cache_clear()
