@@ -63,8 +63,8 @@ def main():
         decode.NUM_STAGES, decode.MIN_Q_ROWS = stages, q_rows  # launchers_for builds with the knobs
         for problem, plan in calls:
             shape = (problem.dtype, problem.headdim, problem.group, problem.nheads_k, plan.block_n)
-            single = decode.takes_single_tile(problem, plan)  # its own q tile, no stages
-            key = (*shape, "single") if single else (*shape, plan.can_split, stages, q_rows)
+            short = decode.takes_short_cache(problem, plan)  # its own q tile, no stages
+            key = (*shape, "short") if short else (*shape, plan.can_split, stages, q_rows)
             if key in seen:
                 continue
             seen.add(key)

@@ -1,6 +1,6 @@
 """A small workload for compute-sanitizer: TileLang on a few shapes that cover one program per
-sequence, balanced splits, forced splits, empty rows, lengths at block boundaries and the
-single-tile kernel (cases 3, 4: caches of at most one tile)."""
+sequence, balanced splits, forced splits, empty rows, lengths at block boundaries in the split
+kernel (case 6) and the short-cache kernel (cases 3, 4: one tile; case 5: three)."""
 import torch
 
 from flashdecode import flash_decode_with_kvcache
@@ -12,6 +12,10 @@ for number in (3, 4, 5, 10):
         flash_decode_with_kvcache(q, k, v, seqlens, num_splits=num_splits, backend="tilelang")
 q, k, v, _ = make_inputs(CASES_BY_NUMBER[5], device="cuda")
 seqlens = torch.tensor([0, 1, 63, 64, 65, 127, 128, 129, 141, 0, 2, 3, 4, 5, 6, 7], dtype=torch.int32, device="cuda")
+flash_decode_with_kvcache(q, k, v, seqlens, backend="tilelang")
+q, k, v, _ = make_inputs(CASES_BY_NUMBER[6], device="cuda")  # 16 x 362 tokens: split kernel, unsplit
+seqlens = torch.tensor([0, 1, 63, 64, 65, 127, 128, 129, 191, 192, 193, 255, 256, 257, 361, 362], dtype=torch.int32,
+                       device="cuda")
 flash_decode_with_kvcache(q, k, v, seqlens, backend="tilelang")
 q, k, v, _ = make_inputs(CASES_BY_NUMBER[4], device="cuda")  # 64 x 64 tokens: one tile
 seqlens = torch.tensor([0, 1, 2, 17, 31, 32, 33, 63, 64] * 7 + [0], dtype=torch.int32, device="cuda")

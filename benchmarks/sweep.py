@@ -5,7 +5,8 @@ Times GPU work with the benchmark's Timer (cold L2, the call replayed from a CUD
 reference in the same run.
 Usage: python benchmarks/sweep.py --backend triton --ppsm 2,4,8 --block-n 32,64 --min-chunk 2,4
        python benchmarks/sweep.py --backend tilelang,triton --tl-stages 2,3 --tl-rows 64,16
-(--tl-* vary the TileLang split kernel's pipeline depth and q tile rows; ignored for Triton.)
+(--tl-* vary the TileLang split kernel's pipeline depth and q tile rows, and the most tiles of an
+unsplit cache its short-cache kernel takes; ignored for Triton.)
 Prints one line per (case, variant) and a best-per-case table last; --log PATH keeps the lines.
 """
 import argparse
@@ -29,30 +30,34 @@ def main():
     parser.add_argument("--min-chunk", default=str(planner.MIN_BLOCKS_PER_SPLIT))
     parser.add_argument("--tl-stages", default=str(tilelang_decode.NUM_STAGES))
     parser.add_argument("--tl-rows", default=str(tilelang_decode.MIN_Q_ROWS))
+    parser.add_argument("--tl-short-max-blocks", default=str(tilelang_decode.SHORT_CACHE_MAX_BLOCKS))
     parser.add_argument("--cases", default="")
     parser.add_argument("--log", default=None)
     args = parser.parse_args()
     numbers = [int(c) for c in args.cases.split(",")] if args.cases else [c.number for c in CASES]
     fa2 = {c["case"]: c["fa2"]["median_us"] for c in json.load(open("flashdecode/data/h200-peers.json"))["cases"]}
     rows, best = [], {}
-    first_tilelang_knobs = (int(args.tl_stages.split(",")[0]), int(args.tl_rows.split(",")[0]))
+    first_tilelang_knobs = tuple(int(arg.split(",")[0]) for arg in (args.tl_stages, args.tl_rows,
+                                                                     args.tl_short_max_blocks))
     timer = Timer(torch.device("cuda"), iters=50, warmup=5)
     for case in (c for c in CASES if c.number in numbers):
         q, k, v, seqlens = make_inputs(case, device="cuda")
         expected, _ = reference_decode(q, k, v, seqlens)
         nbytes = bytes_read(seqlens.tolist(), case.nheads_k, case.nheads)
         knobs = itertools.product(args.backend.split(","), *(
-            map(int, arg.split(",")) for arg in (args.ppsm, args.block_n, args.min_chunk, args.tl_stages, args.tl_rows)))
-        for backend, ppsm, block_n, min_chunk, stages, q_rows in knobs:
-            if backend != "tilelang" and (stages, q_rows) != first_tilelang_knobs:
+            map(int, arg.split(",")) for arg in (args.ppsm, args.block_n, args.min_chunk, args.tl_stages, args.tl_rows,
+                                                 args.tl_short_max_blocks)))
+        for backend, ppsm, block_n, min_chunk, stages, q_rows, short_max in knobs:
+            if backend != "tilelang" and (stages, q_rows, short_max) != first_tilelang_knobs:
                 continue  # TileLang's knobs do not change other backends: one run each
             tilelang_decode.NUM_STAGES, tilelang_decode.MIN_Q_ROWS = stages, q_rows
+            tilelang_decode.SHORT_CACHE_MAX_BLOCKS = short_max
             planner.PROGRAMS_PER_MULTIPROCESSOR = ppsm
             planner.BLOCK_N_CANDIDATES = (block_n,)
             planner.MIN_BLOCKS_PER_SPLIT = min_chunk
             planner.plan.cache_clear()
             row = dict(case=case.number, backend=backend, stages=stages, rows=q_rows, ppsm=ppsm, block_n=block_n,
-                       min_chunk=min_chunk)
+                       min_chunk=min_chunk, short_max=short_max)
             fn = lambda: flash_decode_with_kvcache(q, k, v, seqlens, backend=backend)
             try:  # a knob combination the compiler rejects is logged, the sweep goes on
                 out = fn()

@@ -82,10 +82,11 @@ def test_random_shapes(backend, data):
 
 
 @pytest.mark.parametrize("backend", KERNEL_BACKENDS)
-@pytest.mark.parametrize("case", [CASES[4], CASES[2]], ids=["case5", "case3-single-tile"])
+@pytest.mark.parametrize("case", [CASES[5], CASES[4], CASES[2]], ids=["case6", "case5", "case3"])
 def test_out_of_range_lengths_give_nan_rows_on_device(backend, case):
     backend_or_skip(backend)
-    q, k, v, _ = make_inputs(case, device="cuda")  # 16 x 141 (split kernel), 16 x 17 (single tile)
+    # 16 x 362 (TileLang: split kernel, unsplit), 16 x 141 (short-cache kernel, 3 tiles), 16 x 17 (1 tile)
+    q, k, v, _ = make_inputs(case, device="cuda")
     seqlens = torch.full((16,), case.seqlen_cache - 3, dtype=torch.int32, device="cuda")
     seqlens[3], seqlens[7] = case.seqlen_cache + 1, -5
     out = flash_decode_with_kvcache(q, k, v, seqlens, backend=backend)

@@ -78,22 +78,22 @@ def test_small_q_tile_variant_compiles(dtype, head_dim, group):
 @pytest.mark.parametrize("dtype,head_dim,group,nheads_k",
                          [(d, h, 8, 4) for d in ("float16", "bfloat16") for h in (64, 128, 256)]
                          + [("bfloat16", 128, 32, 1), ("bfloat16", 128, 4, 8)], ids=str)
-def test_single_tile_kernel_compiles(dtype, head_dim, group, nheads_k):
-    """Caches of at most one tile take the single-tile kernel: no TMA pipeline, no producer; mma.sync
+def test_short_cache_kernel_compiles(dtype, head_dim, group, nheads_k):
+    """Short unsplit caches take the short-cache kernel: no TMA pipeline, no producer; mma.sync
     below 64 rows (the shipped 16-row tile), wgmma at 64."""
     block_n = choose_block_n(Problem(1, 64, group * nheads_k, nheads_k, head_dim, dtype), H200)
-    rows = decode.q_tile_rows(group, decode.SINGLE_TILE_MIN_Q_ROWS)
-    blocks_per_sm = decode.single_tile_resident_programs(head_dim, block_n, rows, H200.registers_per_multiprocessor,
+    rows = decode.q_tile_rows(group, decode.SHORT_CACHE_MIN_Q_ROWS)
+    blocks_per_sm = decode.short_cache_resident_programs(head_dim, block_n, rows, H200.registers_per_multiprocessor,
                                                          H200.shared_memory_per_multiprocessor)
-    source = decode.build_single_tile_kernel(dtype, head_dim, group, nheads_k, block_n, blocks_per_sm, rows,
+    source = decode.build_short_cache_kernel(dtype, head_dim, group, nheads_k, block_n, blocks_per_sm, rows,
                                              target=TARGET).get_kernel_source()
     assert ("wgmma" if rows >= 64 else "mma_sync") in source and "tma_load" not in source
     assert f"__launch_bounds__(128, {blocks_per_sm})" in source
 
 
 @pytest.mark.parametrize("head_dim,block_n,rows,expected", [(128, 64, 64, 4), (256, 32, 64, 3), (256, 32, 16, 4)])
-def test_single_tile_resident_programs(head_dim, block_n, rows, expected):
-    assert decode.single_tile_resident_programs(head_dim, block_n, rows, H200.registers_per_multiprocessor,
+def test_short_cache_resident_programs(head_dim, block_n, rows, expected):
+    assert decode.short_cache_resident_programs(head_dim, block_n, rows, H200.registers_per_multiprocessor,
                                                 H200.shared_memory_per_multiprocessor) == expected
 
 
@@ -104,18 +104,20 @@ def test_kernels_for_returns_launchers_of_the_compiled_module():
     assert type(split).__name__ == "Function" and type(combine).__name__ == "Function"
 
 
-def test_launchers_for_picks_the_single_tile_kernel_for_a_one_tile_cache():
-    """run(), the prebuild script and the hang reproducer share this choice."""
+def test_launchers_for_picks_the_short_cache_kernel_for_short_unsplit_caches():
+    """run(), the prebuild script and the hang reproducer share this choice: up to
+    SHORT_CACHE_MAX_BLOCKS (3) tiles of 64 and nothing split."""
     from flashdecode.planner import plan
 
     target = decode._freeze(TARGET)
-    for capacity, single in [(64, True), (65, False)]:
+    for capacity, num_splits, short in [(1, 0, True), (64, 3, True), (192, 0, True), (192, 3, False),
+                                        (193, 0, False), (600, 0, False)]:
         problem = Problem(2, capacity, 32, 4, 128, "bfloat16")
-        p = plan(problem, H200)
-        assert decode.takes_single_tile(problem, p) == single
+        p = plan(problem, H200, num_splits)
+        assert decode.takes_short_cache(problem, p) == short
         first, combine = decode.launchers_for(problem, p, H200, target)
         assert type(first).__name__ == "Function"
-        assert combine is None if single else p.can_split == (combine is not None)
+        assert combine is None if short else p.can_split == (combine is not None)
 
 
 PRODUCER_SOURCE = """\

@@ -20,9 +20,10 @@ lengths never recompile.
   ``part_lse`` (base 2).
 * Combine kernel, grid (B, Hq): one program per (sequence, query head) merges the partials of
   every sequence with > 1 split, a step of partials at a time.
-* Single-tile kernel, grid (B, Hk), for caches of at most one tile (``seqlen_cache <=
-  block_n``): the split kernel's pipeline, producer warpgroup and schedule only add latency
-  there, so one warpgroup loads q and the valid K/V rows at once and runs one softmax step.
+* Short-cache kernel, grid (B, Hk), for unsplit caches of at most SHORT_CACHE_MAX_BLOCKS
+  tiles: the split kernel's pipeline, producer warpgroup and schedule only add latency
+  there, so one warpgroup loads q with the first tile's valid K/V rows at once, then runs
+  a softmax step per tile, loading each next tile directly.
 
 As in the Triton backend, a length outside [0, capacity] is clamped for the schedule and
 the reads, and its row of ``out`` is set to NaN.
@@ -50,8 +51,8 @@ import tvm_ffi
 
 from ... import hardware, planner
 
-__all__ = ["build_split_kernel", "build_combine_kernel", "build_single_tile_kernel", "kernels_for",
-           "single_tile_kernel_for", "launchers_for", "takes_single_tile", "resident_programs_for", "run"]
+__all__ = ["build_split_kernel", "build_combine_kernel", "build_short_cache_kernel", "kernels_for",
+           "short_cache_kernel_for", "launchers_for", "takes_short_cache", "resident_programs_for", "run"]
 
 _LOG2E = 1.4426950408889634
 _LN2 = 0.6931471805599453
@@ -63,9 +64,9 @@ NUM_STAGES = 2
 #: Fewest rows of the q tile (the G query heads of a KV head, zero-padded): 64 is one wgmma M tile
 #: per consumer warpgroup; 16 pads small groups less and runs mma.sync instead.
 MIN_Q_ROWS = 64
-#: Fewest rows of the single-tile kernel's q tile: one softmax step is all latency, and a 16-row
-#: mma.sync tile beat the 64-row wgmma tile on every cache of one tile (perf log 15).
-SINGLE_TILE_MIN_Q_ROWS = 16
+#: Fewest rows of the short-cache kernel's q tile: its few softmax steps are all latency, and a
+#: 16-row mma.sync tile beat the 64-row wgmma tile on every cache of one tile (perf log 15).
+SHORT_CACHE_MIN_Q_ROWS = 16
 #: Sequences whose lengths a program reads at once when it locates its work (``_chunk``,
 #: ``_load_splits``): one parallel load per SCAN_WIDTH sequences, in shared memory.
 SCAN_WIDTH = 256
@@ -180,7 +181,7 @@ def resident_programs(head_dim, block_n, rows, num_stages, registers_per_sm, sha
                               registers_per_sm, shared_memory_per_sm)
 
 
-def single_tile_resident_programs(head_dim, block_n, rows, registers_per_sm, shared_memory_per_sm):
+def short_cache_resident_programs(head_dim, block_n, rows, registers_per_sm, shared_memory_per_sm):
     """Single-tile programs (one warpgroup; q, K and V tiles, P for tiles under 64 rows) that fit on
     one SM at once."""
     shared = (rows + 2 * block_n) * head_dim * 2 + (rows * block_n * 2 if rows < 64 else 0) + 1024
@@ -448,24 +449,25 @@ def split_kernel_func(dtype, D, G, Hk, block_n, num_stages, can_split, blocks_pe
     return decode_split
 
 
-def build_single_tile_kernel(dtype: str, head_dim: int, group: int, kv_heads: int, block_n: int,
+def build_short_cache_kernel(dtype: str, head_dim: int, group: int, kv_heads: int, block_n: int,
                              blocks_per_sm: int, q_rows: int = 64, target=None):
-    """Compiled kernel for caches of at most one K/V tile (``seqlen_cache <= block_n``), cached.
+    """Compiled kernel for short unsplit caches (``takes_short_cache``), cached.
 
     Grid (B, Hk), one warpgroup, no pipeline and no split (a q tile under 64 rows runs mma.sync,
-    64 rows wgmma): the program loads q and the valid rows
-    of K and V at once (the rest zero-filled), runs one online-softmax step and writes out/lse.
-    Without the split kernel's TMA pipeline, producer warpgroup and schedule, it is a short chain
-    of memory round trips and fits 4 programs per SM; tiny caches are latency-bound.
+    64 rows wgmma): the program loads q with the first tile's valid rows of K and V (the rest
+    zero-filled), runs an online-softmax step per tile, loading each next tile after the step
+    before, and writes out/lse. Without the split kernel's TMA pipeline, producer warpgroup and
+    schedule, it is a short chain of memory round trips and fits 4 programs per SM; tiny caches are
+    latency-bound, and a few tiles still beat the pipeline (perf log 21).
 
-    ``blocks_per_sm``: the occupancy ptxas must allow (``single_tile_resident_programs``).
+    ``blocks_per_sm``: the occupancy ptxas must allow (``short_cache_resident_programs``).
     Call: (q, k_cache, v_cache, cache_seqlens, out, lse, softmax_scale).
     """
-    return _single_tile_kernel(dtype, head_dim, group, kv_heads, block_n, blocks_per_sm, q_rows, _freeze(target))
+    return _short_cache_kernel(dtype, head_dim, group, kv_heads, block_n, blocks_per_sm, q_rows, _freeze(target))
 
 
 @functools.lru_cache(maxsize=None)
-def _single_tile_kernel(dtype, D, G, Hk, block_n, blocks_per_sm, rows, target):
+def _short_cache_kernel(dtype, D, G, Hk, block_n, blocks_per_sm, rows, target):
     Hq = Hk * G
     policy = T.GemmWarpPolicy.FullRow if rows >= 64 else T.GemmWarpPolicy.FullCol
     if not 1 <= G <= rows:
@@ -477,7 +479,7 @@ def _single_tile_kernel(dtype, D, G, Hk, block_n, blocks_per_sm, rows, target):
     f32 = T.float32
 
     @T.prim_func
-    def decode_single_tile(
+    def decode_short_cache(
         Q: T.Tensor((B, 1, Hq, D), dtype),
         K: T.Tensor((B, S, Hk, D), dtype),
         V: T.Tensor((B, S, Hk, D), dtype),
@@ -494,21 +496,23 @@ def _single_tile_kernel(dtype, D, G, Hk, block_n, blocks_per_sm, rows, target):
             s_f, p_f, o_f, m_f, l_f, m_prev, alpha, rsum = softmax_state()
 
             raw_len = seqlens[b]
-            seqlen = T.min(T.max(raw_len, 0), T.min(S, block_n))
-            for i, d in T.Parallel(rows, D):
-                q_s[i, d] = T.if_then_else(i < G, Q[b, 0, h * G + i, d], T.cast(0, dtype))
-            for j, d in T.Parallel(block_n, D):  # rows past the length are zero: 0 * stale NaN is NaN
-                k_s[j, d] = T.if_then_else(j < seqlen, K[b, j, h, d], T.cast(0, dtype))
-                v_s[j, d] = T.if_then_else(j < seqlen, V[b, j, h, d], T.cast(0, dtype))
+            seqlen = T.min(T.max(raw_len, 0), S)
             T.fill(o_f, 0)
             T.fill(l_f, 0)
             T.fill(m_f, -T.infinity(f32))
-            if seqlen > 0:
+            for t in T.serial(T.ceildiv(seqlen, block_n)):
+                base = t * block_n
+                if t == 0:  # q's load in flight with the first tile's: one memory round trip, not two
+                    for i, d in T.Parallel(rows, D):
+                        q_s[i, d] = T.if_then_else(i < G, Q[b, 0, h * G + i, d], T.cast(0, dtype))
+                for j, d in T.Parallel(block_n, D):  # rows past the length are zero: 0 * stale NaN is NaN
+                    k_s[j, d] = T.if_then_else(base + j < seqlen, K[b, base + j, h, d], T.cast(0, dtype))
+                    v_s[j, d] = T.if_then_else(base + j < seqlen, V[b, base + j, h, d], T.cast(0, dtype))
                 attend(q_s, k_s, v_s, s_f, p_f, o_f, m_f, l_f, m_prev, alpha, rsum,
-                       softmax_scale * _LOG2E, seqlen)
-            write_out(Out, Lse, o_f, l_f, m_f, b, h, raw_len != T.min(T.max(raw_len, 0), S))
+                       softmax_scale * _LOG2E, seqlen - base)
+            write_out(Out, Lse, o_f, l_f, m_f, b, h, raw_len != seqlen)
 
-    return _compile(decode_single_tile, target)
+    return _compile(decode_short_cache, target)
 
 
 def build_combine_kernel(dtype: str, head_dim: int, group: int, kv_heads: int, block_n: int,
@@ -615,30 +619,35 @@ def kernels_for(dtype: str, head_dim: int, group: int, kv_heads: int, block_n: i
 
 
 @functools.lru_cache(maxsize=None)
-def single_tile_kernel_for(dtype: str, head_dim: int, group: int, kv_heads: int, block_n: int,
+def short_cache_kernel_for(dtype: str, head_dim: int, group: int, kv_heads: int, block_n: int,
                            registers_per_sm: int, shared_memory_per_sm: int, min_q_rows: int, target=None):
-    """The single-tile launcher for one specialisation, built once (``target`` as in kernels_for)."""
+    """The short-cache launcher for one specialisation, built once (``target`` as in kernels_for)."""
     target = target if target is not None else _freeze(device_target())
     rows = q_tile_rows(group, min_q_rows)
-    blocks_per_sm = single_tile_resident_programs(head_dim, block_n, rows, registers_per_sm, shared_memory_per_sm)
-    return _launcher(build_single_tile_kernel(dtype, head_dim, group, kv_heads, block_n, blocks_per_sm, rows,
+    blocks_per_sm = short_cache_resident_programs(head_dim, block_n, rows, registers_per_sm, shared_memory_per_sm)
+    return _launcher(build_short_cache_kernel(dtype, head_dim, group, kv_heads, block_n, blocks_per_sm, rows,
                                               target=target))
 
 
-def takes_single_tile(problem, plan) -> bool:
-    """Whether ``run`` takes the single-tile kernel: the whole cache is one tile, so there is
-    nothing to pipeline or split (a forced split is capped to one there)."""
-    return problem.seqlen_cache <= plan.block_n
+#: Most tiles of an unsplit cache the short-cache kernel takes; longer ones go to the split kernel's
+#: pipeline. Measured (perf log 21): 3 tiles (case 5) 16% faster there, 6 tiles (case 6) 9% slower.
+SHORT_CACHE_MAX_BLOCKS = 3
+
+
+def takes_short_cache(problem, plan) -> bool:
+    """Whether ``run`` takes the short-cache kernel: nothing splits and the cache has at most
+    SHORT_CACHE_MAX_BLOCKS tiles (a forced split is capped to one for a one-tile cache)."""
+    return not plan.can_split and -(-problem.seqlen_cache // plan.block_n) <= SHORT_CACHE_MAX_BLOCKS
 
 
 def launchers_for(problem, plan, profile, target=None):
-    """The launchers ``run`` uses for this call with the current knobs: (single-tile launcher, None)
-    where ``takes_single_tile``, else (split launcher, combine launcher or None). ``target`` as in
+    """The launchers ``run`` uses for this call with the current knobs: (short-cache launcher, None)
+    where ``takes_short_cache``, else (split launcher, combine launcher or None). ``target`` as in
     ``kernels_for``."""
     shape = (problem.dtype, problem.headdim, problem.group, problem.nheads_k, plan.block_n)
     registers, shared = profile.registers_per_multiprocessor, profile.shared_memory_per_multiprocessor
-    if takes_single_tile(problem, plan):
-        return single_tile_kernel_for(*shape, registers, shared, SINGLE_TILE_MIN_Q_ROWS, target), None
+    if takes_short_cache(problem, plan):
+        return short_cache_kernel_for(*shape, registers, shared, SHORT_CACHE_MIN_Q_ROWS, target), None
     return kernels_for(*shape, plan.can_split, registers, shared, NUM_STAGES, MIN_Q_ROWS, target)
 
 
@@ -659,8 +668,8 @@ def _launcher(kernel):
 
 
 def run(plan, problem, q, k_cache, v_cache, cache_seqlens, out, lse, part_o, part_lse, softmax_scale):
-    """Launch the single-tile kernel when the whole cache is one tile, else the split kernel, then
-    the combine kernel when the plan may split.
+    """Launch the short-cache kernel where ``takes_short_cache``, else the split kernel, then the
+    combine kernel when the plan may split.
 
     q, out: (B, 1, Hq, D) contiguous; k_cache, v_cache: (B, S, Hk, D) contiguous; lse: (B, Hq) fp32;
     part_o (P, Hq, D) and part_lse (P, Hq) fp32, 16-byte aligned (empty when nothing splits).
@@ -670,7 +679,7 @@ def run(plan, problem, q, k_cache, v_cache, cache_seqlens, out, lse, part_o, par
         lse.fill_(-math.inf)
         return
     launch, combine = launchers_for(problem, plan, hardware.profile_for(q.device))
-    if takes_single_tile(problem, plan):
+    if takes_short_cache(problem, plan):
         launch(q, k_cache, v_cache, cache_seqlens, out, lse, softmax_scale)
         return
     launch(q, k_cache, v_cache, cache_seqlens, out, lse, part_o, part_lse,
