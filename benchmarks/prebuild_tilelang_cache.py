@@ -63,8 +63,9 @@ def main():
         decode.NUM_STAGES, decode.MIN_Q_ROWS = stages, q_rows  # launchers_for builds with the knobs
         for problem, plan in calls:
             shape = (problem.dtype, problem.headdim, problem.group, problem.nheads_k, plan.block_n)
-            short = decode.takes_short_cache(problem, plan)  # its own q tile, no stages
-            key = (*shape, "short") if short else (*shape, plan.can_split, stages, q_rows)
+            short = decode.takes_short_cache(problem, plan)  # its own q tile, no stages; one tile: no loop
+            key = ((*shape, "short", problem.seqlen_cache <= plan.block_n) if short
+                   else (*shape, plan.can_split, stages, q_rows))
             if key in seen:
                 continue
             seen.add(key)

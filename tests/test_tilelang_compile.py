@@ -85,10 +85,12 @@ def test_short_cache_kernel_compiles(dtype, head_dim, group, nheads_k):
     rows = decode.q_tile_rows(group, decode.SHORT_CACHE_MIN_Q_ROWS)
     blocks_per_sm = decode.short_cache_resident_programs(head_dim, block_n, rows, H200.registers_per_multiprocessor,
                                                          H200.shared_memory_per_multiprocessor)
-    source = decode.build_short_cache_kernel(dtype, head_dim, group, nheads_k, block_n, blocks_per_sm, rows,
-                                             target=TARGET).get_kernel_source()
-    assert ("wgmma" if rows >= 64 else "mma_sync") in source and "tma_load" not in source
-    assert f"__launch_bounds__(128, {blocks_per_sm})" in source
+    for one_tile in (True, False):  # without and with the loop over tiles
+        source = decode.build_short_cache_kernel(dtype, head_dim, group, nheads_k, block_n, blocks_per_sm, rows,
+                                                 one_tile, target=TARGET).get_kernel_source()
+        assert ("wgmma" if rows >= 64 else "mma_sync") in source and "tma_load" not in source
+        assert f"__launch_bounds__(128, {blocks_per_sm})" in source
+        assert ("for (int t = 0" in source) != one_tile
 
 
 @pytest.mark.parametrize("head_dim,block_n,rows,expected", [(128, 64, 64, 4), (256, 32, 64, 3), (256, 32, 16, 4)])
