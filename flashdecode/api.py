@@ -47,18 +47,29 @@ def tilelang_limitation(tensors, group: int) -> str | None:
     return None
 
 
-def resolve_backend(backend: str, device: torch.device, tilelang_limit: str | None = None) -> str:
+#: ``backend="auto"`` runs Triton on caches of at least this many bytes of K and V (capacity, not
+#: the real lengths, which stay on the device), TileLang below. Measured on the H200
+#: (docs/benchmarks.md, "How auto chooses"): from this size (cases 7, 9, 11, 12: 383-1024 MiB)
+#: Triton's split kernel takes 4-11% less GPU time and its 78-131 us of host time hides behind
+#: that GPU time. Below it (cases 1-6, 8, 10, 13, 14: up to 230 MiB) an eager call pays host time
+#: that for Triton nears or exceeds the GPU time, TileLang's being a third of it; replayed from a
+#: CUDA graph, Triton is 2-15% faster on cases 8, 10, 13 and 14 too (name it there).
+AUTO_TRITON_FROM_BYTES = 256 * 1024 * 1024
+
+
+def cache_bytes(problem) -> int:
+    """Bytes of K and V a call could read: the whole capacity of every sequence."""
+    return 2 * problem.batch * problem.seqlen_cache * problem.nheads_k * problem.headdim * problem.element_bytes
+
+
+def resolve_backend(backend: str, device: torch.device, tilelang_limit: str | None = None, problem=None) -> str:
     """The backend that will run: 'reference' on CPU tensors, else the requested or best kernel.
 
     ``tilelang_limit``: what the call's tensors lack for TileLang (``tilelang_limitation``); the
     device is checked here (TileLang's kernels are Hopper-only: TMA, wgmma, sm_90a).
-    'auto' takes TileLang where it can run the call and Triton elsewhere. Measured on the H200
-    (docs/benchmarks.md, "How auto chooses"): an eager call costs its host time whenever the GPU
-    work is shorter, and TileLang's is a fraction of Triton's, which gave TileLang the lower median
-    on 12 of the 14 cases. Replayed from a CUDA graph, where only GPU time counts, Triton's split
-    kernel is faster on cases 5 and 7-14: graph users should name backend="triton" there (auto
-    does not switch during capture, where a first Triton compile would have to run). Naming
-    TileLang for a call it cannot take is an error.
+    'auto' takes Triton where TileLang cannot run the call, and for ``problem``s whose cache holds
+    at least AUTO_TRITON_FROM_BYTES of K and V; TileLang for the others (and when no problem is
+    given). Naming TileLang for a call it cannot take is an error.
     """
     if device.type != "cuda":
         return "reference" if backend in ("auto", "reference") else backend
@@ -67,7 +78,8 @@ def resolve_backend(backend: str, device: torch.device, tilelang_limit: str | No
     if tilelang_limit is None and not is_hopper(device.index):
         tilelang_limit = "a Hopper GPU (compute capability 9.x)"
     if backend == "auto":
-        return "tilelang" if tilelang_limit is None and tilelang_available() else "triton"
+        large = problem is not None and cache_bytes(problem) >= AUTO_TRITON_FROM_BYTES
+        return "tilelang" if tilelang_limit is None and tilelang_available() and not large else "triton"
     if tilelang_limit is not None:
         raise ValueError(f"backend 'tilelang' needs {tilelang_limit}; use backend='triton'")
     return backend
@@ -125,7 +137,7 @@ def flash_decode_with_kvcache(q, k_cache, v_cache, cache_seqlens=None, *, softma
     limit = None
     if q.device.type == "cuda" and backend in ("auto", "tilelang"):
         limit = tilelang_limitation((q, k_cache, v_cache) + (() if out is None else (out,)), problem.group)
-    chosen = resolve_backend(backend, q.device, limit)
+    chosen = resolve_backend(backend, q.device, limit, problem)
     if chosen == "reference":
         result, lse = reference_decode(q, k_cache, v_cache, seqlens, scale)
         if out is not None:

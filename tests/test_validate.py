@@ -107,9 +107,8 @@ def test_numpy_scalars_accepted():
 
 
 def test_auto_backend_rule(monkeypatch):
-    """'auto' on CUDA: TileLang where it can run (lower host time, docs/benchmarks.md), Triton where
-    TileLang cannot take the call, is not installed, or the GPU is not a Hopper; CPU tensors go to the
-    reference."""
+    """'auto' on CUDA without a problem: TileLang where it can run, Triton where TileLang cannot take
+    the call, is not installed, or the GPU is not a Hopper; CPU tensors go to the reference."""
     from flashdecode import api
 
     cuda = torch.device("cuda", 0)
@@ -120,6 +119,27 @@ def test_auto_backend_rule(monkeypatch):
         monkeypatch.setattr(api, "is_hopper", lambda index: hopper)
         assert api.resolve_backend("auto", cuda, limit) == expected
     assert api.resolve_backend("auto", torch.device("cpu")) == "reference"
+
+
+@pytest.mark.parametrize("number,expected", [(1, "tilelang"), (6, "tilelang"), (8, "tilelang"), (10, "tilelang"),
+                                             (13, "tilelang"), (14, "tilelang"), (7, "triton"), (9, "triton"),
+                                             (11, "triton"), (12, "triton")])
+def test_auto_takes_triton_for_large_caches(monkeypatch, number, expected):
+    """The size rule of 'auto' on the matrix (docs/benchmarks.md, "How auto chooses"): Triton from
+    AUTO_TRITON_FROM_BYTES of K/V capacity (cases 7, 9, 11, 12), TileLang below; Triton wherever
+    TileLang cannot run, whatever the size."""
+    from flashdecode import api
+    from flashdecode.cases import CASES_BY_NUMBER
+    from flashdecode.planner import Problem
+
+    case = CASES_BY_NUMBER[number]
+    problem = Problem(case.batch, case.seqlen_cache, case.nheads, case.nheads_k, 128, "bfloat16")
+    monkeypatch.setattr(api, "tilelang_available", lambda: True)
+    monkeypatch.setattr(api, "is_hopper", lambda index: True)
+    cuda = torch.device("cuda", 0)
+    assert api.resolve_backend("auto", cuda, None, problem) == expected
+    assert api.resolve_backend("auto", cuda, "a GQA group of at most 64 (got 128)", problem) == "triton"
+    assert api.resolve_backend("tilelang", cuda, None, problem) == "tilelang"
 
 
 def test_tilelang_limitation_names_what_tilelang_needs(monkeypatch):
