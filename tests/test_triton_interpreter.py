@@ -128,3 +128,68 @@ def test_out_without_lse_matches_out_with_it(num_splits):
                                             return_softmax_lse=True)
     alone = flash_decode_with_kvcache(q, k, v, seqlens, num_splits=num_splits, backend="triton")
     assert torch.equal(with_lse, alone)
+
+
+def test_specialization_key_is_as_fine_as_tritons():
+    """The direct launch path reuses a compiled kernel only for calls Triton would give the same one:
+    same dtypes, 16-byte alignment, constexprs and values of the specialised ints; the ints marked
+    do_not_specialize (batch, lengths' schedule) may change freely."""
+    from flashdecode.kernels.triton import decode
+
+    q = torch.zeros(64, dtype=torch.float16)
+    args = (q, q, 3, 5)  # fake signature below: (Q, K, batch, nheads)
+
+    class Kernel:
+        arg_names = ["Q", "K", "batch", "nheads"]
+        do_not_specialize = ["batch"]
+
+    key = lambda *a, **constexprs: decode._specialization(Kernel, a, constexprs or {"B": 16}, {"num_warps": 4}, 0)  # noqa: E731
+    assert key(*args) == key(q, torch.zeros(8, dtype=torch.float16), 7, 5)     # other batch, other tensor
+    assert key(*args) != key(q, q[1:], 3, 5)                                     # misaligned by 2 bytes
+    assert key(*args) != key(q, q.float(), 3, 5)                                 # another dtype
+    assert key(*args) != key(q, q, 3, 6)                                         # a specialised int
+    assert key(*args) != key(*args, B=32)                                        # a constexpr
+
+
+def test_direct_launch_path(monkeypatch):
+    """First call of a specialisation through Triton, later ones through the compiled kernel with a
+    3-d grid, the constexprs appended and the current stream; a launcher that refuses the constexprs
+    (older Triton) is called without them from then on."""
+    from flashdecode.kernels.triton import decode
+
+    calls = []
+
+    class Compiled:
+        function = object()
+
+        def __getitem__(self, grid):
+            def launch(*args, stream):
+                calls.append(("direct", grid, args, stream))
+                if refuse_constexprs and len(args) > 2:
+                    raise TypeError("launcher takes 2 arguments")
+            return launch
+
+    class Kernel:
+        arg_names = ["X", "n", "C"]
+        do_not_specialize = []
+
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: calls.append(("triton", grid, args, kwargs)) or Compiled()
+
+    class CudaTensor:  # stands for a CUDA tensor: only its device is read on this path
+        device = torch.device("cuda", 0)
+
+    refuse_constexprs = False
+    monkeypatch.setattr(decode, "_COMPILED", {})
+    monkeypatch.setattr(decode, "_LAUNCHER_TAKES_CONSTEXPRS", [True])
+    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda index: 77, raising=False)
+    x, kernel = CudaTensor(), Kernel()
+    decode._launch_kernel(kernel, (4, 2), (x, 9), {"C": 16}, {"num_warps": 4})
+    decode._launch_kernel(kernel, (4, 2), (x, 9), {"C": 16}, {"num_warps": 4})
+    assert calls == [("triton", (4, 2), (x, 9), {"C": 16, "num_warps": 4}), ("direct", (4, 2, 1), (x, 9, 16), 77)]
+    refuse_constexprs = True
+    calls.clear()
+    decode._launch_kernel(kernel, (4, 2), (x, 9), {"C": 16}, {"num_warps": 4})
+    decode._launch_kernel(kernel, (4, 2), (x, 9), {"C": 16}, {"num_warps": 4})
+    assert [c[2] for c in calls] == [(x, 9, 16), (x, 9), (x, 9)]
+    assert decode._LAUNCHER_TAKES_CONSTEXPRS == [False]

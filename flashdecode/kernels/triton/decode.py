@@ -195,16 +195,67 @@ def _launch(plan, problem, q, k_cache, v_cache, seqlens, out, lse, part_o, part_
     batch_pad = max(16, triton.next_power_of_2(problem.batch))
     num_warps = 4 if problem.headdim <= 128 else 8
     args = (problem.batch, problem.seqlen_cache, plan.programs_per_head, plan.forced_splits, plan.min_chunk)
-    _split_kernel[plan.grid(problem)](
+    _launch_kernel(_split_kernel, plan.grid(problem), (
         q, k_cache, v_cache, seqlens, out, lse, part_o, part_lse,
         softmax_scale * LOG2E, *args, problem.nheads,
         q.stride(0), q.stride(2), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), out.stride(0), out.stride(2),
-        GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=problem.headdim, BLOCK_N=plan.block_n,
-        BATCH_PAD=batch_pad, CAN_SPLIT=plan.can_split, num_warps=num_warps, num_stages=2)
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), out.stride(0), out.stride(2)),
+        dict(GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=problem.headdim, BLOCK_N=plan.block_n,
+             BATCH_PAD=batch_pad, CAN_SPLIT=plan.can_split), dict(num_warps=num_warps, num_stages=2))
     if plan.needs_combine:
-        _combine_kernel[(problem.batch, problem.nheads)](
-            seqlens, out, lse, part_o, part_lse, *args, problem.nheads,
-            out.stride(0), out.stride(2),
-            HEAD_DIM=problem.headdim, BLOCK_N=plan.block_n, BATCH_PAD=batch_pad,
-            SPLITS_PER_STEP=COMBINE_SPLITS_PER_STEP, num_warps=4)
+        _launch_kernel(_combine_kernel, (problem.batch, problem.nheads), (
+            seqlens, out, lse, part_o, part_lse, *args, problem.nheads, out.stride(0), out.stride(2)),
+            dict(HEAD_DIM=problem.headdim, BLOCK_N=plan.block_n, BATCH_PAD=batch_pad,
+                 SPLITS_PER_STEP=COMBINE_SPLITS_PER_STEP), dict(num_warps=4))
+
+
+#: Compiled kernels by ``_specialization`` of a call: the direct launch path (``_launch_kernel``),
+#: emptied when it holds MAX_COMPILED (each new capacity or batch power of two adds one).
+_COMPILED: dict = {}
+MAX_COMPILED = 4096
+#: Whether a compiled kernel's launcher takes the constexpr values after the other arguments
+#: (Triton >= 3.3) or not (older); found on the first direct launch.
+_LAUNCHER_TAKES_CONSTEXPRS = [True]
+
+
+def _specialization(jit_fn, args, constexprs, options, device_index):
+    """Everything Triton's choice of compiled kernel depends on, at least as finely as Triton's own
+    key: the kernel, device, constexprs and options, every tensor's dtype and 16-byte alignment,
+    and the exact value of every other argument except those marked do_not_specialize (floats
+    included, though Triton does not specialize them)."""
+    skip = jit_fn.do_not_specialize
+    values = tuple((a.dtype, a.data_ptr() % 16 == 0) if isinstance(a, torch.Tensor)
+                   else None if i in skip or name in skip else a
+                   for i, (name, a) in enumerate(zip(jit_fn.arg_names, args)))
+    return jit_fn, device_index, values, tuple(constexprs.values()), tuple(options.items())
+
+
+def _launch_kernel(jit_fn, grid, args, constexprs, options):
+    """``jit_fn[grid](*args, **constexprs, **options)``, after the first call of a specialisation
+    through the compiled kernel directly: Triton's ``JITFunction.run`` binds and specialises every
+    argument on every call, ~40 us of host time a launch on the H200 machine's CPU (perf log 23).
+    The compiled kernel is looked up by ``_specialization``, which is at least as fine as Triton's
+    own key, so the kernel launched is the one Triton would pick. CPU tensors (the interpreter)
+    always take Triton's path."""
+    device = args[0].device
+    if device.type != "cuda":
+        jit_fn[grid](*args, **constexprs, **options)
+        return
+    key = _specialization(jit_fn, args, constexprs, options, device.index)
+    compiled = _COMPILED.get(key)
+    if compiled is None:
+        compiled = jit_fn[grid](*args, **constexprs, **options)
+        if callable(getattr(compiled, "__getitem__", None)) and hasattr(compiled, "function"):
+            if len(_COMPILED) >= MAX_COMPILED:
+                _COMPILED.clear()
+            _COMPILED[key] = compiled
+        return
+    launch = compiled[tuple(grid) + (1,) * (3 - len(grid))]  # the compiled kernel takes 3 dimensions
+    stream = torch._C._cuda_getCurrentRawStream(device.index)
+    if _LAUNCHER_TAKES_CONSTEXPRS[0]:
+        try:
+            launch(*args, *constexprs.values(), stream=stream)
+            return
+        except TypeError:  # the launcher counts its arguments before it launches anything
+            _LAUNCHER_TAKES_CONSTEXPRS[0] = False
+    launch(*args, stream=stream)
