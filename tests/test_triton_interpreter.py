@@ -137,18 +137,19 @@ def test_specialization_key_is_as_fine_as_tritons():
     from flashdecode.kernels.triton import decode
 
     q = torch.zeros(64, dtype=torch.float16)
-    args = (q, q, 3, 5)  # fake signature below: (Q, K, batch, nheads)
 
-    class Kernel:
+    class Kernel:  # signature (Q, K, batch, nheads)
         arg_names = ["Q", "K", "batch", "nheads"]
         do_not_specialize = ["batch"]
 
-    key = lambda *a, **constexprs: decode._specialization(Kernel, a, constexprs or {"B": 16}, {"num_warps": 4}, 0)  # noqa: E731
-    assert key(*args) == key(q, torch.zeros(8, dtype=torch.float16), 7, 5)     # other batch, other tensor
-    assert key(*args) != key(q, q[1:], 3, 5)                                     # misaligned by 2 bytes
-    assert key(*args) != key(q, q.float(), 3, 5)                                 # another dtype
-    assert key(*args) != key(q, q, 3, 6)                                         # a specialised int
-    assert key(*args) != key(*args, B=32)                                        # a constexpr
+    def key(tensors, scalars, **constexprs):
+        return decode._specialization(Kernel, tensors, scalars, constexprs or {"B": 16}, {"num_warps": 4}, 0)
+
+    assert key((q, q), (3, 5)) == key((q, torch.zeros(8, dtype=torch.float16)), (7, 5))  # other batch, tensor
+    assert key((q, q), (3, 5)) != key((q, q[1:]), (3, 5))                                # misaligned by 2 bytes
+    assert key((q, q), (3, 5)) != key((q, q.float()), (3, 5))                            # another dtype
+    assert key((q, q), (3, 5)) != key((q, q), (3, 6))                                    # a specialised int
+    assert key((q, q), (3, 5)) != key((q, q), (3, 5), B=32)                              # a constexpr
 
 
 def test_direct_launch_path(monkeypatch):
@@ -176,20 +177,24 @@ def test_direct_launch_path(monkeypatch):
         def __getitem__(self, grid):
             return lambda *args, **kwargs: calls.append(("triton", grid, args, kwargs)) or Compiled()
 
-    class CudaTensor:  # stands for a CUDA tensor: only its device is read on this path
+    class CudaTensor:  # stands for a CUDA tensor: its device, dtype and address are read
         device = torch.device("cuda", 0)
+        dtype = torch.float16
+
+        def data_ptr(self):
+            return 256
 
     refuse_constexprs = False
     monkeypatch.setattr(decode, "_COMPILED", {})
     monkeypatch.setattr(decode, "_LAUNCHER_TAKES_CONSTEXPRS", [True])
     monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda index: 77, raising=False)
     x, kernel = CudaTensor(), Kernel()
-    decode._launch_kernel(kernel, (4, 2), (x, 9), {"C": 16}, {"num_warps": 4})
-    decode._launch_kernel(kernel, (4, 2), (x, 9), {"C": 16}, {"num_warps": 4})
+    decode._launch_kernel(kernel, (4, 2), (x,), (9,), {"C": 16}, {"num_warps": 4})
+    decode._launch_kernel(kernel, (4, 2), (x,), (9,), {"C": 16}, {"num_warps": 4})
     assert calls == [("triton", (4, 2), (x, 9), {"C": 16, "num_warps": 4}), ("direct", (4, 2, 1), (x, 9, 16), 77)]
     refuse_constexprs = True
     calls.clear()
-    decode._launch_kernel(kernel, (4, 2), (x, 9), {"C": 16}, {"num_warps": 4})
-    decode._launch_kernel(kernel, (4, 2), (x, 9), {"C": 16}, {"num_warps": 4})
+    decode._launch_kernel(kernel, (4, 2), (x,), (9,), {"C": 16}, {"num_warps": 4})
+    decode._launch_kernel(kernel, (4, 2), (x,), (9,), {"C": 16}, {"num_warps": 4})
     assert [c[2] for c in calls] == [(x, 9, 16), (x, 9), (x, 9)]
     assert decode._LAUNCHER_TAKES_CONSTEXPRS == [False]

@@ -195,18 +195,17 @@ def _launch(plan, problem, q, k_cache, v_cache, seqlens, out, lse, part_o, part_
     batch_pad = max(16, triton.next_power_of_2(problem.batch))
     num_warps = 4 if problem.headdim <= 128 else 8
     args = (problem.batch, problem.seqlen_cache, plan.programs_per_head, plan.forced_splits, plan.min_chunk)
-    _launch_kernel(_split_kernel, plan.grid(problem), (
-        q, k_cache, v_cache, seqlens, out, lse, part_o, part_lse,
+    _launch_kernel(_split_kernel, plan.grid(problem), (q, k_cache, v_cache, seqlens, out, lse, part_o, part_lse), (
         softmax_scale * LOG2E, *args, problem.nheads,
         q.stride(0), q.stride(2), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), out.stride(0), out.stride(2)),
         dict(GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=problem.headdim, BLOCK_N=plan.block_n,
              BATCH_PAD=batch_pad, CAN_SPLIT=plan.can_split), dict(num_warps=num_warps, num_stages=2))
     if plan.needs_combine:
-        _launch_kernel(_combine_kernel, (problem.batch, problem.nheads), (
-            seqlens, out, lse, part_o, part_lse, *args, problem.nheads, out.stride(0), out.stride(2)),
-            dict(HEAD_DIM=problem.headdim, BLOCK_N=plan.block_n, BATCH_PAD=batch_pad,
-                 SPLITS_PER_STEP=COMBINE_SPLITS_PER_STEP), dict(num_warps=4))
+        _launch_kernel(_combine_kernel, (problem.batch, problem.nheads), (seqlens, out, lse, part_o, part_lse),
+                       (*args, problem.nheads, out.stride(0), out.stride(2)),
+                       dict(HEAD_DIM=problem.headdim, BLOCK_N=plan.block_n, BATCH_PAD=batch_pad,
+                            SPLITS_PER_STEP=COMBINE_SPLITS_PER_STEP), dict(num_warps=4))
 
 
 #: Compiled kernels by ``_specialization`` of a call: the direct launch path (``_launch_kernel``),
@@ -218,33 +217,50 @@ MAX_COMPILED = 4096
 _LAUNCHER_TAKES_CONSTEXPRS = [True]
 
 
-def _specialization(jit_fn, args, constexprs, options, device_index):
+_UNSPECIALIZED: dict = {}  # (id of a module-level kernel, tensor count) -> _unspecialized's answer
+
+
+def _unspecialized(jit_fn, tensor_count: int) -> tuple:
+    """Whether each scalar argument (those after the first ``tensor_count``) is do_not_specialize.
+    Keyed by id: hashing a JITFunction costs ~0.5 us, and the kernels live as long as the module."""
+    key = (id(jit_fn), tensor_count)
+    flags = _UNSPECIALIZED.get(key)
+    if flags is None:
+        skip = jit_fn.do_not_specialize
+        flags = _UNSPECIALIZED[key] = tuple(i in skip or name in skip for i, name in enumerate(jit_fn.arg_names)
+                                            if i >= tensor_count)
+    return flags
+
+
+def _specialization(jit_fn, tensors, scalars, constexprs, options, device_index):
     """Everything Triton's choice of compiled kernel depends on, at least as finely as Triton's own
     key: the kernel, device, constexprs and options, every tensor's dtype and 16-byte alignment,
-    and the exact value of every other argument except those marked do_not_specialize (floats
+    and the exact value of every scalar argument except those marked do_not_specialize (floats
     included, though Triton does not specialize them)."""
-    skip = jit_fn.do_not_specialize
-    values = tuple((a.dtype, a.data_ptr() % 16 == 0) if isinstance(a, torch.Tensor)
-                   else None if i in skip or name in skip else a
-                   for i, (name, a) in enumerate(zip(jit_fn.arg_names, args)))
-    return jit_fn, device_index, values, tuple(constexprs.values()), tuple(options.items())
+    alignment = 0
+    for tensor in tensors:
+        alignment = alignment << 1 | (tensor.data_ptr() % 16 == 0)
+    values = tuple(None if skip else value for skip, value in zip(_unspecialized(jit_fn, len(tensors)), scalars))
+    return (id(jit_fn), device_index, tuple(t.dtype for t in tensors), alignment, values, tuple(constexprs.values()),
+            tuple(options.items()))
 
 
-def _launch_kernel(jit_fn, grid, args, constexprs, options):
-    """``jit_fn[grid](*args, **constexprs, **options)``, after the first call of a specialisation
-    through the compiled kernel directly: Triton's ``JITFunction.run`` binds and specialises every
-    argument on every call, ~40 us of host time a launch on the H200 machine's CPU (perf log 23).
-    The compiled kernel is looked up by ``_specialization``, which is at least as fine as Triton's
-    own key, so the kernel launched is the one Triton would pick. CPU tensors (the interpreter)
-    always take Triton's path."""
-    device = args[0].device
+def _launch_kernel(jit_fn, grid, tensors, scalars, constexprs, options):
+    """``jit_fn[grid](*tensors, *scalars, **constexprs, **options)`` (the kernel's arguments: its
+    tensors first, then its scalars), after the first call of a specialisation through the compiled
+    kernel directly: Triton's ``JITFunction.run`` binds and specialises every argument on every
+    call, ~20 us of host time a launch on the H200 machine's CPU (perf log 23). The compiled kernel
+    is looked up by ``_specialization``, which is at least as fine as Triton's own key, so the
+    kernel launched is the one Triton would pick. CPU tensors (the interpreter) always take
+    Triton's path."""
+    device = tensors[0].device
     if device.type != "cuda":
-        jit_fn[grid](*args, **constexprs, **options)
+        jit_fn[grid](*tensors, *scalars, **constexprs, **options)
         return
-    key = _specialization(jit_fn, args, constexprs, options, device.index)
+    key = _specialization(jit_fn, tensors, scalars, constexprs, options, device.index)
     compiled = _COMPILED.get(key)
     if compiled is None:
-        compiled = jit_fn[grid](*args, **constexprs, **options)
+        compiled = jit_fn[grid](*tensors, *scalars, **constexprs, **options)
         if callable(getattr(compiled, "__getitem__", None)) and hasattr(compiled, "function"):
             if len(_COMPILED) >= MAX_COMPILED:
                 _COMPILED.clear()
@@ -254,8 +270,8 @@ def _launch_kernel(jit_fn, grid, args, constexprs, options):
     stream = torch._C._cuda_getCurrentRawStream(device.index)
     if _LAUNCHER_TAKES_CONSTEXPRS[0]:
         try:
-            launch(*args, *constexprs.values(), stream=stream)
+            launch(*tensors, *scalars, *constexprs.values(), stream=stream)
             return
         except TypeError:  # the launcher counts its arguments before it launches anything
             _LAUNCHER_TAKES_CONSTEXPRS[0] = False
-    launch(*args, stream=stream)
+    launch(*tensors, *scalars, stream=stream)
