@@ -50,10 +50,11 @@ def tilelang_limitation(tensors, group: int) -> str | None:
 #: ``backend="auto"`` runs Triton on caches of at least this many bytes of K and V (capacity, not
 #: the real lengths, which stay on the device), TileLang below. Measured on the H200
 #: (docs/benchmarks.md, "How auto chooses"): from this size (cases 7, 9, 11, 12: 383-1024 MiB)
-#: Triton's split kernel takes 4-11% less GPU time and its 78-131 us of host time hides behind
-#: that GPU time. Below it (cases 1-6, 8, 10, 13, 14: up to 230 MiB) an eager call pays host time
-#: that for Triton nears or exceeds the GPU time, TileLang's being a third of it; replayed from a
-#: CUDA graph, Triton is 2-15% faster on cases 8, 10, 13 and 14 too (name it there).
+#: Triton's split kernel takes 4-11% less GPU time and its 65-91 us of host time hides behind
+#: 81-187 us of GPU work. Below it (cases 1-6, 8, 10, 13, 14: up to 230 MiB) an eager call's host
+#: time nears or exceeds its GPU time for Triton (cases 8, 10, 14: 63-65 us against 20-52 us) and
+#: TileLang's is about half of Triton's; replayed from a CUDA graph, Triton is 1-15% faster on
+#: cases 5, 8, 10, 13 and 14 too (name it there).
 AUTO_TRITON_FROM_BYTES = 256 * 1024 * 1024
 
 

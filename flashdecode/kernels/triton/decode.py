@@ -249,10 +249,10 @@ def _launch_kernel(jit_fn, grid, tensors, scalars, constexprs, options):
     """``jit_fn[grid](*tensors, *scalars, **constexprs, **options)`` (the kernel's arguments: its
     tensors first, then its scalars), after the first call of a specialisation through the compiled
     kernel directly: Triton's ``JITFunction.run`` binds and specialises every argument on every
-    call, ~20 us of host time a launch on the H200 machine's CPU (perf log 23). The compiled kernel
-    is looked up by ``_specialization``, which is at least as fine as Triton's own key, so the
-    kernel launched is the one Triton would pick. CPU tensors (the interpreter) always take
-    Triton's path."""
+    call (case 3's launch: 54 us of host time through it on the H200 machine, 24 us this way; perf
+    log 22). The compiled kernel is looked up by ``_specialization``, which is at least as fine as
+    Triton's own key, so the kernel launched is the one Triton would pick. CPU tensors (the
+    interpreter) always take Triton's path."""
     device = tensors[0].device
     if device.type != "cuda":
         jit_fn[grid](*tensors, *scalars, **constexprs, **options)
