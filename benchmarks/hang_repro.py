@@ -18,10 +18,9 @@ import time
 
 import torch
 
-from flashdecode import api, hardware
-from flashdecode.cases import CASES_BY_NUMBER, make_inputs
+import tilelang_case
+from flashdecode import api
 from flashdecode.kernels.tilelang import decode
-from flashdecode.validate import validate
 
 
 HANG_EXIT_CODE = 3
@@ -43,29 +42,21 @@ def main():
     parser.add_argument("--every", type=int, default=200)
     parser.add_argument("--timeout", type=float, default=20)
     args = parser.parse_args()
-    q, k, v, seqlens = make_inputs(CASES_BY_NUMBER[args.case], device="cuda")
-    problem, _ = validate(q, k, v, seqlens, None, 0, "tilelang", None)
-    profile = hardware.profile_for(q.device)
-    plan = api.plan_for("tilelang", problem, profile)
-    if not plan.needs_combine and args.kernels != "both":
+    call = tilelang_case.split_call(args.case)
+    if not call.plan.needs_combine and args.kernels != "both":
         sys.exit(f"case {args.case} never splits: only --kernels both applies")
-    split, combine = decode.launchers_for(problem, plan, profile)
-    out, lse = torch.empty_like(q), torch.empty((problem.batch, problem.nheads), device="cuda")
-    part_o, part_lse = api._partials(plan.programs_per_head, problem.nheads, problem.headdim, q.device)
-    scale = problem.headdim ** -0.5
+    split, combine = decode.launchers_for(call.problem, call.plan, call.profile)
     launches = {
-        "both": lambda: api.flash_decode_with_kvcache(q, k, v, seqlens, backend="tilelang"),
-        "split": lambda: split(q, k, v, seqlens, out, lse, part_o, part_lse, plan.programs_per_head,
-                               plan.forced_splits, plan.min_chunk, scale),
-        "combine": lambda: combine(seqlens, part_o, part_lse, out, lse, problem.seqlen_cache,
-                                   plan.programs_per_head, plan.forced_splits, plan.min_chunk),
+        "both": lambda: api.flash_decode_with_kvcache(call.q, call.k, call.v, call.seqlens, backend="tilelang"),
+        "split": lambda: split(*call.split_args()),
+        "combine": lambda: combine(*call.combine_args()),
     }
     if args.kernels == "combine":
         launches["split"]()  # real partials for the combine kernel to merge
     launch = launches[args.kernels]
     torch.cuda.synchronize()
     calls, start = 0, time.perf_counter()
-    print(f"case {args.case} kernels {args.kernels} plan {plan}", flush=True)
+    print(f"case {args.case} kernels {args.kernels} plan {call.plan}", flush=True)
     while time.perf_counter() - start < args.seconds:
         for _ in range(args.every):
             launch()

@@ -21,11 +21,9 @@ import threading
 
 import torch
 
-from flashdecode import api, hardware
-from flashdecode.cases import CASES_BY_NUMBER, make_inputs
+import tilelang_case
 from flashdecode.kernels.tilelang import decode
 from flashdecode.reference import reference_decode, relative_error
-from flashdecode.validate import validate
 
 HANG_EXIT_CODE = 3
 #: Injected at the top of the producer loop: warps 1-3 sleep ~1 ms in their first iteration, long
@@ -66,15 +64,9 @@ def main():
     parser.add_argument("--calls", type=int, default=200)
     parser.add_argument("--timeout", type=float, default=20)
     args = parser.parse_args()
-    q, k, v, seqlens = make_inputs(CASES_BY_NUMBER[args.case], device="cuda")
-    problem, _ = validate(q, k, v, seqlens, None, 0, "tilelang", None)
-    profile = hardware.profile_for(q.device)
-    plan = api.plan_for("tilelang", problem, profile)
-    split = build(args.variant, problem, plan, profile)
-    _, combine = decode.launchers_for(problem, plan, profile)
-    out, lse = torch.empty_like(q), torch.empty((problem.batch, problem.nheads), device="cuda")
-    part_o, part_lse = api._partials(plan.programs_per_head, problem.nheads, problem.headdim, q.device)
-    scale = problem.headdim ** -0.5
+    call = tilelang_case.split_call(args.case)
+    split = build(args.variant, call.problem, call.plan, call.profile)
+    _, combine = decode.launchers_for(call.problem, call.plan, call.profile)
 
     def watchdog(done: threading.Event):
         if not done.wait(args.timeout):
@@ -84,14 +76,12 @@ def main():
     done = threading.Event()
     threading.Thread(target=watchdog, args=(done,), daemon=True).start()
     for _ in range(args.calls):
-        split(q, k, v, seqlens, out, lse, part_o, part_lse, plan.programs_per_head, plan.forced_splits,
-              plan.min_chunk, scale)
-        combine(seqlens, part_o, part_lse, out, lse, problem.seqlen_cache, plan.programs_per_head,
-                plan.forced_splits, plan.min_chunk)
+        split(*call.split_args())
+        combine(*call.combine_args())
     torch.cuda.synchronize()
     done.set()
-    error = relative_error(out, reference_decode(q, k, v, seqlens)[0])
-    print(f"{args.variant}: {args.calls} calls ended, plan {plan}, rel. L2 error {error:.2e}", flush=True)
+    error = relative_error(call.out, reference_decode(call.q, call.k, call.v, call.seqlens)[0])
+    print(f"{args.variant}: {args.calls} calls ended, plan {call.plan}, rel. L2 error {error:.2e}", flush=True)
     raise SystemExit(0 if error < 1e-2 else 1)
 
 
