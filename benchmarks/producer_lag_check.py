@@ -51,7 +51,7 @@ def build(variant, problem, plan, profile):
         flags.append(f"-D{decode._PRODUCER_LOOP_MACRO}={decode.PRODUCER_LOOP_THREADS}")
     else:
         rewrite = inject_lag
-    with decode._cuda_postproc(rewrite):
+    with decode._cuda_postproc(rewrite, decode._SPLIT_KERNEL_NAME):
         kernel = decode._compile(func, decode._freeze(decode.device_target()), flags)
     assert "__nanosleep(50000)" in kernel.get_kernel_source()
     return decode._launcher(kernel)

@@ -123,6 +123,7 @@ def test_launchers_for_picks_the_short_cache_kernel_for_short_unsplit_caches():
 
 
 PRODUCER_SOURCE = """\
+extern "C" __global__ void decode_split_kernel() {
   if (((int)threadIdx.x) < 128) {
     tl::fence_proxy_async();
     for (int kb = blk_lo; kb < blk_hi; ++kb) {
@@ -130,8 +131,9 @@ PRODUCER_SOURCE = """\
       if (tl::tl_shuffle_elect<128>()) { tl::tma_load(K_desc, mbarrier[0], k_s, 0, kb); }
     }
   } else {
-    for (int kb_1 = blk_lo_1; kb_1 < blk_hi; ++kb_1) { mbarrier[0].wait(0); }
+    for (int kb_1 = blk_lo_1; kb_1 < blk_hi; ++kb_1) { mbarrier[0].wait(0); tl::wgmma_ss(desc_a, desc_b, s_f); }
   }
+}
 """
 
 
@@ -146,26 +148,63 @@ def test_one_warp_producer_guards_the_producer_loop_only():
     PRODUCER_SOURCE.replace("for (int kb_1", "for (int kb"),                  # two loops of kb
     PRODUCER_SOURCE.replace("if (((int)threadIdx.x) < 128) {", "if (p) {"),   # no producer branch
     PRODUCER_SOURCE.replace("tl::fence_proxy_async();", "} else {"),          # the loop is a consumer's
-], ids=["no-tma", "two-loops", "no-branch", "consumer-loop"])
+    PRODUCER_SOURCE.replace("tl::fence_proxy_async();", "} if (128 <= ((int)threadIdx.x)) {"),  # branch closed
+    PRODUCER_SOURCE.replace("tl::wgmma_ss", "tl::copy"),                      # no products in the else
+], ids=["no-tma", "two-loops", "no-branch", "consumer-loop", "closed-branch", "no-consumer"])
 def test_one_warp_producer_refuses_an_unexpected_source(source):
     """Another TileLang may emit another loop: the rewrite must fail loudly, not guard the wrong code."""
     with pytest.raises(ValueError, match="one producer TMA loop"):
         decode.one_warp_producer(source)
 
 
-def test_postproc_hook_chains_and_is_restored():
-    """The rewrite runs after a hook the user set, only while our kernels compile."""
+def test_postproc_hook_applies_to_this_threads_kernel_only_and_is_restored():
+    """The rewrite runs after a hook the user set, only on the named kernel compiled by the thread
+    inside the block (another thread compiling meanwhile gets the user's hook alone), and the
+    user's hook is back afterwards, also after an exception."""
+    import threading
+
     import tvm_ffi
 
     name = "tilelang_callback_cuda_postproc"
-    user_hook = lambda code, target: code + "// user"  # noqa: E731
-    tvm_ffi.register_global_func(name, f=user_hook, override=True)
+    hook = lambda: tvm_ffi.get_global_func(name)  # noqa: E731
+    tvm_ffi.register_global_func(name, f=lambda code, target: code + "// user", override=True)
     try:
-        with decode._cuda_postproc(lambda code: code + "// ours"):
-            assert tvm_ffi.get_global_func(name)("x", None) == "x// user// ours"
-        assert tvm_ffi.get_global_func(name)("x", None) == "x// user"
+        with decode._cuda_postproc(lambda code: code + "// ours", "kernel_a"):
+            assert hook()("kernel_a", None) == "kernel_a// user// ours"
+            assert hook()("kernel_b", None) == "kernel_b// user"
+            other = []
+            worker = threading.Thread(target=lambda: other.append(hook()("kernel_a", None)))
+            worker.start()
+            worker.join()
+            assert other == ["kernel_a// user"]
+            with decode._cuda_postproc(lambda code: code + "// inner", "kernel_a"):  # nested: no deadlock
+                assert hook()("kernel_a", None) == "kernel_a// user// inner"
+        assert hook()("kernel_a", None) == "kernel_a// user"
+        with pytest.raises(RuntimeError):
+            with decode._cuda_postproc(lambda code: code + "// ours", "kernel_a"):
+                raise RuntimeError("compile failed")
+        assert hook()("kernel_a", None) == "kernel_a// user"
     finally:
         tvm_ffi.remove_global_func(name)
-    with decode._cuda_postproc(lambda code: code):
+    with decode._cuda_postproc(lambda code: code, "kernel_a"):
         pass
     assert tvm_ffi.get_global_func(name, allow_missing=True) is None
+
+
+def test_tilelang_counts_as_available_only_with_nvcc(monkeypatch):
+    """auto takes TileLang only where its kernels can be built: TileLang compiles with the nvcc under
+    its CUDA_HOME."""
+    import sys
+
+    from flashdecode import api
+
+    tilelang_env = sys.modules["tilelang.env"]  # the module (the attribute tilelang.env is an object)
+
+    try:
+        api.tilelang_available.cache_clear()
+        assert api.tilelang_available()  # this machine builds the kernels above
+        api.tilelang_available.cache_clear()
+        monkeypatch.setattr(tilelang_env, "CUDA_HOME", "/nonexistent")
+        assert not api.tilelang_available()
+    finally:
+        api.tilelang_available.cache_clear()

@@ -100,7 +100,7 @@ _PRODUCER_LOOP_MACRO = "FLASHDECODE_PRODUCER_LOOP_THREADS"
 _PRODUCER_BRANCH = "if (((int)threadIdx.x) < 128) {"
 _PRODUCER_LOOP = "for (int kb = "
 _CUDA_POSTPROC = "tilelang_callback_cuda_postproc"
-_postproc_lock = threading.Lock()
+_SPLIT_KERNEL_NAME = "decode_split_kernel"
 
 
 def one_warp_producer(code: str) -> str:
@@ -112,37 +112,82 @@ def one_warp_producer(code: str) -> str:
     of a barrier behind sees the parity it waits for again and spins forever: the program never
     ends and the GPU hangs (perf log 16, 18).  Guarding the loop with ``threadIdx.x <
     FLASHDECODE_PRODUCER_LOOP_THREADS`` (defined by the compile flags) lets warps 1-3 finish at
-    once, as CUTLASS and FlashAttention-3 do with their producer warps.  Raises ValueError when
-    the source does not have the one producer loop this expects (another TileLang version).
+    once, as CUTLASS and FlashAttention-3 do with their producer warps.  Raises ValueError unless
+    the source has exactly one producer loop with TMA loads directly inside an open
+    ``threadIdx.x < 128`` branch whose ``else`` is the consumer (matrix products): another TileLang
+    may lay the kernel out otherwise, and the guard must never land on other code.
     """
     loop = code.find(_PRODUCER_LOOP)
     branch = code.rfind(_PRODUCER_BRANCH, 0, loop)
-    if (loop < 0 or code.count(_PRODUCER_LOOP) != 1 or branch < 0 or "} else {" in code[branch:loop]
-            or "tma_load" not in code[loop:code.find("} else {", loop)]):
+    consumer = code.find("} else {", loop)
+    if not (loop >= 0 and code.count(_PRODUCER_LOOP) == 1 and branch >= 0 and consumer >= 0
+            and _braces_open(code[branch:loop]) == 1 and "tma_load" in code[loop:consumer]
+            and ("wgmma" in code[consumer:] or "mma_sync" in code[consumer:])):
         raise ValueError("the split kernel's source does not have the one producer TMA loop expected "
                          "(TileLang other than 0.1.15?): cannot restrict it to one warp")
     guard = f"if (((int)threadIdx.x) < {_PRODUCER_LOOP_MACRO}) "
     return code[:loop] + guard + code[loop:]
 
 
+def _braces_open(text: str) -> int:
+    """Braces opened and not closed in ``text``; -1 once more have closed than opened, or once the
+    first opened block has closed (the code after it is outside)."""
+    depth = 0
+    for char in text:
+        if char == "{":
+            depth += 1
+        elif char == "}":
+            depth -= 1
+            if depth <= 0:
+                return -1
+    return depth
+
+
+_postproc_lock = threading.RLock()
+_postproc_installed = {"users": 0, "previous": None}  # guarded by _postproc_lock
+_thread_rewrites = threading.local()  # .active: this thread's (rewrite, kernel name), innermost last
+
+
+def _dispatch_postproc(code, target):
+    """TileLang's CUDA post-processing hook while one of our compiles runs: the hook set before,
+    then the rewrite of the innermost ``_cuda_postproc`` block of the compiling thread, if the
+    source is that block's kernel. TileLang calls the hook on the compiling thread, so another
+    thread's compile (ours or the user's) only gets the hook set before."""
+    previous = _postproc_installed["previous"]
+    code = previous(code, target) if previous is not None else code
+    active = getattr(_thread_rewrites, "active", None)
+    if active and active[-1][1] in code:
+        code = active[-1][0](code)
+    return code
+
+
 @contextlib.contextmanager
-def _cuda_postproc(rewrite):
-    """TileLang's CUDA post-processing hook set to ``rewrite`` (after any hook already set) for
-    the compiles inside the block, then restored."""
+def _cuda_postproc(rewrite, kernel_name: str):
+    """Within the block, this thread's TileLang compiles of the kernel whose CUDA source names
+    ``kernel_name`` are post-processed by ``rewrite`` (after any hook already set); the hook is set
+    while any thread is inside such a block and restored after the last leaves (a hook another
+    thread registers meanwhile is then replaced by the one from before)."""
+    active = getattr(_thread_rewrites, "active", None)
+    if active is None:
+        active = _thread_rewrites.active = []
     with _postproc_lock:
-        previous = tvm_ffi.get_global_func(_CUDA_POSTPROC, allow_missing=True)
-
-        def postproc(code, target):
-            return rewrite(previous(code, target) if previous is not None else code)
-
-        tvm_ffi.register_global_func(_CUDA_POSTPROC, f=postproc, override=True)
-        try:
-            yield
-        finally:
-            if previous is not None:
-                tvm_ffi.register_global_func(_CUDA_POSTPROC, f=previous, override=True)
-            else:
-                tvm_ffi.remove_global_func(_CUDA_POSTPROC)
+        if _postproc_installed["users"] == 0:
+            _postproc_installed["previous"] = tvm_ffi.get_global_func(_CUDA_POSTPROC, allow_missing=True)
+            tvm_ffi.register_global_func(_CUDA_POSTPROC, f=_dispatch_postproc, override=True)
+        _postproc_installed["users"] += 1
+    active.append((rewrite, kernel_name))
+    try:
+        yield
+    finally:
+        active.pop()
+        with _postproc_lock:
+            _postproc_installed["users"] -= 1
+            if _postproc_installed["users"] == 0:
+                previous, _postproc_installed["previous"] = _postproc_installed["previous"], None
+                if previous is not None:
+                    tvm_ffi.register_global_func(_CUDA_POSTPROC, f=previous, override=True)
+                else:
+                    tvm_ffi.remove_global_func(_CUDA_POSTPROC)
 
 
 #: Most split programs ptxas is asked to fit on one SM (``__launch_bounds__``).
@@ -182,7 +227,7 @@ def resident_programs(head_dim, block_n, rows, num_stages, registers_per_sm, sha
 
 
 def short_cache_resident_programs(head_dim, block_n, rows, registers_per_sm, shared_memory_per_sm):
-    """Single-tile programs (one warpgroup; q, K and V tiles, P for tiles under 64 rows) that fit on
+    """Short-cache programs (one warpgroup; q, K and V tiles, P for tiles under 64 rows) that fit on
     one SM at once."""
     shared = (rows + 2 * block_n) * head_dim * 2 + (rows * block_n * 2 if rows < 64 else 0) + 1024
     return _programs_that_fit(_consumer_registers(head_dim, block_n, rows), CONSUMER_THREADS, shared,
@@ -337,7 +382,7 @@ def build_split_kernel(dtype: str, head_dim: int, group: int, kv_heads: int, blo
 def _split_kernel(dtype, D, G, Hk, block_n, num_stages, can_split, blocks_per_sm, q_rows, target):
     # The macro is the guard's bound, and as a compile flag it is part of TileLang's cache key, so a
     # kernel built without the rewrite is never loaded from the cache for this one.
-    with _cuda_postproc(one_warp_producer):
+    with _cuda_postproc(one_warp_producer, _SPLIT_KERNEL_NAME):
         kernel = _compile(split_kernel_func(dtype, D, G, Hk, block_n, num_stages, can_split, blocks_per_sm, q_rows),
                           target, [f"-D{_PRODUCER_LOOP_MACRO}={PRODUCER_LOOP_THREADS}"])
     if _PRODUCER_LOOP_MACRO not in kernel.get_kernel_source():
@@ -460,7 +505,8 @@ def build_short_cache_kernel(dtype: str, head_dim: int, group: int, kv_heads: in
     schedule, it is a short chain of memory round trips and fits 4 programs per SM; tiny caches are
     latency-bound, and a few tiles still beat the pipeline (perf log 21). ``one_tile``: the cache
     is at most one tile (``seqlen_cache <= block_n``), so the kernel has no loop, which measured
-    ~0.5 us faster on cases 1-3 than the loop running once.
+    ~0.5 us faster on cases 1-3 than the loop running once; only for such caches (it reads one
+    tile whatever the capacity).
 
     ``blocks_per_sm``: the occupancy ptxas must allow (``short_cache_resident_programs``).
     Call: (q, k_cache, v_cache, cache_seqlens, out, lse, softmax_scale).
