@@ -4,6 +4,7 @@ from __future__ import annotations
 import functools
 import importlib.util
 import math
+import os
 import threading
 
 import torch
@@ -15,14 +16,18 @@ from .validate import validate
 
 @functools.lru_cache(maxsize=None)
 def tilelang_available() -> bool:
-    """Whether the TileLang backend can be imported (TileLang is an optional extra)."""
+    """Whether the TileLang backend can be imported (TileLang is an optional extra) and can build
+    kernels: its first call of each specialisation compiles with nvcc, which TileLang looks for
+    under its CUDA_HOME. ``auto`` takes TileLang only then."""
     if importlib.util.find_spec("tilelang") is None:
         return False
     try:
+        from tilelang.env import CUDA_HOME
+
         from .kernels import tilelang as _  # noqa: F401
     except ImportError:
         return False
-    return True
+    return bool(CUDA_HOME) and os.path.exists(os.path.join(CUDA_HOME, "bin", "nvcc"))
 
 
 #: The largest GQA group TileLang's kernel takes (its q tile has 64 rows).
@@ -205,34 +210,59 @@ def _lse_sink(device: torch.device, batch: int, nheads: int) -> torch.Tensor:
 
 
 def _partials(rows: int, nheads: int, headdim: int, device: torch.device):
-    """part_o (rows, nheads, headdim) and part_lse (rows, nheads), float32, as two views of one
-    allocation (a view costs ~1 us of host time, an allocation 2-5 us); part_lse starts
-    rows * nheads * headdim floats in, a multiple of 16 bytes (headdim is), as the kernels need."""
+    """part_o (rows, nheads, headdim) and part_lse (rows, nheads), float32, as two views of one new
+    allocation (``_partial_views``)."""
+    buffer = torch.empty(rows * nheads * (headdim + 1), dtype=torch.float32, device=device)
+    return _partial_views(buffer, rows, nheads, headdim)
+
+
+def _partial_views(buffer: torch.Tensor, rows: int, nheads: int, headdim: int):
+    """part_o and part_lse at the start of ``buffer`` (a view costs ~1 us of host time, an
+    allocation 2-5 us); part_lse starts rows * nheads * headdim floats in, a multiple of 16 bytes
+    (headdim is), as the kernels need."""
     body = rows * nheads * headdim
-    workspace = torch.empty(body + rows * nheads, dtype=torch.float32, device=device)
-    return (workspace.as_strided((rows, nheads, headdim), (nheads * headdim, headdim, 1)),
-            workspace.as_strided((rows, nheads), (nheads, 1), body))
+    return (buffer.as_strided((rows, nheads, headdim), (nheads * headdim, headdim, 1)),
+            buffer.as_strided((rows, nheads), (nheads, 1), body))
 
 
 def _workspace(rows: int, nheads: int, headdim: int, device: torch.device):
-    """The partials of one split call (``_partials``). Eager calls reuse one workspace per (device,
-    stream, host thread, shape): one thread's calls on one stream launch in order (split, combine,
-    split, combine), so a call's split kernel writes it only after the previous call's combine
-    kernel has read it, and reuse saves an allocation and two views, a few us of host time a
-    call (perf log 19). Two threads sharing a stream get separate workspaces, since
-    their launches may interleave. While a CUDA graph is being captured it is fresh: the graph owns
-    it and may replay on any stream."""
+    """The partials of one split call. Eager calls share one buffer per (device, stream, host
+    thread): one thread's calls on one stream launch split, combine, split, combine in order, so a
+    call's split kernel writes it only after the previous call's combine kernel has read it, and
+    reuse saves an allocation and two views, a few us of host time a call (perf log 19). Two threads
+    sharing a stream get separate buffers, since their launches may interleave. While a CUDA graph
+    is being captured the partials are fresh: the graph owns them and may replay on any stream."""
     if device.type != "cuda" or torch.cuda.is_current_stream_capturing():
         return _partials(rows, nheads, headdim, device)
     stream = torch._C._cuda_getCurrentRawStream(device.index)
-    return _reused_partials(rows, nheads, headdim, device, stream, threading.get_ident())
+    return _stream_workspace(device, stream, threading.get_ident()).partials(rows, nheads, headdim)
 
 
-@functools.lru_cache(maxsize=64)
-def _reused_partials(rows, nheads, headdim, device, stream, thread):
-    # Evicting one only drops the reference: the caching allocator hands its memory out again on
-    # the same stream only, after the kernels queued on it.
-    return _partials(rows, nheads, headdim, device)
+class _StreamWorkspace:
+    """A float32 buffer grown to the largest partials asked of it (at least doubling, so it holds
+    under twice the largest), and the views cut from it for each shape. Used by one host thread."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.buffer = torch.empty(0, dtype=torch.float32, device=device)
+        self.views: dict = {}
+
+    def partials(self, rows: int, nheads: int, headdim: int):
+        views = self.views.get((rows, nheads, headdim))
+        if views is None:
+            need = rows * nheads * (headdim + 1)
+            if self.buffer.numel() < need:
+                # The old buffer's memory goes back to the caching allocator, which hands it out
+                # again on this stream only, after the kernels queued on it.
+                self.buffer = torch.empty(max(need, 2 * self.buffer.numel()), dtype=torch.float32, device=self.device)
+                self.views.clear()
+            views = self.views[(rows, nheads, headdim)] = _partial_views(self.buffer, rows, nheads, headdim)
+        return views
+
+
+@functools.lru_cache(maxsize=16)
+def _stream_workspace(device: torch.device, stream: int, thread: int) -> _StreamWorkspace:
+    return _StreamWorkspace(device)
 
 
 def run_kernels(backend, plan, problem, q, k_cache, v_cache, seqlens, softmax_scale, out=None, return_lse=True):

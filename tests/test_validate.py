@@ -238,33 +238,39 @@ def test_partials_are_disjoint_aligned_views_of_one_allocation():
 
 
 def test_eager_workspace_is_reused_per_stream_and_thread_fresh_under_capture(monkeypatch):
-    """api._workspace: one workspace per (device, stream, thread, shape) for eager CUDA calls, so a
-    call's split kernel never writes partials another thread's queued combine kernel still reads;
-    a fresh one while a graph is captured (the graph owns it) and on CPU."""
+    """api._workspace: one buffer per (device, stream, thread) for eager CUDA calls, so a call's
+    split kernel never writes partials another thread's queued combine kernel still reads, grown to
+    the largest shape asked and cut into views per shape; fresh partials while a graph is captured
+    (the graph owns them) and on CPU. CPU tensors stand in for the device's."""
     import threading
 
     from flashdecode import api
 
-    made = []
-    monkeypatch.setattr(api, "_partials", lambda *shape: made.append(shape) or object())
     monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda index: streams[-1], raising=False)
     capturing = [False]
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing[0])
-    api._reused_partials.cache_clear()
+    real_workspace = api._StreamWorkspace
+    monkeypatch.setattr(api, "_StreamWorkspace", lambda device: real_workspace(torch.device("cpu")))
+    api._stream_workspace.cache_clear()
     cuda = torch.device("cuda", 0)
     streams = [11]
     first = api._workspace(5, 8, 64, cuda)
     assert api._workspace(5, 8, 64, cuda) is first                    # same stream, thread, shape
-    assert api._workspace(6, 8, 64, cuda) is not first                # another shape
+    smaller = api._workspace(2, 8, 64, cuda)                          # another shape: same buffer
+    assert smaller[0].data_ptr() == first[0].data_ptr() and smaller[0].shape == (2, 8, 64)
+    larger = api._workspace(50, 8, 64, cuda)                          # grows: a new buffer
+    assert larger[0].shape == (50, 8, 64) and larger[1].data_ptr() == larger[0].data_ptr() + 50 * 8 * 64 * 4
+    assert api._workspace(5, 8, 64, cuda)[0].data_ptr() == larger[0].data_ptr()  # views cut again
     streams.append(12)
-    assert api._workspace(5, 8, 64, cuda) is not first                # another stream
+    assert api._workspace(5, 8, 64, cuda)[0].data_ptr() != larger[0].data_ptr()  # another stream
     streams.append(11)
     other_thread = []
     worker = threading.Thread(target=lambda: other_thread.append(api._workspace(5, 8, 64, cuda)))
     worker.start()
     worker.join()
-    assert other_thread[0] is not first                               # another thread, same stream
+    assert other_thread[0][0].data_ptr() != larger[0].data_ptr()     # another thread, same stream
     capturing[0] = True
+    monkeypatch.setattr(api, "_partials", lambda *shape: object())
     assert api._workspace(5, 8, 64, cuda) is not api._workspace(5, 8, 64, cuda)   # capture: fresh
     assert api._workspace(5, 8, 64, torch.device("cpu")) is not api._workspace(5, 8, 64, torch.device("cpu"))
-    api._reused_partials.cache_clear()
+    api._stream_workspace.cache_clear()

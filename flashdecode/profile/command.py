@@ -42,7 +42,8 @@ def run(args: argparse.Namespace) -> int:
         parser.error("--backend tilelang needs a CUDA device and this machine has none; "
                      "leave --backend out for the plan-only report")
     if cuda and args.backend == "tilelang" and not api.tilelang_available():
-        parser.error("backend 'tilelang' cannot run here: flashdecode.kernels.tilelang does not import")
+        parser.error("backend 'tilelang' cannot run here: flashdecode.kernels.tilelang does not import "
+                     "or TileLang finds no nvcc")
     backend = args.backend or (api.resolve_backend("auto", torch.device("cuda")) if cuda else None)
     out = args.out or pathlib.Path("profiles") / f"{shape.label}-{backend or 'plan'}"
     report = measure(shape, backend, out, args.ncu) if cuda else plan_only(shape, backend)
