@@ -10,6 +10,8 @@ by O(1/length) or more of a unit-variance signal, far beyond 5e-3 on these short
 LSE by more than its 2e-3 tolerance.
 """
 
+import os
+
 import pytest
 import torch
 
@@ -133,29 +135,32 @@ def test_out_without_lse_matches_out_with_it(num_splits):
 def test_specialization_key_is_as_fine_as_tritons():
     """The direct launch path reuses a compiled kernel only for calls Triton would give the same one:
     same dtypes, 16-byte alignment, constexprs and values of the specialised ints; the ints marked
-    do_not_specialize (batch, lengths' schedule) may change freely."""
+    do_not_specialize (batch, lengths' schedule) may change within their 32-bit type."""
     from flashdecode.kernels.triton import decode
 
     q = torch.zeros(64, dtype=torch.float16)
 
-    class Kernel:  # signature (Q, K, batch, nheads)
-        arg_names = ["Q", "K", "batch", "nheads"]
+    class Kernel:  # signature (Q, K, batch, nheads, B: constexpr)
+        arg_names = ["Q", "K", "batch", "nheads", "B"]
         do_not_specialize = ["batch"]
 
     def key(tensors, scalars, **constexprs):
         return decode._specialization(Kernel, tensors, scalars, constexprs or {"B": 16}, {"num_warps": 4}, 0)
 
     assert key((q, q), (3, 5)) == key((q, torch.zeros(8, dtype=torch.float16)), (7, 5))  # other batch, tensor
+    assert key((q, q), (3, 5)) != key((q, q), (2**31, 5))                                # batch now 64-bit
     assert key((q, q), (3, 5)) != key((q, q[1:]), (3, 5))                                # misaligned by 2 bytes
     assert key((q, q), (3, 5)) != key((q, q.float()), (3, 5))                            # another dtype
     assert key((q, q), (3, 5)) != key((q, q), (3, 6))                                    # a specialised int
     assert key((q, q), (3, 5)) != key((q, q), (3, 5), B=32)                              # a constexpr
+    with pytest.raises(TypeError, match="not its last parameters"):                      # passed by position
+        key((q, q), (3, 5), C=1)
 
 
 def test_direct_launch_path(monkeypatch):
     """First call of a specialisation through Triton, later ones through the compiled kernel with a
-    3-d grid, the constexprs appended and the current stream; a launcher that refuses the constexprs
-    (older Triton) is called without them from then on."""
+    3-d grid, the constexprs appended in signature order and the current stream; the interpreter's
+    kernels and CPU tensors always go through Triton."""
     from flashdecode.kernels.triton import decode
 
     calls = []
@@ -164,15 +169,14 @@ def test_direct_launch_path(monkeypatch):
         function = object()
 
         def __getitem__(self, grid):
-            def launch(*args, stream):
-                calls.append(("direct", grid, args, stream))
-                if refuse_constexprs and len(args) > 2:
-                    raise TypeError("launcher takes 2 arguments")
-            return launch
+            return lambda *args, stream: calls.append(("direct", grid, args, stream))
 
-    class Kernel:
+    class Kernel(decode.JITFunction):  # only what the direct path reads of a JITFunction
         arg_names = ["X", "n", "C"]
         do_not_specialize = []
+
+        def __init__(self):
+            pass
 
         def __getitem__(self, grid):
             return lambda *args, **kwargs: calls.append(("triton", grid, args, kwargs)) or Compiled()
@@ -184,17 +188,17 @@ def test_direct_launch_path(monkeypatch):
         def data_ptr(self):
             return 256
 
-    refuse_constexprs = False
     monkeypatch.setattr(decode, "_COMPILED", {})
-    monkeypatch.setattr(decode, "_LAUNCHER_TAKES_CONSTEXPRS", [True])
+    monkeypatch.setattr(decode, "_SIGNATURES", {})
+    monkeypatch.setattr(decode, "_DIRECT_LAUNCH", True)
     monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda index: 77, raising=False)
     x, kernel = CudaTensor(), Kernel()
     decode._launch_kernel(kernel, (4, 2), (x,), (9,), {"C": 16}, {"num_warps": 4})
     decode._launch_kernel(kernel, (4, 2), (x,), (9,), {"C": 16}, {"num_warps": 4})
     assert calls == [("triton", (4, 2), (x, 9), {"C": 16, "num_warps": 4}), ("direct", (4, 2, 1), (x, 9, 16), 77)]
-    refuse_constexprs = True
     calls.clear()
+    monkeypatch.setattr(decode, "_DIRECT_LAUNCH", False)  # Triton older than DIRECT_LAUNCH_FROM_TRITON
     decode._launch_kernel(kernel, (4, 2), (x,), (9,), {"C": 16}, {"num_warps": 4})
-    decode._launch_kernel(kernel, (4, 2), (x,), (9,), {"C": 16}, {"num_warps": 4})
-    assert [c[2] for c in calls] == [(x, 9, 16), (x, 9), (x, 9)]
-    assert decode._LAUNCHER_TAKES_CONSTEXPRS == [False]
+    assert [c[0] for c in calls] == ["triton"]
+    if os.environ.get("TRITON_INTERPRET") == "1":  # the interpreter's kernels: Triton's path, CUDA tensors too
+        assert not isinstance(decode._split_kernel, decode.JITFunction)

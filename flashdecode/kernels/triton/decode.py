@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import contextlib
 import math
+import re
 
 import torch
 import triton
 import triton.language as tl
+from triton.runtime.jit import JITFunction
 
 LN2 = tl.constexpr(math.log(2.0))
 LOG2E = 1.0 / math.log(2.0)
@@ -212,35 +214,42 @@ def _launch(plan, problem, q, k_cache, v_cache, seqlens, out, lse, part_o, part_
 #: emptied when it holds MAX_COMPILED (each new capacity or batch power of two adds one).
 _COMPILED: dict = {}
 MAX_COMPILED = 4096
-#: Whether a compiled kernel's launcher takes the constexpr values after the other arguments
-#: (Triton >= 3.3) or not (older); found on the first direct launch.
-_LAUNCHER_TAKES_CONSTEXPRS = [True]
+#: Triton versions whose ``JITFunction.run`` hands the compiled kernel's launcher every bound
+#: argument, constexprs included, in signature order (read in 3.6, run on the H200, and 3.9): the
+#: direct path passes them the same way, and older Triton keeps its own path.
+DIRECT_LAUNCH_FROM_TRITON = (3, 6)
+_DIRECT_LAUNCH = tuple(map(int, re.match(r"(\d+)\.(\d+)", triton.__version__).groups())) >= DIRECT_LAUNCH_FROM_TRITON
+_SIGNATURES: dict = {}  # (id of a module-level kernel, tensor count, constexpr names) -> unspecialised flags
 
 
-_UNSPECIALIZED: dict = {}  # (id of a module-level kernel, tensor count) -> _unspecialized's answer
-
-
-def _unspecialized(jit_fn, tensor_count: int) -> tuple:
-    """Whether each scalar argument (those after the first ``tensor_count``) is do_not_specialize.
-    Keyed by id: hashing a JITFunction costs ~0.5 us, and the kernels live as long as the module."""
-    key = (id(jit_fn), tensor_count)
-    flags = _UNSPECIALIZED.get(key)
+def _unspecialized(jit_fn, tensor_count: int, constexpr_names: tuple) -> tuple:
+    """Whether each scalar argument (those after the first ``tensor_count``) is do_not_specialize,
+    checked once per kernel: the constexprs must be its last parameters, in this order, since the
+    direct path passes them by position. Keyed by id: hashing a JITFunction costs ~0.5 us, and the
+    kernels live as long as the module."""
+    key = (id(jit_fn), tensor_count, constexpr_names)
+    flags = _SIGNATURES.get(key)
     if flags is None:
+        names = jit_fn.arg_names
+        if tuple(names[len(names) - len(constexpr_names):]) != constexpr_names:
+            raise TypeError(f"{jit_fn.__name__}: constexprs {constexpr_names} are not its last parameters")
         skip = jit_fn.do_not_specialize
-        flags = _UNSPECIALIZED[key] = tuple(i in skip or name in skip for i, name in enumerate(jit_fn.arg_names)
-                                            if i >= tensor_count)
+        flags = _SIGNATURES[key] = tuple(i in skip or name in skip for i, name in enumerate(names)
+                                         if tensor_count <= i < len(names) - len(constexpr_names))
     return flags
 
 
 def _specialization(jit_fn, tensors, scalars, constexprs, options, device_index):
     """Everything Triton's choice of compiled kernel depends on, at least as finely as Triton's own
     key: the kernel, device, constexprs and options, every tensor's dtype and 16-byte alignment,
-    and the exact value of every scalar argument except those marked do_not_specialize (floats
-    included, though Triton does not specialize them)."""
+    the exact value of every scalar argument (floats included, though Triton does not specialize
+    them), except that of the ints marked do_not_specialize, whose 32- or 64-bit type Triton still
+    tells apart. Triton's runtime knobs (debug, instrumentation) are taken as fixed for the process."""
     alignment = 0
     for tensor in tensors:
         alignment = alignment << 1 | (tensor.data_ptr() % 16 == 0)
-    values = tuple(None if skip else value for skip, value in zip(_unspecialized(jit_fn, len(tensors)), scalars))
+    flags = _unspecialized(jit_fn, len(tensors), tuple(constexprs))
+    values = tuple(-2**31 <= value < 2**31 if skip else value for skip, value in zip(flags, scalars))
     return (id(jit_fn), device_index, tuple(t.dtype for t in tensors), alignment, values, tuple(constexprs.values()),
             tuple(options.items()))
 
@@ -251,10 +260,12 @@ def _launch_kernel(jit_fn, grid, tensors, scalars, constexprs, options):
     kernel directly: Triton's ``JITFunction.run`` binds and specialises every argument on every
     call (case 3's launch: 54 us of host time through it on the H200 machine, 24 us this way; perf
     log 22). The compiled kernel is looked up by ``_specialization``, which is at least as fine as
-    Triton's own key, so the kernel launched is the one Triton would pick. CPU tensors (the
-    interpreter) always take Triton's path."""
+    Triton's own key, so the kernel launched is the one Triton would pick. Triton's path stays for
+    CPU tensors, the interpreter (``TRITON_INTERPRET=1``, whatever the tensors) and Triton older
+    than DIRECT_LAUNCH_FROM_TRITON. Our kernels have no pre-run hooks and no mutable globals, the
+    two things ``JITFunction.run`` checks that this path does not."""
     device = tensors[0].device
-    if device.type != "cuda":
+    if device.type != "cuda" or not _DIRECT_LAUNCH or not isinstance(jit_fn, JITFunction):
         jit_fn[grid](*tensors, *scalars, **constexprs, **options)
         return
     key = _specialization(jit_fn, tensors, scalars, constexprs, options, device.index)
@@ -267,11 +278,4 @@ def _launch_kernel(jit_fn, grid, tensors, scalars, constexprs, options):
             _COMPILED[key] = compiled
         return
     launch = compiled[tuple(grid) + (1,) * (3 - len(grid))]  # the compiled kernel takes 3 dimensions
-    stream = torch._C._cuda_getCurrentRawStream(device.index)
-    if _LAUNCHER_TAKES_CONSTEXPRS[0]:
-        try:
-            launch(*tensors, *scalars, *constexprs.values(), stream=stream)
-            return
-        except TypeError:  # the launcher counts its arguments before it launches anything
-            _LAUNCHER_TAKES_CONSTEXPRS[0] = False
-    launch(*tensors, *scalars, stream=stream)
+    launch(*tensors, *scalars, *constexprs.values(), stream=torch._C._cuda_getCurrentRawStream(device.index))
