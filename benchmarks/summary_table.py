@@ -4,12 +4,16 @@ Prints the markdown table (medians / graph times, FA2 from the anchor file, Tile
 the figures the text quotes: wins against FA2 and geometric means, for TileLang alone and for the
 faster of our two backends, on medians and on GPU (graph) time.
 
-Usage: python benchmarks/summary_table.py docs/benchmarks.json [--tileops ../shared/anchors/h200-tileops.json]
+Usage: python benchmarks/summary_table.py docs/benchmarks.json
 """
 import argparse
 import json
 import math
 import pathlib
+
+from flashdecode.bench.runner import ANCHOR_PATH
+
+TILEOPS_PATH = ANCHOR_PATH.with_name("h200-tileops.json")  # the packaged copy of the TileOPs anchor
 
 OURS = ("tilelang", "triton")
 
@@ -25,15 +29,11 @@ def cell(result, key="median_us"):
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("run", type=pathlib.Path)
-    parser.add_argument("--tileops", type=pathlib.Path,
-                        default=pathlib.Path(__file__).resolve().parents[2] / "shared/anchors/h200-tileops.json")
     args = parser.parse_args()
     run = json.loads(args.run.read_text())
-    peers = json.loads((pathlib.Path(__file__).resolve().parents[1] / "flashdecode/data/h200-peers.json").read_text())
-    fa2_graph = {c["case"]: c["fa2"]["graph_us"] for c in peers["cases"]}
-    tileops = ({c["case"]: c["gpu_us"] for c in json.loads(args.tileops.read_text())["cases"]}
-               if args.tileops.exists() else {})
-    ceiling = run["ceiling"]["gbps"] if isinstance(run["ceiling"], dict) else run["ceiling"]
+    fa2_graph = {c["case"]: c["fa2"]["graph_us"] for c in json.loads(ANCHOR_PATH.read_text())["cases"]}
+    tileops = {c["case"]: c["gpu_us"] for c in json.loads(TILEOPS_PATH.read_text())["cases"]}
+    ceiling = run["ceiling"]["gbps"]
     print("| case | batch, seqlen_cache, Hk, G | FA2 (file) | TileLang | Triton | best ×FA2 | TileLang ×FA2 "
           "| of ceiling | SDPA | flex | TileOPs GPU |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")

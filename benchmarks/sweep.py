@@ -16,6 +16,7 @@ import json
 import torch
 
 from flashdecode import flash_decode_with_kvcache, planner
+from flashdecode.bench.runner import ANCHOR_PATH
 from flashdecode.bench.timing import Timer
 from flashdecode.cases import CASES, bytes_read, make_inputs
 from flashdecode.kernels.tilelang import decode as tilelang_decode
@@ -35,7 +36,7 @@ def main():
     parser.add_argument("--log", default=None)
     args = parser.parse_args()
     numbers = [int(c) for c in args.cases.split(",")] if args.cases else [c.number for c in CASES]
-    fa2 = {c["case"]: c["fa2"]["median_us"] for c in json.load(open("flashdecode/data/h200-peers.json"))["cases"]}
+    fa2 = {c["case"]: c["fa2"]["median_us"] for c in json.loads(ANCHOR_PATH.read_text())["cases"]}
     rows, best = [], {}
     first_tilelang_knobs = tuple(int(arg.split(",")[0]) for arg in (args.tl_stages, args.tl_rows,
                                                                      args.tl_short_max_blocks))

@@ -238,6 +238,10 @@ def _workspace(rows: int, nheads: int, headdim: int, device: torch.device):
     return _stream_workspace(device, stream, threading.get_ident()).partials(rows, nheads, headdim)
 
 
+#: Shapes whose views a workspace keeps (each new batch size is one); past it they are cut again.
+MAX_WORKSPACE_SHAPES = 256
+
+
 class _StreamWorkspace:
     """A float32 buffer grown to the largest partials asked of it (at least doubling, so it holds
     under twice the largest), and the views cut from it for each shape. Used by one host thread."""
@@ -255,6 +259,8 @@ class _StreamWorkspace:
                 # The old buffer's memory goes back to the caching allocator, which hands it out
                 # again on this stream only, after the kernels queued on it.
                 self.buffer = torch.empty(max(need, 2 * self.buffer.numel()), dtype=torch.float32, device=self.device)
+                self.views.clear()
+            if len(self.views) >= MAX_WORKSPACE_SHAPES:
                 self.views.clear()
             views = self.views[(rows, nheads, headdim)] = _partial_views(self.buffer, rows, nheads, headdim)
         return views

@@ -344,6 +344,26 @@ def _attend_macro(rows, block_n, head_dim, policy):
     return attend
 
 
+def _load_macros(rows, block_n, head_dim, group, dtype):
+    """The loads both the split and the short-cache kernel make with all their threads: the q tile
+    (the G query heads of KV head h, zero rows below it) and a K/V tile of which only the rows
+    before ``seqlen`` are read (the others are zero: p = 0 there, and 0 * a stale NaN past the end
+    would be NaN)."""
+
+    @T.macro
+    def load_q(Q, q_s, b, h):
+        for i, d in T.Parallel(rows, head_dim):
+            q_s[i, d] = T.if_then_else(i < group, Q[b, 0, h * group + i, d], T.cast(0, dtype))
+
+    @T.macro
+    def load_tile(K, V, k_s, v_s, b, h, base, seqlen):
+        for j, d in T.Parallel(block_n, head_dim):
+            k_s[j, d] = T.if_then_else(base + j < seqlen, K[b, base + j, h, d], T.cast(0, dtype))
+            v_s[j, d] = T.if_then_else(base + j < seqlen, V[b, base + j, h, d], T.cast(0, dtype))
+
+    return load_q, load_tile
+
+
 def _write_out_macro(rows, head_dim, group, dtype):
     """Writes a finished sequence's ``out`` and ``lse`` (natural log) for the G heads of KV head h:
     0 and -inf for no tokens, NaN rows for a length outside [0, capacity] (``bad``)."""
@@ -404,6 +424,7 @@ def split_kernel_func(dtype, D, G, Hk, block_n, num_stages, can_split, blocks_pe
     softmax_state = _softmax_state_macro(rows, block_n, D, dtype)
     attend = _attend_macro(rows, block_n, D, policy)
     write_out = _write_out_macro(rows, D, G, dtype)
+    load_q, load_tile = _load_macros(rows, block_n, D, G, dtype)
 
     @T.prim_func
     def decode_split(
@@ -459,8 +480,7 @@ def split_kernel_func(dtype, D, G, Hk, block_n, num_stages, can_split, blocks_pe
             full_hi = T.min(blk_hi, seqlen // block_n)  # blocks before it hold only valid tokens
             scale = softmax_scale * _LOG2E
 
-            for i, d in T.Parallel(rows, D):
-                q_s[i, d] = T.if_then_else(i < G, Q[b, 0, h * G + i, d], T.cast(0, dtype))
+            load_q(Q, q_s, b, h)
             T.fill(o_f, 0)
             T.fill(l_f, 0)
             T.fill(m_f, -T.infinity(f32))
@@ -470,13 +490,9 @@ def split_kernel_func(dtype, D, G, Hk, block_n, num_stages, can_split, blocks_pe
                 T.copy(V[b, kb * block_n:(kb + 1) * block_n, h, :], v_s)
                 attend(q_s, k_s, v_s, s_f, p_f, o_f, m_f, l_f, m_prev, alpha, rsum, scale, block_n)
 
-            if full_hi < blk_hi:  # the sequence's last block, partially filled
+            if full_hi < blk_hi:  # the sequence's last block, partially filled: only its valid rows
                 base = full_hi * block_n
-                # Only the valid rows are read; the others are zero (p = 0 there, and 0 * a stale
-                # NaN past the end would be NaN).
-                for j, d in T.Parallel(block_n, D):
-                    k_tail[j, d] = T.if_then_else(base + j < seqlen, K[b, base + j, h, d], T.cast(0, dtype))
-                    v_tail[j, d] = T.if_then_else(base + j < seqlen, V[b, base + j, h, d], T.cast(0, dtype))
+                load_tile(K, V, k_tail, v_tail, b, h, base, seqlen)
                 attend(q_s, k_tail, v_tail, s_f, p_f, o_f, m_f, l_f, m_prev, alpha, rsum, scale,
                        seqlen - base)
 
@@ -524,14 +540,9 @@ def _short_cache_kernel(dtype, D, G, Hk, block_n, blocks_per_sm, rows, one_tile,
     softmax_state = _softmax_state_macro(rows, block_n, D, dtype)
     attend = _attend_macro(rows, block_n, D, policy)
     write_out = _write_out_macro(rows, D, G, dtype)
+    load_q, load_tile = _load_macros(rows, block_n, D, G, dtype)
     B, S = T.dynamic("batch, capacity")
     f32 = T.float32
-
-    @T.macro
-    def load_tile(K, V, k_s, v_s, b, h, base, seqlen):
-        for j, d in T.Parallel(block_n, D):  # rows past the length are zero: 0 * stale NaN is NaN
-            k_s[j, d] = T.if_then_else(base + j < seqlen, K[b, base + j, h, d], T.cast(0, dtype))
-            v_s[j, d] = T.if_then_else(base + j < seqlen, V[b, base + j, h, d], T.cast(0, dtype))
 
     @T.prim_func
     def decode_short_cache(
@@ -552,8 +563,7 @@ def _short_cache_kernel(dtype, D, G, Hk, block_n, blocks_per_sm, rows, one_tile,
 
             raw_len = seqlens[b]
             seqlen = T.min(T.max(raw_len, 0), S)
-            for i, d in T.Parallel(rows, D):
-                q_s[i, d] = T.if_then_else(i < G, Q[b, 0, h * G + i, d], T.cast(0, dtype))
+            load_q(Q, q_s, b, h)
             if one_tile:
                 load_tile(K, V, k_s, v_s, b, h, 0, seqlen)
             T.fill(o_f, 0)
