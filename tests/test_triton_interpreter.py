@@ -101,14 +101,17 @@ def test_lengths_around_block_boundaries(offset):
     check_against_reference(*random_inputs(3, 200, 1, 4, 64, lengths), num_splits=2)
 
 
-def test_combine_over_more_splits_than_one_step():
-    """More splits than the combine kernel loads per step: its running max must carry over."""
-    from flashdecode.kernels.triton.decode import COMBINE_SPLITS_PER_STEP
+@pytest.mark.parametrize("batch", [1, 2])
+def test_combine_over_more_splits_than_one_step(batch):
+    """More splits than the combine kernel loads per step (its step depends on the batch): its
+    running max must carry over."""
+    from flashdecode.kernels.triton.decode import combine_splits_per_step
 
-    block_n = plan(Problem(1, 64, 4, 1, 64, "float16"), profile_for(torch.device(DEVICE))).block_n
-    splits = COMBINE_SPLITS_PER_STEP + 3
+    block_n = plan(Problem(batch, 64, 4, 1, 64, "float16"), profile_for(torch.device(DEVICE))).block_n
+    splits = combine_splits_per_step(batch) + 3
     length = splits * block_n - 5
-    check_against_reference(*random_inputs(1, length, 1, 4, 64, [length]), num_splits=splits)
+    lengths = [length] + [length - block_n] * (batch - 1)
+    check_against_reference(*random_inputs(batch, length, 1, 4, 64, lengths), num_splits=splits)
 
 
 @pytest.mark.parametrize("num_splits", [0, 1, 2])

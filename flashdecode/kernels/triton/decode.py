@@ -20,8 +20,16 @@ from triton.runtime.jit import JITFunction
 
 LN2 = tl.constexpr(math.log(2.0))
 LOG2E = 1.0 / math.log(2.0)
-#: Partials the combine kernel loads at once (per query head).
+#: Partials the combine kernel loads at once (per query head): 16 for a batch, 64 for one sequence,
+#: measured on the H200 (perf log 27): against 16, a step of 64 takes 0.5-3.2 us off cases 10, 13
+#: and 14 (one sequence of ~70-100 splits) and adds 0.2-2.7 us to the batched cases 7-9, 11, 12.
 COMBINE_SPLITS_PER_STEP = 16
+COMBINE_SPLITS_PER_STEP_ONE_SEQUENCE = 64
+
+
+def combine_splits_per_step(batch: int) -> int:
+    """Partials the combine kernel loads at once for a batch of ``batch`` sequences."""
+    return COMBINE_SPLITS_PER_STEP_ONE_SEQUENCE if batch == 1 else COMBINE_SPLITS_PER_STEP
 #: Split programs one H200 SM holds at once, as ncu reported for the benchmark's kernels (head dim
 #: 128: 38 KB of shared memory, 107 registers x 128 threads; docs/profiles/case12-triton); head dim
 #: 256 doubles the tiles and runs 8 warps: half as many.
@@ -207,7 +215,7 @@ def _launch(plan, problem, q, k_cache, v_cache, seqlens, out, lse, part_o, part_
         _launch_kernel(_combine_kernel, (problem.batch, problem.nheads), (seqlens, out, lse, part_o, part_lse),
                        (*args, problem.nheads, out.stride(0), out.stride(2)),
                        dict(HEAD_DIM=problem.headdim, BLOCK_N=plan.block_n, BATCH_PAD=batch_pad,
-                            SPLITS_PER_STEP=COMBINE_SPLITS_PER_STEP), dict(num_warps=4))
+                            SPLITS_PER_STEP=combine_splits_per_step(problem.batch)), dict(num_warps=4))
 
 
 #: Compiled kernels by ``_specialization`` of a call: the direct launch path (``_launch_kernel``),
