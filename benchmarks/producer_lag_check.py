@@ -43,7 +43,8 @@ def build(variant, problem, plan, profile):
                                              profile.registers_per_multiprocessor,
                                              profile.shared_memory_per_multiprocessor)
     func = decode.split_kernel_func("bfloat16", problem.headdim, problem.group, problem.nheads_k, plan.block_n,
-                                    decode.NUM_STAGES, plan.can_split, blocks_per_sm, rows)
+                                    decode.NUM_STAGES, plan.can_split, blocks_per_sm, rows,
+                                    decode.split_kernel_registers(blocks_per_sm, profile.registers_per_multiprocessor))
     # The flags name the variant: TileLang's cache key has the flags but not the rewrite.
     flags = [f"-DFLASHDECODE_LAG_CHECK={variant.replace('-', '_')}"]
     if variant == "one-warp":

@@ -32,6 +32,8 @@ def main():
     parser.add_argument("--tl-stages", default=str(tilelang_decode.NUM_STAGES))
     parser.add_argument("--tl-rows", default=str(tilelang_decode.MIN_Q_ROWS))
     parser.add_argument("--tl-short-max-blocks", default=str(tilelang_decode.SHORT_CACHE_MAX_BLOCKS))
+    parser.add_argument("--tl-producer-regs", default=str(tilelang_decode.PRODUCER_REGISTERS),
+                        help="registers a TileLang producer thread keeps (setmaxnreg); 0: an even split")
     parser.add_argument("--cases", default="")
     parser.add_argument("--log", default=None)
     args = parser.parse_args()
@@ -39,7 +41,7 @@ def main():
     fa2 = {c["case"]: c["fa2"]["median_us"] for c in json.loads(ANCHOR_PATH.read_text())["cases"]}
     rows, best = [], {}
     first_tilelang_knobs = tuple(int(arg.split(",")[0]) for arg in (args.tl_stages, args.tl_rows,
-                                                                     args.tl_short_max_blocks))
+                                                                     args.tl_short_max_blocks, args.tl_producer_regs))
     timer = Timer(torch.device("cuda"), iters=50, warmup=5)
     for case in (c for c in CASES if c.number in numbers):
         q, k, v, seqlens = make_inputs(case, device="cuda")
@@ -47,18 +49,19 @@ def main():
         nbytes = bytes_read(seqlens.tolist(), case.nheads_k, case.nheads)
         knobs = itertools.product(args.backend.split(","), *(
             map(int, arg.split(",")) for arg in (args.ppsm, args.block_n, args.min_chunk, args.tl_stages, args.tl_rows,
-                                                 args.tl_short_max_blocks)))
-        for backend, ppsm, block_n, min_chunk, stages, q_rows, short_max in knobs:
-            if backend != "tilelang" and (stages, q_rows, short_max) != first_tilelang_knobs:
+                                                 args.tl_short_max_blocks, args.tl_producer_regs)))
+        for backend, ppsm, block_n, min_chunk, stages, q_rows, short_max, producer_regs in knobs:
+            if backend != "tilelang" and (stages, q_rows, short_max, producer_regs) != first_tilelang_knobs:
                 continue  # TileLang's knobs do not change other backends: one run each
             tilelang_decode.NUM_STAGES, tilelang_decode.MIN_Q_ROWS = stages, q_rows
             tilelang_decode.SHORT_CACHE_MAX_BLOCKS = short_max
+            tilelang_decode.PRODUCER_REGISTERS = producer_regs
             planner.PROGRAMS_PER_MULTIPROCESSOR = ppsm
             planner.BLOCK_N_CANDIDATES = (block_n,)
             planner.MIN_BLOCKS_PER_SPLIT = min_chunk
             planner.plan.cache_clear()
             row = dict(case=case.number, backend=backend, stages=stages, rows=q_rows, ppsm=ppsm, block_n=block_n,
-                       min_chunk=min_chunk, short_max=short_max)
+                       min_chunk=min_chunk, short_max=short_max, producer_regs=producer_regs)
             fn = lambda: flash_decode_with_kvcache(q, k, v, seqlens, backend=backend)
             try:  # a knob combination the compiler rejects is logged, the sweep goes on
                 out = fn()

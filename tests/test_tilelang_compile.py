@@ -49,11 +49,13 @@ def test_compiles_for_sm90a(dtype, head_dim, group, nheads_k, can_split):
     block_n = choose_block_n(Problem(1, 4096, group * nheads_k, nheads_k, head_dim, dtype), H200)
     rows = decode.q_tile_rows(group, decode.MIN_Q_ROWS)
     blocks_per_sm = _resident(head_dim, block_n, rows)
+    registers = decode.split_kernel_registers(blocks_per_sm, H200.registers_per_multiprocessor)
     split = decode.build_split_kernel(dtype, head_dim, group, nheads_k, block_n, decode.NUM_STAGES, can_split,
-                                      blocks_per_sm, rows, target=TARGET)
+                                      blocks_per_sm, rows, registers, target=TARGET)
     source = split.get_kernel_source()
     assert "tma_load" in source and ("wgmma" if rows >= 64 else "mma_sync") in source
     assert ONE_WARP_LOOP in source
+    assert f"warpgroup_reg_dealloc<{registers[0]}>" in source and f"warpgroup_reg_alloc<{registers[1]}>" in source
     if can_split:
         combine = decode.build_combine_kernel(dtype, head_dim, group, nheads_k, block_n, can_split,
                                               target=TARGET)
@@ -68,8 +70,9 @@ def test_small_q_tile_variant_compiles(dtype, head_dim, group):
     rows = decode.q_tile_rows(group, 16)
     assert rows == max(16, group)
     blocks_per_sm = _resident(head_dim, block_n, rows)
-    split = decode.build_split_kernel(dtype, head_dim, group, 2, block_n, decode.NUM_STAGES, True,
-                                      blocks_per_sm, rows, target=TARGET)
+    split = decode.build_split_kernel(dtype, head_dim, group, 2, block_n, decode.NUM_STAGES, True, blocks_per_sm,
+                                      rows, decode.split_kernel_registers(blocks_per_sm, H200.registers_per_multiprocessor),
+                                      target=TARGET)
     source = split.get_kernel_source()
     assert "tma_load" in source and "mma_sync" in source and "wgmma" not in source
     assert ONE_WARP_LOOP in source
@@ -99,10 +102,19 @@ def test_short_cache_resident_programs(head_dim, block_n, rows, expected):
                                                 H200.shared_memory_per_multiprocessor) == expected
 
 
+@pytest.mark.parametrize("blocks_per_sm,expected", [(1, (24, 240)), (2, (24, 232)), (3, (24, 136))])
+def test_split_kernel_registers_move_the_producers_share_to_the_consumer(blocks_per_sm, expected):
+    """The consumer gets what the producer gives up within the program's launch share (65536
+    registers over blocks_per_sm programs of 256 threads, a multiple of 8), at most 240."""
+    assert decode.split_kernel_registers(blocks_per_sm, H200.registers_per_multiprocessor, 24) == expected
+    assert decode.split_kernel_registers(blocks_per_sm, H200.registers_per_multiprocessor, 0) is None
+
+
 def test_kernels_for_returns_launchers_of_the_compiled_module():
     """The launch path bypasses TileLang's adapter: it must still find the compiled entry function."""
     split, combine = decode.kernels_for("bfloat16", 128, 8, 4, 64, True, H200.registers_per_multiprocessor,
-                                        H200.shared_memory_per_multiprocessor, decode.NUM_STAGES, decode.MIN_Q_ROWS, target=decode._freeze(TARGET))
+                                        H200.shared_memory_per_multiprocessor, decode.NUM_STAGES, decode.MIN_Q_ROWS,
+                                        decode.PRODUCER_REGISTERS, target=decode._freeze(TARGET))
     assert type(split).__name__ == "Function" and type(combine).__name__ == "Function"
 
 

@@ -35,7 +35,8 @@ every count (tilelang issue #2566, a hang, only hits loops statically known to r
 once).  Its producer loop, though, runs on all four warps of the producer warpgroup, and
 three of them only watch barriers that nothing makes them keep up with: one that lags two
 phases waits forever.  The generated source is rewritten so that one warp runs that loop
-(``one_warp_producer``, perf log 18).  TileLang's other lowering, a cp.async software pipeline without warp specialisation,
+(``one_warp_producer``, perf log 18).  The producer warpgroup then keeps 24 registers a thread and
+hands the rest to the consumer (setmaxnreg, ``split_kernel_registers``; perf log 31).  TileLang's other lowering, a cp.async software pipeline without warp specialisation,
 gave wrong results for these kernels on the H200 (docs/perf-log.md section 9), so it is not
 offered.
 """
@@ -71,6 +72,11 @@ SHORT_CACHE_MIN_Q_ROWS = 16
 #: ``_load_splits``): one parallel load per SCAN_WIDTH sequences, in shared memory.
 SCAN_WIDTH = 256
 
+
+#: Registers a thread of the split kernel's producer warpgroup keeps (setmaxnreg), the consumer
+#: warpgroup taking the rest; 0 keeps the even split. Tuning knob: 24 measured 0.3-3% faster than
+#: the even split on cases 6-14 in two runs, and removes ptxas's spills (perf log 31).
+PRODUCER_REGISTERS = 24
 
 #: Consumer threads of the split kernel: one warpgroup, whatever the q tile's rows (warp
 #: specialisation adds a 128-thread TMA producer warpgroup).
@@ -220,10 +226,23 @@ def _programs_that_fit(registers, threads, shared_bytes, registers_per_sm, share
 
 def resident_programs(head_dim, block_n, rows, num_stages, registers_per_sm, shared_memory_per_sm):
     """Split programs that fit on one SM at once: every program also launches the 128-thread TMA
-    producer warpgroup, which gets the consumers' register count."""
+    producer warpgroup, which is given the consumers' register count at launch (ptxas holds all of
+    the kernel's code to that count, setmaxnreg or not)."""
     return _programs_that_fit(_consumer_registers(head_dim, block_n, rows), 2 * CONSUMER_THREADS,
                               split_kernel_shared_bytes(head_dim, block_n, rows, num_stages),
                               registers_per_sm, shared_memory_per_sm)
+
+
+def split_kernel_registers(blocks_per_sm, registers_per_sm, producer_registers=None):
+    """(producer, consumer) registers a thread of the split kernel's two warpgroups keep after
+    setmaxnreg, or None to keep the even split: the producer warpgroup, one warp of which issues
+    TMA loads, keeps ``producer_registers`` (default PRODUCER_REGISTERS) and the consumer takes what
+    it gives up, within the program's launch share (at most 240)."""
+    producer = PRODUCER_REGISTERS if producer_registers is None else producer_registers
+    if not producer:
+        return None
+    launch = min(248, registers_per_sm // (blocks_per_sm * 2 * CONSUMER_THREADS) // 8 * 8)
+    return producer, min(240, 2 * launch - producer)
 
 
 def short_cache_resident_programs(head_dim, block_n, rows, registers_per_sm, shared_memory_per_sm):
@@ -385,32 +404,34 @@ def _write_out_macro(rows, head_dim, group, dtype):
 
 def build_split_kernel(dtype: str, head_dim: int, group: int, kv_heads: int, block_n: int,
                        num_stages: int, can_split: bool, blocks_per_sm: int, q_rows: int = 64,
-                       target=None):
+                       register_split=None, target=None):
     """Compiled split kernel (cached): a q tile of ``q_rows`` rows, ``CONSUMER_THREADS`` consumer
     threads and a TMA producer warpgroup.  ``blocks_per_sm`` is the occupancy ptxas must allow
     (``__launch_bounds__``).  ``target`` defaults to the local GPU; pass e.g.
-    {"kind": "cuda", "arch": "sm_90a"} to build without one.
+    {"kind": "cuda", "arch": "sm_90a"} to build without one.  ``register_split``: (producer,
+    consumer) registers a thread after setmaxnreg, or None for an even split.
 
     Call: (q, k_cache, v_cache, cache_seqlens, out, lse, part_o, part_lse,
     programs, forced_splits, min_chunk, softmax_scale); grid (programs, kv_heads).
     """
     return _split_kernel(dtype, head_dim, group, kv_heads, block_n, num_stages, bool(can_split),
-                         blocks_per_sm, q_rows, _freeze(target))
+                         blocks_per_sm, q_rows, register_split and tuple(register_split), _freeze(target))
 
 
 @functools.lru_cache(maxsize=None)
-def _split_kernel(dtype, D, G, Hk, block_n, num_stages, can_split, blocks_per_sm, q_rows, target):
+def _split_kernel(dtype, D, G, Hk, block_n, num_stages, can_split, blocks_per_sm, q_rows, register_split, target):
     # The macro is the guard's bound, and as a compile flag it is part of TileLang's cache key, so a
     # kernel built without the rewrite is never loaded from the cache for this one.
     with _cuda_postproc(one_warp_producer, _SPLIT_KERNEL_NAME):
-        kernel = _compile(split_kernel_func(dtype, D, G, Hk, block_n, num_stages, can_split, blocks_per_sm, q_rows),
+        kernel = _compile(split_kernel_func(dtype, D, G, Hk, block_n, num_stages, can_split, blocks_per_sm, q_rows,
+                                            register_split),
                           target, [f"-D{_PRODUCER_LOOP_MACRO}={PRODUCER_LOOP_THREADS}"])
     if _PRODUCER_LOOP_MACRO not in kernel.get_kernel_source():
         raise RuntimeError("the split kernel was built without its one-warp producer loop")
     return kernel
 
 
-def split_kernel_func(dtype, D, G, Hk, block_n, num_stages, can_split, blocks_per_sm, q_rows):
+def split_kernel_func(dtype, D, G, Hk, block_n, num_stages, can_split, blocks_per_sm, q_rows, register_split=None):
     """The split kernel as a TileLang prim_func, before compilation (``build_split_kernel``)."""
     Hq = Hk * G
     rows, threads = q_rows, CONSUMER_THREADS
@@ -443,7 +464,10 @@ def split_kernel_func(dtype, D, G, Hk, block_n, num_stages, can_split, blocks_pe
     ):
         with T.Kernel(programs, Hk, threads=threads) as (pid, h):
             T.annotate_min_blocks_per_sm(blocks_per_sm)
-            if shared_registers:
+            if register_split is not None:  # the producer keeps few registers, the consumer the rest
+                T.annotate_producer_reg_dealloc(register_split[0])
+                T.annotate_consumer_reg_alloc(register_split[1])
+            elif shared_registers:
                 T.no_set_max_nreg()  # two programs per SM: keep the even register split
             q_s = T.alloc_shared((rows, D), dtype)
             k_s = T.alloc_shared((block_n, D), dtype)
@@ -671,7 +695,7 @@ def device_target() -> dict:
 @functools.lru_cache(maxsize=None)
 def kernels_for(dtype: str, head_dim: int, group: int, kv_heads: int, block_n: int, can_split: bool,
                 registers_per_sm: int, shared_memory_per_sm: int, num_stages: int, min_q_rows: int,
-                target=None):
+                producer_registers: int, target=None):
     """(split launcher, combine launcher or None) for one specialisation, built once.
 
     ``target``: a frozen target (``_freeze``); None means the current device's."""
@@ -679,8 +703,8 @@ def kernels_for(dtype: str, head_dim: int, group: int, kv_heads: int, block_n: i
     rows = q_tile_rows(group, min_q_rows)
     blocks_per_sm = resident_programs(head_dim, block_n, rows, num_stages, registers_per_sm,
                                       shared_memory_per_sm)
-    split = build_split_kernel(dtype, head_dim, group, kv_heads, block_n, num_stages, can_split,
-                               blocks_per_sm, rows, target=target)
+    split = build_split_kernel(dtype, head_dim, group, kv_heads, block_n, num_stages, can_split, blocks_per_sm,
+                               rows, split_kernel_registers(blocks_per_sm, registers_per_sm, producer_registers), target=target)
     combine = (build_combine_kernel(dtype, head_dim, group, kv_heads, block_n, can_split, target=target)
                if can_split else None)
     return _launcher(split), combine and _launcher(combine)
@@ -718,7 +742,7 @@ def launchers_for(problem, plan, profile, target=None):
     if takes_short_cache(problem, plan):
         one_tile = problem.seqlen_cache <= plan.block_n
         return short_cache_kernel_for(*shape, registers, shared, SHORT_CACHE_MIN_Q_ROWS, one_tile, target), None
-    return kernels_for(*shape, plan.can_split, registers, shared, NUM_STAGES, MIN_Q_ROWS, target)
+    return kernels_for(*shape, plan.can_split, registers, shared, NUM_STAGES, MIN_Q_ROWS, PRODUCER_REGISTERS, target)
 
 
 def _launcher(kernel):
