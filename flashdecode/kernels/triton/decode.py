@@ -30,6 +30,8 @@ COMBINE_SPLITS_PER_STEP_ONE_SEQUENCE = 64
 def combine_splits_per_step(batch: int) -> int:
     """Partials the combine kernel loads at once for a batch of ``batch`` sequences."""
     return COMBINE_SPLITS_PER_STEP_ONE_SEQUENCE if batch == 1 else COMBINE_SPLITS_PER_STEP
+
+
 #: Split programs one H200 SM holds at once, as ncu reported for the benchmark's kernels (head dim
 #: 128: 38 KB of shared memory, 107 registers x 128 threads; docs/profiles/case12-triton); head dim
 #: 256 doubles the tiles and runs 8 warps: half as many.
