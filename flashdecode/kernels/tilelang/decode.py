@@ -74,7 +74,7 @@ SCAN_WIDTH = 256
 
 
 #: Registers a thread of the split kernel's producer warpgroup keeps (setmaxnreg), the consumer
-#: warpgroup taking the rest; 0 keeps the even split. Tuning knob: 24 measured 0.3-3% faster than
+#: warpgroup taking the rest; 0 keeps the even split. Tuning knob: 24 measured 0.1-3% faster than
 #: the even split on cases 6-14 in two runs, and removes ptxas's spills (perf log 31).
 PRODUCER_REGISTERS = 24
 
