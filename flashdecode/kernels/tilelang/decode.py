@@ -431,21 +431,26 @@ def _split_kernel(dtype, D, G, Hk, block_n, num_stages, can_split, blocks_per_sm
     return kernel
 
 
+def _tile_macros(rows, block_n, head_dim, group, dtype):
+    """What both attention kernels are built from, for a q tile of ``rows`` rows (the group's G
+    query heads, zero-padded) and K/V tiles of ``block_n`` tokens: (softmax_state, attend,
+    write_out, load_q, load_tile). A 64-row tile runs wgmma with whole rows per warp, a smaller
+    one mma.sync with the warps splitting the columns."""
+    if not 1 <= group <= rows:
+        raise ValueError(f"group size {group} does not fit a q tile of {rows} rows")
+    policy = T.GemmWarpPolicy.FullRow if rows >= 64 else T.GemmWarpPolicy.FullCol
+    return (_softmax_state_macro(rows, block_n, head_dim, dtype), _attend_macro(rows, block_n, head_dim, policy),
+            _write_out_macro(rows, head_dim, group, dtype), *_load_macros(rows, block_n, head_dim, group, dtype))
+
+
 def split_kernel_func(dtype, D, G, Hk, block_n, num_stages, can_split, blocks_per_sm, q_rows, register_split=None):
     """The split kernel as a TileLang prim_func, before compilation (``build_split_kernel``)."""
     Hq = Hk * G
     rows, threads = q_rows, CONSUMER_THREADS
-    policy = T.GemmWarpPolicy.FullRow if rows >= 64 else T.GemmWarpPolicy.FullCol
-    if not 1 <= G <= rows:
-        raise ValueError(f"group size {G} does not fit a q tile of {rows} rows")
+    softmax_state, attend, write_out, load_q, load_tile = _tile_macros(rows, block_n, D, G, dtype)
     shared_registers = blocks_per_sm > 1
     B, S, W = T.dynamic("batch, capacity, workspace_rows")
     f32 = T.float32
-
-    softmax_state = _softmax_state_macro(rows, block_n, D, dtype)
-    attend = _attend_macro(rows, block_n, D, policy)
-    write_out = _write_out_macro(rows, D, G, dtype)
-    load_q, load_tile = _load_macros(rows, block_n, D, G, dtype)
 
     @T.prim_func
     def decode_split(
@@ -558,13 +563,7 @@ def build_short_cache_kernel(dtype: str, head_dim: int, group: int, kv_heads: in
 @functools.lru_cache(maxsize=None)
 def _short_cache_kernel(dtype, D, G, Hk, block_n, blocks_per_sm, rows, one_tile, target):
     Hq = Hk * G
-    policy = T.GemmWarpPolicy.FullRow if rows >= 64 else T.GemmWarpPolicy.FullCol
-    if not 1 <= G <= rows:
-        raise ValueError(f"group size {G} does not fit a q tile of {rows} rows")
-    softmax_state = _softmax_state_macro(rows, block_n, D, dtype)
-    attend = _attend_macro(rows, block_n, D, policy)
-    write_out = _write_out_macro(rows, D, G, dtype)
-    load_q, load_tile = _load_macros(rows, block_n, D, G, dtype)
+    softmax_state, attend, write_out, load_q, load_tile = _tile_macros(rows, block_n, D, G, dtype)
     B, S = T.dynamic("batch, capacity")
     f32 = T.float32
 
