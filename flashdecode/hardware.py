@@ -1,8 +1,9 @@
 """Hardware profiles: the only place in flashdecode where hardware numbers live.
 
-The planner sizes its grid and tiles from a :class:`HardwareProfile`; the benchmark sizes its
-L2 flush from it. ``current()`` reads the CUDA device in use; ``PROFILES`` holds named profiles
-so plans can be computed and tested on a machine without that device.
+The planner sizes its grid and tiles from a :class:`HardwareProfile` and takes its thresholds from
+the profile's :class:`Tuning`; the benchmark sizes its L2 flush from it. ``current()`` reads the
+CUDA device in use; ``PROFILES`` holds named profiles so plans can be computed and tested on a
+machine without that device.
 
 Sources of the named numbers (see docs/hardware.md):
 - H100 SXM and H200: NVIDIA datasheets (SMs, shared memory, bandwidth); L2 as PyTorch reports it
@@ -11,6 +12,7 @@ Sources of the named numbers (see docs/hardware.md):
   64 KiB shared memory per unit, 8 MiB L2, about 1.8 TB/s). Its register file size is not in
   that brief: 64 Ki registers per unit is an assumption (the NVIDIA figure), to be checked.
 - Registers: 64 Ki 32-bit registers per SM on Hopper (CUDA programming guide).
+- Tuning: measured on the H200 (``docs/design.md``, "Measured choices", cites each measurement).
 """
 from __future__ import annotations
 
@@ -19,6 +21,30 @@ import functools
 
 KIB = 1024
 MIB = 1024 * KIB
+
+
+@dataclasses.dataclass(frozen=True)
+class Tuning:
+    """The schedule's thresholds and the ``auto`` rule, measured per device (``docs/design.md``,
+    "Measured choices"): values, never reassigned; a sweep passes another Tuning."""
+
+    #: Programs aimed for per multiprocessor when a batch splits (3: one wave of finer programs
+    #: balanced mixed lengths best on cases 7-14).
+    programs_per_multiprocessor: int = 3
+    #: Fewest KV blocks a split carries (unless its sequence is shorter).
+    min_blocks_per_split: int = 4
+    #: Caches of at most this many KV blocks are never split: a combine costs more than it saves.
+    split_above_blocks: int = 8
+    #: Unsplit caches of at most this many tiles take a backend's short-cache kernel (3 tiles: 16%
+    #: faster than the pipeline on case 5; 6 tiles: 9% slower on case 6).
+    short_cache_max_blocks: int = 3
+    #: ``auto``'s order: each backend with the largest cache (K and V bytes at capacity) it is
+    #: chosen for (None: any). TileLang below 256 MiB: above, Triton's split kernel took 3-9% less GPU
+    #: time and its host time hid behind the GPU work (cases 7, 9, 11, 12).
+    auto_order: tuple = (("tilelang", 256 * MIB), ("triton", None))
+    #: Split programs of Triton's kernel one SM holds, by head dim (ncu, head dim 128: 38 KB of shared
+    #: memory, 107 registers x 128 threads; 256 runs 8 warps on twice the tiles).
+    triton_resident_programs: tuple = ((64, 4), (128, 4), (256, 2))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,6 +58,10 @@ class HardwareProfile:
     wave_width: int  # threads per warp / wavefront
     registers_per_multiprocessor: int  # 32-bit registers
     hbm_bandwidth: float  # bytes per second, vendor figure (the benchmark measures its own ceiling)
+    tuning: Tuning = Tuning()  # measured on the H200; other devices start from the same values
+    #: Bytes of shared memory the driver reserves per program (CUDA programming guide, sm_90).
+    driver_reserved_shared_per_program: int = 1 * KIB
+    max_registers_per_thread: int = 255
 
 
 PROFILES: dict[str, HardwareProfile] = {

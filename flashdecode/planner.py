@@ -1,114 +1,93 @@
-"""The split-KV planner: pure Python, no device access.
+"""The planner: which kernel runs, with which tile config and grid. Pure Python, no device access.
 
 Decode attention reads every cached K/V token once and does little arithmetic per byte, so the
 kernel is bound by memory bandwidth, and the schedule's job is to keep every multiprocessor
-streaming until the end. One program (CTA) handles one KV head of one *split* (a contiguous run
-of KV blocks of one sequence) for the whole GQA group, so each K/V tile is read once per KV head.
+streaming until the end. One program (CTA) handles one KV head of one *split* (a contiguous run of
+KV blocks of one sequence) for all ``seqlen_q * group`` query rows of that head, so each K/V tile is
+read once per KV head.
 
-The schedule is decided in two steps.
+The schedule is decided in two steps (``docs/design.md``, "The schedule").
 
-1. On the host, from capacities only (:func:`plan`): batch, ``seqlen_cache``, heads, head dim,
-   dtype and the hardware profile give the tile size ``block_n`` and ``programs_per_head`` (P),
-   the number of programs launched per KV head. Nothing here reads ``cache_seqlens``, so a call
-   never waits for the device and can be captured in a CUDA graph; a new batch size or new lengths
-   only change P, never the compiled kernel.
+1. On the host, from capacities only (:func:`plan`): the problem, the backend's tile config and
+   the hardware profile's :class:`~flashdecode.hardware.Tuning` give the kernel and
+   ``programs_per_head`` (P), the programs launched per KV head. Nothing here reads lengths, so a
+   call never waits for the device and can be captured in a CUDA graph.
 
-   * No split (P = B, no combine pass) when no sequence can be longer than ``SPLIT_ABOVE_BLOCKS``
-     blocks: a combine pass would cost more than the split saves.
-   * Otherwise, even when B * Hk already fills the machine (one long sequence among short ones
-     would still leave a tail), P = B + floor(target_programs / Hk): one program per sequence plus
-     enough extra to fill, without exceeding, ``target_programs`` = multiprocessors * programs per
-     multiprocessor. Sequences of mixed lengths split into programs of unequal work, and finer
-     programs balance better: ``PROGRAMS_PER_MULTIPROCESSOR`` (3). One sequence (B = 1) splits
-     into programs of equal work, which run in whole waves of the backend's resident programs, so
-     there the target is at most one wave: min(3, resident programs per multiprocessor).
+   * A backend's short-cache kernel when the keys a sequence can see fit in
+     ``short_cache_max_blocks`` tiles; one program per sequence (single pass, no combine) up to
+     ``split_above_blocks`` tiles.
+   * Otherwise P = B + floor(target / (Hk * row tiles)): one program per sequence plus enough extra to fill,
+     without exceeding, target = multiprocessors * ``programs_per_multiprocessor``. One sequence
+     splits into programs of equal work that run in whole waves of the backend's resident programs,
+     so there the target is at most one wave.
 
 2. On the device, from the real lengths (:func:`work_list` is the same rule in Python; the kernels
-   evaluate it in each program from ``cache_seqlens``, a few integer operations per sequence):
+   evaluate it in each program). Sequence b's keys are ``[lo_b, hi_b)``: hi_b = cache_seqlens[b] +
+   seqlen_new clamped to [0, capacity], lo_b = max(cache_leftpad[b], hi_b - seqlen_q -
+   window_left) (window_left >= 0), clamped to [0, hi_b]. Then
 
-   * nblk_b   = ceil(len_b / block_n)
-   * chunk    = max(m, ceil(sum_b nblk_b / (P - B)))           (blocks per program, at most)
-   * splits_b = max(1, ceil(nblk_b / chunk))                  (sum_b splits_b <= P, proven below)
-   * program p serves the sequence b whose programs [first_b, first_b + splits_b) contain p,
-     and the blocks [s * nblk_b // splits_b, (s + 1) * nblk_b // splits_b) with s = p - first_b;
-     programs past sum_b splits_b exit at once.
+   * first_b  = lo_b // block_n,  nblk_b = ceil(hi_b / block_n) - first_b  (0 when hi_b = 0)
+   * chunk    = max(m, ceil(sum_b nblk_b / (P - B)))            (blocks per program, at most)
+   * splits_b = max(1, ceil(nblk_b / chunk))                   (sum_b splits_b <= P)
+   * program p serves the sequence b whose programs [start_b, start_b + splits_b) contain p, and
+     the blocks first_b + [s * nblk_b // splits_b, (s + 1) * nblk_b // splits_b), s = p - start_b.
 
-   where m = ``min_chunk`` (``MIN_BLOCKS_PER_SPLIT``) keeps splits long enough that a program's
-   fixed cost and the combine pass stay small next to its streaming.
-   Since ceil(x) < x + 1, sum_b splits_b <= sum_b nblk_b / chunk + B <= (P - B) + B = P.
-   Every program carries at most ``chunk`` blocks, about the mean work per program, whatever the
-   mix of lengths: a 65k-token sequence among short ones is cut into many splits, short sequences
-   get one each, so no program is left with a long tail. Sequences that end up with one split write
-   their output directly; the combine pass merges the others.
-
-A forced ``num_splits = F > 0`` (for tests and tuning) gives splits_b = min(F, max(1, nblk_b))
-and P = B * F, F first capped at the blocks of a full-length sequence.
+   m = ``min_chunk`` keeps splits long enough that a program's fixed cost and the combine stay
+   small next to its streaming. Since ceil(x) < x + 1, sum_b splits_b <= (P - B) + B = P. A forced
+   ``num_splits = F > 0`` gives splits_b = min(F, max(1, nblk_b)) and P = B * F.
 """
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 
 from .hardware import HardwareProfile
+from .problem import DTYPE_BYTES, Problem  # noqa: F401 - Problem is the planner's input, re-exported
 
-#: Programs aimed for per multiprocessor when splitting a batch. A tuning knob measured on the
-#: H200 (docs/perf-log.md section 12), not a hardware fact.
-PROGRAMS_PER_MULTIPROCESSOR = 3
-#: Fewest KV blocks a split may carry (unless the sequence is shorter). Tuning knob, measured.
-MIN_BLOCKS_PER_SPLIT = 4
-#: Caches of at most this many KV blocks are never split. Tuning knob, measured.
-SPLIT_ABOVE_BLOCKS = 8
-#: Resident split programs per multiprocessor assumed when no backend is named (plan-only
-#: reports, tests): TileLang's count for the benchmark's kernels (two per SM).
-ASSUMED_RESIDENT_PROGRAMS = 2
-#: Pipeline depth the shared-memory budget for K/V tiles is sized for.
-PIPELINE_STAGES = 2
-#: Programs that should fit in one multiprocessor's shared memory at once.
-RESIDENT_PROGRAMS_FOR_SMEM = 2
-
-#: KV tile sizes, largest first (tuning knob; 16 is the smallest the matrix units take).
-BLOCK_N_CANDIDATES = (64, 32, 16)
-
-DTYPE_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4}
-
-
-@dataclasses.dataclass(frozen=True)
-class Problem:
-    """The shape of one decode call, as validated from its tensors."""
-
-    batch: int
-    seqlen_cache: int
-    nheads: int
-    nheads_k: int
-    headdim: int
-    dtype: str  # "float16" | "bfloat16"
-
-    @property
-    def group(self) -> int:
-        return self.nheads // self.nheads_k
-
-    @property
-    def element_bytes(self) -> int:
-        return DTYPE_BYTES[self.dtype]
+#: The kernels a plan can name. SHORT_CACHE: one program per (sequence, KV head) that loads each of
+#: a few tiles directly, no pipeline; SINGLE_PASS: the split kernel with one program per sequence,
+#: no combine; SPLIT: the split kernel over the balanced rule, then the combine of split sequences.
+SHORT_CACHE, SINGLE_PASS, SPLIT = "short_cache", "single_pass", "split"
+KERNELS = (SHORT_CACHE, SINGLE_PASS, SPLIT)
 
 
 @dataclasses.dataclass(frozen=True)
 class Plan:
-    """How one call runs: tile size, grid, and whether a combine pass follows."""
+    """What runs for one call: the kernel, its tile config, and the grid of the split rule."""
 
-    block_n: int
-    programs_per_head: int  # P: grid is (P, nheads_k)
-    forced_splits: int  # 0: balanced rule from the lengths; F > 0: every sequence split F ways
-    can_split: bool  # False: one program per sequence, no combine pass
+    kernel: str  # SHORT_CACHE | SINGLE_PASS | SPLIT
+    config: object  # the backend's frozen tile config for that kernel (has ``block_n``, ``block_m``)
+    programs_per_head: int  # P: the grid is (P, nheads_k, row tiles)
+    forced_splits: int = 0  # 0: the balanced rule; F > 0: every sequence split F ways
     min_chunk: int = 1  # fewest blocks per split under the balanced rule
 
     @property
-    def needs_combine(self) -> bool:
-        return self.can_split
+    def block_n(self) -> int:
+        return self.config.block_n
 
-    def grid(self, problem: Problem) -> tuple[int, int]:
-        return (self.programs_per_head, problem.nheads_k)
+    @property
+    def can_split(self) -> bool:
+        return self.kernel == SPLIT
+
+    @property
+    def needs_combine(self) -> bool:
+        return self.kernel == SPLIT
+
+    def row_tiles(self, problem: Problem) -> int:
+        """Programs that share one KV head's rows: ceil(seqlen_q * group / block_m)."""
+        return -(-problem.q_rows // self.config.block_m)
+
+    def grid(self, problem: Problem) -> tuple[int, int, int]:
+        return (self.programs_per_head, problem.nheads_k, self.row_tiles(problem))
+
+    @property
+    def workspace_rows(self) -> int:
+        """Rows of partial results the split kernel may write (one per program and KV head)."""
+        return self.programs_per_head if self.needs_combine else 0
+
+    def workspace_bytes(self, problem: Problem) -> int:
+        """float32 partial outputs and their log-sum-exps: rows x Hk x q_rows x (D + 1)."""
+        return 4 * self.workspace_rows * problem.nheads_k * problem.q_rows * (problem.headdim + 1)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -127,65 +106,79 @@ class WorkItem:
         return self.token_end - self.token_start
 
 
-def choose_block_n(problem: Problem, profile: HardwareProfile) -> int:
-    """Largest KV tile whose pipelined K and V stages let two programs share a multiprocessor."""
-    budget = profile.shared_memory_per_multiprocessor // RESIDENT_PROGRAMS_FOR_SMEM
-    for block_n in BLOCK_N_CANDIDATES:
-        stage_bytes = 2 * block_n * problem.headdim * problem.element_bytes  # K and V
-        if PIPELINE_STAGES * stage_bytes <= budget:
-            return block_n
-    return BLOCK_N_CANDIDATES[-1]
+def plan(problem: Problem, profile: HardwareProfile, backend, num_splits: int = 0, config=None) -> Plan:
+    """Decide what runs from capacities only (see the module docstring for the rule).
 
-
-@functools.lru_cache(maxsize=4096)
-def plan(problem: Problem, profile: HardwareProfile, num_splits: int = 0,
-         resident_programs: int = ASSUMED_RESIDENT_PROGRAMS) -> Plan:
-    """Decide the schedule from capacities only (see the module docstring for the rule).
-
-    ``resident_programs``: how many of the backend's split programs one multiprocessor holds at
-    once (``api.plan_for`` asks the backend); it caps the target of a single sequence."""
+    ``backend`` answers the capability questions (``flashdecode.kernels.Backend``): which kernels it
+    has, its default tile config for each, and how many split programs one SM holds. ``config``
+    overrides the tile config of the kernel chosen (sweeps); ``num_splits`` > 0 forces the split."""
     if num_splits < 0:
         raise ValueError(f"num_splits must be >= 0, got {num_splits}")
-    block_n = choose_block_n(problem, profile)
-    batch, heads_k = problem.batch, problem.nheads_k
+    tuning = profile.tuning
+    split_config = config if config is not None else backend.default_config(problem, profile, SPLIT)
+    max_blocks = math.ceil(problem.key_span() / split_config.block_n)
     if num_splits > 0:
-        num_splits = min(num_splits, max(1, math.ceil(problem.seqlen_cache / block_n)))  # no empty splits
-        return Plan(block_n, batch * num_splits, num_splits, can_split=num_splits > 1)
-    max_blocks = math.ceil(problem.seqlen_cache / block_n)
-    if max_blocks <= SPLIT_ABOVE_BLOCKS:
-        return Plan(block_n, batch, 0, can_split=False)
-    per_multiprocessor = PROGRAMS_PER_MULTIPROCESSOR if batch > 1 else min(PROGRAMS_PER_MULTIPROCESSOR,
-                                                                          max(1, resident_programs))
-    target_programs = profile.multiprocessors * per_multiprocessor
-    extra = max(1, target_programs // heads_k)  # never more than the target
-    return Plan(block_n, batch + extra, 0, can_split=True, min_chunk=MIN_BLOCKS_PER_SPLIT)
+        splits = min(num_splits, max(1, max_blocks))  # no empty splits
+        kernel = SPLIT if splits > 1 else SINGLE_PASS
+        chosen = config if config is not None else backend.default_config(problem, profile, kernel)
+        return Plan(kernel, chosen, problem.batch * splits, splits)
+    if max_blocks <= tuning.split_above_blocks:
+        short = (SHORT_CACHE in backend.kernels(problem) and max_blocks <= tuning.short_cache_max_blocks)
+        kernel = SHORT_CACHE if short else SINGLE_PASS
+        chosen = config if config is not None else backend.default_config(problem, profile, kernel)
+        return Plan(kernel, chosen, problem.batch)
+    per_sm = tuning.programs_per_multiprocessor
+    if problem.batch == 1:
+        per_sm = min(per_sm, max(1, backend.resident_programs(problem, split_config, profile)))
+    row_tiles = -(-problem.q_rows // split_config.block_m)
+    extra = max(1, profile.multiprocessors * per_sm // (problem.nheads_k * row_tiles))  # never more than the target
+    return Plan(SPLIT, split_config, problem.batch + extra, min_chunk=tuning.min_blocks_per_split)
 
 
-def splits_per_sequence(plan_: Plan, lengths: list[int]) -> list[int]:
-    """splits_b for every sequence, exactly as the kernels compute it on the device."""
-    blocks = [math.ceil(n / plan_.block_n) for n in lengths]
+def key_range(problem: Problem, cache_seqlen: int, leftpad: int = 0) -> tuple[int, int]:
+    """(lo, hi): the keys sequence b's rows can see, as the kernels compute it from its length
+    ``cache_seqlens[b]`` and ``cache_leftpad[b]`` (both clamped as the kernels clamp them)."""
+    hi = min(max(cache_seqlen + problem.seqlen_new, 0), problem.seqlen_cache)
+    lo = max(leftpad, 0)
+    if problem.window_left >= 0:
+        lo = max(lo, hi - problem.seqlen_q - problem.window_left)
+    return min(lo, hi), hi
+
+
+def _blocks(plan_: Plan, lo: int, hi: int) -> tuple[int, int]:
+    """(first block, number of blocks) covering keys [lo, hi)."""
+    first = lo // plan_.block_n
+    return first, (math.ceil(hi / plan_.block_n) - first if hi > 0 else 0)
+
+
+def splits_per_sequence(plan_: Plan, lengths: list[int], starts: list[int] | None = None) -> list[int]:
+    """splits_b for sequences whose keys are [starts[b], lengths[b]), exactly as the kernels compute it."""
+    ranges = list(zip(starts if starts is not None else [0] * len(lengths), lengths))
+    blocks = [_blocks(plan_, lo, hi)[1] for lo, hi in ranges]
     if plan_.forced_splits > 0:
         return [min(plan_.forced_splits, max(1, nb)) for nb in blocks]
     if not plan_.can_split:
-        return [1] * len(lengths)
-    chunk = max(plan_.min_chunk, math.ceil(sum(blocks) / (plan_.programs_per_head - len(lengths))))
+        return [1] * len(ranges)
+    chunk = max(plan_.min_chunk, math.ceil(sum(blocks) / (plan_.programs_per_head - len(ranges))))
     return [max(1, math.ceil(nb / chunk)) for nb in blocks]
 
 
-def work_list(plan_: Plan, lengths: list[int]) -> list[WorkItem]:
-    """Every program's slice of KV for these lengths (one KV head; all heads are alike).
+def work_list(plan_: Plan, lengths: list[int], starts: list[int] | None = None) -> list[WorkItem]:
+    """Every program's slice of KV for sequences whose keys are [starts[b], lengths[b]) (one KV head;
+    all heads are alike). ``starts`` defaults to 0 (``key_range`` gives both for a problem).
 
     Programs not listed exit without work. This mirrors the device code and is what the planner
     tests and the profiler's tail analysis reason about.
     """
+    ranges = list(zip(starts if starts is not None else [0] * len(lengths), lengths))
     items = []
     program = 0
-    for sequence, (length, splits) in enumerate(zip(lengths, splits_per_sequence(plan_, lengths))):
-        blocks = math.ceil(length / plan_.block_n)
+    for sequence, ((lo, hi), splits) in enumerate(zip(ranges, splits_per_sequence(plan_, lengths, starts))):
+        first, blocks = _blocks(plan_, lo, hi)
         for split in range(splits):
-            start = split * blocks // splits * plan_.block_n
-            end = min((split + 1) * blocks // splits * plan_.block_n, length)
-            items.append(WorkItem(program, sequence, split, splits, start, end))
+            start = max((first + split * blocks // splits) * plan_.block_n, lo)
+            end = min((first + (split + 1) * blocks // splits) * plan_.block_n, hi)
+            items.append(WorkItem(program, sequence, split, splits, start, max(start, end)))
             program += 1
     if program > plan_.programs_per_head:
         raise AssertionError(f"work list needs {program} programs, plan launches {plan_.programs_per_head}")

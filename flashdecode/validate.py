@@ -1,160 +1,318 @@
-"""Input checks for flash_decode_with_kvcache: the one validation path.
+"""Input checks of the public call: the one validation path; every error names its argument.
 
-Every error names the argument, what it got and what was expected. Checks are host-side metadata
-reads (a few microseconds) except the bounds of a CUDA ``cache_seqlens``, which need a
-device-to-host copy: that one runs only when enabled (``set_seqlens_check(True)`` or the
-environment variable ``FLASHDECODE_CHECK_SEQLENS=1``). When it is off, the kernels still clamp
-every length into [0, seqlen_cache] (no out-of-bounds read) and write NaN into the output rows of
-an out-of-range length, so a bad length is never a silent wrong answer.
+The checks read metadata only (types, dtypes, devices, shapes, strides, 16-byte alignment, the
+scalars), so their outcome, a :class:`~flashdecode.problem.Problem`, is memoized per distinct
+metadata by the caller (``DecodeContext``): a call repeating an earlier call's metadata costs the
+reads of that metadata, not the checks. Values inside index tensors (lengths, batch indices, left
+pads, block ids) are checked on the host when the tensor is on the CPU, and for CUDA tensors only
+when enabled (``set_value_checks(True)`` or ``FLASHDECODE_CHECK_SEQLENS=1``): that check is a
+device-to-host copy, which would break CUDA-graph capture. Off, the kernels clamp every such value
+(no out-of-bounds read or write) and write NaN into the rows it touches (``docs/design.md``,
+"Semantics").
 """
 from __future__ import annotations
 
-import functools
 import math
 import numbers
 import os
 
 import torch
 
-from .planner import Problem
+from .problem import ALIBI_NONE, ALIBI_PER_HEAD, ALIBI_PER_SEQUENCE, Problem
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
-SUPPORTED_HEADDIMS = (64, 128, 256)
+MAX_HEADDIM = 256
 BACKENDS = ("auto", "tilelang", "triton", "reference")
-
-_check_seqlens_on_device = os.environ.get("FLASHDECODE_CHECK_SEQLENS", "0") == "1"
-
-
-def set_seqlens_check(enabled: bool) -> None:
-    """Turn the host-side bounds check of CUDA ``cache_seqlens`` (one device sync per call) on/off."""
-    global _check_seqlens_on_device
-    _check_seqlens_on_device = bool(enabled)
+_BSHD = "(batch, seqlen, nheads, headdim)"
 
 
-def _require_tensor(name, value):
-    if not isinstance(value, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
+class _ValueChecks:
+    """Whether CUDA index tensors' values are checked on the host (one sync per call)."""
+
+    enabled = os.environ.get("FLASHDECODE_CHECK_SEQLENS", "0") == "1"
 
 
-def _require_rank4(name, shape, layout):
-    if len(shape) != 4:
-        raise ValueError(f"{name} must have 4 dimensions {layout}, got shape {tuple(shape)}")
+def set_value_checks(enabled: bool) -> None:
+    """Turn the host-side check of the values of CUDA ``cache_seqlens``, ``cache_batch_idx``,
+    ``cache_leftpad`` and ``block_table`` on or off (off by default: it syncs the device)."""
+    _ValueChecks.enabled = bool(enabled)
 
 
-def validate(q, k_cache, v_cache, cache_seqlens, softmax_scale, num_splits, backend, out):
-    """Check the inputs of a decode call; return (Problem, cache_seqlens as an int32 tensor or None).
+#: The name this switch had when it covered ``cache_seqlens`` only.
+set_seqlens_check = set_value_checks
 
-    None means "every row has seqlen_cache tokens", which the caller turns into a tensor only when
-    a kernel needs it. The checks depend on metadata only (types, shapes, strides, dtypes, devices,
-    the scalars), so their outcome is cached per distinct metadata: a call repeating an earlier
-    call's metadata costs the reads of that metadata (~1-2 us), not the checks. Only the values of
-    a CPU (or, when enabled, CUDA) ``cache_seqlens`` are read every time.
-    """
-    for name, tensor in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
-        _require_tensor(name, tensor)
-    if isinstance(cache_seqlens, torch.Tensor):
-        seqlens_meta = (cache_seqlens.dtype, cache_seqlens.shape, cache_seqlens.stride(), cache_seqlens.device)
-    else:
-        seqlens_meta = (type(cache_seqlens), cache_seqlens)
-    if out is not None:
-        _require_tensor("out", out)
-    meta = (_tensor_meta(q), _tensor_meta(k_cache), _tensor_meta(v_cache), seqlens_meta,
-            (type(softmax_scale), softmax_scale), (type(num_splits), num_splits), backend,
-            None if out is None else _tensor_meta(out))
+
+def tensor_meta(name, tensor):
+    """What the checks read of an argument: (dtype, device, shape, strides, 16-byte aligned) of a
+    tensor, None for None, (type, value) of anything else (rejected by the checks)."""
+    if tensor is None:
+        return None
+    if not isinstance(tensor, torch.Tensor):
+        return (type(tensor), _hashable(tensor))
+    return (tensor.dtype, tensor.device, tensor.shape, tensor.stride(), tensor.data_ptr() % 16 == 0)
+
+
+def _hashable(value):
     try:
-        problem = _checked_problem(*meta)
-    except TypeError as error:  # an unhashable argument (a list, ...): checked, and rejected, uncached
-        if "unhashable" not in str(error):
-            raise
-        problem = _checked_problem.__wrapped__(*meta)
-    if isinstance(cache_seqlens, torch.Tensor) and (cache_seqlens.device.type == "cpu" or _check_seqlens_on_device):
-        low, high = int(cache_seqlens.min()), int(cache_seqlens.max())
-        if low < 0 or high > problem.seqlen_cache:
-            raise ValueError(f"cache_seqlens must be in [0, seqlen_cache={problem.seqlen_cache}], "
-                             f"got values in [{low}, {high}]")
-    return problem, cache_seqlens
+        hash(value)
+        return value
+    except TypeError:
+        return repr(value)
 
 
-def _tensor_meta(tensor):
-    """What the checks read of a tensor: (dtype, device, shape, strides)."""
-    return tensor.dtype, tensor.device, tensor.shape, tensor.stride()
+def scalar_meta(value):
+    """(type, value) of a scalar argument, so that True and 1, equal as keys, still differ."""
+    if isinstance(value, (tuple, list)):
+        return (type(value), tuple(scalar_meta(item) for item in value))
+    if isinstance(value, torch.Tensor):
+        if value.numel() == 1 and value.device.type == "cpu" and not value.is_floating_point():
+            return (int, value.item())  # FlashAttention's own tests pass window sizes as 0-d tensors
+        return (torch.Tensor, repr(value))
+    return (type(value), _hashable(value))
 
 
-@functools.lru_cache(maxsize=1024)
-def _checked_problem(q_meta, k_meta, v_meta, seqlens_meta, scale_meta, splits_meta, backend, out_meta):
-    """Every metadata check of ``validate``; the Problem they describe (raises on the first failure).
-
-    ``q_meta``, ``k_meta``, ``v_meta`` and ``out_meta`` (or None) are ``_tensor_meta``s;
-    ``seqlens_meta`` is (dtype, shape, strides, device)
-    of a tensor or (type, value) of anything else; scalars come as (type, value), so that e.g. True
-    and 1, equal as cache keys, still differ."""
-    (q_dtype, device, q_shape, q_stride) = q_meta
-    if q_dtype not in SUPPORTED_DTYPES:
-        raise TypeError(f"q must be float16 or bfloat16, got {q_dtype}")
-    for name, (dtype, tensor_device, _, _) in (("k_cache", k_meta), ("v_cache", v_meta)):
-        if dtype != q_dtype:
-            raise TypeError(f"{name} must have q's dtype {q_dtype}, got {dtype}")
-        if tensor_device != device:
-            raise ValueError(f"{name} must be on q's device {device}, got {tensor_device}")
-    _require_rank4("q", q_shape, "(batch, seqlen_q, nheads, headdim)")
-    _require_rank4("k_cache", k_meta[2], "(batch, seqlen_cache, nheads_k, headdim)")
-    _require_rank4("v_cache", v_meta[2], "(batch, seqlen_cache, nheads_k, headdim)")
-    batch, seqlen_q, nheads, headdim = q_shape
-    k_shape = k_meta[2]
-    if batch == 0:
-        raise ValueError("q must have batch >= 1, got batch 0")
-    if seqlen_q != 1:
-        raise ValueError(f"q must have seqlen_q == 1 (decode), got q.shape[1] = {seqlen_q}")
-    if headdim not in SUPPORTED_HEADDIMS:
-        raise ValueError(f"q's head dim must be one of {SUPPORTED_HEADDIMS}, got {headdim}")
-    if k_shape[0] != batch or k_shape[3] != headdim:
-        raise ValueError(
-            f"k_cache must have shape ({batch}, seqlen_cache, nheads_k, {headdim}) to match q, "
-            f"got {tuple(k_shape)}")
-    if v_meta[2] != k_shape:
-        raise ValueError(f"v_cache must have k_cache's shape {tuple(k_shape)}, got {tuple(v_meta[2])}")
-    seqlen_cache, nheads_k = k_shape[1], k_shape[2]
-    if nheads == 0 or nheads_k == 0 or nheads % nheads_k != 0:
-        raise ValueError(f"q's nheads ({nheads}) must be a multiple of k_cache's nheads_k ({nheads_k})")
-    for name, stride in (("q", q_stride), ("k_cache", k_meta[3]), ("v_cache", v_meta[3])):
-        if stride[-1] != 1:
-            raise ValueError(f"{name} must be contiguous in its last dimension, got strides {stride}")
-    _check_seqlens(seqlens_meta, batch, seqlen_cache, device)
-    scale_type, softmax_scale = scale_meta
-    if softmax_scale is not None:
-        if scale_type is bool or not issubclass(scale_type, numbers.Real):
-            raise TypeError(f"softmax_scale must be a float or None, got {scale_type.__name__}")
-        if not math.isfinite(softmax_scale):
-            raise ValueError(f"softmax_scale must be finite, got {softmax_scale}")
-    splits_type, num_splits = splits_meta
-    if splits_type is bool or not issubclass(splits_type, numbers.Integral) or num_splits < 0:
-        raise ValueError(f"num_splits must be an int >= 0 (0: planner decides), got {num_splits!r}")
-    if backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-    if out_meta is not None:
-        out_dtype, out_device, out_shape, out_stride = out_meta
-        if out_shape != q_shape or out_dtype != q_dtype or out_device != device or out_stride[-1] != 1:
-            raise ValueError(
-                f"out must match q (shape {tuple(q_shape)}, {q_dtype}, {device}, last dim contiguous), "
-                f"got shape {tuple(out_shape)}, {out_dtype}, {out_device}, strides {out_stride}")
-    return Problem(batch, seqlen_cache, nheads, nheads_k, headdim, str(q_dtype).removeprefix("torch."))
+def _fail(kind, message):
+    raise kind(message)
 
 
-def _check_seqlens(seqlens_meta, batch, seqlen_cache, device):
-    if len(seqlens_meta) == 2:  # not a tensor: (type, value)
-        kind, value = seqlens_meta
-        if value is None:
-            return
-        if kind is bool or not issubclass(kind, int):
-            raise TypeError(f"cache_seqlens must be an int32 tensor, an int or None, got {kind.__name__}")
-        if not 0 <= value <= seqlen_cache:
-            raise ValueError(f"cache_seqlens must be in [0, seqlen_cache={seqlen_cache}], got {value}")
-        return
-    dtype, shape, stride, seqlens_device = seqlens_meta
+def _require_tensor(name, meta, rank, layout):
+    if meta is None or isinstance(meta[0], type):
+        got = "None" if meta is None else meta[0].__name__
+        _fail(TypeError, f"{name} must be a torch.Tensor, got {got}")
+    if len(meta[2]) != rank:
+        _fail(ValueError, f"{name} must have {rank} dimensions {layout}, got shape {tuple(meta[2])}")
+
+
+def _require_index(name, meta, shape, device):
+    """An int32 tensor of ``shape``, contiguous in its last dimension, on ``device``."""
+    _require_tensor(name, meta, len(shape), f"of shape {shape}")
+    dtype, tensor_device, got, stride, _ = meta
     if dtype != torch.int32:
-        raise TypeError(f"cache_seqlens must be int32, got {dtype}")
-    if shape != (batch,) or stride[0] != 1:
-        raise ValueError(f"cache_seqlens must be a contiguous tensor of shape ({batch},), "
-                         f"got shape {tuple(shape)}, strides {stride}")
-    if seqlens_device != device:
-        raise ValueError(f"cache_seqlens must be on q's device {device}, got {seqlens_device}")
+        _fail(TypeError, f"{name} must be int32, got {dtype}")
+    if tuple(got) != tuple(shape) or stride[-1] != 1:
+        _fail(ValueError, f"{name} must have shape {shape} and a contiguous last dimension, got shape "
+                          f"{tuple(got)}, strides {stride}")
+    if tensor_device != device:
+        _fail(ValueError, f"{name} must be on q's device {device}, got {tensor_device}")
+
+
+def _require_like_q(name, meta, q_dtype, device):
+    if meta[0] != q_dtype:
+        _fail(TypeError, f"{name} must have q's dtype {q_dtype}, got {meta[0]}")
+    if meta[1] != device:
+        _fail(ValueError, f"{name} must be on q's device {device}, got {meta[1]}")
+    if meta[3][-1] != 1:
+        _fail(ValueError, f"{name} must be contiguous in its last dimension, got strides {meta[3]}")
+
+
+def _int_value(name, meta, low=None):
+    kind, value = meta
+    if kind is bool or not issubclass(kind, numbers.Integral):
+        _fail(TypeError, f"{name} must be an int, got {kind.__name__} {value!r}")
+    value = int(value)
+    if low is not None and value < low:
+        _fail(ValueError, f"{name} must be >= {low}, got {value}")
+    return value
+
+
+def _window(meta, causal, seqlen_q, capacity):
+    """(window_left, window_right) in the Problem's normal form (docs/design.md, "Semantics")."""
+    kind, items = meta
+    if not issubclass(kind, (tuple, list)) or len(items) != 2:
+        _fail(TypeError, f"window_size must be a pair (left, right) of ints, got {kind.__name__} {items!r}")
+    left, right = (_int_value(f"window_size[{i}]", item, low=-1) for i, item in enumerate(items))
+    if causal:
+        right = 0  # FlashAttention's rule: causal is a right window of 0, whatever window_size[1] says
+    if seqlen_q == 1:
+        right = -1  # the single row is the last key's position: nothing lies to its right
+    left = -1 if left >= capacity else left
+    right = -1 if right >= capacity else right
+    return left, right
+
+
+def check_call(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad,
+               block_table, softmax_scale, causal, window_size, softcap, rotary_interleaved, alibi_slopes,
+               num_splits, backend, out) -> Problem:
+    """Every metadata check of a call; the Problem it describes. Tensor arguments come as
+    ``tensor_meta``, scalars as ``scalar_meta``. Raises TypeError/ValueError naming the argument."""
+    _require_tensor("q", q, 4, _BSHD)
+    q_dtype, device, (batch, seqlen_q, nheads, headdim), q_stride, q_aligned = q
+    if q_dtype not in SUPPORTED_DTYPES:
+        _fail(TypeError, f"q must be float16 or bfloat16, got {q_dtype}")
+    if q_stride[-1] != 1:
+        _fail(ValueError, f"q must be contiguous in its last dimension, got strides {q_stride}")
+    if batch == 0 or seqlen_q == 0 or nheads == 0:
+        _fail(ValueError, f"q must have batch, seqlen_q and nheads >= 1, got shape {(batch, seqlen_q, nheads, headdim)}")
+    if not 1 <= headdim <= MAX_HEADDIM:
+        _fail(ValueError, f"q's head dim must be in [1, {MAX_HEADDIM}], got {headdim}")
+    paged = block_table is not None
+    cache_layout = "(num_pages, page_size, nheads_k, headdim)" if paged else "(batch_cache, seqlen_cache, nheads_k, headdim)"
+    for name, meta in (("k_cache", k_cache), ("v_cache", v_cache)):
+        _require_tensor(name, meta, 4, cache_layout)
+        _require_like_q(name, meta, q_dtype, device)
+    if v_cache[2] != k_cache[2]:
+        _fail(ValueError, f"v_cache must have k_cache's shape {tuple(k_cache[2])}, got {tuple(v_cache[2])}")
+    rows, slots, nheads_k, cache_headdim = k_cache[2]
+    if cache_headdim != headdim:
+        _fail(ValueError, f"k_cache must have q's head dim {headdim} in its last dimension, got {tuple(k_cache[2])}")
+    if nheads_k == 0 or nheads % nheads_k:
+        _fail(ValueError, f"q's nheads ({nheads}) must be a multiple of k_cache's nheads_k ({nheads_k})")
+
+    page_size, capacity = 0, slots
+    if paged:
+        _require_tensor("block_table", block_table, 2, "(batch, max_blocks_per_sequence)")
+        _require_index("block_table", block_table, (batch, block_table[2][1]), device)
+        if cache_batch_idx is not None:
+            _fail(ValueError, "cache_batch_idx cannot be used with block_table (a paged cache is indexed by "
+                              "its block table)")
+        if slots < 1 or slots & (slots - 1):
+            _fail(ValueError, f"k_cache's page size (dimension 1 with block_table) must be a power of two, got {slots}")
+        if rows == 0:
+            _fail(ValueError, "k_cache must hold at least one page with block_table, got 0 pages")
+        page_size, capacity = slots, slots * block_table[2][1]
+    elif cache_batch_idx is not None:
+        _require_index("cache_batch_idx", cache_batch_idx, (batch,), device)
+    elif rows != batch:
+        _fail(ValueError, f"k_cache must have q's batch {batch} in dimension 0 (or pass cache_batch_idx), "
+                          f"got shape {tuple(k_cache[2])}")
+    if cache_leftpad is not None:
+        _require_index("cache_leftpad", cache_leftpad, (batch,), device)
+
+    seqlen_new = 0
+    if (k is None) != (v is None):
+        _fail(ValueError, "k and v must be given together (the new tokens to append), got only "
+                          f"{'k' if v is None else 'v'}")
+    if k is not None:
+        for name, meta in (("k", k), ("v", v)):
+            _require_tensor(name, meta, 4, "(batch, seqlen_new, nheads_k, headdim)")
+            _require_like_q(name, meta, q_dtype, device)
+        seqlen_new = k[2][1]
+        if tuple(k[2]) != (batch, seqlen_new, nheads_k, headdim) or v[2] != k[2]:
+            _fail(ValueError, f"k and v must have shape ({batch}, seqlen_new, {nheads_k}, {headdim}), got "
+                              f"{tuple(k[2])} and {tuple(v[2])}")
+        if seqlen_new > capacity:
+            _fail(ValueError, f"k must have at most the cache's capacity {capacity} tokens, got {seqlen_new}")
+        if cache_seqlens is None:
+            _fail(ValueError, "cache_seqlens is required with k and v: it says where the new tokens go")
+
+    if cache_seqlens is not None and isinstance(cache_seqlens[0], type):
+        value = _int_value("cache_seqlens", cache_seqlens)
+        if not 0 <= value <= capacity - seqlen_new:
+            _fail(ValueError, f"cache_seqlens must be in [0, {capacity - seqlen_new}] (capacity {capacity} minus "
+                              f"{seqlen_new} appended tokens), got {value}")
+    elif cache_seqlens is not None:
+        _require_index("cache_seqlens", cache_seqlens, (batch,), device)
+
+    rotary_dim = 0
+    if (rotary_cos is None) != (rotary_sin is None):
+        _fail(ValueError, "rotary_cos and rotary_sin must be given together")
+    if rotary_cos is not None:
+        if k is None:
+            _fail(ValueError, "rotary_cos/rotary_sin need k and v: rotary is applied to the appended keys and q")
+        for name, meta in (("rotary_cos", rotary_cos), ("rotary_sin", rotary_sin)):
+            _require_tensor(name, meta, 2, "(seqlen_rotary, rotary_dim / 2)")
+            if meta[0] not in (q_dtype, torch.float32) or meta[1] != device:
+                _fail(TypeError, f"{name} must be {q_dtype} or float32 on {device}, got {meta[0]} on {meta[1]}")
+            if meta[3] != (meta[2][1], 1):
+                _fail(ValueError, f"{name} must be contiguous, got strides {meta[3]}")
+        if rotary_sin[2] != rotary_cos[2]:
+            _fail(ValueError, f"rotary_sin must have rotary_cos's shape {tuple(rotary_cos[2])}, got {tuple(rotary_sin[2])}")
+        rotary_rows, half = rotary_cos[2]
+        rotary_dim = 2 * half
+        if not 0 < rotary_dim <= headdim:
+            _fail(ValueError, f"rotary_cos must have 1 to headdim/2 = {headdim // 2} columns (rotary_dim <= headdim), "
+                              f"got {half}")
+        if rotary_rows < capacity:
+            _fail(ValueError, f"rotary_cos/rotary_sin must have a row for every cache position: at least {capacity} "
+                              f"rows (the capacity), got {rotary_rows}")
+
+    alibi = ALIBI_NONE
+    if alibi_slopes is not None:
+        _require_tensor("alibi_slopes", alibi_slopes, len(alibi_slopes[2]) if isinstance(alibi_slopes[0], torch.dtype)
+                        else 1, "(nheads,) or (batch, nheads)")
+        dtype, slopes_device, shape, stride, _ = alibi_slopes
+        if dtype != torch.float32 or slopes_device != device:
+            _fail(TypeError, f"alibi_slopes must be float32 on {device}, got {dtype} on {slopes_device}")
+        if tuple(shape) not in ((nheads,), (batch, nheads)) or stride[-1] != 1:
+            _fail(ValueError, f"alibi_slopes must have shape ({nheads},) or ({batch}, {nheads}), contiguous, got "
+                              f"shape {tuple(shape)}, strides {stride}")
+        alibi = ALIBI_PER_HEAD if len(shape) == 1 else ALIBI_PER_SEQUENCE
+
+    scale_type, scale = softmax_scale
+    if scale is not None and (scale_type is bool or not issubclass(scale_type, numbers.Real) or not math.isfinite(scale)):
+        _fail(TypeError if scale_type is bool or not issubclass(scale_type, numbers.Real) else ValueError,
+              f"softmax_scale must be a finite float or None, got {scale!r}")
+    softcap_type, softcap_value = softcap
+    if softcap_type is bool or not issubclass(softcap_type, numbers.Real) or not softcap_value >= 0 \
+            or not math.isfinite(softcap_value):
+        _fail(ValueError, f"softcap must be a finite float >= 0 (0: off), got {softcap_value!r}")
+    for name, (kind, value) in (("causal", causal), ("rotary_interleaved", rotary_interleaved)):
+        if kind is not bool:
+            _fail(TypeError, f"{name} must be a bool, got {kind.__name__} {value!r}")
+    window_left, window_right = _window(window_size, causal[1], seqlen_q, capacity)
+    _int_value("num_splits", num_splits, low=0)
+    if backend[1] not in BACKENDS:
+        _fail(ValueError, f"backend must be one of {BACKENDS}, got {backend[1]!r}")
+
+    dense = q_aligned and q_stride == _contiguous_strides((batch, seqlen_q, nheads, headdim))
+    for meta in (k_cache, v_cache, k, v):
+        if meta is not None:
+            dense = dense and meta[4] and meta[3] == _contiguous_strides(meta[2])
+    if out is not None:
+        _require_tensor("out", out, 4, _BSHD)
+        _require_like_q("out", out, q_dtype, device)
+        if out[2] != q[2]:
+            _fail(ValueError, f"out must have q's shape {tuple(q[2])}, got {tuple(out[2])}")
+        dense = dense and out[4] and out[3] == _contiguous_strides(out[2])
+    return Problem(batch, capacity, nheads, nheads_k, headdim, str(q_dtype).removeprefix("torch."),
+                   seqlen_q=seqlen_q, page_size=page_size, seqlen_new=seqlen_new, rotary_dim=rotary_dim,
+                   rotary_interleaved=bool(rotary_interleaved[1]) and rotary_dim > 0,
+                   window_left=window_left, window_right=window_right, softcap=softcap_value > 0, alibi=alibi,
+                   leftpad=cache_leftpad is not None, batch_idx=cache_batch_idx is not None, dense=bool(dense))
+
+
+def _contiguous_strides(shape):
+    strides, step = [], 1
+    for size in reversed(tuple(shape)):
+        strides.append(step)
+        step *= max(size, 1)
+    return tuple(reversed(strides))
+
+
+def check_values(problem: Problem, k_cache, cache_seqlens, cache_batch_idx, cache_leftpad, block_table) -> None:
+    """Range checks of index tensors' values: always for CPU tensors, for CUDA ones when enabled.
+    Raises ValueError naming the argument and the offending range."""
+    def needed(tensor):
+        return isinstance(tensor, torch.Tensor) and (tensor.device.type == "cpu" or _ValueChecks.enabled)
+
+    limit = problem.seqlen_cache - problem.seqlen_new
+    if needed(cache_seqlens):
+        _in_range("cache_seqlens", cache_seqlens, 0, limit,
+                  f" (capacity {problem.seqlen_cache} minus {problem.seqlen_new} appended tokens)")
+    if needed(cache_batch_idx):
+        _in_range("cache_batch_idx", cache_batch_idx, 0, k_cache.shape[0] - 1, " (rows of k_cache)")
+    if needed(block_table):
+        lengths = cache_seqlens if cache_seqlens is not None else limit
+        if isinstance(lengths, torch.Tensor):
+            lengths = lengths.to(block_table.device)
+        used_blocks = -(-(lengths + problem.seqlen_new) // problem.page_size)  # only these are ever read
+        columns = torch.arange(block_table.shape[1], device=block_table.device)
+        used = columns[None, :] < (used_blocks[:, None] if isinstance(used_blocks, torch.Tensor) else used_blocks)
+        _in_range("block_table", block_table[used], 0, k_cache.shape[0] - 1, " (pages of k_cache, for the blocks "
+                  "a sequence's length uses)")
+    if needed(cache_leftpad):
+        if isinstance(cache_seqlens, torch.Tensor):
+            bad = (cache_leftpad < 0) | (cache_leftpad > cache_seqlens.to(cache_leftpad.device))
+        else:
+            bad = (cache_leftpad < 0) | (cache_leftpad > (limit if cache_seqlens is None else int(cache_seqlens)))
+        if bool(bad.any()):
+            raise ValueError(f"cache_leftpad must be in [0, cache_seqlens[b]] for every sequence b, got "
+                             f"{cache_leftpad.tolist()} with cache_seqlens {cache_seqlens if not isinstance(cache_seqlens, torch.Tensor) else cache_seqlens.tolist()}")
+
+
+def _in_range(name, tensor, low, high, why):
+    if tensor.numel() == 0:
+        return
+    least, most = int(tensor.min()), int(tensor.max())
+    if least < low or most > high:
+        raise ValueError(f"{name} must be in [{low}, {high}]{why}, got values in [{least}, {most}]")

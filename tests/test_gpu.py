@@ -10,10 +10,9 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from flashdecode import flash_decode_with_kvcache
-from flashdecode.api import resolve_backend
+from flashdecode import flash_attn_with_kvcache, flash_decode_with_kvcache, plan_for
 from flashdecode.cases import CASES, make_inputs
-from flashdecode.reference import reference_decode, relative_error
+from flashdecode.reference import reference_attention, reference_decode, relative_error
 
 pytestmark = pytest.mark.gpu
 TOLERANCE = 1e-2
@@ -106,11 +105,10 @@ def test_empty_cache(backend):
 
 @pytest.mark.parametrize("backend", KERNEL_BACKENDS)
 def test_queued_split_calls_keep_their_own_partials(backend):
-    """Eager split calls reuse a workspace per stream and thread (api._workspace): calls queued back
-    to back without a sync, and from four threads sharing the default stream, must each get their
-    own result. An end-to-end check on the device; whether the threads' launches interleave is up
-    to the scheduler, so the per-thread separation itself is tested deterministically in
-    tests/test_validate.py."""
+    """Eager split calls reuse a workspace per stream and thread (the default DecodeContext): calls
+    queued back to back without a sync, and from four threads sharing the default stream, must each
+    get their own result. Whether the threads' launches interleave is up to the scheduler, so the
+    per-thread separation itself is tested deterministically in tests/test_api.py."""
     backend_or_skip(backend)
     inputs = [make_inputs(CASES[9], device="cuda", seed=seed) for seed in range(4)]  # case 10: splits
     queued = [flash_decode_with_kvcache(*x, backend=backend) for x in inputs]
@@ -131,4 +129,76 @@ def test_queued_split_calls_keep_their_own_partials(backend):
 
 
 def test_auto_backend_is_a_kernel_on_cuda():
-    assert resolve_backend("auto", torch.device("cuda")) in KERNEL_BACKENDS
+    q, k, v, seqlens = make_inputs(CASES[0], device="cuda")
+    assert plan_for(q, k, v, cache_seqlens=seqlens).backend in KERNEL_BACKENDS
+
+
+def _paged_copy(k_cache, v_cache, page_size, generator):
+    """The caches as shuffled pages of ``page_size`` tokens and their block table."""
+    batch, seqlen, heads, dim = k_cache.shape
+    blocks = seqlen // page_size
+    order = torch.randperm(batch * blocks, generator=generator, device="cpu").to(k_cache.device)
+    table = order.view(batch, blocks).to(torch.int32)
+    k_pages = torch.empty(batch * blocks, page_size, heads, dim, dtype=k_cache.dtype, device=k_cache.device)
+    v_pages = torch.empty_like(k_pages)
+    k_pages[order] = k_cache.reshape(batch * blocks, page_size, heads, dim)
+    v_pages[order] = v_cache.reshape(batch * blocks, page_size, heads, dim)
+    return k_pages, v_pages, table
+
+
+@pytest.mark.parametrize("backend", KERNEL_BACKENDS)
+def test_graph_replays_with_new_lengths_block_tables_and_tokens(backend):
+    """One capture, several replays: new lengths, a new block table and new appended tokens are read
+    on the device at each replay (nothing about them is baked into the graph)."""
+    backend_or_skip(backend)
+    generator = torch.Generator("cpu").manual_seed(0)
+    batch, seqlen, heads_k, group, dim, page = 4, 1024, 2, 4, 128, 16
+    q = torch.randn(batch, 1, heads_k * group, dim, device="cuda", dtype=torch.bfloat16)
+    k_full = torch.randn(batch, seqlen, heads_k, dim, device="cuda", dtype=torch.bfloat16)
+    v_full = torch.randn_like(k_full)
+    k_pages, v_pages, table = _paged_copy(k_full, v_full, page, generator)
+    lengths = torch.full((batch,), 100, dtype=torch.int32, device="cuda")
+    k_new = torch.randn(batch, 1, heads_k, dim, device="cuda", dtype=torch.bfloat16)
+    v_new = torch.randn_like(k_new)
+
+    def call():
+        return flash_attn_with_kvcache(q, k_pages, v_pages, k_new, v_new, cache_seqlens=lengths, block_table=table,
+                                       backend=backend)
+
+    call()  # compile and warm up outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = call()
+    for step in range(3):
+        lengths.copy_(torch.randint(0, seqlen - 1, (batch,), generator=generator).to(torch.int32))
+        k_new.normal_()
+        v_new.normal_()
+        q.normal_()
+        new_pages, new_v_pages, new_table = _paged_copy(k_full, v_full, page, generator)
+        k_pages.copy_(new_pages)
+        v_pages.copy_(new_v_pages)
+        table.copy_(new_table)
+        expected_k, expected_v = k_pages.clone(), v_pages.clone()
+        expected = reference_attention(q, expected_k, expected_v, k_new, v_new, cache_seqlens=lengths,
+                                       block_table=table)[0]
+        graph.replay()
+        torch.cuda.synchronize()
+        assert relative_error(out, expected) < TOLERANCE, f"replay {step}"
+        assert torch.equal(k_pages, expected_k) and torch.equal(v_pages, expected_v), f"replay {step}: cache"
+
+
+@pytest.mark.parametrize("backend", KERNEL_BACKENDS)
+def test_calls_on_several_streams_at_once(backend):
+    """Each stream has its own default context (workspace): split calls queued on four streams at once."""
+    backend_or_skip(backend)
+    inputs = [make_inputs(CASES[9], device="cuda", seed=seed) for seed in range(4)]  # case 10: splits
+    streams = [torch.cuda.Stream() for _ in inputs]
+    outs = []
+    torch.cuda.synchronize()
+    for stream, x in zip(streams, inputs):
+        with torch.cuda.stream(stream):
+            outs.append(flash_decode_with_kvcache(*x, backend=backend))
+    torch.cuda.synchronize()
+    for x, out in zip(inputs, outs):
+        assert relative_error(out, reference_decode(*x)[0]) < TOLERANCE

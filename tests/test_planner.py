@@ -1,4 +1,4 @@
-"""Planner properties on every hardware profile: exact coverage, bounds, fill, and no tail."""
+"""Planner properties on every hardware profile and backend: exact coverage, bounds, fill, no tail."""
 import math
 
 import pytest
@@ -6,56 +6,62 @@ from hypothesis import given, settings, strategies as st
 
 from flashdecode.cases import CASES, case_seqlens
 from flashdecode.hardware import PROFILES
-from flashdecode.planner import Problem, plan, work_list
+from flashdecode.kernels import get_backend
+from flashdecode.planner import SHORT_CACHE, SINGLE_PASS, SPLIT, Problem, key_range, plan, work_list
 
 PROFILE_NAMES = sorted(PROFILES)
+BACKENDS = ["triton", "tilelang"]
 
 
-def problem_for(lengths, seqlen_cache, nheads_k=8, group=4, headdim=128):
-    return Problem(len(lengths), seqlen_cache, nheads_k * group, nheads_k, headdim, "bfloat16")
+def problem_for(lengths, seqlen_cache, nheads_k=8, group=4, headdim=128, **features):
+    return Problem(len(lengths), seqlen_cache, nheads_k * group, nheads_k, headdim, "bfloat16", **features)
 
 
-def assert_covers_exactly_once(p, lengths):
-    items = work_list(p, lengths)
+def assert_covers_exactly_once(p, lengths, starts=None):
+    starts = starts or [0] * len(lengths)
+    items = work_list(p, lengths, starts)
     assert len(items) <= p.programs_per_head
     assert [item.program for item in items] == list(range(len(items)))
-    for sequence, length in enumerate(lengths):
+    for sequence, (start, length) in enumerate(zip(starts, lengths)):
         mine = [item for item in items if item.sequence == sequence]
         assert mine, "every sequence gets a program (an empty one writes 0 / -inf)"
         assert [item.split for item in mine] == list(range(len(mine)))
         assert all(item.num_splits == len(mine) for item in mine)
         covered = [t for item in mine for t in range(item.token_start, item.token_end)]
-        assert covered == list(range(length)), f"sequence {sequence} not covered exactly once"
-        # Splits start on block boundaries, so every program but the last reads whole blocks.
-        assert all(item.token_start % p.block_n == 0 for item in mine)
+        assert covered == list(range(start, length)), f"sequence {sequence} not covered exactly once"
+        # Every split but the first starts on a block boundary, so programs read whole blocks.
+        assert all(item.token_start % p.block_n == 0 for item in mine[1:])
         if len(mine) > 1:
             assert all(item.tokens > 0 for item in mine), "a split sequence has no empty split"
     return items
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("profile_name", PROFILE_NAMES)
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=40, deadline=None)
 @given(data=st.data())
-def test_random_lengths_covered_exactly_once(profile_name, data):
+def test_random_key_ranges_covered_exactly_once(backend, profile_name, data):
     seqlen_cache = data.draw(st.integers(1, 70000))
     lengths = data.draw(st.lists(st.integers(0, seqlen_cache), min_size=1, max_size=96))
+    starts = [data.draw(st.integers(0, length)) for length in lengths]
     nheads_k = data.draw(st.sampled_from([1, 2, 4, 8]))
     num_splits = data.draw(st.sampled_from([0, 0, 0, 1, 2, 7]))
-    p = plan(problem_for(lengths, seqlen_cache, nheads_k), PROFILES[profile_name], num_splits)
+    p = plan(problem_for(lengths, seqlen_cache, nheads_k), PROFILES[profile_name], get_backend(backend), num_splits)
     assert 1 <= p.programs_per_head
-    items = assert_covers_exactly_once(p, lengths)
+    items = assert_covers_exactly_once(p, lengths, starts)
     if num_splits:
         capped = min(num_splits, max(1, math.ceil(seqlen_cache / p.block_n)))  # no split can be empty
         assert p.programs_per_head == len(lengths) * capped
         assert all(item.num_splits <= capped for item in items)
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("profile_name", PROFILE_NAMES)
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"case{c.number}")
-def test_matrix_cases_fill_the_machine_without_tail(profile_name, case):
+def test_matrix_cases_fill_the_machine_without_tail(backend, profile_name, case):
     profile = PROFILES[profile_name]
     lengths = case_seqlens(case.batch, case.seqlen_cache).tolist()
-    p = plan(problem_for(lengths, case.seqlen_cache, case.nheads_k, case.group), profile)
+    p = plan(problem_for(lengths, case.seqlen_cache, case.nheads_k, case.group), profile, get_backend(backend))
     items = assert_covers_exactly_once(p, lengths)
     blocks = sum(math.ceil(n / p.block_n) for n in lengths)
     programs = len(items) * case.nheads_k
@@ -68,38 +74,70 @@ def test_matrix_cases_fill_the_machine_without_tail(profile_name, case):
     assert max(item.tokens for item in items) <= 2 * mean + p.block_n
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("profile_name", PROFILE_NAMES)
-def test_skewed_batch_has_no_tail(profile_name):
+def test_skewed_batch_has_no_tail(backend, profile_name):
     lengths = [65536] + [480 + 7 * i for i in range(31)]
     profile = PROFILES[profile_name]
     for nheads_k in (4, 8):
-        p = plan(problem_for(lengths, 65536, nheads_k), profile)
+        p = plan(problem_for(lengths, 65536, nheads_k), profile, get_backend(backend))
         items = assert_covers_exactly_once(p, lengths)
         mean = sum(lengths) / len(items)
         assert max(item.tokens for item in items) <= 2 * mean
         assert len(items) * nheads_k >= profile.multiprocessors
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("profile_name", PROFILE_NAMES)
-def test_shapes_named_by_the_brief(profile_name):
-    profile = PROFILES[profile_name]
-    long_single = plan(problem_for([60000], 60000, 4), profile)
+def test_shapes_named_by_the_brief(backend, profile_name):
+    profile, chosen = PROFILES[profile_name], get_backend(backend)
+    long_single = plan(problem_for([60000], 60000, 4), profile, chosen)
     assert long_single.can_split and len(work_list(long_single, [60000])) * 4 >= profile.multiprocessors
-    big_batch = plan(problem_for([2048] * 64, 2048, 8), profile)
+    big_batch = plan(problem_for([2048] * 64, 2048, 8), profile, chosen)
     assert len(work_list(big_batch, [2048] * 64)) <= 4 * 64, "batch 64 x 2k needs few splits or none"
-    tiny = plan(problem_for([1], 1, 4), profile)
+    tiny = plan(problem_for([1], 1, 4), profile, chosen)
     assert not tiny.needs_combine and tiny.programs_per_head == 1
 
 
-def test_plan_is_cached_and_rejects_negative_splits():
-    problem = problem_for([10], 10)
-    assert plan(problem, PROFILES["h200"]) is plan(problem, PROFILES["h200"])
+def test_the_plan_names_the_kernel():
+    profile = PROFILES["h200"]
+    tilelang, triton = get_backend("tilelang"), get_backend("triton")
+    one_tile = problem_for([17] * 16, 17, 4, 8)
+    assert plan(one_tile, profile, tilelang).kernel == SHORT_CACHE  # TileLang has a short-cache kernel
+    assert plan(one_tile, profile, triton).kernel == SINGLE_PASS  # Triton does not
+    assert plan(problem_for([362] * 16, 362), profile, tilelang).kernel == SINGLE_PASS  # 6 tiles: no split
+    assert plan(problem_for([4096] * 16, 4096, 4, 8), profile, tilelang).kernel == SPLIT
+    forced = plan(one_tile, profile, tilelang, num_splits=1)
+    assert forced.kernel == SINGLE_PASS and forced.programs_per_head == 16
+
+
+def test_a_window_narrows_the_keys_planned():
+    profile, triton = PROFILES["h200"], get_backend("triton")
+    windowed = problem_for([65536], 65536, 4, 8, window_left=100)
+    assert windowed.key_span() == 101
+    assert plan(windowed, profile, triton).kernel == SINGLE_PASS  # 2 blocks: never worth a split
+    assert key_range(windowed, 65536) == (65536 - 101, 65536)
+    appended = problem_for([1000], 1000, seqlen_new=3, seqlen_q=3)
+    assert key_range(appended, 997, leftpad=10) == (10, 1000)
+    assert key_range(appended, 999) == (0, 1000)  # past the capacity: clamped (the kernels write NaN)
+
+
+def test_row_tiles_share_the_split_target():
+    profile, triton = PROFILES["h200"], get_backend("triton")
+    single = plan(problem_for([65536], 65536, 1, 8), profile, triton)
+    many_rows = plan(problem_for([65536], 65536, 1, 32, seqlen_q=16), profile, triton)
+    assert many_rows.row_tiles(problem_for([1], 1, 1, 32, seqlen_q=16)) > 1
+    assert many_rows.programs_per_head < single.programs_per_head
+
+
+def test_negative_splits_are_rejected():
     with pytest.raises(ValueError, match="num_splits"):
-        plan(problem, PROFILES["h200"], -1)
+        plan(problem_for([10], 10), PROFILES["h200"], get_backend("triton"), -1)
 
 
-def test_block_n_fits_the_shared_memory_of_each_profile():
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_block_n_fits_the_shared_memory_of_each_profile(backend):
     for profile in PROFILES.values():
         for headdim in (64, 128, 256):
-            p = plan(Problem(1, 4096, 8, 1, headdim, "float16"), profile)
+            p = plan(Problem(1, 4096, 8, 1, headdim, "float16"), profile, get_backend(backend))
             assert 2 * 2 * p.block_n * headdim * 2 <= profile.shared_memory_per_multiprocessor // 2

@@ -20,6 +20,8 @@ import torch
 from conftest import cli_fails
 from flashdecode import cases, cli, hardware, planner
 from flashdecode.profile import catalogue, geometry, ncu, report, shape, timeline
+from flashdecode.kernels import get_backend
+from flashdecode.profile.report import PLAN_BACKEND
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 FIXTURES = sorted((REPO / "tests" / "fixtures").glob("ncu_case12_*.csv"))
@@ -47,36 +49,43 @@ def test_schedule_on_known_work():
     assert geometry.schedule([0.0, 0.0], 2) == (0.0, 0.0)
 
 
+def _planning(problem, profile=H200):
+    """The plan and residency a plan-only report shows: those of its planning backend."""
+    backend = get_backend(PLAN_BACKEND)
+    plan = planner.plan(problem, profile, backend)
+    return plan, backend.resident_programs(problem, plan.config, profile)
+
+
 def test_case12_plan_figures_on_h200():
     problem, lengths = _shape(12).problem(), _shape(12).lengths()
-    plan = planner.plan(problem, H200)
+    plan, resident = _planning(problem)
     dims = _plan_section(12)["dimensions"]
     occupancy, tail = dims["occupancy"]["figures"], dims["tail"]["figures"]
     with_work = sum(planner.splits_per_sequence(plan, lengths)) * problem.nheads_k
-    assert occupancy["grid"] == [plan.programs_per_head, 8]
+    assert occupancy["grid"] == [plan.programs_per_head, 8, 1]
     assert occupancy["combine_grid"] == [8, 32]
     assert occupancy["programs_launched"] == plan.programs_per_head * 8
     assert occupancy["programs_with_work"] == with_work
     assert occupancy["programs_per_sm"] == pytest.approx(with_work / 132)
-    assert occupancy["waves"] == pytest.approx(plan.programs_per_head * 8 / (132 * planner.ASSUMED_RESIDENT_PROGRAMS))
-    assert occupancy["waves_with_work"] == pytest.approx(with_work / (132 * planner.ASSUMED_RESIDENT_PROGRAMS))
+    assert occupancy["waves"] == pytest.approx(plan.programs_per_head * 8 / (132 * resident))
+    assert occupancy["waves_with_work"] == pytest.approx(with_work / (132 * resident))
     tokens = [item.tokens for item in planner.work_list(plan, lengths)]
     assert (tail["tokens_min"], tail["tokens_max"]) == (min(tokens), max(tokens))
     assert tail["max_over_mean_work"] == pytest.approx(max(tokens) * len(tokens) / sum(lengths))
-    assert tail["slots"] == 132 * planner.ASSUMED_RESIDENT_PROGRAMS
+    assert tail["slots"] == 132 * resident
     assert set(dims) == {"occupancy", "tail"}
 
 
 def test_unsplit_single_block_case_is_a_small_grid():
     occupancy = _plan_section(1)["dimensions"]["occupancy"]  # b1 s1 hk4: one block, no split
-    assert occupancy["figures"]["grid"] == [1, 4] and occupancy["figures"]["combine_grid"] is None
+    assert occupancy["figures"]["grid"] == [1, 4, 1] and occupancy["figures"]["combine_grid"] is None
     assert occupancy["figures"]["programs_with_work"] == 4
     assert occupancy["patterns"] == ["small_grid"]
 
 
 def test_one_long_sequence_fills_exactly_one_wave():
     dims = _plan_section(13)["dimensions"]  # b1 s58966 hk8: splits x 8 heads = one wave of slots
-    slots = 132 * planner.ASSUMED_RESIDENT_PROGRAMS
+    slots = 132 * _planning(_shape(13).problem())[1]
     extra = slots // 8  # the planner's P - B
     assert dims["occupancy"]["figures"]["programs_with_work"] == extra * 8
     assert dims["occupancy"]["figures"]["waves_with_work"] == pytest.approx(extra * 8 / slots)
@@ -89,7 +98,7 @@ def test_one_long_sequence_fills_exactly_one_wave():
 def test_c500_profile_plans_with_its_own_units():
     occupancy = _plan_section(12, C500)["dimensions"]["occupancy"]["figures"]
     assert occupancy["multiprocessors"] == 104
-    assert occupancy["grid"] == list(planner.plan(_shape(12).problem(), C500).grid(_shape(12).problem()))
+    assert occupancy["grid"] == list(_planning(_shape(12).problem(), C500)[0].grid(_shape(12).problem()))
 
 
 # --- pattern rules ------------------------------------------------------------------------------

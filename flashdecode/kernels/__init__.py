@@ -1,3 +1,5 @@
-"""Kernel backends. Each exposes ``run(plan, problem, q, k_cache, v_cache, seqlens, out, lse, part_o,
-part_lse, softmax_scale)`` and ``resident_programs_for(problem, profile)``, how many of its split
-programs one multiprocessor holds at once (the planner sizes a single sequence's grid by it)."""
+"""Kernel backends: the protocol and registry (``base``), and one package per backend, imported on
+first use (``base.get_backend``)."""
+from .base import Backend, BackendError, LaunchArgs, get_backend, select
+
+__all__ = ["Backend", "BackendError", "LaunchArgs", "get_backend", "select"]

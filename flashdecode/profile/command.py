@@ -10,7 +10,8 @@ import sys
 import torch
 
 import flashdecode
-from .. import api, hardware
+from .. import hardware
+from ..kernels.base import why_not
 from ..bench.timing import Timer
 from . import ncu, timeline
 from . import shape as shapes
@@ -41,10 +42,12 @@ def run(args: argparse.Namespace) -> int:
     if not cuda and args.backend == "tilelang":
         parser.error("--backend tilelang needs a CUDA device and this machine has none; "
                      "leave --backend out for the plan-only report")
-    if cuda and args.backend == "tilelang" and not api.tilelang_available():
-        parser.error("backend 'tilelang' cannot run here: flashdecode.kernels.tilelang does not import "
-                     "or TileLang finds no nvcc")
-    backend = args.backend or (api.resolve_backend("auto", torch.device("cuda")) if cuda else None)
+    device = torch.device("cuda" if cuda else "cpu")
+    if cuda and args.backend is not None:
+        reason = why_not(args.backend, shape.problem(), device)
+        if reason is not None:
+            parser.error(f"backend {args.backend!r} cannot run here: it needs {reason}")
+    backend = args.backend or (flashdecode.plan_for(*shape.inputs(device)).backend if cuda else None)
     out = args.out or pathlib.Path("profiles") / f"{shape.label}-{backend or 'plan'}"
     report = measure(shape, backend, out, args.ncu) if cuda else plan_only(shape, backend)
     json_path, md_path = write(report, out)

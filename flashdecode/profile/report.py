@@ -16,6 +16,9 @@ from ..hardware import PROFILES, HardwareProfile
 from . import geometry, ncu
 from .catalogue import DIMENSIONS, diagnose
 from .shape import Shape
+
+#: The backend whose plan a report shows when none ran: the one ``auto`` prefers on the H200.
+PLAN_BACKEND = "tilelang"
 from .timeline import Activity, figures as timeline_figures
 
 PLAN_ONLY_PROFILES = ("h200", "c500")
@@ -40,20 +43,20 @@ def section(shape: Shape, profile: HardwareProfile, measured: Measurements | Non
             backend: str | None = None) -> dict:
     """One hardware profile's dimensions with their diagnoses; plan-only when ``measured`` is None.
 
-    The plan is ``backend``'s (``api.plan_for``); residency comes from ncu when it was measured,
-    else from the backend's own count, else the planner's assumption."""
-    from .. import api
+    The plan is ``backend``'s (``planner.plan`` over that backend's capabilities; PLAN_BACKEND when
+    none is named); residency comes from ncu when it was measured, else from the backend's own count."""
+    from ..kernels import get_backend
 
     problem, lengths = shape.problem(), shape.lengths()
     kernels = measured.counters.kernels if measured and measured.counters else []
     main = ncu.main_kernel(kernels) if kernels else None
-    plan = api.plan_for(backend, problem, profile)
-    planned = api.resident_programs(backend, problem, profile)
+    planning = get_backend(backend or PLAN_BACKEND)
+    plan = planner.plan(problem, profile, planning)
+    planned = planning.resident_programs(problem, plan.config, profile)
     resident = ncu.resident_programs(main) if main else None
     occupancy = geometry.occupancy(problem, plan, lengths, profile, resident or planned)
-    occupancy["resident_source"] = "ncu occupancy limits" if resident else (
-        f"assumed: {backend}'s resident_programs_for = {planned}" if backend
-        else f"assumed: planner.ASSUMED_RESIDENT_PROGRAMS = {planned}")
+    occupancy["resident_source"] = "ncu occupancy limits" if resident else \
+        f"assumed: {planning.name}'s resident_programs = {planned}"
     if resident:
         occupancy["residency_vs_plan"] = resident / planned
     dims = {"occupancy": _dimension(occupancy, "plan"),
@@ -66,7 +69,8 @@ def section(shape: Shape, profile: HardwareProfile, measured: Measurements | Non
             dim["diagnosis"], dim["patterns"] = f"not measured: {dim['unavailable']}", []
         else:
             dim["diagnosis"], dim["patterns"] = diagnose(key, figures)
-    return {"hardware": profile.name, "plan_only": measured is None, "plan": dataclasses.asdict(plan),
+    return {"hardware": profile.name, "plan_only": measured is None, "backend": planning.name,
+            "plan": dataclasses.asdict(plan),
             "dimensions": {key: dict(title=title, **dims[key]) for key, title in DIMENSIONS if key in dims}}
 
 
@@ -132,9 +136,8 @@ def _memory_figures(problem_bytes: int, measured: Measurements, kernels: list, m
 def plan_only(shape: Shape, backend: str | None) -> dict:
     """The report of a machine without a device: dimensions 1 and 2 for the H200 and the C500."""
     notes = ["PLAN ONLY: no CUDA device here, so nothing was run or measured; dimensions 1 and 2 come "
-             "from the planner for each hardware profile (flashdecode.hardware.PROFILES), with "
-             f"{planner.ASSUMED_RESIDENT_PROGRAMS} resident programs per multiprocessor assumed (the "
-             "planner's assumption when no backend runs)."]
+             "from the planner for each hardware profile (flashdecode.hardware.PROFILES), with the plan and "
+             f"residency of backend {backend or PLAN_BACKEND!r} (computed, not measured)."]
     return build(shape, backend, "plan-only", [section(shape, PROFILES[name]) for name in PLAN_ONLY_PROFILES],
                  notes, {})
 

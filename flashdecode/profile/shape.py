@@ -5,8 +5,10 @@ import argparse
 import dataclasses
 
 from .. import cases, planner
-from ..cli import positive_int
-from ..validate import SUPPORTED_HEADDIMS
+from ..argtypes import positive_int
+
+#: Head dims a profiled shape may take: the tuned ones.
+HEADDIMS = (64, 128, 256)
 
 DTYPES = ("bfloat16", "float16")
 SHAPE_FLAGS = ("batch", "seqlen_cache", "nheads_k", "group")
@@ -66,7 +68,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--case", type=int, help=f"a case of the matrix, 1-{len(cases.CASES)}")
     for flag in SHAPE_FLAGS:
         parser.add_argument("--" + flag.replace("_", "-"), type=positive_int, help="instead of --case: the shape")
-    parser.add_argument("--headdim", type=int, choices=SUPPORTED_HEADDIMS, default=cases.HEADDIM,
+    parser.add_argument("--headdim", type=int, choices=HEADDIMS, default=cases.HEADDIM,
                         help="with the shape flags (default %(default)s)")
     parser.add_argument("--dtype", choices=DTYPES, default="bfloat16",
                         help="with the shape flags (default %(default)s)")

@@ -1,0 +1,207 @@
+"""DecodeContext: the state calls reuse, owned by one object instead of module globals.
+
+A context memoizes validation (metadata -> Problem) and routing (Problem -> backend and Plan), and
+owns the device memory calls reuse: the float32 partials of split sequences, the sink that takes
+the lse when the caller did not ask for it, and the lengths tensors of an int ``cache_seqlens``.
+It serves calls queued in order on one stream from one host thread: a call's split kernel writes the
+partials only after the previous call's combine read them, because the stream orders them. While a
+CUDA graph is being captured, every buffer is allocated fresh so the graph owns it and may replay
+on any stream. Dropping the context frees its memory.
+
+The plain call uses a default context per (host thread, device, stream) (``default_context``);
+users who want control (a workspace per model, per layer group) create one and pass it. A context
+can also carry a Tuning and a tile config that replace the measured defaults: sweeps vary them
+this way, as values, never by reassigning module globals.
+"""
+from __future__ import annotations
+
+import dataclasses
+import threading
+
+import torch
+
+from . import compat, hardware
+from .kernels import base
+from .planner import plan as make_plan
+from .validate import check_call, check_values, scalar_meta, tensor_meta
+
+#: Entries a context's memo tables hold before they are cleared (each distinct shape is one).
+MAX_MEMO_ENTRIES = 1024
+
+
+class DecodeContext:
+    """Workspace, lse sink, lengths tensors and plans for calls on one device and stream.
+
+    ``tuning`` (a ``hardware.Tuning``) replaces the device profile's thresholds and ``auto`` order;
+    ``config`` replaces the chosen backend's tile config for the kernel its plans name."""
+
+    def __init__(self, device=None, *, tuning=None, config=None):
+        self.device = None if device is None else torch.device(device)
+        self.tuning = tuning
+        self.config = config
+        self._problems: dict = {}
+        self._routes: dict = {}
+        self._workspace = None
+        self._workspace_views: dict = {}
+        self._sink = None
+        self._sink_views: dict = {}
+        self._uniform_lengths: dict = {}
+
+    # -- what runs -------------------------------------------------------------------------------
+    def problem(self, q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
+                cache_leftpad, block_table, softmax_scale, causal, window_size, softcap, rotary_interleaved,
+                alibi_slopes, num_splits, backend, out):
+        """The call's Problem (checks memoized per metadata; raises naming the bad argument)."""
+        key = (tensor_meta("q", q), tensor_meta("k_cache", k_cache), tensor_meta("v_cache", v_cache),
+               tensor_meta("k", k), tensor_meta("v", v), tensor_meta("rotary_cos", rotary_cos),
+               tensor_meta("rotary_sin", rotary_sin),
+               tensor_meta("cache_seqlens", cache_seqlens) if isinstance(cache_seqlens, torch.Tensor)
+               else (None if cache_seqlens is None else scalar_meta(cache_seqlens)),
+               tensor_meta("cache_batch_idx", cache_batch_idx), tensor_meta("cache_leftpad", cache_leftpad),
+               tensor_meta("block_table", block_table), scalar_meta(softmax_scale), scalar_meta(causal),
+               scalar_meta(window_size), scalar_meta(softcap), scalar_meta(rotary_interleaved),
+               tensor_meta("alibi_slopes", alibi_slopes), scalar_meta(num_splits), scalar_meta(backend),
+               tensor_meta("out", out))
+        problem = self._problems.get(key)
+        if problem is None:
+            problem = check_call(*key)
+            _remember(self._problems, key, problem)
+        check_values(problem, k_cache, cache_seqlens, cache_batch_idx, cache_leftpad, block_table)
+        return problem
+
+    def route(self, problem, backend: str, num_splits: int, device: torch.device):
+        """(backend object, Plan) for a problem: ``kernels.select`` then ``planner.plan``, memoized."""
+        key = (problem, backend, num_splits, device)
+        route = self._routes.get(key)
+        if route is None:
+            profile = hardware.profile_for(device)
+            if self.tuning is not None:
+                profile = dataclasses.replace(profile, tuning=self.tuning)
+            chosen = base.select(backend, problem, device, profile)
+            route = (chosen, make_plan(problem, profile, chosen, num_splits, self.config))
+            _remember(self._routes, key, route)
+        return route
+
+    # -- device memory -----------------------------------------------------------------------------
+    def _bind(self, device: torch.device) -> None:
+        if self.device is None:
+            self.device = device
+        elif device != self.device:
+            raise ValueError(f"context is bound to {self.device}, got q on {device}: use one context per device")
+
+    def partials(self, plan, problem, device):
+        """part_o (W, Hk * q_rows, D) and part_lse (W, Hk * q_rows), float32 views of one buffer; empty
+        when the plan does not split."""
+        rows, columns, headdim = plan.workspace_rows, problem.nheads_k * problem.q_rows, problem.headdim
+        if rows == 0 or _capturing(device):
+            return _partial_views(torch.empty(rows * columns * (headdim + 1), dtype=torch.float32, device=device),
+                                  rows, columns, headdim)
+        key = (rows, columns, headdim)
+        views = self._workspace_views.get(key)
+        if views is None:
+            need = rows * columns * (headdim + 1)
+            if self._workspace is None or self._workspace.numel() < need:
+                # The old buffer goes back to the caching allocator, which reuses it on this stream
+                # only after the kernels already queued here.
+                size = max(need, 2 * self._workspace.numel()) if self._workspace is not None else need
+                self._workspace = torch.empty(size, dtype=torch.float32, device=device)
+                self._workspace_views.clear()
+            views = _partial_views(self._workspace, rows, columns, headdim)
+            _remember(self._workspace_views, key, views)
+        return views
+
+    def lse(self, problem, device, wanted: bool) -> torch.Tensor:
+        """(B, Hq, Sq) float32 for the call's lse: fresh when asked for, else a view of the sink,
+        which nothing reads."""
+        shape = (problem.batch, problem.nheads, problem.seqlen_q)
+        if wanted or _capturing(device):
+            return torch.empty(shape, dtype=torch.float32, device=device)
+        view = self._sink_views.get(shape)
+        if view is None:
+            need = shape[0] * shape[1] * shape[2]
+            if self._sink is None or self._sink.numel() < need:
+                size = max(need, 2 * self._sink.numel()) if self._sink is not None else need
+                self._sink = torch.empty(size, dtype=torch.float32, device=device)
+                self._sink_views.clear()
+            view = self._sink[:need].view(shape)
+            _remember(self._sink_views, shape, view)
+        return view
+
+    def lengths(self, problem, cache_seqlens, device) -> torch.Tensor:
+        """cache_seqlens as an int32 (B,) tensor: as given, or made once per value for an int (None:
+        the capacity; appended tokens then need an explicit length, see validate)."""
+        if isinstance(cache_seqlens, torch.Tensor):
+            return cache_seqlens
+        value = problem.seqlen_cache if cache_seqlens is None else int(cache_seqlens)
+        if _capturing(device):
+            return torch.full((problem.batch,), value, dtype=torch.int32, device=device)
+        key = (problem.batch, value)
+        tensor = self._uniform_lengths.get(key)
+        if tensor is None:
+            tensor = torch.full((problem.batch,), value, dtype=torch.int32, device=device)
+            _remember(self._uniform_lengths, key, tensor)
+        return tensor
+
+    # -- the call ----------------------------------------------------------------------------------
+    def run(self, q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None, cache_seqlens=None,
+            cache_batch_idx=None, cache_leftpad=None, block_table=None, softmax_scale=None, causal=False,
+            window_size=(-1, -1), softcap=0.0, rotary_interleaved=True, alibi_slopes=None, num_splits=0,
+            return_softmax_lse=False, backend="auto", out=None):
+        """validate -> route -> launch; returns out (and lse (B, Hq, Sq) when asked for)."""
+        problem = self.problem(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
+                               cache_leftpad, block_table, softmax_scale, causal, window_size, softcap,
+                               rotary_interleaved, alibi_slopes, num_splits, backend, out)
+        device = q.device
+        self._bind(device)
+        chosen, plan = self.route(problem, backend, int(num_splits), device)
+        result = torch.empty_like(q) if out is None else out
+        lse = self.lse(problem, device, return_softmax_lse)
+        part_o, part_lse = self.partials(plan, problem, device)
+        scale = problem.headdim ** -0.5 if softmax_scale is None else float(softmax_scale)
+        chosen.launch(plan, problem, base.LaunchArgs(
+            q, k_cache, v_cache, self.lengths(problem, cache_seqlens, device), result, lse, part_o, part_lse,
+            scale, float(softcap), k, v, rotary_cos, rotary_sin, cache_batch_idx, cache_leftpad, block_table,
+            alibi_slopes))
+        return (result, lse) if return_softmax_lse else result
+
+
+def _remember(table: dict, key, value) -> None:
+    if len(table) >= MAX_MEMO_ENTRIES:
+        table.clear()
+    table[key] = value
+
+
+def _capturing(device: torch.device) -> bool:
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
+def _partial_views(buffer: torch.Tensor, rows: int, columns: int, headdim: int):
+    """part_o and part_lse at the start of ``buffer``; part_lse starts rows * columns * headdim floats
+    in (16-byte aligned when headdim is a multiple of 4, as the TileLang kernels need)."""
+    body = rows * columns * headdim
+    return (buffer.as_strided((rows, columns, headdim), (columns * headdim, headdim, 1)),
+            buffer.as_strided((rows, columns), (columns, 1), body))
+
+
+class _DefaultContexts(threading.local):
+    """One table per host thread: (device, stream handle) -> DecodeContext."""
+
+    def __init__(self):
+        self.table: dict = {}
+
+
+_defaults = _DefaultContexts()
+#: Streams per thread whose default contexts are kept; past it the table starts again.
+MAX_DEFAULT_CONTEXTS = 16
+
+
+def default_context(device: torch.device) -> DecodeContext:
+    """The context the plain call uses on this host thread, for ``device``'s current stream."""
+    key = (device, compat.current_stream_handle(device.index if device.index is not None else
+                                                torch.cuda.current_device())) if device.type == "cuda" else (device, 0)
+    context = _defaults.table.get(key)
+    if context is None:
+        if len(_defaults.table) >= MAX_DEFAULT_CONTEXTS:
+            _defaults.table.clear()
+        context = _defaults.table[key] = DecodeContext(device)
+    return context

@@ -1,0 +1,154 @@
+"""The backend protocol, the arguments every launch takes, and the registry of backends.
+
+A backend executes plans; it decides nothing. It answers the planner's capability questions
+(which kernels it has, its default tile config for each, how many split programs one SM holds)
+and says why it cannot take a call (``limitation``). ``select`` is the one rule that picks a
+backend: the one named, or for ``"auto"`` the profile's ``Tuning.auto_order``.
+"""
+from __future__ import annotations
+
+import abc
+import dataclasses
+import importlib
+
+import torch
+
+from ..hardware import HardwareProfile
+from ..problem import Problem
+
+
+@dataclasses.dataclass
+class LaunchArgs:
+    """Everything a launch reads or writes, validated. Optional tensors are None when unused.
+
+    q, out: (B, Sq, Hq, D); k_cache, v_cache: (B_cache, S, Hk, D) or pages (num_pages, page, Hk, D);
+    k_new, v_new: (B, Sq_new, Hk, D); rotary_cos/sin: (S_ro, rotary_dim / 2); cache_seqlens,
+    cache_batch_idx, cache_leftpad: int32 (B,); block_table: int32 (B, max_blocks); alibi_slopes:
+    float32 (Hq,) or (B, Hq); lse: float32 (B, Hq, Sq); part_o (W, Hk * Sq * G, D) and part_lse
+    (W, Hk * Sq * G) float32, rows ``h * Sq * G + i * G + g``."""
+
+    q: torch.Tensor
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+    cache_seqlens: torch.Tensor
+    out: torch.Tensor
+    lse: torch.Tensor
+    part_o: torch.Tensor
+    part_lse: torch.Tensor
+    softmax_scale: float
+    softcap: float = 0.0
+    k_new: torch.Tensor | None = None
+    v_new: torch.Tensor | None = None
+    rotary_cos: torch.Tensor | None = None
+    rotary_sin: torch.Tensor | None = None
+    cache_batch_idx: torch.Tensor | None = None
+    cache_leftpad: torch.Tensor | None = None
+    block_table: torch.Tensor | None = None
+    alibi_slopes: torch.Tensor | None = None
+
+
+class Backend(abc.ABC):
+    """One implementation of the kernels. Instances live in the registry, one per process; each owns
+    its compiled kernels (bounded caches keyed by tile config)."""
+
+    name: str
+
+    def unavailable(self) -> str | None:
+        """Why this backend cannot run in this process at all (a missing package), or None."""
+        return None
+
+    @abc.abstractmethod
+    def limitation(self, problem: Problem, device: torch.device) -> str | None:
+        """What this call needs that the backend lacks, as "needs ..." text, or None if it can take it."""
+
+    @abc.abstractmethod
+    def kernels(self, problem: Problem) -> frozenset[str]:
+        """The plan kernels (``planner.KERNELS``) the backend has for this problem."""
+
+    @abc.abstractmethod
+    def default_config(self, problem: Problem, profile: HardwareProfile, kernel: str):
+        """The frozen tile config the backend runs ``kernel`` with for this problem."""
+
+    @abc.abstractmethod
+    def resident_programs(self, problem: Problem, config, profile: HardwareProfile) -> int:
+        """Split programs of this config one multiprocessor holds at once."""
+
+    @abc.abstractmethod
+    def launch(self, plan, problem: Problem, args: LaunchArgs) -> None:
+        """Queue the plan's kernels on the current stream of q's device."""
+
+
+#: Backend name -> "module:attribute" of a zero-argument factory, imported on first use (TileLang
+#: and its compiler are optional).
+REGISTRY = {
+    "tilelang": "flashdecode.kernels.tilelang.backend:TileLangBackend",
+    "triton": "flashdecode.kernels.triton.backend:TritonBackend",
+    "reference": "flashdecode.kernels.reference:ReferenceBackend",
+}
+_instances: dict[str, Backend] = {}
+
+
+class BackendError(ValueError):
+    """A named backend cannot take the call (the message says which one can)."""
+
+
+def get_backend(name: str) -> Backend:
+    """The registry's backend of this name (created on first use)."""
+    backend = _instances.get(name)
+    if backend is None:
+        if name not in REGISTRY:
+            raise ValueError(f"backend must be one of {('auto', *REGISTRY)}, got {name!r}")
+        module, attribute = REGISTRY[name].split(":")
+        try:
+            factory = getattr(importlib.import_module(module), attribute)
+        except ImportError as error:
+            factory = _unavailable_factory(name, error)
+        backend = _instances.setdefault(name, factory())
+    return backend
+
+
+def _unavailable_factory(name: str, error: ImportError):
+    reason = f"its module does not import ({error})"
+
+    class Unavailable(Backend):
+        def unavailable(self):
+            return reason
+
+        def limitation(self, problem, device):
+            return reason
+
+        def kernels(self, problem):
+            return frozenset()
+
+        def default_config(self, problem, profile, kernel):
+            raise BackendError(f"backend {name!r} cannot run: {reason}")
+
+        resident_programs = launch = default_config
+
+    Unavailable.name = name
+    return Unavailable
+
+
+def why_not(name: str, problem: Problem, device: torch.device) -> str | None:
+    """Why backend ``name`` cannot take this call on this device, or None."""
+    backend = get_backend(name)
+    return backend.unavailable() or backend.limitation(problem, device)
+
+
+def select(requested: str, problem: Problem, device: torch.device, profile: HardwareProfile) -> Backend:
+    """The backend that runs the call: the one named, else (``"auto"``) the first of the profile's
+    ``auto_order`` that can take it within its size limit; CPU tensors take the reference. Naming a
+    backend that cannot take the call raises :class:`BackendError` naming one that can."""
+    if requested != "auto":
+        reason = why_not(requested, problem, device)
+        if reason is not None:
+            able = [name for name in REGISTRY if name != requested and why_not(name, problem, device) is None]
+            hint = f"; backend {able[0]!r} can" if able else ""
+            raise BackendError(f"backend {requested!r} cannot take this call: it needs {reason}{hint}")
+        return get_backend(requested)
+    if device.type != "cuda":
+        return get_backend("reference")
+    for name, max_bytes in profile.tuning.auto_order:
+        if (max_bytes is None or problem.cache_bytes() < max_bytes) and why_not(name, problem, device) is None:
+            return get_backend(name)
+    return get_backend("reference")

@@ -1,0 +1,93 @@
+"""What one call computes, as a small frozen value: shapes, dtype and the features it uses.
+
+A :class:`Problem` is built once per distinct call metadata by ``validate`` and is the key of every
+cache downstream (plans, compiled kernels). It holds only what changes the schedule or the compiled
+kernel; runtime values (lengths, block ids, positions, the softmax scale, the softcap value) travel
+with the tensors (:class:`LaunchArgs`), so new lengths or new block tables never recompile.
+
+Coordinates (``docs/design.md``, "Semantics"): sequence b has ``L_b = cache_seqlens[b] + seqlen_new``
+keys at absolute positions ``[0, L_b)``; keys before ``cache_leftpad[b]`` are masked; query row i
+sits at absolute position ``L_b - seqlen_q + i`` (causal alignment bottom-right, as FlashAttention).
+"""
+from __future__ import annotations
+
+import dataclasses
+
+DTYPE_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4}
+
+#: ``Problem.alibi`` values: no ALiBi, one slope per query head, one per (sequence, query head).
+ALIBI_NONE, ALIBI_PER_HEAD, ALIBI_PER_SEQUENCE = 0, 1, 2
+
+
+@dataclasses.dataclass(frozen=True)
+class Problem:
+    """The shape and the features of one call, as validated from its tensors."""
+
+    batch: int
+    seqlen_cache: int  # keys one sequence can hold: the cache's length, or max_blocks * page_size when paged
+    nheads: int
+    nheads_k: int
+    headdim: int
+    dtype: str  # "float16" | "bfloat16"
+    seqlen_q: int = 1
+    page_size: int = 0  # 0: contiguous cache (batch_cache, seqlen_cache, Hk, D); else pages of this many tokens
+    seqlen_new: int = 0  # tokens of k/v appended to the cache in this call (0: none)
+    rotary_dim: int = 0  # 0: no rotary embedding
+    rotary_interleaved: bool = False  # only meaningful with rotary_dim > 0
+    window_left: int = -1  # keys a row sees before its own position; -1: unbounded
+    window_right: int = -1  # keys after it; -1: unbounded; causal is window_right == 0
+    softcap: bool = False
+    alibi: int = ALIBI_NONE
+    leftpad: bool = False  # cache_leftpad given
+    batch_idx: bool = False  # cache_batch_idx given
+    dense: bool = True  # q, caches, new k/v and out contiguous and 16-byte aligned
+
+    @property
+    def group(self) -> int:
+        return self.nheads // self.nheads_k
+
+    @property
+    def q_rows(self) -> int:
+        """Query rows one KV head serves: every query position of every head of its group."""
+        return self.seqlen_q * self.group
+
+    @property
+    def element_bytes(self) -> int:
+        return DTYPE_BYTES[self.dtype]
+
+    @property
+    def paged(self) -> bool:
+        return self.page_size > 0
+
+    @property
+    def windowed(self) -> bool:
+        """Causal or a sliding window: rows see keys up to a limit relative to their own position.
+        (``validate`` folds causal into ``window_right = 0`` and drops windows that cannot bind.)"""
+        return self.window_left >= 0 or self.window_right >= 0
+
+    @property
+    def causal(self) -> bool:
+        return self.window_left < 0 and self.window_right == 0
+
+    def key_span(self) -> int:
+        """Most keys one sequence's rows can see together: the capacity, or fewer under a left window."""
+        if self.window_left < 0:
+            return self.seqlen_cache
+        return min(self.seqlen_cache, self.seqlen_q + self.window_left)
+
+    def cache_bytes(self) -> int:
+        """Bytes of K and V a call could read: the whole capacity of every sequence."""
+        return 2 * self.batch * self.seqlen_cache * self.nheads_k * self.headdim * self.element_bytes
+
+    def features(self) -> tuple[str, ...]:
+        """The names of the features beyond plain decode this call uses (for capability checks)."""
+        names = []
+        if self.seqlen_q > 1:
+            names.append("seqlen_q>1")
+        for name, used in (("paged", self.paged), ("append", self.seqlen_new > 0), ("rotary", self.rotary_dim > 0),
+                           ("causal", self.causal), ("window", self.windowed and not self.causal),
+                           ("softcap", self.softcap), ("alibi", self.alibi != ALIBI_NONE),
+                           ("leftpad", self.leftpad), ("batch_idx", self.batch_idx)):
+            if used:
+                names.append(name)
+        return tuple(names)

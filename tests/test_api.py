@@ -1,0 +1,145 @@
+"""The public API on the CPU: FlashAttention's signature and positional order, the project's own
+name, routes, contexts, backend errors, and torch.compile through the custom ops."""
+import inspect
+import threading
+
+import pytest
+import torch
+
+import flashdecode
+from flashdecode import DecodeContext, flash_attn_with_kvcache, flash_decode_with_kvcache, plan_for
+from flashdecode.reference import reference_attention
+
+#: FlashAttention 2.8's flash_attn_with_kvcache: parameter names and defaults, in order.
+FA_SIGNATURE = [("q", None), ("k_cache", None), ("v_cache", None), ("k", None), ("v", None), ("rotary_cos", None),
+                ("rotary_sin", None), ("cache_seqlens", None), ("cache_batch_idx", None), ("cache_leftpad", None),
+                ("block_table", None), ("softmax_scale", None), ("causal", False), ("window_size", (-1, -1)),
+                ("softcap", 0.0), ("rotary_interleaved", True), ("alibi_slopes", None), ("num_splits", 0),
+                ("return_softmax_lse", False)]
+
+
+def inputs(batch=2, seqlen=32, nheads=8, nheads_k=2, headdim=64, seqlen_q=1, dtype=torch.float16, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=generator).to(dtype)
+
+    return (randn(batch, seqlen_q, nheads, headdim), randn(batch, seqlen, nheads_k, headdim),
+            randn(batch, seqlen, nheads_k, headdim),
+            torch.randint(1, seqlen + 1, (batch,), generator=generator, dtype=torch.int32))
+
+
+def test_signature_is_flash_attentions():
+    parameters = list(inspect.signature(flash_attn_with_kvcache).parameters.values())
+    positional = [(p.name, None if p.default is inspect.Parameter.empty else p.default)
+                  for p in parameters if p.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD]
+    assert positional == FA_SIGNATURE
+    extras = [p.name for p in parameters if p.kind is inspect.Parameter.KEYWORD_ONLY]
+    assert extras == ["backend", "out", "context"]
+
+
+def test_flash_attention_code_runs_unchanged():
+    """Positional arguments in FlashAttention's order, and its keywords, give the reference's answer."""
+    q, k_cache, v_cache, lengths = inputs(seqlen_q=3)
+    expected, expected_lse = reference_attention(q, k_cache, v_cache, cache_seqlens=lengths, causal=True)
+    out, lse = flash_attn_with_kvcache(q, k_cache, v_cache, None, None, None, None, lengths, None, None, None, None,
+                                       True, (-1, -1), 0.0, True, None, 0, True)
+    torch.testing.assert_close(out, expected)
+    torch.testing.assert_close(lse, expected_lse)
+    assert lse.shape == (2, 8, 3)
+    out = flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=lengths, causal=True)
+    torch.testing.assert_close(out, expected)
+
+
+def test_project_name_keeps_its_positional_lengths():
+    q, k_cache, v_cache, lengths = inputs()
+    torch.testing.assert_close(flash_decode_with_kvcache(q, k_cache, v_cache, lengths),
+                               flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=lengths))
+    out, lse = flash_decode_with_kvcache(q, k_cache, v_cache, lengths, return_softmax_lse=True)
+    assert lse.shape == (2, 8, 1) and lse.dtype == torch.float32
+
+
+def test_appended_tokens_land_in_the_cache_in_place():
+    q, k_cache, v_cache, lengths = inputs()
+    lengths = lengths.clamp(max=30)
+    k_new, v_new = torch.randn(2, 2, 2, 64).half(), torch.randn(2, 2, 2, 64).half()
+    k_copy, v_copy = k_cache.clone(), v_cache.clone()
+    expected = reference_attention(q, k_copy, v_copy, k_new, v_new, cache_seqlens=lengths)[0]
+    out = flash_attn_with_kvcache(q, k_cache, v_cache, k_new, v_new, cache_seqlens=lengths)
+    torch.testing.assert_close(out, expected)
+    assert torch.equal(k_cache, k_copy) and torch.equal(v_cache, v_copy)
+    for b, length in enumerate(lengths.tolist()):
+        assert torch.equal(k_cache[b, length:length + 2], k_new[b])
+
+
+def test_plan_for_names_the_route():
+    q, k_cache, v_cache, lengths = inputs()
+    route = plan_for(q, k_cache, v_cache, cache_seqlens=lengths)
+    assert route.backend == "reference"  # CPU tensors
+    assert route.problem.batch == 2 and route.problem.group == 4
+    assert route.plan.programs_per_head >= 1
+    assert plan_for(q, k_cache, v_cache, cache_seqlens=lengths, backend="triton").backend == "triton"
+
+
+def test_naming_a_backend_that_cannot_take_the_call_says_which_can():
+    q, k_cache, v_cache, lengths = inputs()
+    with pytest.raises(flashdecode.BackendError, match="backend 'tilelang' cannot take this call: it needs .*"
+                                                       "backend '(triton|reference)' can"):
+        flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=lengths, backend="tilelang")
+
+
+def test_an_explicit_context_owns_its_workspace():
+    q, k_cache, v_cache, lengths = inputs()
+    context = DecodeContext()
+    first = flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=lengths, context=context)
+    torch.testing.assert_close(first, flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=lengths))
+    assert context.device == torch.device("cpu")
+    with pytest.raises(ValueError, match="context is bound to cpu"):
+        flash_attn_with_kvcache(q.to("meta"), k_cache.to("meta"), v_cache.to("meta"),
+                                cache_seqlens=lengths.to("meta"), context=context)
+
+
+def test_each_thread_has_its_own_default_context():
+    from flashdecode.context import default_context
+
+    mine = default_context(torch.device("cpu"))
+    assert default_context(torch.device("cpu")) is mine
+    other = []
+    worker = threading.Thread(target=lambda: other.append(default_context(torch.device("cpu"))))
+    worker.start()
+    worker.join()
+    assert other[0] is not mine
+
+
+def test_lse_sink_and_workspace_are_reused_within_a_context():
+    context = DecodeContext("cpu")
+    route = plan_for(*inputs()[:3], cache_seqlens=16, num_splits=3, backend="triton", context=context)
+    part_o, part_lse = context.partials(route.plan, route.problem, torch.device("cpu"))
+    again = context.partials(route.plan, route.problem, torch.device("cpu"))
+    assert again[0].data_ptr() == part_o.data_ptr() and part_lse.shape == (route.plan.workspace_rows, 8)
+    sink = context.lse(route.problem, torch.device("cpu"), wanted=False)
+    assert context.lse(route.problem, torch.device("cpu"), wanted=False).data_ptr() == sink.data_ptr()
+    assert context.lse(route.problem, torch.device("cpu"), wanted=True).data_ptr() != sink.data_ptr()
+
+
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+def test_torch_compile_fullgraph(backend):
+    """The call traces under torch.compile(fullgraph=True) through the custom ops and their fakes,
+    with and without appended tokens (the append op mutates the caches)."""
+    q, k_cache, v_cache, lengths = inputs(seqlen=16)
+    lengths = lengths.clamp(max=15)
+    k_new, v_new = torch.randn(2, 1, 2, 64).half(), torch.randn(2, 1, 2, 64).half()
+
+    def step(q, k_cache, v_cache, lengths, k_new, v_new):
+        plain = flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=lengths, backend=backend)
+        appended, lse = flash_attn_with_kvcache(q, k_cache, v_cache, k_new, v_new, cache_seqlens=lengths,
+                                                return_softmax_lse=True, backend=backend)
+        return plain, appended, lse
+
+    expected_k, expected_v = k_cache.clone(), v_cache.clone()
+    expected = step(q, expected_k, expected_v, lengths, k_new, v_new)
+    compiled = torch.compile(step, fullgraph=True, backend="aot_eager")
+    got = compiled(q, k_cache, v_cache, lengths, k_new, v_new)
+    for a, b in zip(got, expected):
+        torch.testing.assert_close(a, b, atol=2e-3, rtol=2e-3)
+    assert torch.equal(k_cache, expected_k) and torch.equal(v_cache, expected_v)
