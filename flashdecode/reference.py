@@ -1,13 +1,20 @@
-"""PyTorch reference for decode attention: the oracle of every test and the CPU fallback.
+"""PyTorch references: the oracle of every test and the CPU fallback.
 
-float32 accumulation, masked softmax, one sequence at a time so only its real tokens are touched
-(no padded-cache blow-up on long contexts). Rows of length 0 give output 0 and LSE -inf.
+``reference_attention`` computes the whole ``flash_attn_with_kvcache`` surface exactly as
+``docs/design.md`` ("Semantics") defines it, one sequence at a time over only the keys that
+sequence can see, in float32 and in key chunks (a 128k-token cache costs no padded blow-up).
+``attention_ref`` is the dense masked formulation of FlashAttention's own test, the independent
+oracle that ``reference_attention`` and the kernels are checked against. Rows that see no key
+give output 0 and lse -inf in both.
 """
 from __future__ import annotations
 
 import math
 
 import torch
+
+#: Keys converted to float32 at a time by ``reference_attention`` (bounds its temporary memory).
+KEY_CHUNK = 8192
 
 
 def reference_decode(q, k_cache, v_cache, cache_seqlens, softmax_scale=None):
@@ -41,3 +48,211 @@ def relative_error(out: torch.Tensor, reference: torch.Tensor) -> float:
         raise ValueError(f"output shape {tuple(out.shape)} differs from the reference's {tuple(reference.shape)}")
     reference = reference.float()
     return float(torch.linalg.vector_norm(out.float() - reference) / torch.linalg.vector_norm(reference))
+
+
+def window_mask(positions_q, positions_k, window_left, window_right):
+    """Bool (..., Sq, Sk): key position t is inside the window of the query at position p
+    (``t <= p + window_right``, ``t >= p - window_left``; a side < 0 is unbounded)."""
+    distance = positions_k.unsqueeze(-2) - positions_q.unsqueeze(-1)  # t - p
+    inside = torch.ones_like(distance, dtype=torch.bool)
+    if window_right >= 0:
+        inside &= distance <= window_right
+    if window_left >= 0:
+        inside &= distance >= -window_left
+    return inside
+
+
+def _softmax_rows(scores, visible):
+    """(probs, lse) of masked scores; a row with no visible key has probs 0 and lse -inf."""
+    scores = scores.masked_fill(~visible, float("-inf"))
+    lse = torch.logsumexp(scores.float(), dim=-1)
+    probs = torch.softmax(scores, dim=-1).masked_fill(~visible.any(-1, keepdim=True), 0.0)
+    return probs, lse
+
+
+def attention_ref(q, k, v, key_padding_mask=None, attn_bias=None, causal=False, window_size=(-1, -1),
+                  softcap=0.0, upcast=True, reorder_ops=False, key_leftpad=None, softmax_scale=None):
+    """Dense masked attention, the oracle formulation of FlashAttention's test. Returns (out, lse).
+
+    q (B, Sq, H, D); k, v (B, Sk, Hk, D) with H a multiple of Hk; key_padding_mask (B, Sk) bool,
+    True for real keys, which must be one run ``[key_leftpad[b], end_b)``; the query row i sits at
+    position ``end_b - Sq + i`` (bottom-right alignment) for the window and ``causal`` (= right
+    window 0). ``attn_bias`` (broadcastable to (B, H, Sq, Sk)) is added after softcap and masking.
+    ``upcast=False`` computes in the inputs' dtype and ``reorder_ops`` scales k instead of q: the
+    two together estimate a same-dtype implementation's rounding error. out (B, Sq, H, D) in q's
+    dtype, lse (B, H, Sq) float32; rows with no visible key give 0 and -inf.
+    """
+    dtype = q.dtype
+    if upcast:
+        q, k, v = q.float(), k.float(), v.float()
+    batch, seqlen_q, nheads, headdim = q.shape
+    seqlen_k = k.shape[1]
+    group = nheads // k.shape[2]
+    k, v = k.repeat_interleave(group, dim=2), v.repeat_interleave(group, dim=2)
+    scale = headdim ** -0.5 if softmax_scale is None else softmax_scale
+    if reorder_ops:
+        scores = torch.einsum("bqhd,bkhd->bhqk", q, k * scale)
+    else:
+        scores = torch.einsum("bqhd,bkhd->bhqk", q * scale, k)
+    if softcap > 0:
+        scores = torch.tanh(scores / softcap) * softcap
+    device = q.device
+    start = torch.zeros(batch, dtype=torch.long, device=device) if key_leftpad is None else key_leftpad.long()
+    if key_padding_mask is None:
+        visible = torch.ones(batch, seqlen_k, dtype=torch.bool, device=device)
+        end = start + seqlen_k
+    else:
+        visible = key_padding_mask.bool()
+        end = start + visible.sum(-1)
+    visible = visible[:, None, None, :]  # (B, 1, 1, Sk)
+    window_left, window_right = int(window_size[0]), 0 if causal else int(window_size[1])
+    if window_left >= 0 or window_right >= 0:
+        positions_q = end[:, None] - seqlen_q + torch.arange(seqlen_q, device=device)
+        positions_k = torch.arange(seqlen_k, device=device).expand(batch, seqlen_k)
+        visible = visible & window_mask(positions_q, positions_k, window_left, window_right)[:, None]
+    visible = visible.expand(batch, nheads, seqlen_q, seqlen_k)
+    if attn_bias is not None:
+        scores = scores + attn_bias
+    probs, lse = _softmax_rows(scores, visible)
+    out = torch.einsum("bhqk,bkhd->bqhd", probs.to(v.dtype), v)
+    return out.to(dtype), lse
+
+
+def apply_rotary(x, cos, sin, offsets, interleaved):
+    """Rotary embedding of x (B, S, H, D) in float32, returned in x's dtype: the first
+    ``2 * cos.shape[1]`` dims rotate, token s of sequence b at position ``offsets[b] + s``
+    (``offsets`` an int or a (B,) tensor); the rest pass through. Interleaved pairs dims
+    (2c, 2c + 1), otherwise (c, c + rotary_dim / 2) (``docs/design.md``, "Semantics"). Positions
+    past the table's end stay unrotated (as FlashAttention's Triton rotary leaves them)."""
+    batch, seqlen = x.shape[:2]
+    half = cos.shape[1]
+    offsets = torch.as_tensor(offsets, device=x.device).long().reshape(-1, 1).expand(batch, 1)
+    positions = offsets + torch.arange(seqlen, device=x.device)  # (B, S)
+    inside = (positions < cos.shape[0]).unsqueeze(-1)
+    table_rows = positions.clamp(max=cos.shape[0] - 1)
+    cos_rows = torch.where(inside, cos.float()[table_rows], 1.0).unsqueeze(2)  # (B, S, 1, half)
+    sin_rows = torch.where(inside, sin.float()[table_rows], 0.0).unsqueeze(2)
+    rotated = x[..., :2 * half].float()
+    if interleaved:
+        first, second = rotated[..., 0::2], rotated[..., 1::2]
+    else:
+        first, second = rotated[..., :half], rotated[..., half:]
+    new_first = first * cos_rows - second * sin_rows
+    new_second = first * sin_rows + second * cos_rows
+    if interleaved:
+        rotated = torch.stack((new_first, new_second), dim=-1).flatten(-2)
+    else:
+        rotated = torch.cat((new_first, new_second), dim=-1)
+    return torch.cat((rotated.to(x.dtype), x[..., 2 * half:]), dim=-1)
+
+
+def _per_sequence(value, batch, default):
+    """A per-sequence int list from None (``default``), an int, or a (B,) tensor."""
+    if value is None:
+        return [default] * batch
+    if isinstance(value, int):
+        return [value] * batch
+    return [int(item) for item in value.tolist()]
+
+
+def _key_slots(b, positions, cache_rows, block_table, page_size):
+    """Index tuple into a cache for sequence b's key positions: (row, position) of a contiguous
+    cache, (page, slot) of a paged one (``docs/design.md``, "Semantics", Keys)."""
+    if block_table is None:
+        return cache_rows[b], positions
+    return block_table[b].long()[positions // page_size], positions % page_size
+
+
+def reference_attention(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None,
+                        cache_seqlens=None, cache_batch_idx=None, cache_leftpad=None, block_table=None,
+                        softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
+                        rotary_interleaved=True, alibi_slopes=None):
+    """``flash_attn_with_kvcache``'s whole surface in float32 (``docs/design.md``, "Semantics").
+
+    Appends ``k`` (rotated) and ``v`` into the caches in place, at positions ``[cache_seqlens[b],
+    + seqlen_new)`` of cache row ``cache_batch_idx[b]`` or of the pages of ``block_table[b]``, then
+    attends each sequence over only the keys it can see. ``cache_seqlens``: None (every row at
+    capacity), an int, or a (B,) tensor. Assumes validated arguments. Returns out (B, Sq, H, D) in
+    q's dtype and lse (B, H, Sq) float32.
+    """
+    batch, seqlen_q, nheads, headdim = q.shape
+    nheads_k = k_cache.shape[2]
+    group = nheads // nheads_k
+    page_size = k_cache.shape[1] if block_table is not None else 0
+    capacity = block_table.shape[1] * page_size if block_table is not None else k_cache.shape[1]
+    seqlen_new = 0 if k is None else k.shape[1]
+    lengths = _per_sequence(cache_seqlens, batch, capacity)
+    leftpads = _per_sequence(cache_leftpad, batch, 0)
+    cache_rows = list(range(batch)) if cache_batch_idx is None else _per_sequence(cache_batch_idx, batch, 0)
+    window_left, window_right = (int(side) for side in window_size)
+    if causal:
+        window_right = 0
+    window_left = -1 if window_left >= capacity else window_left
+    window_right = -1 if window_right >= capacity else window_right
+    windowed = window_left >= 0 or window_right >= 0
+    scale = headdim ** -0.5 if softmax_scale is None else softmax_scale
+    device = q.device
+    starts = torch.tensor(lengths, device=device)
+
+    if rotary_cos is not None:
+        if windowed:  # query row i at cache_seqlens[b] + i, else every row at cache_seqlens[b]
+            q = apply_rotary(q, rotary_cos, rotary_sin, starts, rotary_interleaved)
+        else:
+            rows = q.reshape(batch, 1, seqlen_q * nheads, headdim)
+            q = apply_rotary(rows, rotary_cos, rotary_sin, starts, rotary_interleaved).view_as(q)
+        if k is not None:
+            k = apply_rotary(k, rotary_cos, rotary_sin, starts, rotary_interleaved)
+    if k is not None:
+        for b in range(batch):
+            positions = torch.arange(lengths[b], lengths[b] + seqlen_new, device=device)
+            kept = positions < capacity  # writes past the capacity are skipped
+            slots = _key_slots(b, positions[kept], cache_rows, block_table, page_size)
+            k_cache[slots] = k[b][kept]
+            v_cache[slots] = v[b][kept]
+
+    out = torch.zeros(batch, seqlen_q, nheads, headdim, dtype=torch.float32, device=device)
+    lse = torch.full((batch, nheads, seqlen_q), float("-inf"), dtype=torch.float32, device=device)
+    for b in range(batch):
+        end = min(lengths[b] + seqlen_new, capacity)
+        first = max(leftpads[b], end - seqlen_q - window_left if window_left >= 0 else 0, 0)
+        if first >= end:
+            continue
+        slopes = None
+        if alibi_slopes is not None:
+            slopes = (alibi_slopes if alibi_slopes.dim() == 1 else alibi_slopes[b]).float().view(nheads_k, group, 1, 1)
+        query = q[b].float().permute(1, 0, 2).reshape(nheads_k, group * seqlen_q, headdim)
+        positions_q = end - seqlen_q + torch.arange(seqlen_q, device=device)
+        out[b], lse[b] = _attend_sequence(query, k_cache, v_cache, b, first, end, positions_q, cache_rows,
+                                          block_table, page_size, scale, softcap, window_left, window_right, slopes)
+    return out.to(q.dtype), lse
+
+
+def _attend_sequence(query, k_cache, v_cache, b, first, end, positions_q, cache_rows, block_table, page_size,
+                     scale, softcap, window_left, window_right, slopes):
+    """(out (Sq, H, D), lse (H, Sq)) of one sequence over its keys [first, end): scores chunk by
+    chunk, one masked softmax, then the values chunk by chunk. query: (Hk, G * Sq, D) float32."""
+    nheads_k, rows, headdim = query.shape
+    seqlen_q = positions_q.shape[0]
+    group = rows // seqlen_q
+    chunks = [(lo, min(lo + KEY_CHUNK, end)) for lo in range(first, end, KEY_CHUNK)]
+    device = query.device
+
+    def keys(cache, lo, hi):  # (Hk, hi - lo, D) float32
+        if block_table is None:
+            return cache[cache_rows[b], lo:hi].float().permute(1, 0, 2)
+        slots = _key_slots(b, torch.arange(lo, hi, device=device), cache_rows, block_table, page_size)
+        return cache[slots].float().permute(1, 0, 2)
+
+    scores = torch.cat([query @ keys(k_cache, lo, hi).transpose(1, 2) for lo, hi in chunks], dim=-1)
+    scores = scores.view(nheads_k, group, seqlen_q, end - first) * scale
+    if softcap > 0:
+        scores = torch.tanh(scores / softcap) * softcap
+    positions_k = torch.arange(first, end, device=device)
+    if slopes is not None:
+        scores = scores - slopes * (positions_q[:, None] - positions_k[None, :]).abs()
+    visible = window_mask(positions_q, positions_k, window_left, window_right).expand_as(scores)
+    probs, lse = _softmax_rows(scores, visible)
+    probs = probs.view(nheads_k, rows, end - first)
+    out = sum(probs[..., lo - first:hi - first] @ keys(v_cache, lo, hi) for lo, hi in chunks)
+    out = out.view(nheads_k * group, seqlen_q, headdim).transpose(0, 1)
+    return out, lse.reshape(nheads_k * group, seqlen_q)

@@ -1,0 +1,351 @@
+"""FlashAttention 2.8.3's ``test_flash_attn_kvcache`` grid, rebuilt: its axes, values, skips, inputs
+and tolerance rule, plus deterministic stratified samples of the grid and a per-feature report.
+
+One combo of the grid is checked as FlashAttention checks it: the caches are materialized per
+sequence (pages gathered through the block table, rows through ``cache_batch_idx``), the appended
+tokens written into that copy, K/V repeated for GQA, and the dense float32 ``attention_ref`` on a
+key padding mask is the oracle. The system's error must be at most 3x (5x with ALiBi) that of a
+same-dtype PyTorch run (``upcast=False, reorder_ops=True``) plus 1e-5; the cache after the call
+must hold the appended k (rotated) within 1e-3 and exactly the appended v.
+
+Beyond FlashAttention's list: dtypes float16 and bfloat16 (its list has float16 only),
+``has_batch_idx`` True too (its list has only False, True commented out), and the lse is checked by
+the same rule as the output. ALiBi's bias is ``-slope * |p_i - t|`` for every row (FlashAttention's
+causal variant differs from it by a per-row constant, which no softmax sees; this one also fixes lse).
+"""
+from __future__ import annotations
+
+import collections
+import contextlib
+import dataclasses
+import itertools
+import json
+import math
+import random
+import zlib
+
+import pytest
+import torch
+
+from flashdecode.reference import apply_rotary, attention_ref
+
+SEQLEN_PAIRS = ((1, 128), (1, 339), (3, 1024), (64, 800), (64, 256), (3, 799), (64, 2048), (16, 20000),
+                (1, 128 * 1024), (16, 128 * 1024), (128, 128))
+
+#: The grid's axes and values, in FlashAttention's order (``seqlens`` is its (seqlen_q, seqlen_k)).
+AXES = {
+    "dtype": ("float16", "bfloat16"),
+    "num_splits": (1, 0),
+    "mha_type": ("mha", "mqa", "gqa"),
+    "new_kv": (False, True),
+    "alibi": (False, True),
+    "local": (False, True),
+    "causal": (False, True),
+    "seqlen_new_eq_seqlen_q": (True, False),
+    "rotary_interleaved": (False, True),
+    "rotary_fraction": (0.0, 0.5, 1.0),
+    "paged_kv_block_size": (None, 256),
+    "has_leftpad": (False, True),
+    "has_batch_idx": (False, True),
+    "d": (32, 59, 64, 80, 128, 256),
+    "seqlens": SEQLEN_PAIRS,
+}
+BATCH, NHEADS = 2, 6
+NHEADS_K = {"mha": 6, "mqa": 1, "gqa": 3}
+
+
+@dataclasses.dataclass(frozen=True)
+class Combo:
+    """One point of the grid."""
+
+    dtype: str
+    num_splits: int
+    mha_type: str
+    new_kv: bool
+    alibi: bool
+    local: bool
+    causal: bool
+    seqlen_new_eq_seqlen_q: bool
+    rotary_interleaved: bool
+    rotary_fraction: float
+    paged_kv_block_size: int | None
+    has_leftpad: bool
+    has_batch_idx: bool
+    d: int
+    seqlens: tuple
+
+    @property
+    def id(self) -> str:
+        seqlen_q, seqlen_k = self.seqlens
+        flags = [name for name, on in (("newkv", self.new_kv), ("alibi", self.alibi), ("local", self.local),
+                                       ("causal", self.causal), ("leftpad", self.has_leftpad),
+                                       ("bidx", self.has_batch_idx)) if on]
+        if self.new_kv:
+            flags.append("neweq" if self.seqlen_new_eq_seqlen_q else "newlt")
+        if self.rotary_fraction:
+            flags.append(f"rot{self.rotary_fraction}{'i' if self.rotary_interleaved else 'h'}")
+        if self.paged_kv_block_size:
+            flags.append(f"page{self.paged_kv_block_size}")
+        return "-".join([f"{self.dtype}", f"q{seqlen_q}k{seqlen_k}", f"d{self.d}", self.mha_type,
+                         f"splits{self.num_splits}", *flags])
+
+    def features(self) -> list[str]:
+        """``axis=value`` of every axis: the keys of the report."""
+        return [f"{axis}={getattr(self, axis)}" for axis in AXES]
+
+
+def skip_reason(combo: Combo) -> str | None:
+    """FlashAttention's own skips of its grid (combos it does not run)."""
+    seqlen_q, seqlen_k = combo.seqlens
+    if seqlen_q > seqlen_k and combo.new_kv:
+        return "seqlen_q > seqlen_k with new k/v"
+    if not combo.new_kv and combo.rotary_fraction > 0:
+        return "rotary without new k/v"
+    if combo.paged_kv_block_size and (combo.has_batch_idx or combo.has_leftpad):
+        return "paged with cache_batch_idx or cache_leftpad"
+    return None
+
+
+def _axes(dtypes, max_seqlen_k):
+    axes = dict(AXES, dtype=tuple(dtypes))
+    if max_seqlen_k is not None:
+        axes["seqlens"] = tuple(pair for pair in SEQLEN_PAIRS if pair[1] <= max_seqlen_k)
+    return axes
+
+
+def full_grid(dtypes=AXES["dtype"], max_seqlen_k=None) -> list[Combo]:
+    """Every combo FlashAttention runs (its skips removed), for these dtypes and sizes."""
+    axes = _axes(dtypes, max_seqlen_k)
+    combos = (Combo(*values) for values in itertools.product(*axes.values()))
+    return [combo for combo in combos if skip_reason(combo) is None]
+
+
+def sample(count, seed, dtypes=AXES["dtype"], max_seqlen_k=None, pool=16) -> list[Combo]:
+    """``count`` distinct combos, deterministic for ``seed``, stratified over pairs of features:
+    each pick is the one of ``pool`` random runnable combos whose (axis=value, axis=value) pairs
+    have been seen least, so every value (and nearly every pair of values) appears evenly."""
+    axes = _axes(dtypes, max_seqlen_k)
+    rng = random.Random(seed)
+    pair_counts = collections.Counter()
+    chosen = {}
+
+    def draw():
+        while True:
+            combo = Combo(*(rng.choice(values) for values in axes.values()))
+            if skip_reason(combo) is None:
+                return combo
+
+    def novelty(pairs):
+        return sum(1.0 / (1 + pair_counts[pair]) for pair in pairs)
+
+    for _ in range(count):
+        candidates = [combo for combo in (draw() for _ in range(pool)) if combo not in chosen]
+        if not candidates:
+            continue
+        scored = [(list(itertools.combinations(combo.features(), 2)), combo) for combo in candidates]
+        pairs, best = max(scored, key=lambda item: novelty(item[0]))
+        pair_counts.update(pairs)
+        chosen[best] = None
+    return list(chosen)
+
+
+def padding_mask(seqlen_k, ends, leftpads=None):
+    """(B, seqlen_k) bool: keys ``[leftpads[b], ends[b])`` are real."""
+    positions = torch.arange(seqlen_k, device=ends.device)
+    mask = positions < ends[:, None]
+    if leftpads is not None:
+        mask &= positions >= leftpads[:, None]
+    return mask
+
+
+def alibi_bias(slopes, seqlen_q, key_padding_mask, leftpads=None):
+    """(B, H, Sq, Sk) ALiBi bias ``-slope * |p_i - t|``, with query row i at ``p_i = end_b - Sq + i``
+    (``end_b``: one past sequence b's last real key). slopes (H,) or (B, H)."""
+    batch, seqlen_k = key_padding_mask.shape
+    device = key_padding_mask.device
+    start = torch.zeros(batch, dtype=torch.long, device=device) if leftpads is None else leftpads.long()
+    ends = start + key_padding_mask.sum(-1)
+    positions_q = ends[:, None] - seqlen_q + torch.arange(seqlen_q, device=device)  # (B, Sq)
+    distance = (positions_q[:, :, None] - torch.arange(seqlen_k, device=device)).abs().float()
+    return -slopes.float().expand(batch, -1)[:, :, None, None] * distance[:, None]
+
+
+def materialize_pages(pages, block_table, seqlen_k):
+    """(B, seqlen_k, Hk, D): each sequence's keys gathered from its pages in block-table order."""
+    batch = block_table.shape[0]
+    gathered = pages[block_table.long().flatten()]
+    return gathered.view(batch, -1, *pages.shape[2:])[:, :seqlen_k]
+
+
+@dataclasses.dataclass
+class Case:
+    """One combo's inputs (``call`` kwargs) and what FlashAttention's test expects of them."""
+
+    call: dict
+    k_cache_ref: torch.Tensor  # each sequence's cache after the append, materialized
+    v_cache_ref: torch.Tensor
+    out_ref: torch.Tensor
+    lse_ref: torch.Tensor
+    out_pt: torch.Tensor
+    lse_pt: torch.Tensor
+
+
+def make_case(combo: Combo, device) -> Case:
+    """The inputs of ``combo`` drawn as FlashAttention's test draws them (seeded by the combo's
+    id), and the expected outputs and caches."""
+    generator = torch.Generator(device=device).manual_seed(zlib.crc32(combo.id.encode()))
+    dtype = getattr(torch, combo.dtype)
+    seqlen_q, seqlen_k = combo.seqlens
+    d, nheads_k = combo.d, NHEADS_K[combo.mha_type]
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=generator, device=device, dtype=dtype)
+
+    def randint(low, high, shape=(1,)):
+        return torch.randint(low, high, shape, generator=generator, device=device, dtype=torch.int32)
+
+    batch_cache = 2 * BATCH if combo.has_batch_idx else BATCH
+    rotary_dim = int(combo.rotary_fraction * d) // 16 * 16
+    window = tuple(randint(0, seqlen_k, (2,)).tolist()) if combo.local else (-1, -1)
+    q = randn(BATCH, seqlen_q, NHEADS, d)
+    seqlen_new = seqlen_q if combo.seqlen_new_eq_seqlen_q else int(randint(1, seqlen_q + 1))
+    k = randn(BATCH, seqlen_new, nheads_k, d) if combo.new_kv else None
+    v = randn(BATCH, seqlen_new, nheads_k, d) if combo.new_kv else None
+    block_table = None
+    if combo.paged_kv_block_size:
+        page = combo.paged_kv_block_size
+        num_pages = math.ceil(seqlen_k / page) * BATCH * 3
+        k_pages, v_pages = randn(num_pages, page, nheads_k, d), randn(num_pages, page, nheads_k, d)
+        block_table = torch.randperm(num_pages, generator=generator, device=device).to(torch.int32).view(BATCH, -1)
+        k_cache = materialize_pages(k_pages, block_table, seqlen_k)
+        v_cache = materialize_pages(v_pages, block_table, seqlen_k)
+        rotary_rows = num_pages * page
+    else:
+        k_pages = k_cache = randn(batch_cache, seqlen_k, nheads_k, d)
+        v_pages = v_cache = randn(batch_cache, seqlen_k, nheads_k, d)
+        rotary_rows = seqlen_k
+    if combo.new_kv:  # the room left for the new tokens (for q too when its rows rotate one by one)
+        room = seqlen_q if (combo.causal or combo.local) and rotary_dim > 0 else seqlen_new
+        cache_seqlens = randint(0, seqlen_k - room + 1, (BATCH,))
+    else:
+        cache_seqlens = randint(1, seqlen_k + 1, (BATCH,))
+    leftpad = None
+    if combo.has_leftpad:
+        leftpad = torch.cat([randint(0, n) if n > 0 else randint(0, 1) for n in cache_seqlens.tolist()])
+    key_padding_mask = padding_mask(seqlen_k, cache_seqlens + (seqlen_new if combo.new_kv else 0), leftpad)
+    batch_idx = None
+    if combo.has_batch_idx:
+        batch_idx = torch.randperm(batch_cache, generator=generator, device=device)[:BATCH].to(torch.int32)
+    slopes = bias = None
+    if combo.alibi:
+        slopes = torch.rand(BATCH, NHEADS, generator=generator, device=device) * 0.3
+        bias = alibi_bias(slopes, seqlen_q, key_padding_mask, leftpad)
+    cos = sin = None
+    q_ro, k_ro = q, k
+    if rotary_dim > 0:
+        angle = torch.rand(rotary_rows, rotary_dim // 2, generator=generator, device=device) * 2 * math.pi
+        cos, sin = torch.cos(angle).to(dtype), torch.sin(angle).to(dtype)
+        if combo.causal or combo.local:
+            q_ro = apply_rotary(q, cos, sin, cache_seqlens, combo.rotary_interleaved)
+        else:  # every query row at position cache_seqlens[b]
+            rows = q.reshape(BATCH, 1, seqlen_q * NHEADS, d)
+            q_ro = apply_rotary(rows, cos, sin, cache_seqlens, combo.rotary_interleaved).view_as(q)
+        k_ro = apply_rotary(k, cos, sin, cache_seqlens, combo.rotary_interleaved)
+    selected = slice(None) if batch_idx is None else batch_idx.long()
+    k_cache_ref, v_cache_ref = k_cache[selected].clone(), v_cache[selected].clone()
+    if combo.new_kv:
+        for b, start in enumerate(cache_seqlens.tolist()):
+            k_cache_ref[b, start:start + seqlen_new] = k_ro[b]
+            v_cache_ref[b, start:start + seqlen_new] = v[b]
+    group = NHEADS // nheads_k
+    k_rep, v_rep = k_cache_ref.repeat_interleave(group, dim=2), v_cache_ref.repeat_interleave(group, dim=2)
+    masks = dict(key_padding_mask=key_padding_mask, attn_bias=bias, causal=combo.causal, window_size=window,
+                 key_leftpad=leftpad)
+    out_ref, lse_ref = attention_ref(q_ro, k_rep, v_rep, **masks)
+    out_pt, lse_pt = attention_ref(q_ro, k_rep, v_rep, **masks, upcast=False, reorder_ops=True)
+    call = dict(q=q, k_cache=k_pages, v_cache=v_pages, k=k, v=v, rotary_cos=cos, rotary_sin=sin,
+                cache_seqlens=cache_seqlens, cache_batch_idx=batch_idx, cache_leftpad=leftpad, block_table=block_table,
+                causal=combo.causal, window_size=window, rotary_interleaved=combo.rotary_interleaved,
+                alibi_slopes=slopes, num_splits=combo.num_splits, return_softmax_lse=True)
+    return Case(call, k_cache_ref, v_cache_ref, out_ref, lse_ref, out_pt, lse_pt)
+
+
+def within_rule(name, got, ref, pt, mult):
+    """FlashAttention's rule: max |got - ref| <= mult * max |pt - ref| + 1e-5 (rows of -inf lse
+    must match exactly)."""
+    got, ref, pt = got.float(), ref.float(), pt.float()
+    empty = torch.isneginf(ref)
+    assert torch.equal(torch.isneginf(got), empty), f"{name}: rows without keys differ from the reference's"
+    error = (got - ref)[~empty].abs().max().item() if (~empty).any() else 0.0
+    pt_error = (pt - ref)[~empty].abs().max().item() if (~empty).any() else 0.0
+    assert error <= mult * pt_error + 1e-5, f"{name}: max error {error:.3g} > {mult} x PyTorch's {pt_error:.3g} + 1e-5"
+
+
+def check_combo(combo: Combo, device, function) -> None:
+    """Run ``function(**case.call) -> (out, lse)`` on the combo's inputs and check it as
+    FlashAttention does (module docstring)."""
+    case = make_case(combo, device)
+    out, lse = function(**case.call)
+    assert out.shape == case.out_ref.shape and out.dtype == case.out_ref.dtype, (out.shape, out.dtype)
+    if combo.new_kv:
+        call = case.call
+        if combo.paged_kv_block_size:
+            seqlen_k = combo.seqlens[1]
+            k_cache = materialize_pages(call["k_cache"], call["block_table"], seqlen_k)
+            v_cache = materialize_pages(call["v_cache"], call["block_table"], seqlen_k)
+        else:
+            selected = slice(None) if call["cache_batch_idx"] is None else call["cache_batch_idx"].long()
+            k_cache, v_cache = call["k_cache"][selected], call["v_cache"][selected]
+        # FlashAttention's 1e-3, for float16; bfloat16's ulp is 8x wider (a rotation rounded otherwise)
+        tolerance = 1e-3 if combo.dtype == "float16" else 8e-3
+        assert torch.allclose(k_cache, case.k_cache_ref, rtol=tolerance, atol=tolerance), "k_cache after the append"
+        assert torch.equal(v_cache, case.v_cache_ref), "v_cache after the append"
+    mult = 5 if combo.alibi else 3
+    assert not out.isnan().any(), "NaN in the output"
+    within_rule("out", out, case.out_ref, case.out_pt, mult)
+    within_rule("lse", lse, case.lse_ref, case.lse_pt, mult)
+
+
+class GridReport:
+    """Pass/fail/skip counts per (tier, backend, dtype) and per ``axis=value`` feature, as JSON."""
+
+    MAX_FAILURES = 50  # failures listed per (tier, backend, dtype)
+
+    def __init__(self):
+        self.entries = {}
+
+    def record(self, tier, backend, combo: Combo, outcome, message=""):
+        entry = self.entries.setdefault((tier, backend, combo.dtype), {
+            "total": collections.Counter(), "features": collections.defaultdict(collections.Counter), "failures": []})
+        entry["total"][outcome] += 1
+        for feature in combo.features():
+            entry["features"][feature][outcome] += 1
+        if outcome == "fail" and len(entry["failures"]) < self.MAX_FAILURES:
+            entry["failures"].append({"id": combo.id, "message": message[:300]})
+
+    @contextlib.contextmanager
+    def recording(self, tier, backend, combo: Combo):
+        """Records the outcome of the block: pass, skip (pytest.skip), or fail (any exception)."""
+        try:
+            yield
+        except pytest.skip.Exception as skipped:
+            self.record(tier, backend, combo, "skip", str(skipped))
+            raise
+        except Exception as error:
+            self.record(tier, backend, combo, "fail", f"{type(error).__name__}: {error}")
+            raise
+        else:
+            self.record(tier, backend, combo, "pass")
+
+    def as_dict(self):
+        report = {}
+        for (tier, backend, dtype), entry in sorted(self.entries.items()):
+            report.setdefault(tier, {}).setdefault(backend, {})[dtype] = {
+                "total": dict(entry["total"]),
+                "features": {name: dict(counts) for name, counts in sorted(entry["features"].items())},
+                "failures": entry["failures"]}
+        return report
+
+    def write(self, path):
+        with open(path, "w") as file:
+            json.dump(self.as_dict(), file, indent=1)

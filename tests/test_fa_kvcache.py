@@ -1,0 +1,72 @@
+"""FlashAttention's ``test_flash_attn_kvcache`` grid against the public call (``tests/fa_grid.py``
+says what is checked and where it departs from FlashAttention's list).
+
+CPU tier (unmarked): a seeded sample of 32 float16 combos with seqlen_k <= 1024, each for the
+"reference" backend and for "triton" (under its interpreter without CUDA; bfloat16 is wrong there).
+GPU tier (``gpu`` marker): "triton" and "tilelang", float16 and bfloat16, on
+FLASHDECODE_FA_GRID="sample" (default: 2000 combos stratified over pairs of features) or "full"
+(all 506,880 combos per backend: about a million tests, hours). A backend that cannot take a combo
+raises BackendError: that combo is skipped with its message. With FLASHDECODE_FA_GRID_REPORT=PATH,
+pass/fail/skip counts per tier, backend, dtype and feature are written there as JSON.
+"""
+import os
+
+import pytest
+
+import fa_grid
+import flashdecode
+from conftest import HAS_CUDA
+from flashdecode.kernels.base import BackendError
+
+DEVICE = "cuda" if HAS_CUDA else "cpu"
+CPU_COMBOS = fa_grid.sample(32, seed=2024, dtypes=("float16",), max_seqlen_k=1024)
+GRID_SIZE = os.environ.get("FLASHDECODE_FA_GRID", "sample")
+if GRID_SIZE not in ("sample", "full"):
+    raise ValueError(f"FLASHDECODE_FA_GRID must be 'sample' or 'full', got {GRID_SIZE!r}")
+GPU_COMBOS = fa_grid.full_grid() if GRID_SIZE == "full" else fa_grid.sample(2000, seed=2025)
+REPORT = fa_grid.GridReport()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def write_report():
+    yield
+    path = os.environ.get("FLASHDECODE_FA_GRID_REPORT")
+    if path:
+        REPORT.write(path)
+
+
+def public_call(backend):
+    """flashdecode.flash_attn_with_kvcache with ``backend``; a combo it cannot take is skipped."""
+    def call(**arguments):
+        try:
+            return flashdecode.flash_attn_with_kvcache(**arguments, backend=backend)
+        except BackendError as error:
+            pytest.skip(f"{backend}: {error}")
+    return call
+
+
+def run(tier, backend, combo):
+    with REPORT.recording(tier, backend, combo):
+        fa_grid.check_combo(combo, DEVICE, public_call(backend))
+
+
+@pytest.mark.parametrize("combo", CPU_COMBOS, ids=lambda combo: combo.id)
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+def test_kvcache_grid_sample(backend, combo):
+    run("cpu", backend, combo)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("combo", GPU_COMBOS, ids=lambda combo: combo.id)
+@pytest.mark.parametrize("backend", ["triton", "tilelang"])
+def test_kvcache_grid_gpu(backend, combo):
+    run("gpu", backend, combo)
+
+
+def test_sample_covers_every_value_several_times():
+    """The CPU sample's stratification: each axis value of its restricted grid in >= 3 combos."""
+    for axis, values in fa_grid.AXES.items():
+        for value in values:
+            if axis == "dtype" and value != "float16" or axis == "seqlens" and value[1] > 1024:
+                continue
+            assert sum(getattr(combo, axis) == value for combo in CPU_COMBOS) >= 3, (axis, value)
