@@ -1,207 +1,352 @@
-"""Triton kernels against the reference, on CPU tensors under TRITON_INTERPRET=1 (CUDA tensors on a GPU).
+"""The Triton backend against ``flashdecode.reference.reference_attention``, feature by feature, on
+CPU tensors under TRITON_INTERPRET=1 (CUDA tensors on a GPU).
 
-Triton's interpreter computes bfloat16 wrongly (a known upstream limitation: it has no bf16 numpy
-type), so these tests use float16; bfloat16 runs in the GPU tests.
+Most calls go through the public ``flash_attn_with_kvcache``; those that need what it does not allow
+(a small tile config so short caches span many blocks and splits, float32, values the public call
+rejects) launch the backend with a plan from ``flashdecode.plan_for`` / ``planner.plan``. Triton's
+interpreter computes bfloat16 wrongly (it has no bf16 numpy type), so these use float16 and float32.
 
-Tolerances: the kernel rounds P to float16 before the PV product and accumulates in float32, so its
-relative L2 error against the float32 reference is ~1e-3; we allow 5e-3. A real bug (a block read
-twice or skipped, a wrong head mapping, a mask off by one, a bad combine weight) moves the output
-by O(1/length) or more of a unit-variance signal, far beyond 5e-3 on these short sequences, and the
-LSE by more than its 2e-3 tolerance.
+Tolerances: the kernel rounds P to the input dtype before the PV product and accumulates in float32,
+so its relative L2 error against the float32 reference is ~1e-3; we allow 5e-3. A real bug (a block
+read twice or skipped, a wrong row or head, a mask off by one, a token not rotated) moves the output
+of these unit-variance inputs far more, and the lse by more than its 2e-3.
 """
+from __future__ import annotations
 
-import os
+import dataclasses
 
 import pytest
 import torch
 
 from conftest import HAS_CUDA
-from flashdecode import flash_decode_with_kvcache
-from flashdecode.api import run_kernels
-from flashdecode.hardware import profile_for
-from flashdecode.planner import Problem, plan
-from flashdecode.reference import reference_decode, relative_error
+from flashdecode import flash_attn_with_kvcache, plan_for
+from flashdecode.hardware import PROFILES, profile_for
+from flashdecode.kernels.base import LaunchArgs
+from flashdecode.kernels.triton.backend import TritonBackend, TritonConfig
+from flashdecode.planner import SINGLE_PASS, SPLIT, plan
+from flashdecode.problem import Problem
+from flashdecode.reference import reference_attention, relative_error
 
 DEVICE = "cuda" if HAS_CUDA else "cpu"
 OUT_TOLERANCE = 5e-3
 LSE_TOLERANCE = 2e-3
+#: Short caches span many blocks and splits: 16-key blocks, 16-row tiles, 2 partials per combine step.
+SMALL = TritonConfig(block_n=16, block_m=16, num_warps=4, num_stages=2, combine_step=2)
+BACKEND = TritonBackend()
 
 
-def random_inputs(batch, seqlen_cache, nheads_k, group, headdim, lengths, dtype=torch.float16, seed=0):
+@dataclasses.dataclass
+class Call:
+    """One call's arguments: q, the caches, and the keyword arguments of flash_attn_with_kvcache."""
+
+    q: torch.Tensor
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+    kwargs: dict
+
+
+def make_call(batch=2, capacity=100, nheads_k=2, group=3, headdim=64, seqlen_q=1, lengths=None, page_size=0,
+              seqlen_new=0, rotary_dim=0, interleaved=False, causal=False, window=(-1, -1), softcap=0.0, alibi=None,
+              leftpad=None, batch_idx=False, dtype=torch.float16, seed=0) -> Call:
+    """Random inputs (never zeros). Paged caches hold ``capacity`` tokens per sequence in shuffled
+    pages (3 spare); ``batch_idx`` gives 2 spare cache rows in shuffled order; ``lengths`` default
+    to the capacity minus the appended tokens, then 5 fewer per sequence."""
     generator = torch.Generator().manual_seed(seed)
 
     def randn(*shape):
         return torch.randn(*shape, generator=generator).to(dtype).to(DEVICE)
 
-    q = randn(batch, 1, nheads_k * group, headdim)
-    k = randn(batch, seqlen_cache, nheads_k, headdim)
-    v = randn(batch, seqlen_cache, nheads_k, headdim)
-    return q, k, v, torch.tensor(lengths, dtype=torch.int32, device=DEVICE)
+    def index(values):
+        return torch.tensor(values, dtype=torch.int32, device=DEVICE)
+
+    kwargs = dict(causal=causal, window_size=window, softcap=softcap)
+    if page_size:
+        max_blocks = -(-capacity // page_size)
+        pages = batch * max_blocks + 3
+        k_cache, v_cache = randn(pages, page_size, nheads_k, headdim), randn(pages, page_size, nheads_k, headdim)
+        order = torch.randperm(pages, generator=generator)[:batch * max_blocks]
+        kwargs["block_table"] = index(order.view(batch, max_blocks).tolist())
+        capacity = max_blocks * page_size
+    else:
+        rows = batch + 2 if batch_idx else batch
+        k_cache, v_cache = randn(rows, capacity, nheads_k, headdim), randn(rows, capacity, nheads_k, headdim)
+        if batch_idx:
+            kwargs["cache_batch_idx"] = index(torch.randperm(rows, generator=generator)[:batch].tolist())
+    if lengths is None:
+        lengths = [max(0, capacity - seqlen_new - 5 * b) for b in range(batch)]
+    kwargs["cache_seqlens"] = index(lengths)
+    if seqlen_new:
+        kwargs.update(k=randn(batch, seqlen_new, nheads_k, headdim), v=randn(batch, seqlen_new, nheads_k, headdim))
+    if rotary_dim:
+        frequencies = 1.0 / 10000 ** (torch.arange(rotary_dim // 2) / (rotary_dim // 2))
+        angles = torch.arange(capacity)[:, None] * frequencies[None, :]
+        kwargs.update(rotary_cos=angles.cos().to(dtype).to(DEVICE), rotary_sin=angles.sin().to(dtype).to(DEVICE),
+                      rotary_interleaved=interleaved)
+    nheads = nheads_k * group
+    if alibi == "head":
+        kwargs["alibi_slopes"] = torch.rand(nheads, generator=generator).to(DEVICE)
+    elif alibi == "sequence":
+        kwargs["alibi_slopes"] = torch.rand(batch, nheads, generator=generator).to(DEVICE)
+    if leftpad is not None:
+        kwargs["cache_leftpad"] = index(leftpad)
+    return Call(randn(batch, seqlen_q, nheads, headdim), k_cache, v_cache, kwargs)
 
 
-def check_against_reference(q, k, v, seqlens, num_splits=0):
-    out, lse = flash_decode_with_kvcache(q, k, v, seqlens, num_splits=num_splits, backend="triton",
-                                         return_softmax_lse=True)
-    expected_out, expected_lse = reference_decode(q, k, v, seqlens)
-    assert out.shape == q.shape and out.dtype == q.dtype and lse.shape == expected_lse.shape
+def reference(call: Call):
+    """(out, lse, k_cache, v_cache) of the reference, on copies of the caches."""
+    k_cache, v_cache = call.k_cache.clone(), call.v_cache.clone()
+    out, lse = reference_attention(call.q, k_cache, v_cache, **call.kwargs)
+    return out, lse, k_cache, v_cache
+
+
+def through_api(call: Call, num_splits=0, **extra):
+    """(out, lse, k_cache, v_cache) of the public call with backend "triton", on copies of the caches."""
+    k_cache, v_cache = call.k_cache.clone(), call.v_cache.clone()
+    out, lse = flash_attn_with_kvcache(call.q, k_cache, v_cache, **call.kwargs, num_splits=num_splits,
+                                       return_softmax_lse=True, backend="triton", **extra)
+    return out, lse, k_cache, v_cache
+
+
+def through_backend(call: Call, num_splits=0, config=SMALL, problem=None, **replaced):
+    """(out, lse, k_cache, v_cache) of ``TritonBackend.launch`` with a plan of ``config``; ``replaced``
+    swaps index tensors after the call was validated (values the public call rejects)."""
+    if problem is None:
+        problem = plan_for(call.q, call.k_cache, call.v_cache, **call.kwargs, num_splits=num_splits,
+                           backend="triton").problem
+    chosen = plan(problem, PROFILES["h200"], BACKEND, num_splits, config=config)
+    kwargs = dict(call.kwargs, **replaced)
+    k_cache, v_cache = call.k_cache.clone(), call.v_cache.clone()
+    out = torch.empty_like(call.q)
+    lse = torch.empty(problem.batch, problem.nheads, problem.seqlen_q, device=DEVICE)
+    rows = problem.nheads_k * problem.q_rows
+    part_o = torch.empty(chosen.workspace_rows, rows, problem.headdim, device=DEVICE)
+    part_lse = torch.empty(chosen.workspace_rows, rows, device=DEVICE)
+    BACKEND.launch(chosen, problem, LaunchArgs(
+        call.q, k_cache, v_cache, kwargs["cache_seqlens"], out, lse, part_o, part_lse, problem.headdim ** -0.5,
+        kwargs["softcap"], kwargs.get("k"), kwargs.get("v"), kwargs.get("rotary_cos"), kwargs.get("rotary_sin"),
+        kwargs.get("cache_batch_idx"), kwargs.get("cache_leftpad"), kwargs.get("block_table"),
+        kwargs.get("alibi_slopes")))
+    return out, lse, k_cache, v_cache
+
+
+def assert_matches(got, expected, sequences=slice(None)):
+    """out and lse of ``sequences`` within tolerance (rows that see no key: exactly 0 and -inf), and
+    the caches after the call exactly equal."""
+    out, lse, k_cache, v_cache = got
+    want_out, want_lse, want_k, want_v = expected
+    out, lse, want_out, want_lse = out[sequences], lse[sequences], want_out[sequences], want_lse[sequences]
+    assert out.shape == want_out.shape and out.dtype == want_out.dtype and lse.shape == want_lse.shape
     assert not out.isnan().any() and not lse.isnan().any()
-    nonempty = seqlens.cpu() > 0
-    assert (out[~nonempty] == 0).all() and torch.isneginf(lse[~nonempty]).all()
-    if nonempty.any():
-        assert relative_error(out[nonempty], expected_out[nonempty]) < OUT_TOLERANCE
-        torch.testing.assert_close(lse[nonempty], expected_lse[nonempty], atol=LSE_TOLERANCE, rtol=0)
+    empty = torch.isneginf(want_lse)
+    assert torch.equal(torch.isneginf(lse), empty)
+    assert (out.transpose(1, 2)[empty] == 0).all()
+    if not empty.all():
+        assert relative_error(out, want_out) < OUT_TOLERANCE
+        torch.testing.assert_close(lse[~empty], want_lse[~empty], atol=LSE_TOLERANCE, rtol=0)
+    assert torch.equal(k_cache, want_k) and torch.equal(v_cache, want_v)
 
 
-SHAPES = [  # (batch, seqlen_cache, nheads_k, group, headdim, lengths)
-    (1, 1, 1, 1, 64, [1]),
-    (2, 65, 2, 4, 64, [65, 63]),
-    (3, 100, 1, 8, 128, [0, 100, 37]),
-    (2, 40, 1, 32, 64, [40, 17]),
-    (1, 33, 2, 4, 256, [33]),
-    (4, 130, 2, 4, 128, [129, 1, 64, 0]),
-    (2, 0, 1, 4, 64, [0, 0]),  # an empty cache
+# -- plain decode through the public call (default tiles: 64-key blocks) -----------------------------
+
+SHAPES = [  # (batch, capacity, nheads_k, group, headdim, lengths)
+    (4, 130, 2, 3, 64, [0, 1, 63, 130]),
+    (3, 129, 1, 8, 32, [64, 65, 129]),
+    (2, 70, 2, 1, 59, [70, 5]),
+    (2, 70, 1, 3, 80, [1, 69]),
 ]
 
 
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "b{}-s{}-hk{}-g{}-d{}".format(*s[:5]))
-@pytest.mark.parametrize("num_splits", [0, 1, 3])
-def test_matches_reference(shape, num_splits):
-    check_against_reference(*random_inputs(*shape), num_splits=num_splits)
-
-
-def test_many_splits_with_skewed_lengths():
-    """A long row among short ones under the planner's own (balanced) split rule."""
-    q, k, v, seqlens = random_inputs(5, 600, 1, 4, 64, [600, 3, 64, 65, 0])
-    p = plan(Problem(5, 600, 4, 1, 64, "float16"), profile_for(q.device))
-    assert p.can_split
-    check_against_reference(q, k, v, seqlens)
-
-
-@pytest.mark.parametrize("group", [1, 4, 8, 32])
-def test_groups(group):
-    check_against_reference(*random_inputs(2, 70, 1, group, 64, [70, 5]), num_splits=2)
-
-
-def test_out_of_range_length_poisons_its_row_only():
-    """Without the host check, a bad length still reads in bounds and marks its row with NaN."""
-    q, k, v, _ = random_inputs(3, 20, 1, 4, 64, [0, 0, 0])
-    problem = Problem(3, 20, 4, 1, 64, "float16")
-    seqlens = torch.tensor([20, 21, -1], dtype=torch.int32, device=DEVICE)
-    for num_splits in (0, 2):
-        p = plan(problem, profile_for(q.device), num_splits)
-        out, _ = run_kernels("triton", p, problem, q, k, v, seqlens, 0.125)
-        assert not out[0].isnan().any()
-        assert out[1].isnan().all() and out[2].isnan().all()
-
-
-@pytest.mark.parametrize("offset", [-1, 0, 1])
-def test_lengths_around_block_boundaries(offset):
-    block_n = plan(Problem(3, 200, 4, 1, 64, "float16"), profile_for(torch.device(DEVICE))).block_n
-    lengths = [block_n + offset, 2 * block_n + offset, 1]
-    check_against_reference(*random_inputs(3, 200, 1, 4, 64, lengths), num_splits=2)
-
-
-@pytest.mark.parametrize("batch", [1, 2])
-def test_combine_over_more_splits_than_one_step(batch):
-    """More splits than the combine kernel loads per step (its step depends on the batch): its
-    running max must carry over."""
-    from flashdecode.kernels.triton.decode import combine_splits_per_step
-
-    block_n = plan(Problem(batch, 64, 4, 1, 64, "float16"), profile_for(torch.device(DEVICE))).block_n
-    splits = combine_splits_per_step(batch) + 3
-    length = splits * block_n - 5
-    lengths = [length] + [length - block_n] * (batch - 1)
-    check_against_reference(*random_inputs(batch, length, 1, 4, 64, lengths), num_splits=splits)
-
-
-@pytest.mark.parametrize("num_splits", [0, 1, 2])
-def test_nan_in_the_cache_comes_out_as_nan(num_splits):
-    """A NaN inside a row's valid tokens is not mistaken for an empty row, nor weighted away."""
-    q, k, v, seqlens = random_inputs(2, 130, 1, 4, 64, [130, 7])
-    k[0, 5, 0, 0] = float("nan")
-    out = flash_decode_with_kvcache(q, k, v, seqlens, num_splits=num_splits, backend="triton")
-    assert out[0].isnan().all()
-    assert not out[1].isnan().any()
-
-
-
 @pytest.mark.parametrize("num_splits", [0, 3])
-def test_out_without_lse_matches_out_with_it(num_splits):
-    """Without return_softmax_lse the kernels write lse to a shared sink: out must not change."""
-    q, k, v, seqlens = random_inputs(3, 130, 2, 4, 64, [130, 5, 64])
-    with_lse, _ = flash_decode_with_kvcache(q, k, v, seqlens, num_splits=num_splits, backend="triton",
-                                            return_softmax_lse=True)
-    alone = flash_decode_with_kvcache(q, k, v, seqlens, num_splits=num_splits, backend="triton")
-    assert torch.equal(with_lse, alone)
+def test_plain_decode(shape, num_splits):
+    batch, capacity, nheads_k, group, headdim, lengths = shape
+    call = make_call(batch, capacity, nheads_k, group, headdim, lengths=lengths)
+    assert_matches(through_api(call, num_splits), reference(call))
 
 
-def test_specialization_key_is_as_fine_as_tritons():
-    """The direct launch path reuses a compiled kernel only for calls Triton would give the same one:
-    same dtypes, 16-byte alignment, constexprs and values of the specialised ints; the ints marked
-    do_not_specialize (batch, lengths' schedule) may change within their 32-bit type."""
-    from flashdecode.kernels.triton import decode
+# -- every feature, 16-key blocks so that short caches cross blocks and splits ------------------------
 
-    q = torch.zeros(64, dtype=torch.float16)
+FEATURES = {
+    "lengths": dict(batch=6, lengths=[0, 1, 15, 16, 17, 100]),
+    "paged1": dict(page_size=1, capacity=40, lengths=[40, 23]),
+    "paged4": dict(page_size=4, lengths=[100, 33]),
+    "paged16": dict(page_size=16, lengths=[95, 16]),
+    "paged32": dict(page_size=32, lengths=[96, 47]),
+    "append1": dict(seqlen_new=1, lengths=[99, 0]),
+    "append20": dict(seqlen_new=20, lengths=[80, 7]),
+    "append-full": dict(seqlen_new=3, lengths=[97, 13]),
+    "rotary": dict(seqlen_new=18, rotary_dim=32, lengths=[70, 15]),
+    "rotary-interleaved": dict(seqlen_new=2, rotary_dim=64, interleaved=True),
+    "rotary-causal-rows": dict(seqlen_new=4, seqlen_q=4, rotary_dim=16, causal=True, lengths=[60, 0]),
+    "causal": dict(seqlen_q=3, causal=True, lengths=[100, 2]),
+    "window": dict(seqlen_q=4, window=(20, 3), lengths=[100, 30]),
+    "window-left": dict(window=(33, -1), lengths=[100, 30]),
+    "window-right": dict(seqlen_q=2, window=(-1, 5), lengths=[100, 30]),
+    "window-zero": dict(seqlen_q=4, window=(0, 0), lengths=[100, 30]),
+    "softcap": dict(softcap=0.7, lengths=[100, 44]),
+    "alibi-head": dict(alibi="head", seqlen_q=2, causal=True),
+    "alibi-sequence": dict(alibi="sequence", lengths=[31, 90]),
+    "leftpad": dict(leftpad=[37, 16], lengths=[100, 30]),
+    "leftpad-at-length": dict(leftpad=[30, 0], lengths=[30, 30]),
+    "leftpad-hides-rows": dict(leftpad=[49, 0], seqlen_q=4, causal=True, lengths=[50, 9]),
+    "batch-idx": dict(batch_idx=True, seqlen_new=4, lengths=[96, 7]),
+    "head-dim-59": dict(headdim=59, seqlen_new=3, rotary_dim=32, lengths=[90, 12]),
+    "head-dim-32-group-1": dict(headdim=32, group=1, lengths=[90, 12]),
+    "head-dim-80-group-8": dict(headdim=80, group=8, seqlen_q=2, lengths=[90, 12]),
+    "row-tiles": dict(group=8, seqlen_q=5, seqlen_new=5, causal=True, lengths=[60, 20]),
+    "everything": dict(page_size=4, seqlen_new=5, seqlen_q=5, rotary_dim=32, causal=True, window=(9, -1),
+                       softcap=1.5, alibi="sequence", leftpad=[3, 0], lengths=[70, 5]),
+}
 
-    class Kernel:  # signature (Q, K, batch, nheads, B: constexpr)
-        arg_names = ["Q", "K", "batch", "nheads", "B"]
-        do_not_specialize = ["batch"]
 
-    def key(tensors, scalars, **constexprs):
-        return decode._specialization(Kernel, tensors, scalars, constexprs or {"B": 16}, {"num_warps": 4}, 0)
-
-    assert key((q, q), (3, 5)) == key((q, torch.zeros(8, dtype=torch.float16)), (7, 5))  # other batch, tensor
-    assert key((q, q), (3, 5)) != key((q, q), (2**31, 5))                                # batch now 64-bit
-    assert key((q, q), (3, 5)) != key((q, q[1:]), (3, 5))                                # misaligned by 2 bytes
-    assert key((q, q), (3, 5)) != key((q, q.float()), (3, 5))                            # another dtype
-    assert key((q, q), (3, 5)) != key((q, q), (3, 6))                                    # a specialised int
-    assert key((q, q), (3, 5)) != key((q, q), (3, 5), B=32)                              # a constexpr
-    with pytest.raises(TypeError, match="not its last parameters"):                      # passed by position
-        key((q, q), (3, 5), C=1)
+@pytest.mark.parametrize("feature", FEATURES)
+@pytest.mark.parametrize("num_splits", [0, 3])
+def test_feature(feature, num_splits):
+    call = make_call(**FEATURES[feature])
+    got = through_backend(call, num_splits)
+    assert_matches(got, reference(call))
 
 
-def test_direct_launch_path(monkeypatch):
-    """First call of a specialisation through Triton, later ones through the compiled kernel with a
-    3-d grid, the constexprs appended in signature order and the current stream; the interpreter's
-    kernels and CPU tensors always go through Triton."""
-    from flashdecode.kernels.triton import decode
+@pytest.mark.parametrize("seqlen_q", [1, 2, 3, 4, 5])
+def test_query_rows(seqlen_q):
+    """seqlen_q rows per head packed with the group (r = i * group + g), causal, split."""
+    call = make_call(seqlen_q=seqlen_q, causal=True, lengths=[100, 37], seed=seqlen_q)
+    assert_matches(through_backend(call, num_splits=3), reference(call))
 
-    calls = []
 
-    class Compiled:
-        function = object()
+def test_features_through_the_public_call():
+    """The public call's default tiles and schedule on a call that uses most features."""
+    call = make_call(capacity=200, page_size=16, seqlen_new=3, seqlen_q=3, rotary_dim=32, causal=True,
+                     alibi="head", softcap=2.0, lengths=[197, 70])
+    assert_matches(through_api(call, num_splits=2), reference(call))
 
-        def __getitem__(self, grid):
-            return lambda *args, stream: calls.append(("direct", grid, args, stream))
 
-    class Kernel(decode.JITFunction):  # only what the direct path reads of a JITFunction
-        arg_names = ["X", "n", "C"]
-        do_not_specialize = []
+def test_float32():
+    call = make_call(seqlen_new=3, seqlen_q=2, causal=True, rotary_dim=16, lengths=[97, 20])
+    problem = plan_for(call.q, call.k_cache, call.v_cache, **call.kwargs, backend="triton").problem
+    wide = Call(call.q.float(), call.k_cache.float(), call.v_cache.float(),
+                dict(call.kwargs, k=call.kwargs["k"].float(), v=call.kwargs["v"].float(),
+                     rotary_cos=call.kwargs["rotary_cos"].float(), rotary_sin=call.kwargs["rotary_sin"].float()))
+    got = through_backend(wide, num_splits=3, problem=dataclasses.replace(problem, dtype="float32"))
+    assert_matches(got, reference(wide))
 
-        def __init__(self):
-            pass
 
-        def __getitem__(self, grid):
-            return lambda *args, **kwargs: calls.append(("triton", grid, args, kwargs)) or Compiled()
+def test_strided_tensors():
+    """q, the caches, k/v and out as views with larger strides (last dimension contiguous)."""
+    call = make_call(nheads_k=2, group=2, seqlen_new=2, lengths=[60, 98])
+    wide = make_call(nheads_k=4, group=2, headdim=80, seqlen_new=2, seed=1)
 
-    class CudaTensor:  # stands for a CUDA tensor: its device, dtype and address are read
-        device = torch.device("cuda", 0)
-        dtype = torch.float16
+    def inside(big, small):  # small's values in a view of big
+        view = big[..., :small.shape[-2], :small.shape[-1]]
+        view.copy_(small)
+        return view
 
-        def data_ptr(self):
-            return 256
+    strided = Call(inside(wide.q, call.q), inside(wide.k_cache, call.k_cache), inside(wide.v_cache, call.v_cache),
+                   dict(call.kwargs, k=inside(wide.kwargs["k"], call.kwargs["k"]),
+                        v=inside(wide.kwargs["v"], call.kwargs["v"])))
+    out = torch.empty(2, 1, 8, 96, dtype=torch.float16, device=DEVICE)[..., :4, :64]
+    got = through_api(strided, num_splits=2, out=out)
+    assert got[0].data_ptr() == out.data_ptr()
+    expected = reference(call)
+    assert_matches((got[0], got[1], got[2].contiguous(), got[3].contiguous()), expected)
 
-    monkeypatch.setattr(decode, "_COMPILED", {})
-    monkeypatch.setattr(decode, "_SIGNATURES", {})
-    monkeypatch.setattr(decode, "_DIRECT_LAUNCH", True)
-    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda index: 77, raising=False)
-    x, kernel = CudaTensor(), Kernel()
-    decode._launch_kernel(kernel, (4, 2), (x,), (9,), {"C": 16}, {"num_warps": 4})
-    decode._launch_kernel(kernel, (4, 2), (x,), (9,), {"C": 16}, {"num_warps": 4})
-    assert calls == [("triton", (4, 2), (x, 9), {"C": 16, "num_warps": 4}), ("direct", (4, 2, 1), (x, 9, 16), 77)]
-    calls.clear()
-    monkeypatch.setattr(decode, "_DIRECT_LAUNCH", False)  # Triton older than DIRECT_LAUNCH_FROM_TRITON
-    decode._launch_kernel(kernel, (4, 2), (x,), (9,), {"C": 16}, {"num_warps": 4})
-    assert [c[0] for c in calls] == ["triton"]
-    if os.environ.get("TRITON_INTERPRET") == "1":  # the interpreter's kernels: Triton's path, CUDA tensors too
-        assert not isinstance(decode._split_kernel, decode.JITFunction)
+
+def test_balanced_split_of_skewed_lengths():
+    """The planner's own rule (balanced chunks over a long sequence among short ones) and the combine."""
+    call = make_call(batch=4, capacity=300, nheads_k=1, group=4, lengths=[300, 3, 64, 0])
+    problem = plan_for(call.q, call.k_cache, call.v_cache, **call.kwargs, backend="triton").problem
+    assert plan(problem, PROFILES["h200"], BACKEND, config=SMALL).kernel == SPLIT
+    assert_matches(through_backend(call, config=SMALL), reference(call))
+
+
+@pytest.mark.parametrize("num_splits", [0, 2])
+def test_nan_in_the_cache_comes_out_as_nan(num_splits):
+    """A NaN among a sequence's keys is not mistaken for an empty row, nor weighted away."""
+    call = make_call(capacity=130, lengths=[130, 7])
+    call.k_cache[0, 5, 0, 0] = float("nan")
+    out = through_api(call, num_splits)[0]
+    assert out[0, :, :3].isnan().all() and not out[0, :, 3:].isnan().any() and not out[1].isnan().any()
+
+
+def test_out_without_lse_matches_out_with_it():
+    """Without return_softmax_lse the kernels write the lse to the context's sink: out is the same."""
+    call = make_call(capacity=130, lengths=[130, 5])
+    k_cache, v_cache = call.k_cache.clone(), call.v_cache.clone()
+    alone = flash_attn_with_kvcache(call.q, k_cache, v_cache, **call.kwargs, num_splits=3, backend="triton")
+    assert torch.equal(alone, through_api(call, num_splits=3)[0])
+
+
+# -- values out of range: clamped (nothing read or written out of bounds), NaN rows ------------------
+
+BAD_VALUES = {  # make_call arguments, the index tensor, sequence 0's bad value in it (sequence 1 stays good)
+    "length-negative": (dict(), "cache_seqlens", -1),
+    "length-past-capacity": (dict(), "cache_seqlens", 101),
+    "append-past-capacity": (dict(seqlen_new=3), "cache_seqlens", 99),
+    "leftpad-past-length": (dict(leftpad=[0, 3]), "cache_leftpad", 51),
+    "leftpad-negative": (dict(leftpad=[0, 3]), "cache_leftpad", -2),
+    "batch-idx": (dict(batch_idx=True, seqlen_new=2), "cache_batch_idx", 4),
+    "block-id": (dict(page_size=16, seqlen_new=2), "block_table", 2 * 7 + 3),  # first block: past the pages
+}
+
+
+@pytest.mark.parametrize("case", BAD_VALUES)
+@pytest.mark.parametrize("num_splits", [0, 3])
+def test_bad_value_makes_its_sequence_nan(case, num_splits):
+    arguments, name, value = BAD_VALUES[case]
+    call = make_call(lengths=[50, 40], **arguments)
+    bad = call.kwargs[name].clone()
+    bad.view(2, -1)[0, 0] = value
+    got = through_backend(call, num_splits, **{name: bad})
+    assert got[0][0].isnan().all()
+    expected = reference(call)
+    assert_matches(got[:2] + expected[2:], expected, sequences=slice(1, 2))
+    k_cache, want = got[2], expected[2]
+    if case == "append-past-capacity":  # positions 99, 100, 101: the first is written, the others skipped
+        assert torch.equal(k_cache[1], want[1])  # nothing spilled into the next row
+        assert torch.equal(k_cache[0, :99], call.k_cache[0, :99])
+        assert torch.equal(k_cache[0, 99], call.kwargs["k"][0, 0])
+    elif case == "batch-idx":  # sequence 0's row index is bad: it writes nowhere
+        row = int(call.kwargs["cache_batch_idx"][1])
+        assert torch.equal(k_cache[row], want[row])
+        others = [r for r in range(k_cache.shape[0]) if r != row]
+        assert torch.equal(k_cache[others], call.k_cache[others])
+    else:
+        assert torch.equal(k_cache, want) and torch.equal(got[3], expected[3])
+
+
+# -- the backend's answers to the planner ---------------------------------------------------------------
+
+def test_default_config():
+    h200 = PROFILES["h200"]
+    plain = Problem(4, 4096, 32, 8, 128, "float16")
+    config = BACKEND.default_config(plain, h200, SPLIT)
+    assert config == TritonConfig(block_n=64, block_m=16, num_warps=4, num_stages=2, combine_step=16)
+    wide = BACKEND.default_config(Problem(1, 4096, 32, 8, 256, "bfloat16"), h200, SINGLE_PASS)
+    assert (wide.block_n, wide.num_warps, wide.combine_step) == (32, 8, 64)
+    assert BACKEND.default_config(Problem(2, 64, 8, 1, 59, "float16"), h200, SPLIT).block_n == 64
+    rows = [BACKEND.default_config(Problem(2, 64, 64, 8, 64, "float16", seqlen_q=sq), h200, SPLIT).block_m
+            for sq in (1, 2, 3, 9)]
+    assert rows == [16, 16, 32, 64]  # 8, 16, 24, 72 rows per KV head: up to 64, then row tiles
+    with pytest.raises(ValueError, match="kernel must be one of"):
+        BACKEND.default_config(plain, h200, "short_cache")
+
+
+def test_resident_programs_and_kernels():
+    h200 = PROFILES["h200"]
+    counts = [BACKEND.resident_programs(Problem(1, 64, 8, 1, d, "float16"), None, h200) for d in (32, 59, 128, 256)]
+    assert counts == [4, 4, 4, 2]
+    assert BACKEND.kernels(Problem(1, 64, 8, 1, 64, "float16")) == {SINGLE_PASS, SPLIT}
+
+
+def test_limitation():
+    problem = Problem(1, 64, 8, 1, 64, "float16")
+    assert BACKEND.limitation(problem, torch.device("cuda", 0)) is None
+    assert BACKEND.limitation(problem, torch.device("meta")) == "a CUDA device, or TRITON_INTERPRET=1 for CPU tensors"
+    if not HAS_CUDA:  # the interpreter is on (conftest)
+        assert BACKEND.limitation(problem, torch.device("cpu")) is None
+
+
+def test_plan_grid_has_row_tiles():
+    problem = Problem(2, 64, 72, 8, 64, "float16", seqlen_q=9)  # 81 rows per KV head
+    chosen = plan(problem, profile_for(torch.device(DEVICE)), BACKEND)
+    assert chosen.grid(problem) == (2, 8, 2)

@@ -1,3 +1,2 @@
-from .decode import resident_programs_for, run
-
-__all__ = ["resident_programs_for", "run"]
+"""The Triton backend (``backend.TritonBackend``): split + combine kernels, run on CUDA devices or
+under Triton's interpreter."""

@@ -1,0 +1,197 @@
+"""The split kernel's building blocks: packed query rows, rotary, where a key lives, one KV block.
+
+Every feature is a constexpr flag, so the plain specialization compiles none of their code
+(``docs/design.md``, "Semantics", defines each feature). Scores are kept in base 2 (log2(e) folded
+into the scale, the softcap and the ALiBi slopes) with float32 accumulators.
+"""
+from __future__ import annotations
+
+import math
+
+import triton
+import triton.language as tl
+
+LOG2E = tl.constexpr(1.0 / math.log(2.0))
+
+
+@triton.jit
+def row_offsets(rows, head_k, stride_i, stride_h, GROUP: tl.constexpr, SEQLEN_Q: tl.constexpr):
+    """Offset of packed row r = i * GROUP + g in a (batch, seqlen_q, nheads, ...) tensor: query
+    position i of head head_k * GROUP + g."""
+    if SEQLEN_Q == 1:
+        return (head_k * GROUP + rows) * stride_h
+    else:
+        return (rows // GROUP) * stride_i + (head_k * GROUP + rows % GROUP) * stride_h
+
+
+@triton.jit
+def rotary_columns(ROTARY_DIM: tl.constexpr, ROTARY_INTERLEAVED: tl.constexpr, HEAD_PAD: tl.constexpr):
+    """For each head dimension d: its rotary partner, its column in the cos/sin tables, the sign of
+    the partner's term, and whether d is rotated (d < rotary_dim)."""
+    d = tl.arange(0, HEAD_PAD)
+    if ROTARY_INTERLEAVED:  # pairs (2c, 2c + 1)
+        partner = d ^ 1
+        column = d // 2
+        sign = tl.where(d % 2 == 0, -1.0, 1.0)
+    else:  # pairs (c, c + rotary_dim / 2)
+        first_half = d < ROTARY_DIM // 2
+        partner = tl.where(first_half, d + ROTARY_DIM // 2, d - ROTARY_DIM // 2)
+        column = tl.where(first_half, d, d - ROTARY_DIM // 2)
+        sign = tl.where(first_half, -1.0, 1.0)
+    return partner, column, sign, d < ROTARY_DIM
+
+
+@triton.jit
+def rotate(x, x_partner, positions, Cos, Sin, rotary_rows, column, sign, rotating, ROTARY_DIM: tl.constexpr):
+    """x rotated at ``positions`` (one per row, clamped into the tables), in float32, where
+    ``rotating`` (rows x dims) holds; elsewhere (dimensions past rotary_dim, rows not rotated) x
+    passes through."""
+    positions = tl.minimum(tl.maximum(positions, 0), rotary_rows - 1)
+    table = positions[:, None] * (ROTARY_DIM // 2) + column[None, :]
+    cos = tl.load(Cos + table, mask=rotating, other=1.0).to(tl.float32)
+    sin = tl.load(Sin + table, mask=rotating, other=0.0).to(tl.float32)
+    return x.to(tl.float32) * cos + x_partner.to(tl.float32) * (sin * sign[None, :])
+
+
+@triton.jit
+def cache_offsets(tokens, block_start, in_range, table_row, num_pages, stride_kp, stride_kt, stride_vp, stride_vt,
+                  PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr):
+    """(K offsets, V offsets, bad block id seen) of the tokens of one block, relative to the KV
+    head's base. Paged: token t is row t % PAGE_SIZE of page block_table[b, t // PAGE_SIZE], one
+    lookup per block when a page holds whole blocks, else one per token in range; block ids are
+    clamped into [0, num_pages) and a bad one is reported."""
+    if PAGE_SIZE == 0:
+        offsets = tokens.to(tl.int64)
+        return offsets * stride_kt, offsets * stride_vt, 0
+    elif PAGE_SIZE >= BLOCK_N:
+        page = tl.load(table_row + block_start // PAGE_SIZE)
+        bad = ((page < 0) | (page >= num_pages)).to(tl.int32)
+        page = tl.minimum(tl.maximum(page, 0), num_pages - 1).to(tl.int64)
+        rows = (block_start % PAGE_SIZE + tl.arange(0, BLOCK_N)).to(tl.int64)
+        return page * stride_kp + rows * stride_kt, page * stride_vp + rows * stride_vt, bad
+    else:
+        pages = tl.load(table_row + tokens // PAGE_SIZE, mask=in_range, other=0)
+        bad = tl.max(((pages < 0) | (pages >= num_pages)).to(tl.int32), 0)
+        pages = tl.minimum(tl.maximum(pages, 0), num_pages - 1).to(tl.int64)
+        rows = (tokens % PAGE_SIZE).to(tl.int64)
+        return pages * stride_kp + rows * stride_kt, pages * stride_vp + rows * stride_vt, bad
+
+
+@triton.jit
+def tile_mask(token_mask, HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr):
+    """(BLOCK_N, HEAD_PAD) mask of a K/V tile: its tokens, and its real head dims when padded."""
+    if HEAD_PAD == HEAD_DIM:
+        return token_mask[:, None]
+    else:
+        return token_mask[:, None] & (tl.arange(0, HEAD_PAD)[None, :] < HEAD_DIM)
+
+
+@triton.jit
+def attend_block(acc, m, l, bad, q, block_start, start, end, new_from,
+                 k_head, v_head, table_row, num_pages, stride_kp, stride_kt, stride_vp, stride_vt,
+                 k_new, v_new, stride_nkt, stride_nvt, Cos, Sin, rotary_rows,
+                 row_pos, slopes, window_left, window_right, scale_log2, softcap_in, softcap_out,
+                 ROW_MASKS: tl.constexpr, PAGE_SIZE: tl.constexpr, APPEND: tl.constexpr, ROTARY_DIM: tl.constexpr,
+                 ROTARY_INTERLEAVED: tl.constexpr, WINDOW_LEFT: tl.constexpr, WINDOW_RIGHT: tl.constexpr,
+                 SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, LEFTPAD: tl.constexpr, HEAD_DIM: tl.constexpr,
+                 HEAD_PAD: tl.constexpr, BLOCK_N: tl.constexpr):
+    """One KV block folded into the online softmax (acc, m, l). Keys outside [start, end) are
+    dropped (a column mask). Without ROW_MASKS (the main loop) every key is cached and seen by
+    every row. With ROW_MASKS (the head and tail blocks) keys outside each row's window are dropped
+    too, and keys from ``new_from`` on are appended tokens read from k_new/v_new (k rotated at its
+    position), never from the cache; a row may then see no key of the block, so a row max of -inf
+    is guarded.
+
+    k_head/v_head: the KV head's base (a cache row's, or the pages' with the block table row);
+    row_pos: each query row's absolute position; slopes: ALiBi slopes * log2(e); scale_log2:
+    softmax_scale * log2(e); softcap_in/out: the softcap's inner and outer factors."""
+    tokens = block_start + tl.arange(0, BLOCK_N)
+    d = tl.arange(0, HEAD_PAD)
+    in_range = tokens < end
+    if LEFTPAD or ROW_MASKS:
+        in_range = in_range & (tokens >= start)
+    k_offs, v_offs, block_bad = cache_offsets(tokens, block_start, in_range, table_row, num_pages,
+                                              stride_kp, stride_kt, stride_vp, stride_vt, PAGE_SIZE, BLOCK_N)
+    if PAGE_SIZE > 0:
+        bad = bad | block_bad
+    k_ptrs = k_head + k_offs[:, None] + d[None, :]
+    v_ptrs = v_head + v_offs[:, None] + d[None, :]
+    if ROW_MASKS and APPEND:  # appended tokens come from k_new/v_new: the cache rows are being written
+        fresh = tokens >= new_from
+        new_rows = (tokens - new_from)[:, None]
+        k_ptrs = tl.where(fresh[:, None], k_new + new_rows * stride_nkt + d[None, :], k_ptrs)
+        v_ptrs = tl.where(fresh[:, None], v_new + new_rows * stride_nvt + d[None, :], v_ptrs)
+    k = tl.load(k_ptrs, mask=tile_mask(in_range, HEAD_DIM, HEAD_PAD), other=0.0)
+    if ROW_MASKS and APPEND and ROTARY_DIM > 0:
+        partner, column, sign, rotated = rotary_columns(ROTARY_DIM, ROTARY_INTERLEAVED, HEAD_PAD)
+        rotating = (in_range & fresh)[:, None] & rotated[None, :]
+        k_partner = tl.load(k_new + new_rows * stride_nkt + partner[None, :], mask=rotating, other=0.0)
+        k = rotate(k, k_partner, tokens, Cos, Sin, rotary_rows, column, sign, rotating, ROTARY_DIM).to(k.dtype)
+
+    scores = tl.dot(q, tl.trans(k))
+    if SOFTCAP:  # softcap * tanh(s / softcap), tanh(x) = 1 - 2 / (exp(2x) + 1)
+        scores = softcap_out * (1.0 - 2.0 / (tl.exp2(scores * softcap_in) + 1.0))
+    else:
+        scores = scores * scale_log2
+    if ALIBI:
+        scores -= slopes[:, None] * tl.abs(row_pos[:, None] - tokens[None, :]).to(tl.float32)
+    visible = in_range[None, :]
+    if ROW_MASKS and WINDOW_LEFT:
+        visible = visible & (tokens[None, :] >= row_pos[:, None] - window_left)
+    if ROW_MASKS and WINDOW_RIGHT:
+        visible = visible & (tokens[None, :] <= row_pos[:, None] + window_right)
+    scores = tl.where(visible, scores, float("-inf"))
+
+    m_new = tl.maximum(m, tl.max(scores, 1))
+    if ROW_MASKS and (WINDOW_LEFT or WINDOW_RIGHT):
+        m_new_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m - m_new_safe)
+        p = tl.exp2(scores - m_new_safe[:, None])
+    else:
+        alpha = tl.exp2(m - m_new)
+        p = tl.exp2(scores - m_new[:, None])
+    l = l * alpha + tl.sum(p, 1)
+
+    v = tl.load(v_ptrs, mask=tile_mask(in_range, HEAD_DIM, HEAD_PAD), other=0.0)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    return acc, m_new, l, bad
+
+
+@triton.jit
+def append_tokens(k_head, v_head, table_row, num_pages, stride_kp, stride_kt, stride_vp, stride_vt,
+                  k_new, v_new, stride_nkt, stride_nvt, Cos, Sin, rotary_rows, first_position, seqlen_new, capacity,
+                  PAGE_SIZE: tl.constexpr, ROTARY_DIM: tl.constexpr, ROTARY_INTERLEAVED: tl.constexpr,
+                  HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Write the appended tokens (k rotated at its position) into the cache at positions
+    ``first_position + j``, skipping positions outside [0, capacity) and pages with a bad block id,
+    which it reports. Arguments as for ``attend_block``."""
+    d = tl.arange(0, HEAD_PAD)
+    bad = tl.zeros([], tl.int32)
+    for j0 in range(0, seqlen_new, BLOCK_N):
+        j = j0 + tl.arange(0, BLOCK_N)
+        given = j < seqlen_new
+        positions = first_position + j
+        write = given & (positions >= 0) & (positions < capacity)
+        if PAGE_SIZE > 0:
+            pages = tl.load(table_row + positions // PAGE_SIZE, mask=write, other=0)
+            page_bad = write & ((pages < 0) | (pages >= num_pages))
+            bad = bad | tl.max(page_bad.to(tl.int32), 0)
+            write = write & ~page_bad
+            pages = pages.to(tl.int64)
+            rows = (positions % PAGE_SIZE).to(tl.int64)
+            k_offs = pages * stride_kp + rows * stride_kt
+            v_offs = pages * stride_vp + rows * stride_vt
+        else:
+            k_offs = positions.to(tl.int64) * stride_kt
+            v_offs = positions.to(tl.int64) * stride_vt
+        k = tl.load(k_new + j[:, None] * stride_nkt + d[None, :], mask=tile_mask(given, HEAD_DIM, HEAD_PAD), other=0.0)
+        if ROTARY_DIM > 0:
+            partner, column, sign, rotated = rotary_columns(ROTARY_DIM, ROTARY_INTERLEAVED, HEAD_PAD)
+            rotating = given[:, None] & rotated[None, :]
+            k_partner = tl.load(k_new + j[:, None] * stride_nkt + partner[None, :], mask=rotating, other=0.0)
+            k = rotate(k, k_partner, positions, Cos, Sin, rotary_rows, column, sign, rotating, ROTARY_DIM)
+        written = tile_mask(write, HEAD_DIM, HEAD_PAD)
+        tl.store(k_head + k_offs[:, None] + d[None, :], k.to(k_head.dtype.element_ty), mask=written)
+        v = tl.load(v_new + j[:, None] * stride_nvt + d[None, :], mask=tile_mask(given, HEAD_DIM, HEAD_PAD), other=0.0)
+        tl.store(v_head + v_offs[:, None] + d[None, :], v, mask=written)
+    return bad

@@ -1,0 +1,184 @@
+"""The Triton backend: its tile config, its answers to the planner, and the launch of a plan.
+
+Runs on CUDA devices, and on CPU tensors under Triton's interpreter (``TRITON_INTERPRET=1`` set
+before Triton is imported). Every feature of ``docs/design.md`` ("Semantics") is a constexpr of
+the kernels (``kernels``), so a plain decode compiles none of their code.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+
+import torch
+import triton
+from triton.runtime.jit import JITFunction
+
+from ...hardware import HardwareProfile
+from ...planner import SINGLE_PASS, SPLIT
+from ...problem import Problem
+from ..base import Backend, LaunchArgs
+from .kernels import combine_kernel, split_kernel
+from .launch import Launcher
+
+LOG2E = 1.0 / math.log(2.0)
+#: KV tile sizes tried, largest first (``TritonConfig.block_n``).
+BLOCK_N_CANDIDATES = (64, 32, 16)
+#: Query rows of one program at most; more rows take more row tiles (programs).
+MAX_BLOCK_M = 64
+#: Partials the combine kernel loads at once: 16 for a batch, 64 for one sequence, measured on the
+#: H200 (``docs/design.md``, "Measured choices"): against 16, a step of 64 takes 0.5-3.2 us off a
+#: single sequence of ~70-100 splits and adds 0.2-2.7 us to batched calls.
+COMBINE_STEP_BATCH, COMBINE_STEP_ONE_SEQUENCE = 16, 64
+#: Launch specs a backend keeps (one per (problem, plan) in use); past it the table starts again.
+MAX_SPECS = 1024
+INTERPRETED = not isinstance(split_kernel, JITFunction)
+
+
+@dataclasses.dataclass(frozen=True)
+class TritonConfig:
+    """Tile config of the split kernel (and the combine's step)."""
+
+    block_n: int  # keys per KV block
+    block_m: int  # packed query rows per program: the grid has ceil(seqlen_q * group / block_m) row tiles
+    num_warps: int
+    num_stages: int  # software pipeline depth of the main loop's K/V loads
+    combine_step: int  # partials the combine kernel loads at once
+
+
+def padded_headdim(headdim: int) -> int:
+    """The head dim the kernels compute with: a power of two, at least 16 (tl.dot's minimum)."""
+    return max(16, triton.next_power_of_2(headdim))
+
+
+def _on_device(device: torch.device):
+    """Triton launches on the current CUDA device: make it q's when it is not (no-op otherwise)."""
+    if device.type == "cuda" and device.index is not None and device.index != torch.cuda.current_device():
+        return torch.cuda.device(device)
+    return contextlib.nullcontext()
+
+
+@dataclasses.dataclass(frozen=True)
+class _LaunchSpec:
+    """What a (problem, plan) launches with, computed once: grids, constexprs, options, and the
+    scalars that do not change between calls."""
+
+    split_grid: tuple
+    split_constexprs: dict
+    split_options: dict
+    combine_grid: tuple | None
+    combine_constexprs: dict
+    combine_options: dict
+    schedule: tuple  # batch, capacity, programs per head, forced splits, min chunk
+    features: tuple  # seqlen_new, window_left, window_right (None where unused)
+
+
+class TritonBackend(Backend):
+    """Split kernel over the plan's grid, then the combine of split sequences."""
+
+    name = "triton"
+
+    def __init__(self):
+        self.launcher = Launcher()
+        self._specs: dict = {}
+
+    # -- the planner's questions -------------------------------------------------------------------
+    def limitation(self, problem: Problem, device: torch.device) -> str | None:
+        if device.type == "cuda" or (device.type == "cpu" and INTERPRETED):
+            return None
+        return "a CUDA device, or TRITON_INTERPRET=1 for CPU tensors"
+
+    def kernels(self, problem: Problem) -> frozenset[str]:
+        return frozenset((SINGLE_PASS, SPLIT))
+
+    def default_config(self, problem: Problem, profile: HardwareProfile, kernel: str) -> TritonConfig:
+        """block_n: the largest candidate whose two pipelined K+V stages fit half a multiprocessor's
+        shared memory (two programs share one); 4 warps up to head dim 128, else 8; block_m: the
+        packed rows rounded up to a power of two, 16 to MAX_BLOCK_M."""
+        if kernel not in self.kernels(problem):
+            raise ValueError(f"kernel must be one of {sorted(self.kernels(problem))} for backend 'triton', "
+                             f"got {kernel!r}")
+        headdim = padded_headdim(problem.headdim)
+        num_stages = 2
+        budget = profile.shared_memory_per_multiprocessor // 2
+        block_n = next((n for n in BLOCK_N_CANDIDATES
+                        if num_stages * 2 * n * headdim * problem.element_bytes <= budget), BLOCK_N_CANDIDATES[-1])
+        block_m = min(MAX_BLOCK_M, max(16, triton.next_power_of_2(problem.q_rows)))
+        combine_step = COMBINE_STEP_ONE_SEQUENCE if problem.batch == 1 else COMBINE_STEP_BATCH
+        return TritonConfig(block_n, block_m, 4 if headdim <= 128 else 8, num_stages, combine_step)
+
+    def resident_programs(self, problem: Problem, config, profile: HardwareProfile) -> int:
+        """From the profile's measured ``triton_resident_programs``, by padded head dim."""
+        table = profile.tuning.triton_resident_programs
+        headdim = padded_headdim(problem.headdim)
+        return next((programs for dim, programs in table if dim >= headdim), table[-1][1])
+
+    # -- the launch --------------------------------------------------------------------------------
+    def launch(self, plan, problem: Problem, args: LaunchArgs) -> None:
+        """The split kernel over ``plan.grid(problem)``, then the combine when the plan splits. Unused
+        features pass None (Triton compiles None as a constant). lse, part_o and part_lse must be
+        contiguous, as ``DecodeContext`` allocates them; the other tensors need a contiguous last
+        dimension only."""
+        spec = self._spec(plan, problem)
+        q, k_cache, v_cache, out = args.q, args.k_cache, args.v_cache, args.out
+        k_new, v_new, cos, table, alibi = args.k_new, args.v_new, args.rotary_cos, args.block_table, args.alibi_slopes
+        softcap_in = softcap_out = None
+        if problem.softcap:
+            softcap_in = 2.0 * LOG2E * args.softmax_scale / args.softcap
+            softcap_out = args.softcap * LOG2E
+        scalars = (
+            args.softmax_scale * LOG2E, softcap_in, softcap_out, *spec.schedule, *spec.features,
+            k_cache.shape[0] if problem.paged or problem.batch_idx else None,
+            None if cos is None else cos.shape[0],
+            *q.stride()[:3], *k_cache.stride()[:3], *v_cache.stride()[:3], *out.stride()[:3],
+            *((None,) * 3 if k_new is None else k_new.stride()[:3]),
+            *((None,) * 3 if v_new is None else v_new.stride()[:3]),
+            None if table is None else table.stride(0),
+            alibi.stride(0) if alibi is not None and alibi.dim() == 2 else None)
+        tensors = (q, k_cache, v_cache, args.cache_seqlens, out, args.lse, args.part_o, args.part_lse,
+                   k_new, v_new, args.cache_batch_idx, args.cache_leftpad, table, cos, args.rotary_sin, alibi)
+        with _on_device(q.device):
+            self.launcher.launch(split_kernel, spec.split_grid, tensors, scalars, spec.split_constexprs,
+                                 spec.split_options)
+            if spec.combine_grid is not None:
+                self.launcher.launch(
+                    combine_kernel, spec.combine_grid,
+                    (args.cache_seqlens, args.cache_leftpad, out, args.lse, args.part_o, args.part_lse),
+                    (*spec.schedule, *spec.features[:2], out.stride(0), out.stride(1), out.stride(2)),
+                    spec.combine_constexprs, spec.combine_options)
+
+    def _spec(self, plan, problem: Problem) -> _LaunchSpec:
+        """The memoized spec of (plan, problem), found by identity (the caller keeps both objects)."""
+        key = (id(plan), id(problem))
+        entry = self._specs.get(key)
+        if entry is None or entry[0] is not plan or entry[1] is not problem:
+            if len(self._specs) >= MAX_SPECS:
+                self._specs.clear()
+            entry = self._specs[key] = (plan, problem, _make_spec(plan, problem))
+        return entry[2]
+
+
+def _make_spec(plan, problem: Problem) -> _LaunchSpec:
+    config = plan.config
+    batch_pad = max(16, triton.next_power_of_2(problem.batch))
+    head_pad = padded_headdim(problem.headdim)
+    append, leftpad = problem.seqlen_new > 0, problem.leftpad
+    window_left, window_right = problem.window_left >= 0, problem.window_right >= 0
+    schedule = (problem.batch, problem.seqlen_cache, plan.programs_per_head, plan.forced_splits, plan.min_chunk)
+    features = (problem.seqlen_new if append else None, problem.window_left if window_left else None,
+                problem.window_right if window_right else None)
+    split_constexprs = dict(
+        GROUP=problem.group, SEQLEN_Q=problem.seqlen_q, HEAD_DIM=problem.headdim, HEAD_PAD=head_pad,
+        BLOCK_N=config.block_n, BLOCK_M=config.block_m, BATCH_PAD=batch_pad, CAN_SPLIT=plan.can_split,
+        PAGE_SIZE=problem.page_size, APPEND=append, ROTARY_DIM=problem.rotary_dim,
+        ROTARY_INTERLEAVED=problem.rotary_interleaved, ROTARY_PER_ROW=problem.windowed, WINDOW_LEFT=window_left,
+        WINDOW_RIGHT=window_right, SOFTCAP=problem.softcap, ALIBI=problem.alibi, LEFTPAD=leftpad,
+        BATCH_IDX=problem.batch_idx and not problem.paged)
+    combine_constexprs = dict(
+        GROUP=problem.group, SEQLEN_Q=problem.seqlen_q, HEAD_DIM=problem.headdim, HEAD_PAD=head_pad,
+        BLOCK_N=config.block_n, BATCH_PAD=batch_pad, SPLITS_PER_STEP=config.combine_step, APPEND=append,
+        LEFTPAD=leftpad, WINDOW_LEFT=window_left, EMPTY_ROWS=problem.windowed and problem.seqlen_q > 1)
+    return _LaunchSpec(
+        plan.grid(problem), split_constexprs, dict(num_warps=config.num_warps, num_stages=config.num_stages),
+        (problem.batch, problem.nheads_k * problem.q_rows) if plan.needs_combine else None, combine_constexprs,
+        dict(num_warps=4), schedule, features)

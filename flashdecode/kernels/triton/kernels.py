@@ -1,0 +1,248 @@
+"""The Triton split and combine kernels (``docs/design.md``, "Semantics"; the schedule is the
+planner's, see ``schedule``).
+
+Split kernel, grid (P, Hk, row tiles): program (p, h, t) finds its sequence and key blocks with
+the planner's rule, loads BLOCK_M packed query rows (r = i * GROUP + g) of KV head h, and streams
+its blocks once. The main loop (software-pipelined) takes the blocks whose keys are cached and seen
+by every row, with only a column mask for the range's ends, as the plain kernel always did; blocks
+that need per-row masks (a window starts or ends inside them) or hold appended tokens go through a
+second, masked loop, compiled only when the problem has windows or appended tokens. A sequence
+served by one program writes out/lse; the others write float32 partials that the combine kernel
+merges. Bad values (lengths, left pads, batch indices, block ids) are clamped for every access and
+make the program's rows NaN.
+"""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from .attend import LOG2E, append_tokens, attend_block, rotary_columns, rotate, row_offsets, tile_mask
+from .schedule import entry, key_range, locate, split_counts
+
+LN2 = tl.constexpr(1.0 / LOG2E.value)
+
+#: Runtime ints whose values must not multiply compiled kernels (Triton would specialise 1 and
+#: multiples of 16): the schedule's counts and the features' sizes.
+_RUNTIME_INTS = ["batch", "capacity", "num_programs", "forced_splits", "min_chunk", "seqlen_new", "window_left",
+                 "window_right", "cache_rows", "rotary_rows"]
+
+
+@triton.jit(do_not_specialize=_RUNTIME_INTS)
+def split_kernel(Q, K, V, Lens, Out, Lse, PartO, PartLse, KNew, VNew, BatchIdx, LeftPad, BlockTable, Cos, Sin, Alibi,
+                 scale_log2, softcap_in, softcap_out,
+                 batch, capacity, num_programs, forced_splits, min_chunk,
+                 seqlen_new, window_left, window_right, cache_rows, rotary_rows,
+                 stride_qb, stride_qi, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
+                 stride_ob, stride_oi, stride_oh, stride_nkb, stride_nkt, stride_nkh, stride_nvb, stride_nvt,
+                 stride_nvh, stride_table, stride_alibi,
+                 GROUP: tl.constexpr, SEQLEN_Q: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr,
+                 BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BATCH_PAD: tl.constexpr, CAN_SPLIT: tl.constexpr,
+                 PAGE_SIZE: tl.constexpr, APPEND: tl.constexpr, ROTARY_DIM: tl.constexpr,
+                 ROTARY_INTERLEAVED: tl.constexpr, ROTARY_PER_ROW: tl.constexpr, WINDOW_LEFT: tl.constexpr,
+                 WINDOW_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, LEFTPAD: tl.constexpr,
+                 BATCH_IDX: tl.constexpr):
+    pid = tl.program_id(0)
+    head_k = tl.program_id(1)
+    tile = tl.program_id(2)
+    seq, split, num_splits, raw_len = locate(
+        Lens, LeftPad, pid, batch, capacity, num_programs, forced_splits, min_chunk, seqlen_new, window_left,
+        SEQLEN_Q, APPEND, LEFTPAD, WINDOW_LEFT, BLOCK_N, BATCH_PAD, CAN_SPLIT)
+    if seq < batch:
+        # Out-of-range values are clamped (no stray access) and flagged with NaN rows.
+        if APPEND:
+            valid = (raw_len >= 0) & (raw_len <= capacity - seqlen_new)
+        else:
+            valid = (raw_len >= 0) & (raw_len <= capacity)
+        leftpad = 0
+        if LEFTPAD:
+            leftpad = tl.load(LeftPad + seq)
+            valid = valid & (leftpad >= 0) & (leftpad <= raw_len)
+        lo, hi = key_range(raw_len, leftpad, seqlen_new, capacity, window_left, SEQLEN_Q, APPEND, LEFTPAD, WINDOW_LEFT)
+        writable = True  # the cache row the appended tokens go to is this sequence's own
+        # 64-bit offsets: a cache can exceed 2^31 elements, and so can a strided view's offsets.
+        if PAGE_SIZE > 0:
+            table_row = BlockTable + seq * stride_table
+            k_head = K + head_k.to(tl.int64) * stride_kh
+            v_head = V + head_k.to(tl.int64) * stride_vh
+        else:
+            table_row = BlockTable
+            cache_row = seq
+            if BATCH_IDX:
+                cache_row = tl.load(BatchIdx + seq)
+                writable = (cache_row >= 0) & (cache_row < cache_rows)
+                valid = valid & writable
+                cache_row = tl.minimum(tl.maximum(cache_row, 0), cache_rows - 1)
+            k_head = K + cache_row.to(tl.int64) * stride_kb + head_k.to(tl.int64) * stride_kh
+            v_head = V + cache_row.to(tl.int64) * stride_vb + head_k.to(tl.int64) * stride_vh
+        bad = tl.zeros([], tl.int32)  # a bad block id was used
+        k_new = KNew
+        v_new = VNew
+        new_from = hi
+        if APPEND:
+            k_new = KNew + seq.to(tl.int64) * stride_nkb + head_k * stride_nkh
+            v_new = VNew + seq.to(tl.int64) * stride_nvb + head_k * stride_nvh
+            new_from = raw_len
+            # One writer per (sequence, KV head), none into another sequence's cache row (a bad batch
+            # index); readers take the new tokens from k_new, so no program reads what it writes.
+            if (tile == 0) & (split == 0) & writable:
+                bad = append_tokens(k_head, v_head, table_row, cache_rows, stride_kb, stride_kt, stride_vb, stride_vt,
+                                    k_new, v_new, stride_nkt, stride_nvt, Cos, Sin, rotary_rows,
+                                    raw_len, seqlen_new, capacity,
+                                    PAGE_SIZE, ROTARY_DIM, ROTARY_INTERLEAVED, HEAD_DIM, HEAD_PAD, BLOCK_N)
+
+        rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+        row_live = rows < GROUP * SEQLEN_Q
+        d = tl.arange(0, HEAD_PAD)
+        q_ptrs = Q + seq * stride_qb + row_offsets(rows, head_k, stride_qi, stride_qh, GROUP, SEQLEN_Q)[:, None]
+        q = tl.load(q_ptrs + d[None, :], mask=tile_mask(row_live, HEAD_DIM, HEAD_PAD), other=0.0)
+        if ROTARY_DIM > 0:
+            partner, column, sign, rotated = rotary_columns(ROTARY_DIM, ROTARY_INTERLEAVED, HEAD_PAD)
+            rotating = row_live[:, None] & rotated[None, :]
+            q_partner = tl.load(q_ptrs + partner[None, :], mask=rotating, other=0.0)
+            positions = raw_len + rows * 0
+            if ROTARY_PER_ROW:
+                positions += rows // GROUP
+            q = rotate(q, q_partner, positions, Cos, Sin, rotary_rows, column, sign, rotating, ROTARY_DIM).to(q.dtype)
+        row_pos = hi - SEQLEN_Q + rows // GROUP  # absolute position of each row's query
+        slopes = 0.0
+        if ALIBI == 1:
+            slopes = tl.load(Alibi + head_k * GROUP + rows % GROUP, mask=row_live, other=0.0) * LOG2E
+        elif ALIBI == 2:
+            slopes = tl.load(Alibi + seq * stride_alibi + head_k * GROUP + rows % GROUP, mask=row_live,
+                             other=0.0) * LOG2E
+
+        # Blocks [block_lo, block_hi) of the split; keys [start, end) of them are read.
+        blocks = tl.cdiv(hi, BLOCK_N)
+        first = 0
+        if LEFTPAD or WINDOW_LEFT:
+            first = lo // BLOCK_N
+            blocks -= first
+        block_lo = (first + split * blocks // num_splits) * BLOCK_N
+        block_hi = (first + (split + 1) * blocks // num_splits) * BLOCK_N
+        start = block_lo
+        if LEFTPAD or WINDOW_LEFT:
+            start = tl.maximum(block_lo, lo)
+        end = tl.minimum(block_hi, hi)
+        if LEFTPAD:  # a left pad at the length leaves one block without keys: skip it
+            block_hi = tl.where(start < end, block_hi, block_lo)
+        # The main loop's blocks [main_lo, main_hi): cached keys every row sees (a column mask drops
+        # those outside [start, end)); the others need per-row masks or appended tokens.
+        main_lo = block_lo
+        if WINDOW_LEFT:  # head: a row's window starts inside these blocks
+            main_lo = tl.minimum(tl.cdiv(tl.maximum(start, hi - 1 - window_left), BLOCK_N) * BLOCK_N, block_hi)
+        main_hi = block_hi
+        if APPEND or WINDOW_RIGHT:  # tail: appended tokens, or a row's window ends inside these blocks
+            whole_to = end
+            if APPEND:
+                whole_to = tl.minimum(whole_to, new_from)
+            if WINDOW_RIGHT:
+                whole_to = tl.minimum(whole_to, hi - SEQLEN_Q + window_right + 1)
+            main_hi = tl.maximum(whole_to // BLOCK_N * BLOCK_N, main_lo)
+
+        m = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, HEAD_PAD], tl.float32)
+        for block_start in range(main_lo, main_hi, BLOCK_N):
+            acc, m, l, bad = attend_block(
+                acc, m, l, bad, q, block_start, start, end, new_from, k_head, v_head, table_row, cache_rows,
+                stride_kb, stride_kt, stride_vb, stride_vt, k_new, v_new, stride_nkt, stride_nvt, Cos, Sin,
+                rotary_rows, row_pos, slopes, window_left, window_right, scale_log2, softcap_in, softcap_out,
+                False, PAGE_SIZE, APPEND, ROTARY_DIM, ROTARY_INTERLEAVED, WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP,
+                ALIBI, LEFTPAD, HEAD_DIM, HEAD_PAD, BLOCK_N)
+        if WINDOW_LEFT or WINDOW_RIGHT or APPEND:  # the head [block_lo, main_lo), then the tail [main_hi, block_hi)
+            head_blocks = (main_lo - block_lo) // BLOCK_N
+            # Not pipelined: a second pipeline's buffers and registers cost the main loop occupancy
+            # (on the H200, 186 against 233 us for case 12 with seqlen_q = 4).
+            for i in tl.range(0, head_blocks + (block_hi - main_hi) // BLOCK_N, num_stages=1):
+                block_start = tl.where(i < head_blocks, block_lo + i * BLOCK_N, main_hi + (i - head_blocks) * BLOCK_N)
+                acc, m, l, bad = attend_block(
+                    acc, m, l, bad, q, block_start, start, end, new_from, k_head, v_head, table_row, cache_rows,
+                    stride_kb, stride_kt, stride_vb, stride_vt, k_new, v_new, stride_nkt, stride_nvt, Cos, Sin,
+                    rotary_rows, row_pos, slopes, window_left, window_right, scale_log2, softcap_in, softcap_out,
+                    True, PAGE_SIZE, APPEND, ROTARY_DIM, ROTARY_INTERLEAVED, WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP,
+                    ALIBI, LEFTPAD, HEAD_DIM, HEAD_PAD, BLOCK_N)
+
+        # Only l == 0 means "no key": a NaN in the data makes l NaN, and NaN must come out.
+        empty = l == 0
+        o = tl.where(empty[:, None], 0.0, acc / tl.where(empty, 1.0, l)[:, None])
+        o = tl.where(valid & (bad == 0), o, float("nan"))
+        lse2 = tl.where(empty, float("-inf"), m + tl.log2(tl.where(empty, 1.0, l)))
+        stored = tile_mask(row_live, HEAD_DIM, HEAD_PAD)
+        if num_splits == 1:
+            out_rows = seq * stride_ob + row_offsets(rows, head_k, stride_oi, stride_oh, GROUP, SEQLEN_Q)
+            tl.store(Out + out_rows[:, None] + d[None, :], o.to(Out.dtype.element_ty), mask=stored)
+            if SEQLEN_Q == 1:  # lse (B, Hq, Sq)
+                lse_rows = seq * tl.num_programs(1) * GROUP + head_k * GROUP + rows
+            else:
+                lse_rows = (seq * tl.num_programs(1) * GROUP + head_k * GROUP + rows % GROUP) * SEQLEN_Q + rows // GROUP
+            tl.store(Lse + lse_rows, lse2 * LN2, mask=row_live)
+        else:
+            part = (pid * tl.num_programs(1) + head_k) * (GROUP * SEQLEN_Q) + rows
+            tl.store(PartO + part[:, None] * HEAD_DIM + d[None, :], o, mask=stored)
+            tl.store(PartLse + part, lse2, mask=row_live)
+
+
+@triton.jit
+def store_row(pointers, row, HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr):
+    """Store one output row of HEAD_PAD values, its real head dims only."""
+    if HEAD_PAD == HEAD_DIM:
+        tl.store(pointers, row)
+    else:
+        tl.store(pointers, row, mask=tl.arange(0, HEAD_PAD) < HEAD_DIM)
+
+
+@triton.jit(do_not_specialize=_RUNTIME_INTS[:7])
+def combine_kernel(Lens, LeftPad, Out, Lse, PartO, PartLse,
+                   batch, capacity, num_programs, forced_splits, min_chunk, seqlen_new, window_left,
+                   stride_ob, stride_oi, stride_oh,
+                   GROUP: tl.constexpr, SEQLEN_Q: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr,
+                   BLOCK_N: tl.constexpr, BATCH_PAD: tl.constexpr, SPLITS_PER_STEP: tl.constexpr,
+                   APPEND: tl.constexpr, LEFTPAD: tl.constexpr, WINDOW_LEFT: tl.constexpr, EMPTY_ROWS: tl.constexpr):
+    """Merge the partials of one (sequence, packed row h * Sq * G + r) if that sequence was split;
+    grid (B, Hk * Sq * G). Partials are read SPLITS_PER_STEP at a time, all loads of a step in
+    flight together, and merged with a running max so any number of splits works. EMPTY_ROWS:
+    a row may see no key in a split (windows with seqlen_q > 1), so a max of -inf is guarded."""
+    seq = tl.program_id(0)
+    row = tl.program_id(1)
+    offs, raw, splits, ends = split_counts(
+        Lens, LeftPad, batch, capacity, num_programs, forced_splits, min_chunk, seqlen_new, window_left,
+        SEQLEN_Q, APPEND, LEFTPAD, WINDOW_LEFT, BLOCK_N, BATCH_PAD)
+    num_splits = entry(offs, splits, seq)
+    first = entry(offs, ends, seq) - num_splits
+    if num_splits > 1:
+        offs_s = tl.arange(0, SPLITS_PER_STEP)
+        d = tl.arange(0, HEAD_PAD)
+        m = float("-inf")
+        weight = 0.0
+        acc = tl.zeros([HEAD_PAD], tl.float32)
+        for step in range(0, num_splits, SPLITS_PER_STEP):
+            live = step + offs_s < num_splits
+            part = (first + step + offs_s) * tl.num_programs(1) + row
+            part_lse = tl.load(PartLse + part, mask=live, other=float("-inf"))
+            part_o = tl.load(PartO + part[:, None] * HEAD_DIM + d[None, :],
+                             mask=tile_mask(live, HEAD_DIM, HEAD_PAD), other=0.0)
+            m_new = tl.maximum(m, tl.max(part_lse, 0))  # a NaN partial still spoils w, hence the output
+            m_safe = m_new
+            if EMPTY_ROWS:
+                m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            w = tl.exp2(part_lse - m_safe)
+            alpha = tl.exp2(m - m_safe)
+            acc = acc * alpha + tl.sum(w[:, None] * part_o, 0)
+            weight = weight * alpha + tl.sum(w, 0)
+            m = m_new
+        if EMPTY_ROWS:
+            o = tl.where(weight == 0, 0.0, acc / tl.where(weight == 0, 1.0, weight))
+            lse = tl.where(weight == 0, float("-inf"), (m + tl.log2(tl.where(weight == 0, 1.0, weight))) * LN2)
+        else:
+            o = acc / weight
+            lse = (m + tl.log2(weight)) * LN2
+        if SEQLEN_Q == 1:  # the row is the query head; lse (B, Hq, Sq)
+            store_row(Out + seq * stride_ob + row * stride_oh + d, o.to(Out.dtype.element_ty), HEAD_DIM, HEAD_PAD)
+            tl.store(Lse + seq * tl.num_programs(1) + row, lse)
+        else:
+            head_k = row // (GROUP * SEQLEN_Q)
+            r = row % (GROUP * SEQLEN_Q)
+            out_row = row_offsets(r, head_k, stride_oi, stride_oh, GROUP, SEQLEN_Q)
+            store_row(Out + seq * stride_ob + out_row + d, o.to(Out.dtype.element_ty), HEAD_DIM, HEAD_PAD)
+            head = head_k * GROUP + r % GROUP
+            tl.store(Lse + (seq * (tl.num_programs(1) // SEQLEN_Q) + head) * SEQLEN_Q + r // GROUP, lse)

@@ -1,0 +1,154 @@
+"""Launching Triton kernels with less host time: the compiled kernel called directly.
+
+``kernel[grid](...)`` (Triton's public path, ``JITFunction.run``) binds and specialises every
+argument on every call; on the H200 machine it cost a decode call ~30 us of host time more than
+calling the compiled kernel (``CompiledKernel[grid](*args, stream=...)``) with the arguments in
+signature order, constexprs included (``docs/design.md``, "Dependencies"). That relies on how Triton
+lays out a compiled kernel's arguments, which is not a public contract, so :class:`Launcher` uses it
+only when
+
+* at import, Triton's classes have what it calls (``FAST_PATH_UNAVAILABLE`` says what is missing);
+* on the first CUDA launch, a probe kernel launched both ways writes the same bytes;
+* the kernel is compiled (not the interpreter's), its tensors are on a CUDA device and the
+  specialisation was compiled by an earlier call through Triton's path.
+
+It reuses a compiled kernel only for calls with the same ``specialization`` key, at least as fine as
+Triton's own: kernel, device, constexprs, options, each tensor's dtype and 16-byte alignment, and
+the exact value of every scalar.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ... import compat
+
+#: Compiled kernels a launcher keeps (each new shape or schedule constant adds one); past it the
+#: table starts again.
+MAX_COMPILED = 4096
+
+
+def _fast_path_unavailable() -> str | None:
+    """What the direct launch needs of Triton and this process that is missing, or None."""
+    try:
+        from triton.compiler import CompiledKernel
+        from triton.runtime.jit import JITFunction
+    except ImportError as error:
+        return f"Triton's CompiledKernel or JITFunction does not import ({error})"
+    if not callable(getattr(CompiledKernel, "__getitem__", None)):
+        return "CompiledKernel has no [grid] launcher"
+    if not callable(getattr(JITFunction, "run", None)):
+        return "JITFunction has no run()"
+    if not isinstance(_probe_kernel, JITFunction):
+        return "kernels are interpreted (TRITON_INTERPRET=1)"
+    if not hasattr(_probe_kernel, "arg_names"):
+        return "JITFunction has no arg_names"
+    return None
+
+
+@triton.jit(do_not_specialize=["count"])
+def _probe_kernel(Out, X, Unused, scale, count, stride, WIDTH: tl.constexpr):
+    """Out[p, :] = X[::stride] * scale + count + 1000 p: every kind of argument our kernels pass
+    (tensors, a None, a float, an unspecialised and a specialised int, a constexpr)."""
+    offs = tl.arange(0, WIDTH)
+    pid = tl.program_id(0)
+    x = tl.load(X + offs * stride)
+    tl.store(Out + pid * WIDTH + offs, x * scale + count + 1000.0 * pid)
+
+
+def probe_direct_launch(device: torch.device, stream_handle) -> str | None:
+    """Launch the probe through Triton's path and directly; None if both wrote the same, else why not."""
+    if device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    x = torch.arange(32, dtype=torch.float32, device=device)
+    public = torch.full((2, 16), -1.0, device=device)
+    direct = torch.full((2, 16), -1.0, device=device)
+    try:
+        compiled = _probe_kernel[(2,)](public, x, None, 0.5, 7, 2, WIDTH=16)
+        compiled[(2, 1, 1)](direct, x, None, 0.5, 7, 2, 16, stream=stream_handle(device.index))
+        if torch.equal(public, direct):
+            return None
+        return "the probe kernel launched directly wrote other values than through Triton"
+    except Exception as error:  # any failure of a private path means: use the public one
+        return f"the probe kernel failed to launch directly ({type(error).__name__}: {error})"
+
+
+FAST_PATH_UNAVAILABLE = _fast_path_unavailable()
+
+
+def specialization(kernel, device_index: int, tensors: tuple, scalars: tuple, constexpr_values: tuple,
+                   options: tuple) -> tuple:
+    """The key under which a compiled kernel is reused (see the module docstring). None tensors and
+    scalars are part of it (Triton compiles them as constexpr None)."""
+    alignment = 0
+    for tensor in tensors:
+        alignment = alignment << 1 | (tensor is not None and tensor.data_ptr() % 16 == 0)
+    return (id(kernel), device_index, tuple(None if t is None else t.dtype for t in tensors), alignment, scalars,
+            constexpr_values, options)
+
+
+class Launcher:
+    """Launches kernels for one backend instance; owns its compiled-kernel table and the verdict of
+    the probe (``fast_path``: None until the first CUDA launch, then whether it is on).
+
+    ``stream_handle(device_index)`` gives the current stream; ``probe(device, stream_handle)`` says
+    why the direct path must stay off (None: it may be used); it runs outside CUDA-graph capture
+    (``is_capturing()``), since it allocates and synchronizes."""
+
+    def __init__(self, max_compiled: int = MAX_COMPILED, stream_handle=compat.current_stream_handle,
+                 probe=probe_direct_launch, unavailable: str | None = FAST_PATH_UNAVAILABLE,
+                 is_capturing=torch.cuda.is_current_stream_capturing):
+        self.max_compiled = max_compiled
+        self._stream_handle = stream_handle
+        self._probe = probe
+        self._is_capturing = is_capturing
+        self.fast_path: bool | None = False if unavailable else None
+        self.fast_path_off_because = unavailable
+        self._compiled: dict = {}
+        self._checked_signatures: set = set()
+
+    def __len__(self) -> int:
+        """Compiled kernels held for the direct path."""
+        return len(self._compiled)
+
+    def launch(self, kernel, grid: tuple, tensors: tuple, scalars: tuple, constexprs: dict, options: dict) -> None:
+        """``kernel[grid](*tensors, *scalars, **constexprs, **options)``: the kernel's parameters are
+        its tensors, then its scalars, then its constexprs, in this order; later calls of a
+        specialisation go to the compiled kernel directly when the fast path is on. The first tensor
+        is never None: its device is the launch's."""
+        device = tensors[0].device
+        if device.type != "cuda" or not self._fast_path_on(device):
+            kernel[grid](*tensors, *scalars, **constexprs, **options)
+            return
+        constexpr_values = tuple(constexprs.values())
+        key = specialization(kernel, device.index, tensors, scalars, constexpr_values, tuple(options.items()))
+        compiled = self._compiled.get(key)
+        if compiled is None:
+            self._check_signature(kernel, len(tensors) + len(scalars), tuple(constexprs))
+            compiled = kernel[grid](*tensors, *scalars, **constexprs, **options)
+            if len(self._compiled) >= self.max_compiled:
+                self._compiled.clear()
+            self._compiled[key] = compiled
+            return
+        compiled[tuple(grid) + (1,) * (3 - len(grid))](*tensors, *scalars, *constexpr_values,
+                                                        stream=self._stream_handle(device.index))
+
+    def _fast_path_on(self, device: torch.device) -> bool:
+        if self.fast_path is None:
+            if self._is_capturing():
+                return False  # Triton's path for now; the probe waits for a call outside capture
+            self.fast_path_off_because = self._probe(device, self._stream_handle)
+            self.fast_path = self.fast_path_off_because is None
+        return self.fast_path
+
+    def _check_signature(self, kernel, positional: int, constexpr_names: tuple) -> None:
+        """The direct path passes constexprs by position: they must be the kernel's last parameters."""
+        key = (id(kernel), positional, constexpr_names)
+        if key in self._checked_signatures:
+            return
+        names = tuple(kernel.arg_names)
+        if names[positional:] != constexpr_names:
+            raise TypeError(f"{getattr(kernel, '__name__', kernel)}: parameters after the first {positional} are "
+                            f"{names[positional:]}, expected the constexprs {constexpr_names} in this order")
+        self._checked_signatures.add(key)

@@ -1,0 +1,80 @@
+"""The planner's device-side rule (``flashdecode.planner``, module docstring, step 2) as Triton code.
+
+Every program of the split and combine kernels evaluates it from the real lengths: sequence b's
+keys are ``[lo_b, hi_b)``, its ``nblk_b`` blocks of ``BLOCK_N`` keys start at block ``lo_b //
+BLOCK_N``, and the plan's P programs per KV head are dealt out to sequences as
+``splits_per_sequence`` deals them (``planner.work_list`` is the same rule in Python).
+"""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def key_range(raw_len, leftpad, seqlen_new, capacity, window_left,
+              SEQLEN_Q: tl.constexpr, APPEND: tl.constexpr, LEFTPAD: tl.constexpr, WINDOW_LEFT: tl.constexpr):
+    """(lo, hi) of ``planner.key_range``, elementwise: hi = cache_seqlens + seqlen_new clamped to
+    [0, capacity]; lo = max(leftpad, hi - seqlen_q - window_left), clamped to [0, hi]; the scalar 0
+    without a left pad or window."""
+    if APPEND:
+        hi = tl.minimum(tl.maximum(raw_len + seqlen_new, 0), capacity)
+    else:
+        hi = tl.minimum(tl.maximum(raw_len, 0), capacity)
+    lo = 0
+    if LEFTPAD:
+        lo = tl.maximum(leftpad, 0)
+    if WINDOW_LEFT:
+        lo = tl.maximum(lo, hi - SEQLEN_Q - window_left)
+    if LEFTPAD or WINDOW_LEFT:
+        lo = tl.minimum(lo, hi)
+    return lo, hi
+
+
+@triton.jit
+def split_counts(Lens, LeftPad, batch, capacity, num_programs, forced_splits, min_chunk, seqlen_new, window_left,
+                 SEQLEN_Q: tl.constexpr, APPEND: tl.constexpr, LEFTPAD: tl.constexpr, WINDOW_LEFT: tl.constexpr,
+                 BLOCK_N: tl.constexpr, BATCH_PAD: tl.constexpr):
+    """For every sequence (vectors over ``BATCH_PAD``): (offsets, raw lengths, splits, their cumsum)."""
+    offs = tl.arange(0, BATCH_PAD)
+    live = offs < batch
+    raw = tl.load(Lens + offs, mask=live, other=0)
+    leftpad = 0
+    if LEFTPAD:
+        leftpad = tl.load(LeftPad + offs, mask=live, other=0)
+    lo, hi = key_range(raw, leftpad, seqlen_new, capacity, window_left, SEQLEN_Q, APPEND, LEFTPAD, WINDOW_LEFT)
+    blocks = tl.cdiv(hi, BLOCK_N)
+    if LEFTPAD or WINDOW_LEFT:
+        blocks -= lo // BLOCK_N
+    chunk = tl.maximum(tl.cdiv(tl.sum(blocks, 0), tl.maximum(num_programs - batch, 1)), min_chunk)
+    splits = tl.where(forced_splits > 0, tl.minimum(blocks, forced_splits), tl.cdiv(blocks, chunk))
+    splits = tl.where(live, tl.maximum(splits, 1), 0)
+    return offs, raw, splits, tl.cumsum(splits, 0)
+
+
+@triton.jit
+def entry(offs, values, index):
+    """values[index] of a vector indexed by offs."""
+    return tl.sum(tl.where(offs == index, values, 0), 0)
+
+
+@triton.jit
+def locate(Lens, LeftPad, pid, batch, capacity, num_programs, forced_splits, min_chunk, seqlen_new, window_left,
+           SEQLEN_Q: tl.constexpr, APPEND: tl.constexpr, LEFTPAD: tl.constexpr, WINDOW_LEFT: tl.constexpr,
+           BLOCK_N: tl.constexpr, BATCH_PAD: tl.constexpr, CAN_SPLIT: tl.constexpr):
+    """Program pid's (sequence, split, splits of that sequence, raw length); sequence >= batch for
+    programs without work."""
+    if CAN_SPLIT:
+        offs, raw, splits, ends = split_counts(
+            Lens, LeftPad, batch, capacity, num_programs, forced_splits, min_chunk, seqlen_new, window_left,
+            SEQLEN_Q, APPEND, LEFTPAD, WINDOW_LEFT, BLOCK_N, BATCH_PAD)
+        seq = tl.sum((ends <= pid).to(tl.int32), 0)
+        num_splits = entry(offs, splits, seq)
+        split = pid - (entry(offs, ends, seq) - num_splits)
+        raw_len = entry(offs, raw, seq)
+    else:
+        seq = pid
+        split = 0
+        num_splits = 1
+        raw_len = tl.load(Lens + tl.minimum(pid, batch - 1))
+    return seq, split, num_splits, raw_len

@@ -1,0 +1,196 @@
+"""The Triton backend's direct launch (``flashdecode.kernels.triton.launch``): when it is used, what
+it passes, and, on a GPU, that it computes exactly what Triton's own launch path computes."""
+
+import pytest
+import torch
+
+from conftest import HAS_CUDA
+from flashdecode import compat, plan_for
+from flashdecode.kernels.base import LaunchArgs
+from flashdecode.kernels.triton import launch
+from flashdecode.kernels.triton.backend import TritonBackend
+from flashdecode.kernels.triton.launch import Launcher, probe_direct_launch, specialization
+
+
+class CudaTensor:
+    """Stands for a CUDA tensor: the launcher reads its device, dtype and address."""
+
+    def __init__(self, address=256, dtype=torch.float16):
+        self.device = torch.device("cuda", 0)
+        self.dtype = dtype
+        self.address = address
+
+    def data_ptr(self):
+        return self.address
+
+
+class FakeKernel:
+    """A JIT kernel (X, n, f, C: constexpr) whose launches are recorded in ``calls``."""
+
+    arg_names = ["X", "n", "f", "C"]
+
+    def __init__(self, calls):
+        self.calls = calls
+
+    def __getitem__(self, grid):
+        def run(*args, **kwargs):
+            self.calls.append(("triton", grid, args, kwargs))
+            return FakeCompiled(self.calls)
+        return run
+
+
+class FakeCompiled:
+    def __init__(self, calls):
+        self.calls = calls
+
+    def __getitem__(self, grid):
+        return lambda *args, stream: self.calls.append(("direct", grid, args, stream))
+
+
+def fast_launcher(probe=lambda device, stream_handle: None, **kwargs):
+    return Launcher(stream_handle=lambda index: 77, probe=probe, unavailable=None, is_capturing=lambda: False,
+                    **kwargs)
+
+
+def test_second_call_of_a_specialization_goes_direct():
+    """First call through Triton, later ones through the compiled kernel: 3-d grid, constexprs
+    appended in signature order, the current stream."""
+    calls = []
+    launcher, kernel, x = fast_launcher(), FakeKernel(calls), CudaTensor()
+    for _ in range(2):
+        launcher.launch(kernel, (4, 2), (x,), (9, 0.5), {"C": 16}, {"num_warps": 4})
+    assert calls == [("triton", (4, 2), (x, 9, 0.5), {"C": 16, "num_warps": 4}),
+                     ("direct", (4, 2, 1), (x, 9, 0.5, 16), 77)]
+    assert launcher.fast_path is True and len(launcher) == 1
+
+
+@pytest.mark.parametrize("change", ["alignment", "dtype", "int", "float", "none", "constexpr", "options"])
+def test_a_new_specialization_goes_through_triton_again(change):
+    """Any change Triton may compile differently for takes Triton's path first (a new key)."""
+    calls = []
+    launcher, kernel = fast_launcher(), FakeKernel(calls)
+    base = dict(tensors=(CudaTensor(),), scalars=(9, 0.5), constexprs={"C": 16}, options={"num_warps": 4})
+    changed = dict(base, **{
+        "alignment": dict(tensors=(CudaTensor(address=258),)),
+        "dtype": dict(tensors=(CudaTensor(dtype=torch.bfloat16),)),
+        "int": dict(scalars=(16, 0.5)), "float": dict(scalars=(9, 0.25)), "none": dict(scalars=(9, None)),
+        "constexpr": dict(constexprs={"C": 32}), "options": dict(options={"num_warps": 8})}[change])
+    for arguments in (base, changed):
+        launcher.launch(kernel, (1,), arguments["tensors"], arguments["scalars"], arguments["constexprs"],
+                        arguments["options"])
+    assert [call[0] for call in calls] == ["triton", "triton"]
+
+
+def test_specialization_key_ignores_what_triton_ignores():
+    """Another tensor at an address of the same 16-byte alignment reuses the compiled kernel."""
+    key = specialization(FakeKernel, 0, (CudaTensor(256), None), (3, None), (16,), ())
+    assert key == specialization(FakeKernel, 0, (CudaTensor(4096), None), (3, None), (16,), ())
+    assert key != specialization(FakeKernel, 0, (CudaTensor(256), CudaTensor(256)), (3, None), (16,), ())
+    assert key != specialization(FakeKernel, 1, (CudaTensor(256), None), (3, None), (16,), ())
+
+
+def test_table_is_bounded():
+    calls = []
+    launcher, kernel = fast_launcher(max_compiled=2), FakeKernel(calls)
+    for n in range(5):
+        launcher.launch(kernel, (1,), (CudaTensor(),), (n, 0.5), {"C": 16}, {})
+        assert len(launcher) <= 2
+
+
+def test_failed_probe_keeps_tritons_path():
+    calls = []
+    launcher = fast_launcher(probe=lambda device, stream_handle: "the probe wrote other values")
+    for _ in range(3):
+        launcher.launch(FakeKernel(calls), (1,), (CudaTensor(),), (9, 0.5), {"C": 16}, {})
+    assert [call[0] for call in calls] == ["triton"] * 3
+    assert launcher.fast_path is False and launcher.fast_path_off_because == "the probe wrote other values"
+
+
+def test_probe_waits_for_a_call_outside_graph_capture():
+    calls, probes, capturing = [], [], [True]
+    launcher = Launcher(stream_handle=lambda index: 77, probe=lambda device, handle: probes.append(device),
+                        unavailable=None, is_capturing=lambda: capturing[0])
+    kernel = FakeKernel(calls)
+    launcher.launch(kernel, (1,), (CudaTensor(),), (9, 0.5), {"C": 16}, {})
+    assert probes == [] and launcher.fast_path is None
+    capturing[0] = False
+    launcher.launch(kernel, (1,), (CudaTensor(),), (9, 0.5), {"C": 16}, {})
+    assert len(probes) == 1 and launcher.fast_path is True
+
+
+def test_unavailable_fast_path_and_cpu_tensors_take_tritons_path():
+    calls = []
+    off = Launcher(unavailable="no launcher", stream_handle=lambda index: 77)
+    for _ in range(2):
+        off.launch(FakeKernel(calls), (1,), (CudaTensor(),), (9, 0.5), {"C": 16}, {})
+    cpu = torch.zeros(4)
+    for _ in range(2):
+        fast_launcher().launch(FakeKernel(calls), (1,), (cpu,), (9, 0.5), {"C": 16}, {})
+    assert [call[0] for call in calls] == ["triton"] * 4 and off.fast_path is False
+
+
+def test_constexprs_must_be_the_last_parameters():
+    """The direct path passes constexprs by position, so a kernel whose signature disagrees fails loudly."""
+    launcher = fast_launcher()
+    with pytest.raises(TypeError, match="expected the constexprs"):
+        launcher.launch(FakeKernel([]), (1,), (CudaTensor(),), (9,), {"C": 16}, {})
+
+
+@pytest.mark.skipif(HAS_CUDA, reason="the interpreter's selection")
+def test_interpreter_turns_the_fast_path_off():
+    assert "interpreted" in launch.FAST_PATH_UNAVAILABLE
+    assert Launcher().fast_path is False
+
+
+@pytest.mark.gpu
+def test_probe_passes_on_this_gpu():
+    assert launch.FAST_PATH_UNAVAILABLE is None
+    assert probe_direct_launch(torch.device("cuda"), compat.current_stream_handle) is None
+
+
+def launch_route(backend, route, q, k_cache, v_cache, kwargs):
+    """out, lse and the caches after ``backend`` launched ``route`` on copies of the caches."""
+    problem, plan = route.problem, route.plan
+    k_cache, v_cache = k_cache.clone(), v_cache.clone()
+    out = torch.empty_like(q)
+    lse = torch.empty(q.shape[0], q.shape[2], q.shape[1], device=q.device)
+    part_o = torch.empty(plan.workspace_rows, problem.nheads_k * problem.q_rows, q.shape[3], device=q.device)
+    part_lse = torch.empty(plan.workspace_rows, problem.nheads_k * problem.q_rows, device=q.device)
+    backend.launch(plan, problem, LaunchArgs(
+        q, k_cache, v_cache, kwargs["cache_seqlens"], out, lse, part_o, part_lse, q.shape[3] ** -0.5, 0.0,
+        kwargs.get("k"), kwargs.get("v"), kwargs.get("rotary_cos"), kwargs.get("rotary_sin"),
+        block_table=kwargs.get("block_table"), alibi_slopes=kwargs.get("alibi_slopes")))
+    return out, lse, k_cache, v_cache
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("features", ["plain", "paged-append-rotary-alibi"])
+@pytest.mark.parametrize("num_splits", [1, 4])
+def test_direct_launch_matches_tritons_launch(features, num_splits):
+    """The backend's kernels launched directly write exactly what Triton's path writes."""
+    generator = torch.Generator("cuda").manual_seed(0)
+
+    def randn(*shape):
+        return torch.randn(*shape, device="cuda", generator=generator).half()
+
+    q = randn(3, 2, 8, 128)
+    kwargs = dict(cache_seqlens=torch.tensor([690, 65, 1], dtype=torch.int32, device="cuda"), causal=True,
+                  num_splits=num_splits)
+    if features == "plain":
+        k_cache, v_cache = randn(3, 700, 2, 128), randn(3, 700, 2, 128)
+    else:
+        k_cache, v_cache = randn(140, 16, 2, 128), randn(140, 16, 2, 128)
+        kwargs.update(block_table=torch.randperm(140, device="cuda", generator=generator)[:3 * 44].view(3, 44).int(),
+                      k=randn(3, 2, 2, 128), v=randn(3, 2, 2, 128), rotary_cos=randn(704, 32),
+                      rotary_sin=randn(704, 32),
+                      alibi_slopes=torch.rand(8, device="cuda", generator=generator))
+    route = plan_for(q, k_cache, v_cache, backend="triton", **kwargs)
+    public = TritonBackend()
+    public.launcher = Launcher(unavailable="compared against")
+    fast = TritonBackend()
+    launch_route(fast, route, q, k_cache, v_cache, kwargs)  # a new specialisation: Triton's path
+    direct = launch_route(fast, route, q, k_cache, v_cache, kwargs)
+    assert fast.launcher.fast_path is True and len(fast.launcher) == (2 if route.plan.needs_combine else 1)
+    expected = launch_route(public, route, q, k_cache, v_cache, kwargs)
+    for got, want in zip(direct, expected):
+        assert torch.equal(got, want)
