@@ -3,6 +3,13 @@
 # the command line, logging everything under $OUT (STEP_TIMEOUT, default 400 s, bounds the bench,
 # sweep and sanitize steps so one stuck step cannot eat the whole call). Steps:
 #   tests       GPU test suite (tests/test_gpu.py) for both backends (TESTS_K: a pytest -k filter)
+#   fa2build    build FlashAttention 2's kernels for the fa2 peer from the carried .fa2-src.tar.xz into
+#               .fa2-build/ (benchmarks/build_fa2.py, ~4 min on 16 cores) and pack it as
+#               $OUT/fa2-build.tar.xz; copy that to .fa2-build.tar.xz here and carry it afterwards
+#   peers       make the peers importable for the steps after it: FlashInfer from the carried
+#               .fi-bundle/flashinfer-bundle.tar.xz (its JIT modules built now, in parallel, for
+#               head dims PEERS_HEADDIMS, default 128; 64,128,256 for --matrix wide), FlashAttention 2
+#               from .fa2-build/ (or the carried .fa2-build.tar.xz) through FLASHDECODE_FA2_PATH
 #   bench ARGS  flashdecode bench with the given arguments (quote them as one word)
 #   sweep ARGS  benchmarks/sweep.py with the given arguments
 #   sanitize    compute-sanitizer memcheck + racecheck on a few cases (TileLang)
@@ -14,6 +21,13 @@
 #   lagcheck    benchmarks/producer_lag_check.py: case 12's split kernel with producer warps 1-3
 #               made to lag, as TileLang emits it (expect a hang, exit 3) and as shipped (perf log 18);
 #               run it last: a hung kernel is only cleared by its process's exit
+#
+# Carried inputs, each made once on the CPU machine in the repository root (all git-excluded):
+#   bash ../shared/gpu-bundle/make-bundle.sh .gpu-bundle        # .gpu-bundle/tilelang-cp312.tar.xz, 33 MiB
+#   bash ../shared/flashinfer-bundle/make-bundle.sh .fi-bundle  # .fi-bundle/flashinfer-bundle.tar.xz, 8 MiB
+#   python benchmarks/build_fa2.py prepare /tmp/fa/flash_attn-2.8.3.tar.gz  # .fa2-src.tar.xz, 0.4 MiB
+# e.g. carry [".gpu-bundle", ".fi-bundle", ".fa2-src.tar.xz"] and run
+#   bash benchmarks/device.sh fa2build peers bench "--variant plain,paged16,paged256,q4,append --json $OUT/run.json"
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 mkdir -p /tmp/tl && tar -xJf .gpu-bundle/tilelang-cp312.tar.xz -C /tmp/tl
@@ -30,6 +44,30 @@ while [ $# -gt 0 ]; do
     tests)
       python3 -m pytest tests/test_gpu.py -q -p no:cacheprovider --maxfail=10 ${TESTS_K:+-k "$TESTS_K"} 2>&1 | tee "$OUT/gpu_tests.log" | tail -40
       summary+=("tests rc=${PIPESTATUS[0]}");;
+    fa2build)
+      python3 benchmarks/build_fa2.py build --jobs "$(nproc)" > "$OUT/fa2_build.log" 2>&1
+      rc=$?
+      tail -3 "$OUT/fa2_build.log"
+      [ $rc -eq 0 ] && tar -cJf "$OUT/fa2-build.tar.xz" .fa2-build
+      summary+=("fa2build rc=$rc");;
+    peers)
+      mkdir -p /tmp/fi && tar -xJf .fi-bundle/flashinfer-bundle.tar.xz -C /tmp/fi
+      export PYTHONPATH=/tmp/fi/fi_site:$PYTHONPATH LD_LIBRARY_PATH=$CUDA_HOME/lib64${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH} \
+             FLASHINFER_CUDA_ARCH_LIST=9.0a MAX_JOBS=$(nproc) FLASHINFER_WORKSPACE_BASE=/tmp/fi_ws \
+             FLASHINFER_DISABLE_VERSION_CHECK=1
+      [ -f .fa2-build.tar.xz ] && [ ! -d .fa2-build ] && tar -xJf .fa2-build.tar.xz
+      [ -d .fa2-build ] && export FLASHDECODE_FA2_PATH=$PWD/.fa2-build
+      warm=()
+      for d in ${PEERS_HEADDIMS:-128}; do
+        for peer in flashinfer-tc flashinfer-cc flashinfer-single; do
+          python3 -c "from flashdecode.bench.peers import warm_up; warm_up('$peer', $d)" > "/tmp/warm_${peer}_$d.log" 2>&1 &
+          warm+=($!)
+        done
+      done
+      failed=0
+      for pid in "${warm[@]}"; do wait "$pid" || failed=$((failed + 1)); done
+      tail -n 3 /tmp/warm_*.log > "$OUT/peers_warm.log"
+      summary+=("peers: ${#warm[@]} FlashInfer warm-ups, $failed failed; fa2 from ${FLASHDECODE_FA2_PATH:-an installed flash_attn, if any}");;
     bench)
       args=$1; shift
       # stderr carries the progress bar: kept, so a slow or stuck run shows where it was; on the

@@ -1,8 +1,11 @@
 """The summary of a `flashdecode bench --json` run for docs/benchmarks.md, computed, not typed.
 
-Prints the markdown table (medians / graph times, FA2 from the anchor file, TileOPs' GPU time) and
-the figures the text quotes: wins against FA2 and geometric means, for TileLang alone and for the
-faster of our two backends, on medians and on GPU (graph) time.
+Prints the markdown table, one row per (case, variant): FA2 (this run's where it ran, else the anchor
+file's for the 14 plain cases), our backends' cold median / GPU (graph) time / host time per call /
+eager-loop time per call, the best of our two against FA2, the fraction of the ceiling, the best
+FlashInfer system, SDPA, flex and TileOPs' GPU time (14 plain cases); then, per variant, wins against
+FA2 and geometric means, for TileLang alone and for the faster of our two backends, on medians and
+on GPU (graph) time.
 
 Usage: python benchmarks/summary_table.py docs/benchmarks.json
 """
@@ -16,6 +19,7 @@ from flashdecode.bench.runner import ANCHOR_PATH
 TILEOPS_PATH = ANCHOR_PATH.with_name("h200-tileops.json")  # the packaged copy of the TileOPs anchor
 
 OURS = ("tilelang", "triton")
+FLASHINFER = ("flashinfer-tc", "flashinfer-cc", "flashinfer-single")
 
 
 def geomean(values):
@@ -26,47 +30,75 @@ def cell(result, key="median_us"):
     return f"{result[key]:.1f}" if result and result.get(key) is not None else "-"
 
 
+def timings(result):
+    """"median / graph / host / eager" of one result, "-" where absent."""
+    if not result or result.get("median_us") is None:
+        return "skipped" if result and result.get("skipped") else "-"
+    return " / ".join(cell(result, key) for key in ("median_us", "graph_us", "host_overhead_us", "eager_us"))
+
+
+def best_of(results, names):
+    """(name, result) of the correct system among ``names`` with the lowest median, or (None, None)."""
+    correct = [(name, results[name]) for name in names if results.get(name, {}).get("correct")]
+    return min(correct, key=lambda item: item[1]["median_us"], default=(None, None))
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("run", type=pathlib.Path)
     args = parser.parse_args()
     run = json.loads(args.run.read_text())
-    fa2_graph = {c["case"]: c["fa2"]["graph_us"] for c in json.loads(ANCHOR_PATH.read_text())["cases"]}
-    tileops = {c["case"]: c["gpu_us"] for c in json.loads(TILEOPS_PATH.read_text())["cases"]}
+    anchor_graph = {str(c["case"]): c["fa2"]["graph_us"] for c in json.loads(ANCHOR_PATH.read_text())["cases"]}
+    tileops = {str(c["case"]): c["gpu_us"] for c in json.loads(TILEOPS_PATH.read_text())["cases"]}
     ceiling = run["ceiling"]["gbps"]
-    print("| case | batch, seqlen_cache, Hk, G | FA2 (file) | TileLang | Triton | best ×FA2 | TileLang ×FA2 "
-          "| of ceiling | SDPA | flex | TileOPs GPU |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
-    median_speedups = {"tilelang": [], "best": []}
-    graph_speedups = {"tilelang": [], "best": []}
+    launch = run["settings"].get("torch_launch_us")
+    print(f"Times in us: median (cold L2) / GPU (graph) / host per call / eager loop per call. One plain torch "
+          f"launch: {launch:.1f} us of host time." if launch is not None else "Times in us.")
+    print()
+    print("| case | variant | batch, seqlen_cache, Hk, G, D | FA2 | TileLang | Triton | best ×FA2 | TileLang ×FA2 "
+          "| of ceiling | FlashInfer (best) | SDPA | flex | TileOPs GPU |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    speedups = {}  # (variant, "medians" | "GPU (graph) time", "tilelang" | "best") -> [x FA2]
     slower_than_tileops = []
     for case in run["cases"]:
-        number, shape, results = case["case"], case["shape"], case["results"]
-        fa2 = case["baseline_us"]
-        best = min((results[name] for name in OURS if results.get(name, {}).get("correct")),
-                   key=lambda r: r["median_us"])
-        best_graph = min(results[name]["graph_us"] for name in OURS if results.get(name, {}).get("correct"))
-        tl = results["tilelang"]
-        median_speedups["tilelang"].append(fa2 / tl["median_us"])
-        median_speedups["best"].append(fa2 / best["median_us"])
-        graph_speedups["tilelang"].append(fa2_graph[number] / tl["graph_us"])
-        graph_speedups["best"].append(fa2_graph[number] / best_graph)
-        if number in tileops and best_graph > tileops[number]:
-            slower_than_tileops.append(f"{number} ({best_graph:.1f} vs {tileops[number]:.1f})")
-        shape_text = f"{shape['batch']}, {shape['seqlen_cache']}, {shape['nheads_k']}, {shape['group']}"
-        print(f"| {number} | {shape_text} | {fa2:.2f} | {cell(tl)} / {cell(tl, 'graph_us')} "
-              f"| {cell(results.get('triton'))} / {cell(results.get('triton'), 'graph_us')} "
-              f"| **{fa2 / best['median_us']:.2f}×** | {fa2 / tl['median_us']:.2f}× "
-              f"| {best['bandwidth_gbps'] / ceiling:.2f} "
+        label, variant, shape, results = str(case["case"]), case.get("variant", "plain"), case["shape"], case["results"]
+        fa2, system = case["baseline_us"], case.get("baseline_system")
+        fa2_source = "" if system == "fa2" else " (file)" if system is None else f" ({system})"
+        fa2_run = results.get("fa2", {})
+        fa2_graph = fa2_run.get("graph_us") if fa2_run.get("correct") else (
+            anchor_graph.get(label) if variant == "plain" else None)
+        best_name, best = best_of(results, OURS)
+        tl = results.get("tilelang", {})
+        graphs = [results[name]["graph_us"] for name in OURS
+                  if results.get(name, {}).get("correct") and results[name].get("graph_us") is not None]
+        if fa2 is not None and best is not None:
+            pairs = (("medians", "best", fa2 / best["median_us"]),
+                     ("medians", "tilelang", fa2 / tl["median_us"] if tl.get("correct") else None),
+                     ("GPU (graph) time", "best", fa2_graph / min(graphs) if fa2_graph and graphs else None),
+                     ("GPU (graph) time", "tilelang",
+                      fa2_graph / tl["graph_us"] if fa2_graph and tl.get("correct") and tl.get("graph_us") else None))
+            for measure, who, value in pairs:
+                if value is not None:
+                    speedups.setdefault((variant, measure, who), []).append(value)
+        if variant == "plain" and label in tileops and graphs and min(graphs) > tileops[label]:
+            slower_than_tileops.append(f"{label} ({min(graphs):.1f} vs {tileops[label]:.1f})")
+        fi_name, fi = best_of(results, FLASHINFER)
+        shape_text = (f"{shape['batch']}, {shape['seqlen_cache']}, {shape['nheads_k']}, {shape['group']}, "
+                      f"{shape.get('headdim', 128)}")
+        best_text = f"**{fa2 / best['median_us']:.2f}×** ({best_name})" if fa2 and best else "-"
+        tl_text = f"{fa2 / tl['median_us']:.2f}×" if fa2 and tl.get("correct") else "-"
+        fraction = f"{best['bandwidth_gbps'] / ceiling:.2f}" if best else "-"
+        fa2_text = "-" if fa2 is None else f"{fa2:.2f}{fa2_source}"
+        print(f"| {label} | {variant} | {shape_text} | {fa2_text} | {timings(tl)} | {timings(results.get('triton'))} "
+              f"| {best_text} | {tl_text} | {fraction} | {timings(fi)}{f' ({fi_name})' if fi_name else ''} "
               f"| {cell(results.get('sdpa'))} / {cell(results.get('sdpa'), 'graph_us')} "
               f"| {cell(results.get('flex'))} / {cell(results.get('flex'), 'graph_us')} "
-              f"| {tileops.get(number, '-')} |")
+              f"| {tileops.get(label, '-') if variant == 'plain' else '-'} |")
     print()
-    for label, speedups in (("medians", median_speedups), ("GPU (graph) time", graph_speedups)):
-        for who in ("tilelang", "best"):
-            values = speedups[who]
-            wins = sum(v > 1 for v in values)
-            print(f"{label}, {who}: faster than FA2 on {wins} of {len(values)}, geometric mean {geomean(values):.2f}x")
+    for (variant, measure, who), values in speedups.items():
+        wins = sum(v > 1 for v in values)
+        print(f"{variant}, {measure}, {who}: faster than FA2 on {wins} of {len(values)}, "
+              f"geometric mean {geomean(values):.2f}x")
     print("faster backend's GPU time slower than TileOPs on cases:", ", ".join(slower_than_tileops) or "none")
 
 

@@ -1,7 +1,13 @@
-"""The 14-case benchmark matrix and its input generator, defined once for tests, bench and profile.
+"""The benchmark's case matrices, their variants and the input generator, defined once for tests,
+bench and profile.
 
-Every case: 32 query heads, head dim 128, bfloat16. ``../shared/anchors/h200-peers.json`` (copied
-into ``flashdecode/data``) was measured on exactly these inputs.
+Two matrices. ``cases`` (the default): the 14 cases 1-14, 32 query heads, head dim 128, bfloat16;
+``../shared/anchors/h200-peers.json`` (copied into ``flashdecode/data``) was measured on exactly
+these inputs. ``wide``: W1-W14, shapes the 14 leave out: MHA, MQA, groups up to 32, head dims 64
+and 256, batch 1-256, caches of 32 to 256k tokens, equal, uniform and skewed lengths.
+
+A variant changes how a case is called (``docs/design.md``, "Semantics"): ``plain`` decode, the
+cache in shuffled pages of 16/64/256 tokens, 4 causal query tokens, or one appended k/v token.
 """
 from __future__ import annotations
 
@@ -13,6 +19,10 @@ import torch
 NHEADS = 32
 HEADDIM = 128
 DTYPE = torch.bfloat16
+#: How a case's cache_seqlens are drawn (:func:`case_seqlens`).
+LENGTH_RULES = ("matrix", "equal", "uniform", "skewed")
+#: The skewed rule's short sequences hold at most seqlen_cache // SKEW_RATIO tokens.
+SKEW_RATIO = 64
 
 
 @dataclasses.dataclass(frozen=True)
@@ -22,13 +32,26 @@ class Case:
     seqlen_cache: int
     nheads_k: int
     group: int
+    headdim: int = HEADDIM
+    lengths: str = "matrix"  # one of LENGTH_RULES
+    matrix: str = "cases"  # "cases" or "wide"
 
     @property
     def nheads(self) -> int:
         return self.nheads_k * self.group
 
+    @property
+    def label(self) -> str:
+        """The case's name on the command line and in reports: "7" or "W3"."""
+        return f"{MATRIX_PREFIX[self.matrix]}{self.number}"
+
     def describe(self) -> str:
-        return f"b{self.batch} s{self.seqlen_cache} hk{self.nheads_k} g{self.group}"
+        extra = ("" if self.headdim == HEADDIM else f" d{self.headdim}") + \
+                ("" if self.lengths == "matrix" else f" {self.lengths}")
+        return f"b{self.batch} s{self.seqlen_cache} hk{self.nheads_k} g{self.group}{extra}"
+
+    def seqlens(self) -> torch.Tensor:
+        return case_seqlens(self.batch, self.seqlen_cache, self.lengths)
 
 
 CASES: tuple[Case, ...] = tuple(
@@ -44,35 +67,190 @@ CASES: tuple[Case, ...] = tuple(
 )
 CASES_BY_NUMBER = {case.number: case for case in CASES}
 
+#: (batch, seqlen_cache, nheads_k, group, headdim, lengths): the wide matrix, bfloat16.
+WIDE_CASES: tuple[Case, ...] = tuple(
+    Case(number, *shape, matrix="wide")
+    for number, shape in enumerate(
+        [
+            (8, 4096, 32, 1, 128, "equal"),  # MHA
+            (1, 32768, 32, 1, 128, "equal"),  # MHA, one long sequence
+            (64, 8192, 1, 32, 128, "uniform"),  # MQA, group 32
+            (256, 512, 1, 16, 128, "uniform"),  # MQA, batch 256
+            (32, 16384, 2, 16, 128, "uniform"),  # 2 KV heads, group 16
+            (1, 262144, 1, 32, 128, "equal"),  # 256k tokens
+            (4, 131072, 2, 16, 128, "skewed"),  # one long sequence among short ones
+            (16, 8192, 8, 4, 64, "uniform"),  # head dim 64
+            (16, 8192, 8, 4, 256, "uniform"),  # head dim 256
+            (8, 32768, 1, 8, 256, "equal"),  # head dim 256, MQA
+            (16, 32768, 4, 8, 128, "skewed"),
+            (256, 2048, 4, 8, 128, "uniform"),  # batch 256
+            (128, 32, 8, 4, 128, "equal"),  # 32-token caches
+            (64, 1024, 32, 1, 64, "uniform"),  # MHA, head dim 64
+        ],
+        start=1,
+    )
+)
+MATRICES = {"cases": CASES, "wide": WIDE_CASES}
+MATRIX_PREFIX = {"cases": "", "wide": "W"}
 
-def case_seqlens(batch: int, seqlen_cache: int) -> torch.Tensor:
-    """The matrix's lengths: [seqlen_cache] for batch 1, else seeded randint with row 0 at full length."""
-    if batch == 1:
-        return torch.tensor([seqlen_cache], dtype=torch.int32)
+
+def select(matrix: str, text: str = "all") -> tuple[Case, ...]:
+    """The cases of ``matrix`` that ``text`` names: "all", or labels and ranges such as "1,3,7-9"
+    (matrix "cases") or "W1,W3-W5" (matrix "wide"), in the order given, duplicates dropped.
+    ValueError naming the offending part otherwise."""
+    if matrix not in MATRICES:
+        raise ValueError(f"unknown matrix {matrix!r}; matrices are {', '.join(MATRICES)}")
+    members = {case.label: case for case in MATRICES[matrix]}
+    if text.strip().lower() == "all":
+        return MATRICES[matrix]
+    prefix = MATRIX_PREFIX[matrix]
+    example = "1,3,7-9" if not prefix else "W1,W3-W5"
+    chosen = {}
+    for part in text.split(","):
+        ends = [end.strip() for end in part.split("-")]
+        numbers = []
+        for end in ends:
+            if not (end.startswith(prefix) and end[len(prefix):].isdigit()):
+                raise ValueError(f"invalid case list {text!r}: matrix {matrix!r} takes labels and ranges "
+                                 f"like {example}")
+            numbers.append(int(end[len(prefix):]))
+        if len(numbers) > 2 or numbers[0] > numbers[-1]:
+            raise ValueError(f"invalid case range {part.strip()!r} in {text!r}")
+        for number in range(numbers[0], numbers[-1] + 1):
+            label = f"{prefix}{number}"
+            if label not in members:
+                first, last = MATRICES[matrix][0].label, MATRICES[matrix][-1].label
+                raise ValueError(f"unknown case {label} in {text!r}: matrix {matrix!r} has cases {first}-{last}")
+            chosen.setdefault(label, members[label])
+    return tuple(chosen.values())
+
+
+def case_seqlens(batch: int, seqlen_cache: int, rule: str = "matrix") -> torch.Tensor:
+    """int32 lengths, seeded; row 0 is always at full length (batch 1: [seqlen_cache]).
+    "matrix": randint in [ceil(S/4), S] (the anchor files' rule); "equal": all S; "uniform":
+    randint in [1, S]; "skewed": the others randint in [1, max(1, S // SKEW_RATIO)]."""
+    if rule not in LENGTH_RULES:
+        raise ValueError(f"rule must be one of {LENGTH_RULES}, got {rule!r}")
+    if batch == 1 or rule == "equal":
+        return torch.full((batch,), seqlen_cache, dtype=torch.int32)
+    low, high = {"matrix": (max(1, math.ceil(seqlen_cache / 4)), seqlen_cache), "uniform": (1, seqlen_cache),
+                 "skewed": (1, max(1, seqlen_cache // SKEW_RATIO))}[rule]
     generator = torch.Generator("cpu").manual_seed(0)
-    low = max(1, math.ceil(seqlen_cache / 4))
-    lengths = torch.randint(low=low, high=seqlen_cache + 1, size=(batch,), generator=generator)
+    lengths = torch.randint(low=low, high=high + 1, size=(batch,), generator=generator)
     lengths[0] = seqlen_cache
     return lengths.to(torch.int32)
 
 
-def make_inputs(case: Case, device="cpu", dtype=DTYPE, headdim=HEADDIM, seed=1):
-    """Fresh random q, k_cache, v_cache (randn, never zeros) and the case's cache_seqlens."""
+def _randn(generator, device, dtype, *shape):
+    return torch.randn(*shape, generator=generator, device=device, dtype=torch.float32).to(dtype)
+
+
+def make_inputs(case: Case, device="cpu", dtype=DTYPE, headdim=None, seed=1):
+    """Fresh random q, k_cache, v_cache (randn, never zeros) and the case's cache_seqlens;
+    ``headdim`` None: the case's."""
+    headdim = case.headdim if headdim is None else headdim
     generator = torch.Generator(device).manual_seed(seed)
-
-    def randn(*shape):
-        return torch.randn(*shape, generator=generator, device=device, dtype=torch.float32).to(dtype)
-
-    q = randn(case.batch, 1, case.nheads, headdim)
-    k_cache = randn(case.batch, case.seqlen_cache, case.nheads_k, headdim)
-    v_cache = randn(case.batch, case.seqlen_cache, case.nheads_k, headdim)
-    seqlens = case_seqlens(case.batch, case.seqlen_cache).to(device)
-    return q, k_cache, v_cache, seqlens
+    q = _randn(generator, device, dtype, case.batch, 1, case.nheads, headdim)
+    k_cache = _randn(generator, device, dtype, case.batch, case.seqlen_cache, case.nheads_k, headdim)
+    v_cache = _randn(generator, device, dtype, case.batch, case.seqlen_cache, case.nheads_k, headdim)
+    return q, k_cache, v_cache, case.seqlens().to(device)
 
 
-def bytes_read(case_or_lengths, nheads_k: int, nheads: int, headdim: int = HEADDIM, element_bytes: int = 2) -> int:
-    """Bytes a decode call must move: K and V of the real tokens, plus q read and out written."""
+def bytes_read(case_or_lengths, nheads_k: int, nheads: int, headdim: int = HEADDIM, element_bytes: int = 2,
+               seqlen_q: int = 1, seqlen_new: int = 0) -> int:
+    """Bytes a call must move: K and V of every key a sequence sees (``lengths``: cache_seqlens +
+    seqlen_new; cached keys read from the cache, new ones from k/v), the new rows written into the
+    cache, q read and out written."""
     total_tokens = int(sum(case_or_lengths))
     batch = len(case_or_lengths)
-    return (total_tokens * nheads_k * headdim * element_bytes * 2
-            + 2 * batch * nheads * headdim * element_bytes)
+    row = nheads_k * headdim * element_bytes
+    return (total_tokens * row * 2 + batch * seqlen_new * row * 2
+            + 2 * batch * seqlen_q * nheads * headdim * element_bytes)
+
+
+@dataclasses.dataclass(frozen=True)
+class Variant:
+    """How a case is called: pages, query tokens, appended tokens."""
+
+    name: str
+    description: str
+    page_size: int = 0  # 0: the contiguous cache
+    seqlen_q: int = 1  # > 1: causal
+    seqlen_new: int = 0  # k/v tokens appended
+
+    @property
+    def causal(self) -> bool:
+        return self.seqlen_q > 1
+
+
+VARIANTS = {variant.name: variant for variant in (
+    Variant("plain", "decode over the contiguous cache"),
+    *(Variant(f"paged{size}", f"the cache copied into pages of {size} tokens, block table in shuffled page order",
+              page_size=size) for size in (16, 64, 256)),
+    Variant("q4", "seqlen_q = 4, causal=True", seqlen_q=4),
+    Variant("append", "k/v of 1 new token appended: cache_seqlens = lengths - 1 (idempotent: same token, "
+                      "same slot)", seqlen_new=1),
+)}
+
+
+@dataclasses.dataclass
+class Call:
+    """The arguments of one ``flash_attn_with_kvcache`` call of a case under a variant."""
+
+    q: torch.Tensor
+    k_cache: torch.Tensor  # (batch, capacity, Hk, D), or pages (num_pages, page_size, Hk, D)
+    v_cache: torch.Tensor
+    cache_seqlens: torch.Tensor
+    lengths: list[int]  # keys each sequence sees: cache_seqlens + seqlen_new
+    block_table: torch.Tensor | None = None
+    k: torch.Tensor | None = None
+    v: torch.Tensor | None = None
+    causal: bool = False
+
+    def kwargs(self) -> dict:
+        """Every argument after q, k_cache, v_cache, by keyword."""
+        return {"k": self.k, "v": self.v, "cache_seqlens": self.cache_seqlens, "block_table": self.block_table,
+                "causal": self.causal}
+
+    def bytes_moved(self) -> int:
+        """:func:`bytes_read` of this call."""
+        _, seqlen_q, nheads, headdim = self.q.shape
+        return bytes_read(self.lengths, self.k_cache.shape[2], nheads, headdim, self.q.element_size(),
+                          seqlen_q, 0 if self.k is None else self.k.shape[1])
+
+    def storage_bytes(self) -> int:
+        """Device memory its tensors hold."""
+        tensors = (self.q, self.k_cache, self.v_cache, self.cache_seqlens, self.block_table, self.k, self.v)
+        return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
+
+def _pages(cache, tail, page_size: int, order: torch.Tensor):
+    """``cache`` (B, S, Hk, D) with ``tail`` appended up to whole pages, page i of it stored at page order[i]."""
+    pages = torch.cat([cache, tail], dim=1).view(-1, page_size, *cache.shape[2:])
+    stored = torch.empty_like(pages)
+    stored[order] = pages
+    return stored
+
+
+def make_call(case: Case, variant: Variant, device="cpu", dtype=DTYPE, seed=1) -> Call:
+    """The case's inputs (:func:`make_inputs` with ``seed``) called as ``variant`` says; what the
+    variant adds is drawn from a second generator, so every variant shares the plain cache."""
+    q, k_cache, v_cache, seqlens = make_inputs(case, device, dtype, seed=seed)
+    generator = torch.Generator(device).manual_seed(seed + 10_000)
+    lengths = seqlens.tolist()
+    call = Call(q, k_cache, v_cache, seqlens, lengths)
+    if variant.seqlen_q > 1:
+        call.q = _randn(generator, device, dtype, case.batch, variant.seqlen_q, case.nheads, case.headdim)
+        call.causal = True
+    if variant.seqlen_new:
+        call.k = _randn(generator, device, dtype, case.batch, variant.seqlen_new, case.nheads_k, case.headdim)
+        call.v = _randn(generator, device, dtype, case.batch, variant.seqlen_new, case.nheads_k, case.headdim)
+        call.cache_seqlens = (seqlens - variant.seqlen_new).clamp(min=0)
+    if variant.page_size:
+        blocks = -(-case.seqlen_cache // variant.page_size)
+        order = torch.randperm(case.batch * blocks, generator=torch.Generator("cpu").manual_seed(0)).to(device)
+        tail = (case.batch, blocks * variant.page_size - case.seqlen_cache, case.nheads_k, case.headdim)
+        call.k_cache = _pages(k_cache, _randn(generator, device, dtype, *tail), variant.page_size, order)
+        call.v_cache = _pages(v_cache, _randn(generator, device, dtype, *tail), variant.page_size, order)
+        call.block_table = order.view(case.batch, blocks).to(torch.int32)
+    return call

@@ -12,28 +12,7 @@ import os
 import sys
 
 from . import cases
-
-
-def parse_cases(text: str) -> tuple[int, ...]:
-    """Case numbers from "10", "1,3,7-9" or "all"; ArgumentTypeError for anything else."""
-    if text.strip().lower() == "all":
-        return tuple(case.number for case in cases.CASES)
-    numbers = []
-    for part in text.split(","):
-        low, dash, high = part.strip().partition("-")
-        try:
-            first, last = int(low), int(high if dash else low)
-        except ValueError:
-            raise argparse.ArgumentTypeError(
-                f"invalid case list {text!r}: use numbers and ranges like 1,3,7-9") from None
-        if first > last:
-            raise argparse.ArgumentTypeError(f"invalid case range {part.strip()!r} in {text!r}")
-        for number in range(first, last + 1):
-            if number not in cases.CASES_BY_NUMBER:
-                raise argparse.ArgumentTypeError(f"unknown case {number} in {text!r}: cases are 1-{len(cases.CASES)}")
-            if number not in numbers:
-                numbers.append(number)
-    return tuple(numbers)
+from .argtypes import positive_int
 
 
 def _names(text: str) -> tuple[str, ...]:
@@ -42,42 +21,35 @@ def _names(text: str) -> tuple[str, ...]:
     return () if names == ("none",) else names
 
 
-def positive_int(text: str) -> int:
-    """argparse type: an integer >= 1."""
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}")
-    return value
-
-
 def _add_bench(subparsers) -> None:
     parser = subparsers.add_parser(
-        "bench", help="time the 14-case matrix for our backends and every importable peer",
-        description="Time flash_decode_with_kvcache on the case matrix (cold L2, CUDA events, CUDA-graph "
-                    "replay, host overhead) next to FlashAttention, FlashInfer, torch SDPA and flex_attention, "
-                    "check every output against the reference, and report bandwidth against an in-run ceiling. "
-                    "Without CUDA: scaled-down cases under Triton's interpreter, CPU timings.")
-    parser.add_argument("--cases", type=parse_cases, default=parse_cases("all"),
-                        help="case numbers, e.g. 10 or 1,3,7-9 (default: all 14)")
+        "bench", help="time a case matrix for our backends and every importable peer",
+        description="Time flash_attn_with_kvcache on a case matrix and its variants (cold L2, CUDA events, CUDA-graph "
+                    "replay, host time per call, an eager loop over layers) next to FlashAttention 2, FlashInfer, "
+                    "torch SDPA and flex_attention, check every output against the reference, and report bandwidth "
+                    "against an in-run ceiling. Without CUDA: scaled-down cases under Triton's interpreter, "
+                    "CPU timings.")
+    parser.add_argument("--matrix", choices=tuple(cases.MATRICES), default="cases",
+                        help="cases: the 14 cases 1-14 (default); wide: W1-W14 (MHA, MQA, head dims 64/256, ...)")
+    parser.add_argument("--cases", default="all",
+                        help="cases of the matrix, e.g. 10 or 1,3,7-9 (wide: W2 or W1,W3-W5) (default: all)")
+    parser.add_argument("--variant", type=_names, default=("plain",),
+                        help=f"comma list of {', '.join(cases.VARIANTS)} (default: plain)")
     parser.add_argument("--backends", type=_names, default=None,
                         help="our backends, e.g. tilelang,triton (default: all that can run here)")
     parser.add_argument("--peers", type=_names, default=None,
-                        help="peers: fa2,flashinfer,sdpa,flex or none (default: all that import); "
-                             "a named peer that cannot run is an error")
+                        help="peers: fa2,flashinfer-tc,flashinfer-cc,flashinfer-single,sdpa,flex or none (default: "
+                             "all that import); a named peer that cannot run is an error")
     parser.add_argument("--iters", type=positive_int, default=None,
                         help="timed runs per result (default 100 on CUDA, at least 50; 3 on CPU)")
     parser.add_argument("--warm-cache", action="store_true", help="do not flush L2 before each timed run")
     parser.add_argument("--machine", action="store_true",
-                        help="print one CASE:... BACKEND:... line per (case, our backend) after the table")
+                        help="print one CASE:... BACKEND:... line per (case, variant, our backend) after the table")
     parser.add_argument("--json", metavar="PATH", help="write the whole run as JSON")
-    parser.add_argument("--csv", metavar="PATH", help="write one CSV row per (case, system)")
+    parser.add_argument("--csv", metavar="PATH", help="write one CSV row per (case, variant, system)")
     parser.add_argument("--plot", metavar="PATH.png", help="plot achieved bandwidth per case and system")
-    parser.add_argument("--record", metavar="PATH", default="results/candidates.jsonl",
-                        help="append one JSON line per (case, our backend) (default: %(default)s)")
-    parser.add_argument("--no-record", action="store_true", help="do not append to the record file")
+    parser.add_argument("--record", metavar="PATH",
+                        help="append one JSON line per (case, variant, our backend) to PATH (default: none)")
     parser.set_defaults(handler=_run_bench, command_parser=parser)
 
 
@@ -86,6 +58,10 @@ def _run_bench(args) -> int:
     import torch
 
     parser = args.command_parser
+    try:
+        selected = cases.select(args.matrix, args.cases)
+    except ValueError as error:
+        parser.error(f"--cases: {error}")
     if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
         # Must precede the first import of Triton (flashdecode.kernels, bench.runner).
         if "triton" in sys.modules:
@@ -99,7 +75,7 @@ def _run_bench(args) -> int:
 
     from .bench import BenchError, report, runner
 
-    options = runner.Options(cases=args.cases, backends=args.backends, peers=args.peers,
+    options = runner.Options(cases=selected, variants=args.variant, backends=args.backends, peers=args.peers,
                              iters=args.iters, cold_l2=not args.warm_cache)
     try:
         selection = runner.select(options)
@@ -122,10 +98,10 @@ def _run_bench(args) -> int:
         report.write_csv(run, args.csv)
     if args.plot:
         report.write_plot(run, args.plot)
-    if not args.no_record:
+    if args.record:
         report.append_records(run, args.record)
-    failed = [f"case {c.case.number} {r.system}" for c in run.cases for r in c.results
-              if r.kind == "ours" and not r.correct]
+    failed = [f"case {c.case.label} {c.variant.name} {r.system}" for c in run.cases for r in c.results
+              if r.kind == "ours" and not r.correct and not r.skipped]
     if failed:
         print(f"flashdecode bench: our backends failed on: {', '.join(failed)}", file=sys.stderr)
         return 1

@@ -1,8 +1,10 @@
-"""The benchmark's parts on CPU: statistics, machine lines, writers, plot, case matrix vs the anchor file."""
+"""The benchmark's parts on CPU: matrices and variants, statistics and loops, peers' plumbing (with
+stand-in modules), the runner's measuring and baseline, machine lines, writers, the FA2 build script."""
 from __future__ import annotations
 
 import csv
 import dataclasses
+import importlib.util
 import io
 import json
 import math
@@ -10,19 +12,116 @@ import os
 import pathlib
 import subprocess
 import sys
+import tarfile
+import types
 
 import pytest
 import torch
 
 from flashdecode import cases
-from flashdecode.bench import report
+from flashdecode.bench import Unsupported, peers, report
 from flashdecode.bench.results import BenchRun, CaseRun, Ceiling, Result, System
 from flashdecode.bench.timing import Timer, Timing, summarize
+from flashdecode.reference import reference_attention, relative_error
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 ANCHOR = json.loads((REPO / "flashdecode" / "data" / "h200-peers.json").read_text())
 SPEC_LINE = ("CASE:10 COMPILED:True CORRECT:True BACKEND:tilelang RUNTIME:0.0623 REF_RUNTIME:0.0618 "
              "SPEEDUP:0.9912x BW_GBPS:2710 BW_FRACTION:0.60")
+#: A small case off every block boundary: 3 sequences, 40-token cache, lengths 40, 40, 14.
+SMALL = cases.Case(0, 3, 40, 2, 4, 64, "uniform")
+
+
+def _reference(call):
+    return reference_attention(call.q, call.k_cache, call.v_cache, **call.kwargs())[0]
+
+
+# --- the matrices -------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("matrix, text, labels", [
+    ("cases", "1,3,7-9", ["1", "3", "7", "8", "9"]), ("cases", " 2 , 2,1 ", ["2", "1"]),
+    ("cases", "all", [str(n) for n in range(1, 15)]), ("wide", "W2", ["W2"]),
+    ("wide", "W1,W3-W5", ["W1", "W3", "W4", "W5"]), ("wide", "all", [f"W{n}" for n in range(1, 15)]),
+])
+def test_select_cases_of_either_matrix(matrix, text, labels):
+    assert [case.label for case in cases.select(matrix, text)] == labels
+
+
+@pytest.mark.parametrize("matrix, text, message", [
+    ("cases", "0", "unknown case 0"), ("cases", "15", "unknown case 15"), ("cases", "x", "invalid case list"),
+    ("cases", "3-1", "invalid case range"), ("cases", "1,", "invalid case list"), ("cases", "W1", "invalid case list"),
+    ("wide", "3", "invalid case list"), ("wide", "W3-5", "invalid case list"), ("wide", "W15", "unknown case W15"),
+    ("tall", "all", "unknown matrix"),
+])
+def test_select_rejects(matrix, text, message):
+    with pytest.raises(ValueError, match=message):
+        cases.select(matrix, text)
+
+
+def test_wide_matrix_covers_what_the_14_cases_leave_out():
+    wide = cases.WIDE_CASES
+    assert len(wide) >= 12 and len({case.label for case in wide}) == len(wide)
+    assert not {case.label for case in wide} & {case.label for case in cases.CASES}
+    assert any(case.group == 1 and case.nheads_k == 32 for case in wide)  # MHA
+    assert any(case.nheads_k == 1 for case in wide) and any(case.nheads_k == 2 for case in wide)
+    assert {16, 32} <= {case.group for case in wide}
+    assert {64, 256} <= {case.headdim for case in wide}
+    assert min(case.batch for case in wide) == 1 and max(case.batch for case in wide) == 256
+    assert min(case.seqlen_cache for case in wide) == 32 and max(case.seqlen_cache for case in wide) == 256 * 1024
+    assert {"equal", "uniform", "skewed"} <= {case.lengths for case in wide}
+    assert all(case.nheads <= 64 for case in wide)  # TileLang's q tile holds a group of at most 64
+
+
+@pytest.mark.parametrize("rule", cases.LENGTH_RULES)
+def test_length_rules(rule):
+    lengths = cases.case_seqlens(33, 4096, rule)
+    assert lengths.dtype == torch.int32 and lengths[0] == 4096 and lengths.min() >= 1 and lengths.max() <= 4096
+    low, high = {"matrix": (1024, 4096), "equal": (4096, 4096), "uniform": (1, 4096),
+                 "skewed": (1, 4096 // cases.SKEW_RATIO)}[rule]
+    assert low <= lengths[1:].min() and lengths[1:].max() <= high
+    assert torch.equal(lengths, cases.case_seqlens(33, 4096, rule))  # seeded
+    assert cases.case_seqlens(1, 77, rule).tolist() == [77]
+    if rule in ("uniform", "skewed"):
+        assert len(set(lengths.tolist())) > 10
+    with pytest.raises(ValueError, match="rule must be one of"):
+        cases.case_seqlens(2, 8, "normal")
+
+
+def test_variants_compute_what_the_plain_cache_defines():
+    """Pages in shuffled order hold the plain cache: the reference gives the same output; q4 and
+    append change what the reference must compute, and bytes count what the call moves."""
+    plain = cases.make_call(SMALL, cases.VARIANTS["plain"], dtype=torch.float32)
+    expected = _reference(plain)
+    for size in (16, 64, 256):
+        call = cases.make_call(SMALL, cases.VARIANTS[f"paged{size}"], dtype=torch.float32)
+        blocks = -(-SMALL.seqlen_cache // size)
+        assert call.k_cache.shape == (SMALL.batch * blocks, size, SMALL.nheads_k, SMALL.headdim)
+        assert sorted(call.block_table.flatten().tolist()) == list(range(SMALL.batch * blocks))
+        if blocks > 1:
+            assert call.block_table.flatten().tolist() != list(range(SMALL.batch * blocks))  # shuffled
+        assert relative_error(_reference(call), expected) == 0.0 and call.bytes_moved() == plain.bytes_moved()
+    q4 = cases.make_call(SMALL, cases.VARIANTS["q4"], dtype=torch.float32)
+    assert q4.q.shape == (3, 4, SMALL.nheads, 64) and q4.causal and torch.equal(q4.k_cache, plain.k_cache)
+    out = _reference(q4)
+    assert out.shape == q4.q.shape and relative_error(out[:, -1:], expected) > 0.01  # not plain's query
+    append = cases.make_call(SMALL, cases.VARIANTS["append"], dtype=torch.float32)
+    assert append.cache_seqlens.tolist() == [39, 39, 13] and append.lengths == [40, 40, 14]
+    assert append.k.shape == (3, 1, SMALL.nheads_k, 64)
+    row = SMALL.nheads_k * 64 * 4
+    assert append.bytes_moved() == plain.bytes_moved() + 3 * row * 2
+    assert q4.bytes_moved() == plain.bytes_moved() + 2 * 3 * 3 * SMALL.nheads * 64 * 4
+    before = _reference(append)
+    assert torch.equal(append.k_cache[0, 39], append.k[0, 0])  # written in place ...
+    assert torch.equal(_reference(append), before)  # ... and appending again changes nothing
+
+
+def test_make_call_keeps_the_plain_inputs_of_the_anchor_cases():
+    case = cases.CASES_BY_NUMBER[3]
+    q, k_cache, v_cache, seqlens = cases.make_inputs(case)
+    call = cases.make_call(case, cases.VARIANTS["plain"])
+    assert all(torch.equal(a, b) for a, b in ((q, call.q), (k_cache, call.k_cache), (seqlens, call.cache_seqlens)))
+    assert call.bytes_moved() == cases.bytes_read(seqlens.tolist(), case.nheads_k, case.nheads)
+    assert call.storage_bytes() == 2 * (q.numel() + 2 * k_cache.numel()) + 4 * case.batch
 
 
 # --- statistics and the timer -------------------------------------------------------------------
@@ -48,6 +147,213 @@ def test_cpu_timer_runs_warmup_plus_iters_and_has_no_graph():
         Timer(torch.device("cpu"), iters=0, warmup=0)
 
 
+def test_eager_loop_runs_every_layer_per_repeat_and_divides():
+    import time
+
+    order = []
+
+    def layer(index):
+        return lambda: (order.append(index), time.sleep(0.002))
+
+    timing = Timer(torch.device("cpu"), iters=1, warmup=0).eager_loop([layer(0), layer(1), layer(2)], repeats=2)
+    assert order == [0, 1, 2] * 3  # one untimed loop, then 2 timed
+    assert timing.runs == 2 and 2000 <= timing.min_us < 20000  # per call, not per loop
+
+
+# --- peers (stand-in modules on CPU) ------------------------------------------------------------
+
+def test_page_table():
+    pages = {0: [5, 3, 9], 1: [0, 1, 2]}
+    assert peers.page_table([40, 16], 16, pages.__getitem__) == ([0, 3, 4], [5, 3, 9, 0], [8, 16])
+    with pytest.raises(ValueError, match="sequence 1 has 0"):
+        peers.page_table([3, 0], 16, pages.__getitem__)
+
+
+def _fake_flashinfer():
+    """A stand-in for flashinfer whose wrapper computes from its page table with torch: checks that
+    the peer hands FlashInfer the pages, table and lengths of the call."""
+    module = types.ModuleType("flashinfer")
+
+    class Wrapper:
+        def __init__(self, workspace, layout, use_cuda_graph, use_tensor_cores, paged_kv_indptr_buffer,
+                     paged_kv_indices_buffer, paged_kv_last_page_len_buffer):
+            assert layout == "NHD" and use_cuda_graph and workspace.numel() == peers.WORKSPACE_BYTES
+            self.buffers = paged_kv_indptr_buffer, paged_kv_indices_buffer, paged_kv_last_page_len_buffer
+
+        def plan(self, indptr, indices, last, nheads, nheads_k, headdim, page_size, q_data_type, kv_data_type):
+            assert all(a is b for a, b in zip((indptr, indices, last), self.buffers))
+            self.page_size = page_size
+
+        def run(self, q, caches):
+            indptr, indices, last = (t.tolist() for t in self.buffers)
+            outs = []
+            for b in range(q.shape[0]):
+                pages = indices[indptr[b]:indptr[b + 1]]
+                length = (len(pages) - 1) * self.page_size + last[b]
+                k, v = (cache[pages].flatten(0, 1)[:length] for cache in caches)
+                outs.append(reference_attention(q[b][None, None], k[None], v[None])[0][0, 0])
+            return torch.stack(outs)
+
+    module.BatchDecodeWithPagedKVCacheWrapper = Wrapper
+    module.single_decode_with_kv_cache = lambda q, k, v, layout, use_tensor_cores: reference_attention(
+        q[None, None], k[None], v[None])[0][0, 0]
+    return module
+
+
+@pytest.mark.parametrize("variant", ["plain", "paged16", "paged64"])
+@pytest.mark.parametrize("name", ["flashinfer-tc", "flashinfer-cc"])
+def test_flashinfer_batch_peer_reads_the_calls_pages(monkeypatch, name, variant):
+    monkeypatch.setitem(sys.modules, "flashinfer", _fake_flashinfer())
+    layers = [cases.make_call(SMALL, cases.VARIANTS[variant], dtype=torch.float32, seed=seed) for seed in (1, 5)]
+    peer = peers.PEERS[name]
+    assert peer.limitation(layers[0]) is None
+    outs = [call() for call in peer.setup(layers)]
+    for call, out in zip(layers, outs):  # SMALL's 40-token cache is padded to 48 for pages of 16
+        assert relative_error(out, _reference(call)) < 1e-6
+
+
+def test_flashinfer_single_peer_and_limitations(monkeypatch):
+    monkeypatch.setitem(sys.modules, "flashinfer", _fake_flashinfer())
+    one = dataclasses.replace(SMALL, batch=1)
+    call = cases.make_call(one, cases.VARIANTS["plain"], dtype=torch.float32)
+    single = peers.PEERS["flashinfer-single"]
+    assert relative_error(single.setup([call])[0](), _reference(call)) < 1e-6
+    assert "batch 1" in single.limitation(cases.make_call(SMALL, cases.VARIANTS["plain"]))
+    for variant in ("q4", "append"):
+        varied = cases.make_call(SMALL, cases.VARIANTS[variant])
+        assert "no q4, no append" in peers.PEERS["flashinfer-tc"].limitation(varied)
+        assert "plain decode only" in peers.PEERS["sdpa"].limitation(varied)
+        assert peers.PEERS["fa2"].limitation(varied) is None
+    assert "multiple of 256 tokens, got 64" in peers.PEERS["fa2"].limitation(
+        cases.make_call(SMALL, cases.VARIANTS["paged64"]))
+    assert peers.PEERS["fa2"].limitation(cases.make_call(SMALL, cases.VARIANTS["paged256"])) is None
+    assert "plain decode only" in peers.PEERS["flex"].limitation(cases.make_call(SMALL, cases.VARIANTS["paged16"]))
+
+
+def test_fa2_peer_imports_the_built_folder_and_passes_every_argument(monkeypatch, tmp_path):
+    """FLASHDECODE_FA2_PATH names benchmarks/build_fa2.py's output: the probe imports flash_attn from
+    there and reports the build; the calls pass k/v, lengths, block table and causal."""
+    package = tmp_path / "flash_attn"
+    package.mkdir()
+    (package / "__init__.py").write_text(
+        "__version__ = '2.8.3'\n"
+        "def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens, block_table, causal,\n"
+        "                            num_splits):\n"
+        "    from flashdecode.reference import reference_attention\n"
+        "    assert num_splits == 0\n"
+        "    return reference_attention(q, k_cache, v_cache, k, v, cache_seqlens=cache_seqlens,\n"
+        "                               block_table=block_table, causal=causal)[0]\n")
+    (tmp_path / "BUILD.json").write_text(json.dumps({"arch": "-gencode arch=compute_90,code=sm_90",
+                                                     "headdims": [64, 128, 256], "disabled": ["DROPOUT", "ALIBI"]}))
+    monkeypatch.setenv(peers.FA2_PATH_VARIABLE, str(tmp_path))
+    monkeypatch.setitem(sys.modules, "flash_attn", None)  # restored (removed) after the test
+    del sys.modules["flash_attn"]
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    version = peers.PEERS["fa2"].probe()
+    assert version.startswith("flash_attn 2.8.3") and "compute_90" in version and "without dropout, alibi" in version
+    assert sys.modules["flash_attn"].__file__ == str(package / "__init__.py")
+    for variant in ("paged256", "q4", "append"):
+        call = cases.make_call(SMALL, cases.VARIANTS[variant], dtype=torch.float32)
+        expected = _reference(cases.make_call(SMALL, cases.VARIANTS[variant], dtype=torch.float32))
+        assert relative_error(peers.PEERS["fa2"].setup([call])[0](), expected) == 0.0
+
+
+def test_sdpa_peer_masks_each_layers_lengths():
+    layers = [cases.make_call(SMALL, cases.VARIANTS["plain"], dtype=torch.float32, seed=seed) for seed in (1, 3)]
+    for call, out in zip(layers, (fn() for fn in peers.PEERS["sdpa"].setup(layers))):
+        assert relative_error(out, _reference(call)) < 1e-5
+
+
+# --- runner pieces (the runner imports Triton: interpreter mode without CUDA) ---------------------
+
+@pytest.fixture
+def runner(monkeypatch):
+    if not torch.cuda.is_available():
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+    from flashdecode.bench import runner
+
+    return runner
+
+
+def _selection(runner):
+    return runner.Selection(False, [SMALL], [cases.VARIANTS["plain"]], [], [], iters=2, warmup=0, cold_l2=True)
+
+
+def test_measure_checks_times_skips_and_survives_failures(runner):
+    variant = cases.VARIANTS["append"]
+    layers = [cases.make_call(SMALL, variant, dtype=torch.float16, seed=seed) for seed in (1, 7)]
+    fresh = cases.make_call(SMALL, variant, dtype=torch.float16, seed=runner.FRESH_SEED)
+    references = _reference(layers[0]), _reference(fresh)
+    timer = Timer(torch.device("cpu"), iters=2, warmup=0)
+    made = []
+
+    def setup(calls):
+        made.append(len(calls))
+        return [lambda call=call: _reference(call) for call in calls]
+
+    def measure(check, setup):
+        return runner.measure(System("x", "peer", "0", "test", check, setup), layers, fresh, references, timer,
+                              _selection(runner))
+
+    good = measure(lambda call: {"kernel": "k"}, setup)
+    assert good.compiled and good.correct and good.rel_err == 0.0 and good.timing.runs == 2 and good.error is None
+    assert good.plan == {"kernel": "k"} and good.host_overhead_us > 0 and good.eager_layers == 2
+    assert good.eager.runs == runner.CPU_EAGER_REPEATS and made == [2, 1]  # the layers, then the fresh inputs
+    wrong = measure(lambda call: None, lambda calls: [lambda: torch.zeros_like(calls[0].q)] * len(calls))
+    assert wrong.compiled and not wrong.correct and wrong.rel_err == 1.0
+
+    def unsupported(call):
+        raise Unsupported("pages of 16")
+
+    skipped = measure(unsupported, setup)
+    assert skipped.skipped == "pages of 16" and not skipped.compiled and skipped.error is None and len(made) == 2
+    broken = measure(lambda call: None, lambda calls: 1 / 0)
+    assert not broken.compiled and not broken.correct and "ZeroDivisionError" in broken.error
+
+
+def test_our_backend_system_checks_with_plan_for(runner):
+    """Our systems ask flashdecode.plan_for: its Plan is recorded, a call the backend cannot take is Unsupported."""
+    check, setup = runner._call_ours("triton")
+    call = cases.make_call(SMALL, cases.VARIANTS["q4"], dtype=torch.float16)
+    plan = check(call)
+    assert plan["kernel"] and plan["config"]["block_n"] > 0
+    out = setup([call])[0]()
+    assert relative_error(out, _reference(cases.make_call(SMALL, cases.VARIANTS["q4"], dtype=torch.float16))) < 2e-2
+    if not torch.cuda.is_available():
+        with pytest.raises(Unsupported, match="tilelang"):
+            runner._call_ours("tilelang")[0](call)
+
+
+def test_layer_count_on_cpu(runner):
+    call = cases.make_call(SMALL, cases.VARIANTS["plain"])
+    assert runner.layer_count(call, _selection(runner)) == runner.CPU_EAGER_LAYERS
+
+
+def test_torch_launch_is_timed(runner):
+    assert 0 < runner.torch_launch_us(Timer(torch.device("cpu"), iters=1, warmup=0), 5) < 1e5
+
+
+def test_baseline_is_fa2_of_this_run_else_the_anchor_file_else_none(runner):
+    case, plain, q4 = cases.CASES_BY_NUMBER[10], cases.VARIANTS["plain"], cases.VARIANTS["q4"]
+    ours = _result("triton", "ours", 20.0)
+    assert runner._baseline(case, q4, [ours, _result("fa2", "peer", 15.0)], True, ANCHOR) == (
+        15.0, "fa2 timed in this run", "fa2")
+    us, source, system = runner._baseline(case, plain, [ours, _result("fa2", "peer", 15.0, correct=False)], True,
+                                          ANCHOR)
+    assert us == ANCHOR["cases"][9]["fa2"]["median_us"] and "h200-peers.json" in source and system is None
+    assert runner._baseline(case, q4, [ours], True, ANCHOR)[::2] == (None, None)
+    assert runner._baseline(cases.WIDE_CASES[0], plain, [ours], True, ANCHOR)[::2] == (None, None)
+    assert runner._baseline(case, plain, [ours, _result("reference", "reference", 5.0)], False, ANCHOR)[::2] == (
+        5.0, "reference")
+
+
+def test_select_rejects_unknown_variants(runner):
+    from flashdecode.bench import BenchError
+
+    with pytest.raises(BenchError, match=r"unknown variants \['q8'\]"):
+        runner.select(runner.Options(cases=(SMALL,), variants=("plain", "q8"), peers=()))
+
+
 # --- machine lines ------------------------------------------------------------------------------
 
 def test_machine_line_spec_example_round_trips():
@@ -59,13 +365,14 @@ def test_machine_line_spec_example_round_trips():
 
 def test_machine_lines_of_a_run_parse_back(fake_run):
     lines = report.machine_lines(fake_run)
-    assert len(lines) == 2  # our backend on both cases; peers get no machine line
-    good, failed = (report.parse_machine_line(line) for line in lines)
+    assert len(lines) == 3  # our backend where it took the call; peers get no machine line
+    good, failed, wide = (report.parse_machine_line(line) for line in lines)
     assert good == report.machine_fields(fake_run.cases[0], fake_run.cases[0].results[0])
-    assert good["runtime"] == 0.0123 and good["speedup"] == round(8.06 / 12.3456, 4)
+    assert good["case"] == 1 and good["runtime"] == 0.0123 and good["speedup"] == round(8.06 / 12.3456, 4)
     assert good["bw_gbps"] == 1  # 18432 bytes in 12.3 us
-    assert failed["correct"] is False and failed["speedup"] is None and failed["runtime"] == 0.05
+    assert failed["case"] == "2/q4" and failed["correct"] is False and failed["speedup"] is None
     assert "SPEEDUP:n/a" in lines[1] and "CORRECT:False" in lines[1]
+    assert wide["case"] == "W3" and "CASE:W3 " in lines[2]
 
 
 def test_parse_machine_line_rejects_garbage():
@@ -77,32 +384,38 @@ def test_parse_machine_line_rejects_garbage():
 
 # --- writers ------------------------------------------------------------------------------------
 
-def _result(system, kind, median, correct=True, speedup=None, error=None):
+def _result(system, kind, median, correct=True, speedup=None, error=None, skipped=None):
+    if skipped:
+        return Result(system, kind, skipped=skipped)
     timing = Timing(median, median * 0.9, median * 1.1, 100)
     return Result(system, kind, compiled=True, correct=correct, rel_err=1e-3 if correct else float("nan"),
                   fresh_rel_err=1e-3, timing=timing, graph=Timing(median / 2, median / 2, median / 2, 100),
-                  host_overhead_us=9.5 if kind == "ours" else None, bandwidth_gbps=18432 / median / 1e3,
-                  fraction=0.5, speedup=speedup,
+                  host_overhead_us=9.5, eager=Timing(median * 0.8, median * 0.7, median * 0.9, 20), eager_layers=32,
+                  bandwidth_gbps=18432 / median / 1e3, fraction=0.5, speedup=speedup,
                   plan={"block_n": 64, "programs_per_head": 1, "forced_splits": 0, "can_split": False}
                   if kind == "ours" else None, error=error)
 
 
 @pytest.fixture
 def fake_run():
-    case1, case2 = cases.CASES_BY_NUMBER[1], cases.CASES_BY_NUMBER[2]
-    ours = System("triton", "ours", "flashdecode 0.1.0", "flash_decode_with_kvcache", None)
-    peer = System("sdpa", "peer", "torch 2.11", "torch SDPA", None)
+    case1, case2, wide3 = cases.CASES_BY_NUMBER[1], cases.CASES_BY_NUMBER[2], cases.WIDE_CASES[2]
+    plain, q4 = cases.VARIANTS["plain"], cases.VARIANTS["q4"]
+    ours = System("triton", "ours", "flashdecode 0.2.0", "flash_attn_with_kvcache", None, None)
+    peer = System("sdpa", "peer", "torch 2.11", "torch SDPA", None, None)
     return BenchRun(
         environment={"device": "Fake GPU", "cuda": True, "versions": {"torch": "2.11"}, "git_commit": "abc",
                      "date": "2026-11-29T00:00:00+00:00"},
-        settings={"iters": 100},
+        settings={"iters": 100, "torch_launch_us": 4.25},
         ceiling=Ceiling("fake read", 2 ** 31, 500.0, 4295.0),
         systems=[ours, peer], skipped=["fa2: not installed"], notes=["baseline from the file"],
         cases=[
-            CaseRun(case1, case1, 18432, 8.06, "fa2 from the file", None,
+            CaseRun(case1, case1, plain, 18432, 8.06, "fa2 from the file", None,
                     [_result("triton", "ours", 12.3456, speedup=8.06 / 12.3456), _result("sdpa", "peer", 300.0)]),
-            CaseRun(case2, case2, 94208, 8.8, "fa2 from the file", None,
-                    [_result("triton", "ours", 50.0, correct=False), _result("sdpa", "peer", 40.0, error="boom")]),
+            CaseRun(case2, case2, q4, 94208, None, "none", None,
+                    [_result("triton", "ours", 50.0, correct=False),
+                     _result("sdpa", "peer", 0, skipped="plain decode only")]),
+            CaseRun(wide3, wide3, plain, 94208, None, "none", None,
+                    [_result("triton", "ours", 40.0), _result("sdpa", "peer", 40.0, error="boom")]),
         ])
 
 
@@ -111,21 +424,29 @@ def test_json_has_the_whole_run(fake_run, tmp_path):
     report.write_json(fake_run, path)
     data = json.loads(path.read_text())
     assert data["device"] == "Fake GPU" and data["git_commit"] == "abc" and data["ceiling"]["gbps"] == 4295.0
+    assert data["settings"]["torch_launch_us"] == 4.25
     first = data["cases"][0]
-    assert first["case"] == 1 and first["bytes"] == 18432 and first["baseline_us"] == 8.06
+    assert (first["case"], first["matrix"], first["variant"]) == ("1", "cases", "plain")
+    assert first["bytes"] == 18432 and first["baseline_us"] == 8.06 and first["baseline_system"] is None
+    assert first["shape"]["headdim"] == 128 and first["shape"]["lengths"] == "matrix"
     triton = first["results"]["triton"]
     assert triton["median_us"] == 12.3456 and triton["graph_us"] == 12.3456 / 2 and triton["host_overhead_us"] == 9.5
+    assert triton["eager_us"] == pytest.approx(12.3456 * 0.8) and triton["eager_layers"] == 32
     assert triton["plan"]["block_n"] == 64 and "plan" not in first["results"]["sdpa"]
     assert data["cases"][1]["results"]["triton"]["rel_err"] == "nan"  # JSON has no NaN
+    assert data["cases"][1]["variant"] == "q4" and data["cases"][1]["results"]["sdpa"]["skipped"] == "plain decode only"
+    assert data["cases"][2]["case"] == "W3" and data["cases"][2]["matrix"] == "wide"
 
 
-def test_csv_has_a_row_per_case_and_system(fake_run, tmp_path):
+def test_csv_has_a_row_per_case_variant_and_system(fake_run, tmp_path):
     path = tmp_path / "run.csv"
     report.write_csv(fake_run, path)
     rows = list(csv.DictReader(path.open()))
-    assert [(row["case"], row["system"]) for row in rows] == [
-        ("1", "triton"), ("1", "sdpa"), ("2", "triton"), ("2", "sdpa")]
-    assert float(rows[0]["median_us"]) == 12.3456 and rows[3]["error"] == "boom" and rows[2]["correct"] == "False"
+    assert [(row["case"], row["variant"], row["system"]) for row in rows] == [
+        ("1", "plain", "triton"), ("1", "plain", "sdpa"), ("2", "q4", "triton"), ("2", "q4", "sdpa"),
+        ("W3", "plain", "triton"), ("W3", "plain", "sdpa")]
+    assert float(rows[0]["median_us"]) == 12.3456 and rows[5]["error"] == "boom" and rows[2]["correct"] == "False"
+    assert rows[0]["eager_layers"] == "32" and float(rows[0]["eager_us"]) > 0 and rows[3]["skipped"]
 
 
 def test_plot_is_a_png(fake_run, tmp_path):
@@ -140,21 +461,24 @@ def test_records_append_and_keep_earlier_lines(fake_run, tmp_path):
     first = path.read_text()
     report.append_records(fake_run, path)
     text = path.read_text()
-    assert text.startswith(first) and len(text.splitlines()) == 4
+    assert text.startswith(first) and len(text.splitlines()) == 6
     records = [json.loads(line) for line in text.splitlines()]
-    assert len({record["id"] for record in records}) == 4
-    good, failed = records[:2]
+    assert len({record["id"] for record in records}) == 6
+    good, failed, wide = records[:3]
     assert good["validation"] == "pass" and failed["validation"] == "fail" and failed["speedup"] is None
     assert good["runtime_ms"] == pytest.approx(0.0123456) and good["ref_runtime_ms"] == pytest.approx(0.00806)
     assert good["technique"] == "split-kv gqa-packed triton" and good["config"]["block_n"] == 64
     assert good["device"] == "Fake GPU" and good["git_commit"] == "abc" and good["case"] == 1
+    assert (failed["case"], failed["variant"]) == ("2/q4", "q4") and (wide["case"], wide["matrix"]) == ("W3", "wide")
 
 
 def test_table_shows_every_result_and_the_file_baseline(fake_run):
     table = report.format_table(fake_run)
-    assert "12.35" in table and "FAIL" in table and "fa2 (file)" in table and "case 2 sdpa: boom" in table
+    assert "12.35" in table and "FAIL" in table and "fa2 (file)" in table and "case W3 plain sdpa: boom" in table
     assert "skipped: fa2: not installed" in table and "note: baseline from the file" in table
     assert "system sdpa [torch 2.11]: torch SDPA" in table
+    assert "plain torch launch (q.add_(0)): 4.2 us" in table and "eager us" in table and "9.88 x32" in table
+    assert "case 2 q4 sdpa: plain decode only" in table and "b64 s8192 hk1 g32 uniform" in table
 
 
 def test_progress_counter_without_tqdm(monkeypatch):
@@ -200,59 +524,12 @@ def test_stream_read_kernel_sums_its_buffer_under_the_interpreter():
     assert done.returncode == 0, done.stderr
 
 
-# --- runner pieces (the runner imports Triton: interpreter mode without CUDA) ---------------------
+# --- provenance -----------------------------------------------------------------------------------
 
-@pytest.fixture
-def runner(monkeypatch):
-    if not torch.cuda.is_available():
-        monkeypatch.setenv("TRITON_INTERPRET", "1")
-    from flashdecode.bench import runner
-
-    return runner
-
-
-def test_relative_error(runner):
-    reference = torch.ones(2, 1, 4, 8)
-    assert runner.relative_error(reference.half(), reference) == 0.0
-    assert runner.relative_error(reference * 1.01, reference) == pytest.approx(0.01, rel=1e-4)
-    assert math.isnan(runner.relative_error(torch.full_like(reference, float("nan")), reference))
-    with pytest.raises(ValueError):
-        runner.relative_error(reference[:, 0], reference)
-
-
-def test_baseline_is_fa2_of_this_run_else_the_anchor_file(runner):
-    case = cases.CASES_BY_NUMBER[10]
-    anchor = ANCHOR
-    ours = _result("triton", "ours", 20.0)
-    assert runner._baseline(case, [ours, _result("fa2", "peer", 15.0)], True, anchor) == (
-        15.0, "fa2 timed in this run", "fa2")
-    us, source, system = runner._baseline(case, [ours], True, anchor)
-    assert us == ANCHOR["cases"][9]["fa2"]["median_us"] and "h200-peers.json" in source and system is None
-    assert runner._baseline(case, [ours, _result("reference", "reference", 5.0)], False, anchor)[::2] == (
-        5.0, "reference")
-
-
-def test_measure_checks_outputs_and_survives_failures(runner):
-    case = dataclasses.replace(cases.CASES_BY_NUMBER[3], batch=2, seqlen_cache=8)
-    inputs = cases.make_inputs(case, dtype=torch.float16)
-    fresh = cases.make_inputs(case, dtype=torch.float16, seed=runner.FRESH_SEED)
-    references = runner.reference_decode(*inputs)[0], runner.reference_decode(*fresh)[0]
-    timer = Timer(torch.device("cpu"), iters=2, warmup=0)
-
-    def measure(setup):
-        return runner._measure(runner.System("x", "peer", "0", "test", setup), inputs, fresh, references, timer)
-
-    good = measure(lambda q, k, v, lens: lambda: runner.reference_decode(q, k, v, lens)[0])
-    assert good.compiled and good.correct and good.rel_err == 0.0 and good.timing.runs == 2 and good.error is None
-    wrong = measure(lambda q, k, v, lens: lambda: torch.zeros_like(q))
-    assert wrong.compiled and not wrong.correct and wrong.rel_err == 1.0
-    broken = measure(lambda q, k, v, lens: 1 / 0)
-    assert not broken.compiled and not broken.correct and "ZeroDivisionError" in broken.error
-
-
-def test_git_commit_marks_uncommitted_changes(runner, tmp_path, monkeypatch):
+def test_git_commit_marks_uncommitted_changes(tmp_path, monkeypatch):
     """A run from a modified checkout must not claim a clean commit: the hash gets "-dirty"."""
     import flashdecode
+    from flashdecode.bench import provenance
 
     def git(*args):
         subprocess.run(["git", *args], cwd=tmp_path, check=True, capture_output=True)
@@ -265,35 +542,103 @@ def test_git_commit_marks_uncommitted_changes(runner, tmp_path, monkeypatch):
     git("add", ".")
     git("-c", "user.email=t@t", "-c", "user.name=t", "commit", "-q", "-m", "package")
     monkeypatch.setattr(flashdecode, "__file__", str(package / "__init__.py"))
-    clean = runner.git_commit()
+    clean = provenance.git_commit()
     assert clean is not None and len(clean) == 40
     (package / "__init__.py").write_text("x = 2\n")
-    assert runner.git_commit() == clean + "-dirty"
+    assert provenance.git_commit() == clean + "-dirty"
 
 
-def test_source_digest_names_the_code_not_the_checkout(runner, tmp_path, monkeypatch):
+def test_source_digest_names_the_code_not_the_checkout(tmp_path, monkeypatch):
     """The digest changes with any package source and with nothing else (it needs no git)."""
     import flashdecode
+    from flashdecode.bench import provenance
 
     package = tmp_path / "flashdecode"
     (package / "sub").mkdir(parents=True)
     (package / "__init__.py").write_text("x = 1\n")
     (package / "sub" / "k.py").write_text("y = 1\n")
     monkeypatch.setattr(flashdecode, "__file__", str(package / "__init__.py"))
-    first = runner.source_digest()
-    assert len(first) == 12 and runner.source_digest() == first
+    first = provenance.source_digest()
+    assert len(first) == 12 and provenance.source_digest() == first
     (tmp_path / "notes.txt").write_text("outside the package")
-    assert runner.source_digest() == first
+    assert provenance.source_digest() == first
     (package / "sub" / "k.py").write_text("y = 2\n")
-    assert runner.source_digest() != first
+    assert provenance.source_digest() != first
 
 
-def test_tilelang_backend_needs_a_hopper(runner, monkeypatch):
-    """On another GPU the TileLang backend is skipped with the reason, not timed into 14 failures."""
-    from flashdecode.bench import BenchError
+# --- benchmarks/build_fa2.py ----------------------------------------------------------------------
 
-    monkeypatch.setattr(runner, "is_hopper", lambda index: False)
-    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
-    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *args: "Fake A100")
-    with pytest.raises(BenchError, match="needs a Hopper GPU .*Fake A100"):
-        runner._our_backend("tilelang", cuda=True)
+@pytest.fixture(scope="module")
+def build_fa2():
+    spec = importlib.util.spec_from_file_location("build_fa2", REPO / "benchmarks" / "build_fa2.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_fa2_build_selects_forward_kernels_of_three_head_dims(build_fa2):
+    sources = build_fa2.kernel_sources()
+    assert len(sources) == len(set(sources)) == 24
+    assert "csrc/flash_attn/src/flash_fwd_split_hdim128_bf16_causal_sm80.cu" in sources
+    assert "csrc/flash_attn/src/flash_fwd_hdim64_fp16_sm80.cu" in sources
+    assert not any("bwd" in name or "hdim32" in name or "hdim192" in name for name in sources)
+    assert build_fa2.ARCH == ("-gencode", "arch=compute_90,code=sm_90")
+    assert "-DFLASHATTENTION_DISABLE_DROPOUT" in build_fa2.defines()
+
+
+def _fake_sdist(build_fa2, path):
+    """A tarball shaped like FlashAttention's sdist: the selected kernels and their headers, plus files
+    nothing includes (a backward kernel, an unused CUTLASS header)."""
+    static_switch = ("#define HEADDIM_SWITCH(HEADDIM, ...) \\\n" + "".join(
+        f"  constexpr static int kHeadDim = {d}; \\\n" for d in (32, 64, 96, 128, 192, 256)))
+    files = {
+        build_fa2.API: b'#include "flash.h"\n#include "static_switch.h"\n#include <torch/python.h>\n',
+        "csrc/flash_attn/src/flash.h": b'#include "namespace_config.h"\n#include <cuda.h>\n',
+        "csrc/flash_attn/src/namespace_config.h": b"",
+        "csrc/flash_attn/src/static_switch.h": static_switch.encode(),
+        "csrc/flash_attn/src/flash_fwd_launch_template.h": b'#include "flash.h"\n  # include <cute/tensor.hpp>\n',
+        "csrc/flash_attn/src/flash_bwd_hdim128_bf16_sm80.cu": b'#include "flash_bwd_launch_template.h"\n',
+        "csrc/flash_attn/src/flash_bwd_launch_template.h": b"",
+        "csrc/cutlass/include/cute/tensor.hpp": b'#include "cute/layout.hpp"\n#include <cutlass/numeric_types.h>\n',
+        "csrc/cutlass/include/cute/layout.hpp": b"",
+        "csrc/cutlass/include/cutlass/numeric_types.h": b"",
+        "csrc/cutlass/include/cutlass/unused.h": b"",
+        "flash_attn/__init__.py": b'__version__ = "2.8.3"\n',
+        "flash_attn/flash_attn_interface.py": b"import flash_attn_2_cuda\n",
+        "flash_attn/bert_padding.py": b"",
+        "LICENSE": b"BSD",
+    }
+    for name in build_fa2.kernel_sources():
+        files[name] = b'#include "namespace_config.h"\n#include "flash_fwd_launch_template.h"\n'
+    with tarfile.open(path, "w:gz") as archive:
+        for name, data in files.items():
+            member = tarfile.TarInfo(f"flash_attn-2.8.3/{name}")
+            member.size = len(data)
+            archive.addfile(member, io.BytesIO(data))
+    return files
+
+
+def test_fa2_prepare_packs_only_what_the_build_includes(build_fa2, tmp_path):
+    files = _fake_sdist(build_fa2, tmp_path / "sdist.tar.gz")
+    chosen = build_fa2.prepare(tmp_path / "sdist.tar.gz", tmp_path / "src.tar.xz")
+    left_out = {"csrc/flash_attn/src/flash_bwd_hdim128_bf16_sm80.cu", "csrc/flash_attn/src/flash_bwd_launch_template.h",
+                "csrc/cutlass/include/cutlass/unused.h", "flash_attn/bert_padding.py"}
+    assert set(chosen) == set(files) - left_out
+    src = build_fa2.unpack(tmp_path / "src.tar.xz", tmp_path / "work")
+    assert sorted(str(p.relative_to(src)) for p in src.rglob("*") if p.is_file()) == sorted(chosen)
+    assert (src / "csrc/cutlass/include/cute/layout.hpp").exists()  # found beside the file including it
+    assert build_fa2.flash_attn_version(src) == "2.8.3"
+    with pytest.raises(FileNotFoundError, match="missing.h"):
+        build_fa2.include_closure({"a.cu": b'#include "missing.h"\n'} | {"b.h": b""}, ["a.cu", "missing.h"])
+
+
+def test_fa2_unbuilt_kernels_are_defined_as_errors(build_fa2):
+    headdims = build_fa2.switch_headdims("#define BOOL_SWITCH kHeadDim = 7;\n#define HEADDIM_SWITCH(H) \\\n"
+                                         "  kHeadDim = 32; kHeadDim = 64; kHeadDim = 96; kHeadDim = 128; "
+                                         "kHeadDim = 192; kHeadDim = 256;")
+    assert headdims == [32, 64, 96, 128, 192, 256]
+    source = build_fa2.unbuilt_kernels_source(headdims)
+    assert source.count("template<>") == 2 * 6 * 2 + 2 * 3 * 2 * 2  # every backward; forward of 32, 96, 192
+    assert "run_mha_bwd_<cutlass::bfloat16_t, 128, true>(Flash_bwd_params &" in source
+    assert "run_mha_fwd_splitkv_dispatch<cutlass::half_t, 96, false>(Flash_fwd_params &" in source
+    assert "run_mha_fwd_<cutlass::half_t, 128," not in source and "TORCH_CHECK(false" in source

@@ -1,10 +1,10 @@
-"""The benchmark behind ``flashdecode bench``: timing, peers, the run over the case matrix, reports.
+"""The benchmark behind ``flashdecode bench``: timing, peers, the run over a case matrix, reports.
 
 Modules: ``timing`` (the one timing helper, shared with the profiler), ``ceiling`` (the in-run
-bandwidth ceiling), ``peers`` (other decode implementations), ``runner`` (the run itself),
-``results`` (the data it produces) and ``report`` (table, machine lines, JSON, CSV, plot, jsonl
-record). Importing ``ceiling`` or ``runner`` imports Triton, so on a machine without CUDA set
-``TRITON_INTERPRET=1`` first (the CLI does).
+bandwidth ceiling), ``peers`` (other decode implementations), ``provenance`` (what ran where),
+``runner`` (the run itself), ``results`` (the data it produces) and ``report`` (table, machine
+lines, JSON, CSV, plot, jsonl record). Importing ``ceiling`` or ``runner`` imports Triton, so on a
+machine without CUDA set ``TRITON_INTERPRET=1`` first (the CLI does).
 """
 
 
@@ -12,3 +12,8 @@ class BenchError(Exception):
     """A request the benchmark cannot honour (unknown case, a backend or peer that cannot run here).
 
     The CLI prints the message and exits non-zero."""
+
+
+class Unsupported(Exception):
+    """A system cannot take one call (a variant or shape it lacks): its result is skipped, with the
+    message as the reason, and the run goes on."""

@@ -20,7 +20,8 @@ MACHINE_FIELDS = (
     ("BW_GBPS", str), ("BW_FRACTION", "{:.2f}".format),
 )
 _PARSERS = {
-    "CASE": int, "COMPILED": lambda v: v == "True", "CORRECT": lambda v: v == "True", "BACKEND": str,
+    "CASE": lambda v: int(v) if v.isdigit() else v, "COMPILED": lambda v: v == "True",
+    "CORRECT": lambda v: v == "True", "BACKEND": str,
     "RUNTIME": float, "REF_RUNTIME": float, "SPEEDUP": lambda v: float(v.removesuffix("x")),
     "BW_GBPS": int, "BW_FRACTION": float,
 }
@@ -32,9 +33,10 @@ def _rounded(value, digits):
 
 
 def machine_fields(case_run, result) -> dict:
-    """The machine line of one (case, backend) as a dict, rounded as it is written (ms, 4 decimals)."""
+    """The machine line of one (case, variant, backend) as a dict, rounded as it is written (ms, 4
+    decimals). CASE is the number for a plain case of the 14-case matrix, else "W3" or "7/q4"."""
     return {
-        "case": case_run.case.number, "compiled": result.compiled, "correct": result.correct,
+        "case": case_run.token, "compiled": result.compiled, "correct": result.correct,
         "backend": result.system,
         "runtime": _rounded(result.timing and result.timing.median_us / 1e3, 4),
         "ref_runtime": _rounded(case_run.baseline_us and case_run.baseline_us / 1e3, 4),
@@ -65,29 +67,30 @@ def parse_machine_line(line: str) -> dict:
 
 
 def machine_lines(run) -> list[str]:
-    """One line per (case, our backend)."""
+    """One line per (case, variant, our backend) that took the call."""
     return [format_machine_line(machine_fields(case_run, result))
-            for case_run in run.cases for result in case_run.results if result.kind == "ours"]
+            for case_run in run.cases for result in case_run.results if result.kind == "ours" and not result.skipped]
 
 
 def _shape(case) -> dict:
     return {"batch": case.batch, "seqlen_cache": case.seqlen_cache, "nheads_k": case.nheads_k,
-            "group": case.group, "nheads": case.nheads}
+            "group": case.group, "nheads": case.nheads, "headdim": case.headdim, "lengths": case.lengths}
 
 
 def _timing_fields(result) -> dict:
-    timing, graph = result.timing, result.graph
+    timing, graph, eager = result.timing, result.graph, result.eager
     return {"median_us": timing and timing.median_us, "min_us": timing and timing.min_us,
             "p80_us": timing and timing.p80_us, "runs": timing and timing.runs,
-            "graph_us": graph and graph.median_us}
+            "graph_us": graph and graph.median_us, "host_overhead_us": result.host_overhead_us,
+            "eager_us": eager and eager.median_us, "eager_layers": result.eager_layers}
 
 
 def _result_dict(result) -> dict:
     fields = {"kind": result.kind, "compiled": result.compiled, "correct": result.correct,
-              **_timing_fields(result), "host_overhead_us": result.host_overhead_us,
+              **_timing_fields(result),
               "bandwidth_gbps": result.bandwidth_gbps, "fraction_of_ceiling": result.fraction,
               "speedup": result.speedup, "rel_err": result.rel_err, "fresh_rel_err": result.fresh_rel_err,
-              "error": result.error}
+              "skipped": result.skipped, "error": result.error}
     if result.kind == "ours":
         fields["plan"] = result.plan
     return fields
@@ -114,8 +117,10 @@ def run_to_dict(run) -> dict:
                     for s in run.systems],
         "skipped": run.skipped,
         "notes": run.notes,
-        "cases": [{"case": c.case.number, "matrix_shape": _shape(c.case), "shape": _shape(c.shape),
+        "cases": [{"case": c.case.label, "matrix": c.case.matrix, "variant": c.variant.name,
+                   "matrix_shape": _shape(c.case), "shape": _shape(c.shape),
                    "bytes": c.bytes, "baseline_us": c.baseline_us, "baseline_source": c.baseline_source,
+                   "baseline_system": c.baseline_system,
                    "results": {r.system: _result_dict(r) for r in c.results}}
                   for c in run.cases],
     })
@@ -125,25 +130,33 @@ def write_json(run, path) -> None:
     pathlib.Path(path).write_text(json.dumps(run_to_dict(run), indent=1, allow_nan=False) + "\n")
 
 
-CSV_COLUMNS = ("case", "shape", "bytes", "system", "kind", "compiled", "correct", "median_us", "min_us",
-               "p80_us", "runs", "graph_us", "host_overhead_us", "bandwidth_gbps", "fraction_of_ceiling",
-               "speedup", "rel_err", "fresh_rel_err", "baseline_us", "baseline_source", "error")
+CSV_COLUMNS = ("case", "matrix", "variant", "shape", "bytes", "system", "kind", "compiled", "correct", "median_us",
+               "min_us", "p80_us", "runs", "graph_us", "host_overhead_us", "eager_us", "eager_layers",
+               "bandwidth_gbps", "fraction_of_ceiling", "speedup", "rel_err", "fresh_rel_err", "baseline_us",
+               "baseline_source", "skipped", "error")
 
 
 def write_csv(run, path) -> None:
-    """One row per (case, system)."""
+    """One row per (case, variant, system)."""
     with open(path, "w", newline="") as handle:
         writer = csv.DictWriter(handle, CSV_COLUMNS, extrasaction="ignore")
         writer.writeheader()
         for c in run.cases:
             for r in c.results:
-                writer.writerow({"case": c.case.number, "shape": c.shape.describe(), "bytes": c.bytes,
+                writer.writerow({"case": c.case.label, "matrix": c.case.matrix, "variant": c.variant.name,
+                                 "shape": c.shape.describe(), "bytes": c.bytes,
                                  "system": r.system, "baseline_us": c.baseline_us,
                                  "baseline_source": c.baseline_source, **_result_dict(r)})
 
 
+def _row_label(run, case_run) -> str:
+    """A case run's name in the plot and table: the case label, with the variant when the run has several."""
+    several = len({c.variant.name for c in run.cases}) > 1
+    return case_run.case.label + (f" {case_run.variant.name}" if several else "")
+
+
 def write_plot(run, path) -> None:
-    """Achieved bandwidth per case, one bar per system, the in-run ceiling as a line (PNG, Agg)."""
+    """Achieved bandwidth per case and variant, one bar per system, the in-run ceiling as a line (PNG, Agg)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -160,7 +173,8 @@ def write_plot(run, path) -> None:
             heights.append(result.bandwidth_gbps or 0.0)
         axes.bar(xs, heights, width, label=name)
     axes.axhline(run.ceiling.gbps, color="black", linestyle="--", label=f"ceiling {run.ceiling.gbps:.0f} GB/s")
-    axes.set_xticks(range(len(run.cases)), [str(c.case.number) for c in run.cases])
+    labels = [_row_label(run, c) for c in run.cases]
+    axes.set_xticks(range(len(run.cases)), labels, rotation=90 if any(" " in label for label in labels) else 0)
     axes.set_xlabel("case")
     axes.set_ylabel("achieved bandwidth (GB/s)")
     cpu = "" if run.environment["cuda"] else " (CPU timings, not comparable)"
@@ -172,16 +186,17 @@ def write_plot(run, path) -> None:
 
 
 def candidate_records(run) -> list[dict]:
-    """One record per (case, our backend), for the candidates log."""
+    """One record per (case, variant, our backend) that took the call, for a candidates log."""
     return [
         _finite({"id": uuid.uuid4().hex, "timestamp": run.environment["date"],
                  "git_commit": run.environment["git_commit"],
                  "source_digest": run.environment.get("source_digest"), "device": run.environment["device"],
-                 "case": c.case.number, "backend": r.system, "technique": f"{TECHNIQUE} {r.system}",
+                 "case": c.token, "matrix": c.case.matrix, "variant": c.variant.name, "backend": r.system,
+                 "technique": f"{TECHNIQUE} {r.system}",
                  "config": r.plan, "validation": "pass" if r.correct else "fail",
                  "runtime_ms": r.timing and r.timing.median_us / 1e3,
                  "ref_runtime_ms": c.baseline_us and c.baseline_us / 1e3, "speedup": r.speedup})
-        for c in run.cases for r in c.results if r.kind == "ours"
+        for c in run.cases for r in c.results if r.kind == "ours" and not r.skipped
     ]
 
 
@@ -198,40 +213,60 @@ def _number(value, spec, missing="-"):
     return missing if value is None else format(value, spec)
 
 
+def _eager_cell(result) -> str:
+    """Per-call eager-loop time and its layers: "54.20 x32"."""
+    if result.eager is None:
+        return "-"
+    return f"{result.eager.median_us:.2f} x{result.eager_layers}"
+
+
+def _correct_cell(result) -> str:
+    if result.skipped:
+        return "skipped"
+    if result.compiled and result.rel_err is not None:
+        return f"{'ok' if result.correct else 'FAIL'} {result.rel_err:.1e}/{_number(result.fresh_rel_err, '.1e')}"
+    return "ERROR"
+
+
 def format_table(run) -> str:
-    """The terminal report: header (device, versions, ceiling, notes), one row per (case, system)."""
+    """The terminal report: header (device, versions, ceiling, the plain torch launch, notes), one row
+    per (case, variant, system), then the skipped calls and the errors."""
     env = run.environment
     lines = [f"flashdecode bench on {env['device']}, commit {env['git_commit'] or 'unknown'} "
              f"(sources {env.get('source_digest') or 'unknown'}), {env['date']}"]
     lines += [f"system {s.name} [{s.version}]: {s.description}" for s in run.systems]
     lines += [f"ceiling: {run.ceiling.what}: {run.ceiling.gbps:.0f} GB/s"]
+    launch = run.settings.get("torch_launch_us")
+    lines += [f"host time of one plain torch launch (q.add_(0)): {_number(launch, '.1f')} us per call"]
     lines += [f"skipped: {reason}" for reason in run.skipped]
     lines += [f"note: {note}" for note in run.notes]
-    header = (f"{'case':>4}  {'shape':<20} {'system':<12} {'median us':>10} {'min us':>10} {'p80 us':>10} "
-              f"{'graph us':>9} {'host us':>8} {'GB/s':>6} {'ceil':>5} {'speedup':>8}  correct (rel err timed/fresh)")
+    header = (f"{'case':>4} {'variant':<8} {'shape':<28} {'system':<17} {'median us':>10} {'min us':>10} "
+              f"{'p80 us':>10} {'graph us':>9} {'host us':>8} {'eager us':>13} {'GB/s':>6} {'ceil':>5} "
+              f"{'speedup':>8}  correct (rel err timed/fresh)")
     lines += ["", header, "-" * len(header)]
-    errors = []
+    errors, skipped = [], []
     for c in run.cases:
+        where = f"case {c.case.label} {c.variant.name}"
         for r in c.results:
             t = r.timing
             speedup = "-" if r.speedup is None else f"{r.speedup:.3f}x"
-            if r.compiled and r.rel_err is not None:
-                correct = f"{'ok' if r.correct else 'FAIL'} {r.rel_err:.1e}/{_number(r.fresh_rel_err, '.1e')}"
-            else:
-                correct = "ERROR"
             lines.append(
-                f"{c.case.number:>4}  {c.shape.describe():<20} {r.system:<12} "
+                f"{c.case.label:>4} {c.variant.name:<8} {c.shape.describe():<28} {r.system:<17} "
                 f"{_number(t and t.median_us, '10.2f'):>10} {_number(t and t.min_us, '10.2f'):>10} "
                 f"{_number(t and t.p80_us, '10.2f'):>10} {_number(r.graph and r.graph.median_us, '9.2f'):>9} "
-                f"{_number(r.host_overhead_us, '8.1f'):>8} {_number(r.bandwidth_gbps, '6.0f'):>6} "
-                f"{_number(r.fraction, '5.0%'):>5} {speedup:>8}  "
-                f"{correct}")
+                f"{_number(r.host_overhead_us, '8.1f'):>8} {_eager_cell(r):>13} {_number(r.bandwidth_gbps, '6.0f'):>6} "
+                f"{_number(r.fraction, '5.0%'):>5} {speedup:>8}  {_correct_cell(r)}")
             if r.error:
-                errors.append(f"case {c.case.number} {r.system}: {r.error}")
+                errors.append(f"{where} {r.system}: {r.error}")
+            if r.skipped:
+                skipped.append(f"{where} {r.system}: {r.skipped}")
         if c.baseline_system is None and c.baseline_us is not None:
-            lines.append(f"{'':>4}  {'':<20} {'fa2 (file)':<12} {c.baseline_us:>10.2f}   "
+            lines.append(f"{'':>4} {'':<8} {'':<28} {'fa2 (file)':<17} {c.baseline_us:>10.2f}   "
                          f"<- baseline: {c.baseline_source}")
-    lines += ["", "errors:"] + errors if errors else []
+    if skipped:
+        lines += ["", "skipped (the system does not take the call):"] + skipped
+    if errors:
+        lines += ["", "errors:"] + errors
     return "\n".join(lines)
 
 

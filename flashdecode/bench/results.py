@@ -4,19 +4,25 @@ from __future__ import annotations
 import dataclasses
 from typing import Callable
 
-from ..cases import Case
+from ..cases import Case, Variant
 from .timing import Timing
 
 
 @dataclasses.dataclass(frozen=True)
 class System:
-    """Something timed: one of our backends ("ours"), a peer ("peer") or the torch reference (CPU)."""
+    """Something timed: one of our backends ("ours"), a peer ("peer") or the torch reference (CPU).
+
+    ``check(call)`` returns what the report records about how the system takes the call (our
+    backends: the planner's Plan as a dict; others: None) or raises ``Unsupported`` with the reason.
+    ``setup(calls)`` does the one-time work for a list of ``cases.Call`` (the layers of one case and
+    variant, same lengths) and returns one zero-argument function per call, each giving ``out``."""
 
     name: str
     kind: str  # "ours" | "peer" | "reference"
     version: str
     description: str  # what is called, and how
-    setup: Callable  # (q, k_cache, v_cache, seqlens) -> zero-argument call giving out
+    check: Callable
+    setup: Callable
 
 
 @dataclasses.dataclass(frozen=True)
@@ -31,7 +37,8 @@ class Ceiling:
 
 @dataclasses.dataclass
 class Result:
-    """One system on one case; a failure leaves ``error`` set and ``correct`` False."""
+    """One system on one case and variant; a failure leaves ``error`` set and ``correct`` False; a
+    call the system cannot take leaves ``skipped`` set (the reason) and nothing measured."""
 
     system: str
     kind: str
@@ -39,13 +46,16 @@ class Result:
     correct: bool = False
     rel_err: float | None = None  # worst of the timed call and its graph replay
     fresh_rel_err: float | None = None
-    timing: Timing | None = None
-    graph: Timing | None = None
-    host_overhead_us: float | None = None
+    timing: Timing | None = None  # cold L2, one call per event pair
+    graph: Timing | None = None  # replayed from a CUDA graph: GPU time
+    host_overhead_us: float | None = None  # host time per call
+    eager: Timing | None = None  # per call of a loop over eager_layers layers
+    eager_layers: int | None = None
     bandwidth_gbps: float | None = None
     fraction: float | None = None  # of the ceiling
     speedup: float | None = None  # baseline / median, only when correct
     plan: dict | None = None  # our backends: dataclasses.asdict of the planner's Plan
+    skipped: str | None = None
     error: str | None = None
 
 
@@ -53,11 +63,20 @@ class Result:
 class CaseRun:
     case: Case  # as in the matrix
     shape: Case  # as run (scaled down without CUDA)
+    variant: Variant
     bytes: int
     baseline_us: float | None
     baseline_source: str
-    baseline_system: str | None  # the system of this run that is the baseline; None: the anchor file
+    baseline_system: str | None  # the system of this run that is the baseline; None: the anchor file or none
     results: list[Result]
+
+    @property
+    def token(self) -> str | int:
+        """The case as machine lines and records name it: the number for a plain case of the
+        14-case matrix (the machine-line spec), else "label" or "label/variant" ("W3", "7/q4")."""
+        if self.case.matrix == "cases" and self.variant.name == "plain":
+            return self.case.number
+        return self.case.label + ("" if self.variant.name == "plain" else f"/{self.variant.name}")
 
 
 @dataclasses.dataclass

@@ -3,7 +3,10 @@
 On CUDA every timed run is bracketed by CUDA events, and by default preceded by zeroing a buffer
 larger than the L2 cache (cold L2), so each run reads K/V from HBM as a decode step in a real model
 does. The second figure, a replay of the call captured in a CUDA graph, removes host launch time,
-which dominates the small cases. Without CUDA the same loop times with ``time.perf_counter``.
+which dominates the small cases. The third, host time per call, is the host's side alone; the
+fourth, the eager loop, is what a model running eagerly sees: one call per layer back to back, host
+launches overlapping the GPU work of the calls before. Without CUDA the same loops time with
+``time.perf_counter``.
 """
 from __future__ import annotations
 
@@ -106,6 +109,31 @@ class Timer:
         except Exception:  # noqa: BLE001 - any capture failure means "no graph figure"
             return None
         return self.time(graph.replay), out
+
+    def eager_loop(self, calls: list[Callable[[], object]], repeats: int) -> Timing:
+        """Time per call of ``calls`` (one per layer, each on its own inputs) run back to back:
+        one loop untimed, then ``repeats`` loops, each after the flush (the first layer finds L2 as
+        a model's attention does, after other layers' weights went through it) with one pair of
+        events around the whole loop and no sync inside. Summarizes loop time / len(calls)."""
+        for fn in calls:
+            fn()
+        samples = []
+        for _ in range(repeats):
+            self._flush()
+            if self.cuda:
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                for fn in calls:
+                    fn()
+                end.record()
+                end.synchronize()
+                samples.append(start.elapsed_time(end) * 1e3 / len(calls))
+            else:
+                begin = time.perf_counter()
+                for fn in calls:
+                    fn()
+                samples.append((time.perf_counter() - begin) * 1e6 / len(calls))
+        return summarize(samples)
 
     def host_overhead_us(self, fn: Callable[[], object], calls: int = 200) -> float:
         """Host time per call (validation, planning, launch): ``calls`` calls back to back, no sync
