@@ -3,14 +3,16 @@
 TileLang caches compiled kernels on disk, keyed by the kernel, the target and TileLang's version;
 the kernels build for {"kind": "cuda", "arch": "sm_90a"} here and on the H200 alike, so carrying
 this folder (packed: `tar -cJf .tl-cache.tar.xz .tl-cache`, then `carry: [".tl-cache.tar.xz"]`, see
-benchmarks/device.sh) saves the ~15-20 s per kernel the
-GPU machine would spend compiling, out of the session's device time. A cache entry that does not
-load there is treated by TileLang as a miss and rebuilt.
+benchmarks/device.sh) saves the ~15-20 s per kernel the GPU machine would spend compiling, out of
+the session's device time. A cache entry that does not load there is treated by TileLang as a miss
+and rebuilt.
 
 Usage: python benchmarks/prebuild_tilelang_cache.py [--stages 2,3 --q-rows 64,16 --block-n 32]
-(about 10 s per kernel on 2 cores; the default builds the shipped knobs, a list builds sweep variants)
+(about 10 s per kernel on 2 cores; the default builds the shipped configs, a list builds sweep
+variants of the split kernel's config)
 """
 import argparse
+import dataclasses
 import itertools
 import os
 import pathlib
@@ -21,57 +23,67 @@ os.environ.setdefault("TILELANG_CACHE_DIR", str(pathlib.Path(__file__).resolve()
 from flashdecode import planner  # noqa: E402
 from flashdecode.cases import CASES  # noqa: E402
 from flashdecode.hardware import PROFILES  # noqa: E402
-from flashdecode.kernels.tilelang import decode  # noqa: E402
+from flashdecode.kernels.tilelang.backend import TileLangBackend, q_tile_rows  # noqa: E402
+from flashdecode.kernels.tilelang.build import SM90A  # noqa: E402
+from flashdecode.kernels.tilelang.config import KernelShape  # noqa: E402
+from flashdecode.problem import Problem  # noqa: E402
 
-H200_TARGET = decode._freeze({"kind": "cuda", "arch": "sm_90a"})
+H200 = PROFILES["h200"]
 
 
-def specialisations(with_tests: bool):
+def calls(backend, with_tests: bool):
     """(problem, plan) for every call the benchmark and the sanitizer make, forced splits too, and
-    with ``with_tests`` the GPU tests' calls."""
-    problems = [planner.Problem(c.batch, c.seqlen_cache, c.nheads, c.nheads_k, 128, "bfloat16") for c in CASES]
-    problems.append(planner.Problem(3, 1, 8, 2, 128, "bfloat16"))  # empty-cache test's kernels (unsplit)
+    with ``with_tests`` the GPU tests' calls (the random shapes and the TileLang feature cases)."""
+    problems = [Problem(c.batch, c.seqlen_cache, c.nheads, c.nheads_k, 128, "bfloat16") for c in CASES]
+    problems.append(Problem(3, 1, 8, 2, 128, "bfloat16"))  # empty-cache test's kernels (unsplit)
     if with_tests:  # the random-shape test's kernels (its KERNEL_SHAPES); needs pytest and hypothesis
         sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "tests"))
         import test_gpu
+        import test_tilelang_compile
+
+        problems += [problem for problem, _ in test_tilelang_compile.GPU_CASES.values()]
 
         for dtype, headdim, nheads_k, group in test_gpu.KERNEL_SHAPES:
             for batch, capacity in itertools.product((1, 40), test_gpu.RANDOM_CAPACITIES + [70000]):
-                problems.append(planner.Problem(batch, capacity, nheads_k * group, nheads_k, headdim,
-                                                str(dtype).removeprefix("torch.")))
+                problems.append(Problem(batch, capacity, nheads_k * group, nheads_k, headdim,
+                                        str(dtype).removeprefix("torch.")))
     for problem in problems:
         for num_splits in (0, 3):
-            yield problem, planner.plan(problem, PROFILES["h200"], num_splits)
+            yield problem, planner.plan(problem, H200, backend, num_splits)
 
 
 def main():
     parser = argparse.ArgumentParser()
-    parser.add_argument("--stages", default=str(decode.NUM_STAGES))
-    parser.add_argument("--q-rows", default=str(decode.MIN_Q_ROWS), help="MIN_Q_ROWS values")
-    parser.add_argument("--block-n", default="", help="force the planner's tile (sweep variants)")
+    parser.add_argument("--stages", default="", help="SplitConfig.num_stages values (default: the shipped one)")
+    parser.add_argument("--q-rows", default="",
+                        help="fewest q-tile rows, SplitConfig.block_m (default: the shipped one)")
+    parser.add_argument("--block-n", default="", help="SplitConfig.block_n (default: the shipped one)")
     parser.add_argument("--with-tests", action="store_true",
-                        help="also the GPU tests' kernels (always, when no knob is given)")
+                        help="also the GPU tests' kernels (always, when no variant is given)")
     args = parser.parse_args()
-    if args.block_n:
-        planner.BLOCK_N_CANDIDATES = (int(args.block_n),)
-    variants = list(itertools.product(map(int, args.stages.split(",")),
-                                      map(int, args.q_rows.split(","))))
+    backend = TileLangBackend()
+    knobs = [(field, [int(value) for value in values.split(",")])
+             for field, values in (("num_stages", args.stages), ("block_m", args.q_rows), ("block_n", args.block_n))
+             if values]
+    variants = [dict(zip([field for field, _ in knobs], values))
+                for values in itertools.product(*[values for _, values in knobs])]
+    shipped = not knobs
     seen = set()
-    shipped = variants == [(decode.NUM_STAGES, decode.MIN_Q_ROWS)] and not args.block_n
-    calls = list(specialisations(with_tests=shipped or args.with_tests))
-    for stages, q_rows in variants:
-        decode.NUM_STAGES, decode.MIN_Q_ROWS = stages, q_rows  # launchers_for builds with the knobs
-        for problem, plan in calls:
-            shape = (problem.dtype, problem.headdim, problem.group, problem.nheads_k, plan.block_n)
-            short = decode.takes_short_cache(problem, plan)  # its own q tile, no stages; one tile: no loop
-            key = ((*shape, "short", problem.seqlen_cache <= plan.block_n) if short
-                   else (*shape, plan.can_split, stages, q_rows))
-            if key in seen:
-                continue
-            seen.add(key)
-            decode.launchers_for(problem, plan, PROFILES["h200"], H200_TARGET)
-            print("built", key, flush=True)
-    print(f"{len(seen)} specialisations in {os.environ['TILELANG_CACHE_DIR']}")
+    for problem, plan in calls(backend, with_tests=shipped or args.with_tests):
+        configs = [plan.config]
+        if plan.kernel != planner.SHORT_CACHE and not shipped:
+            configs = [dataclasses.replace(plan.config, **{**variant, "block_m": q_tile_rows(
+                problem.q_rows, variant.get("block_m", plan.config.block_m))}) for variant in variants]
+        for config in configs:
+            kernels = [plan.kernel] + (["combine"] if plan.needs_combine else [])
+            for kernel in kernels:
+                key = (kernel, config, KernelShape.of(problem))
+                if key in seen:
+                    continue
+                seen.add(key)
+                backend.compiled(kernel, problem, config, H200, SM90A)
+                print("built", key, flush=True)
+    print(f"{len(seen)} kernels in {os.environ['TILELANG_CACHE_DIR']}")
 
 
 if __name__ == "__main__":

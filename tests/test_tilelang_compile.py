@@ -1,26 +1,149 @@
-"""Every supported TileLang specialisation lowers and compiles for Hopper (sm_90a) with nvcc.
+"""The TileLang backend's configs, occupancy and capability answers, and every kernel it ships lowering
+and compiling for Hopper (sm_90a) with nvcc.
 
 Runs on CPU machines: TileLang compiles without a GPU when given an explicit target. Each split
 kernel must keep the Hopper features the design relies on: TMA loads (``tma_load``) into a
-warp-specialised pipeline whose producer loop runs on one warp (``one_warp_producer``), and wgmma
-for both products where the q tile has 64 rows (mma.sync for smaller tiles). The kernels are built
-with the shipped knobs; they run in the GPU tests.
+warp-specialised pipeline whose producer loop runs on one warp (``patches.one_warp_producer``), and
+wgmma for both products where the q tile has 64 rows (mma.sync for smaller tiles). Every serving feature
+(paged, appended k/v, seqlen_q > 1 with causal, windows, softcap) compiles too. Builds are shared
+through one backend instance (its cache) and TileLang's disk cache. The kernels run in the GPU tests
+(here: the fast launch against the public call, and each feature against the reference).
 """
 import itertools
 import shutil
+import types
 
 import pytest
+import torch
 
 tilelang = pytest.importorskip("tilelang")
 from flashdecode.hardware import PROFILES  # noqa: E402
-from flashdecode.kernels.tilelang import decode  # noqa: E402
-from flashdecode.planner import Problem, choose_block_n  # noqa: E402
+from flashdecode.kernels.tilelang import launch, occupancy, patches  # noqa: E402
+from flashdecode.kernels.tilelang.backend import TileLangBackend, problem_limitation  # noqa: E402
+from flashdecode.kernels.tilelang.config import CombineConfig, ShortCacheConfig, SplitConfig  # noqa: E402
+from flashdecode.planner import SHORT_CACHE, SINGLE_PASS, SPLIT, plan  # noqa: E402
+from flashdecode.problem import Problem  # noqa: E402
 
-pytestmark = pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc")
+needs_nvcc = pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc")
 TARGET = {"kind": "cuda", "arch": "sm_90a"}
 H200 = PROFILES["h200"]
-ONE_WARP_LOOP = f"if (((int)threadIdx.x) < {decode._PRODUCER_LOOP_MACRO}) for (int kb = "
+BACKEND = TileLangBackend()  # one instance: tests share its compiled kernels
+ONE_WARP_LOOP = f"if (((int)threadIdx.x) < {patches.PRODUCER_LOOP_MACRO}) for (int kb = "
 
+
+def problem_of(dtype="bfloat16", head_dim=128, group=8, nheads_k=4, capacity=4096, **features):
+    return Problem(2, capacity, group * nheads_k, nheads_k, head_dim, dtype, **features)
+
+
+def compiled_source(kernel, problem, config=None):
+    config = config or BACKEND.default_config(problem, H200, SHORT_CACHE if kernel == SHORT_CACHE else SPLIT)
+    return BACKEND.compiled(kernel, problem, config, H200, TARGET).get_kernel_source()
+
+
+# -- configs, occupancy, capabilities (no compile) ----------------------------------------------
+@pytest.mark.parametrize("head_dim,block_n", [(64, 64), (128, 64), (256, 32)])
+def test_default_configs_are_the_shipped_choices(head_dim, block_n):
+    problem = problem_of(head_dim=head_dim)
+    for kernel in (SPLIT, SINGLE_PASS):
+        assert BACKEND.default_config(problem, H200, kernel) == SplitConfig(block_n, 64, 2, 24, CombineConfig(16))
+    assert BACKEND.default_config(problem, H200, SHORT_CACHE) == ShortCacheConfig(block_n, 16, False)
+    assert BACKEND.default_config(problem_of(head_dim=head_dim, capacity=block_n), H200, SHORT_CACHE).one_tile
+    assert BACKEND.default_config(problem_of(head_dim=head_dim, group=32), H200, SHORT_CACHE).block_m == 32
+    with pytest.raises(ValueError, match="kernel must be one of"):
+        BACKEND.default_config(problem, H200, "persistent")
+    assert BACKEND.kernels(problem) == frozenset((SHORT_CACHE, SINGLE_PASS, SPLIT))
+
+
+@pytest.mark.parametrize("head_dim,block_n,rows,expected", [
+    (128, 64, 64, 2),   # the benchmark's kernels: registers and shared memory both allow 2
+    (128, 64, 16, 3),   # 16-row tile: registers would allow 4, shared memory (72 KiB) 3
+    (256, 32, 64, 1),   # 192 registers a thread: one program
+])
+def test_split_resident_programs(head_dim, block_n, rows, expected):
+    config = SplitConfig(block_n, rows)
+    assert BACKEND.resident_programs(problem_of(head_dim=head_dim), config, H200) == expected
+
+
+@pytest.mark.parametrize("head_dim,block_n,rows,expected", [(128, 64, 64, 4), (256, 32, 64, 3), (256, 32, 16, 4)])
+def test_short_cache_resident_programs(head_dim, block_n, rows, expected):
+    assert occupancy.resident_programs(problem_of(head_dim=head_dim), ShortCacheConfig(block_n, rows), H200) == expected
+
+
+def test_residency_takes_the_hardware_facts_from_the_profile():
+    """A larger driver reserve or a lower register limit per thread lowers the residency."""
+    import dataclasses
+
+    problem, config = problem_of(), SplitConfig(64, 16)
+    assert occupancy.resident_programs(problem, config, H200) == 3
+    tighter = dataclasses.replace(H200, driver_reserved_shared_per_program=8 * 1024)
+    assert occupancy.resident_programs(problem, config, tighter) == 2
+    assert occupancy.resident_programs(problem, SplitConfig(64, 64),
+                                       dataclasses.replace(H200, max_registers_per_thread=100)) == 1
+
+
+@pytest.mark.parametrize("resident,expected", [(1, (24, 240)), (2, (24, 232)), (3, (24, 136))])
+def test_register_split_moves_the_producers_share_to_the_consumer(resident, expected):
+    """The consumer gets what the producer gives up within the program's launch share (65536
+    registers over ``resident`` programs of 256 threads, a multiple of 8), at most 240."""
+    assert occupancy.register_split(SplitConfig(64), resident, H200) == expected
+    assert occupancy.register_split(SplitConfig(64, producer_registers=0), resident, H200) is None
+
+
+def test_plans_name_the_kernels_the_backend_runs():
+    """Up to 3 tiles of 64 and nothing split: short cache; up to 8: single pass; above: split."""
+    for capacity, num_splits, kernel in [(1, 0, SHORT_CACHE), (64, 3, SINGLE_PASS), (192, 0, SHORT_CACHE),
+                                         (192, 3, SPLIT), (193, 0, SINGLE_PASS), (600, 0, SPLIT)]:
+        assert plan(problem_of(capacity=capacity), H200, BACKEND, num_splits).kernel == kernel
+
+
+@pytest.mark.parametrize("problem,needs", [
+    (problem_of(), None),
+    (problem_of(dense=False), "contiguous"),
+    (problem_of(head_dim=96), "head dim of 64, 128 or 256"),
+    (problem_of(group=128, nheads_k=1), "at most 64 query rows"),
+    (problem_of(page_size=256, seqlen_q=4, window_left=9, window_right=0, softcap=True, seqlen_new=4), None),
+    (problem_of(page_size=8), "page_size of at least 16"),
+    (problem_of(group=2, seqlen_q=17), "seqlen_q of at most 16"),
+    (problem_of(seqlen_q=16), "at most 64 query rows"),
+    (problem_of(rotary_dim=64, seqlen_new=1), "no rotary"),
+    (problem_of(alibi=1), "no alibi"),
+    (problem_of(leftpad=True), "no leftpad"),
+    (problem_of(batch_idx=True), "no batch_idx"),
+], ids=str)
+def test_problem_limitation_names_what_is_missing(problem, needs):
+    reason = problem_limitation(problem)
+    assert reason == needs if needs is None else needs in reason
+
+
+@needs_nvcc
+def test_paged_tiles_never_cross_a_page():
+    assert BACKEND.default_config(problem_of(page_size=16), H200, SPLIT).block_n == 16
+    assert BACKEND.default_config(problem_of(page_size=256), H200, SPLIT).block_n == 64
+    assert BACKEND.default_config(problem_of(page_size=32), H200, SHORT_CACHE).block_n == 32
+
+
+def test_limitation_needs_a_hopper_gpu_on_cpu():
+    assert "Hopper" in BACKEND.limitation(problem_of(), torch.device("cpu"))
+
+
+def test_tilelang_counts_as_available_only_with_nvcc(monkeypatch):
+    """TileLang compiles with the nvcc under its CUDA_HOME: without it the backend is unavailable."""
+    import sys
+
+    assert TileLangBackend().unavailable() is None or shutil.which("nvcc") is None
+    monkeypatch.setattr(sys.modules["tilelang.env"], "CUDA_HOME", "/nonexistent")
+    assert "nvcc" in TileLangBackend().unavailable()
+
+
+def test_launcher_falls_back_to_the_public_call():
+    """Where TileLang does not lay the kernel out as expected, the kernel object itself is called."""
+    bare = types.SimpleNamespace()
+    assert launch.fast_entry(bare) is None and launch.launcher(bare) is bare
+    no_main = types.SimpleNamespace(adapter=types.SimpleNamespace(_get_executable=lambda: types.SimpleNamespace()))
+    assert launch.fast_entry(no_main) is None and launch.launcher(no_main) is no_main
+
+
+# -- compiles (nvcc) -----------------------------------------------------------------------------
 SPECIALISATIONS = [  # (dtype, head_dim, group, nheads_k, can_split)
     *itertools.product(["float16", "bfloat16"], [64, 128, 256], [8], [4], [False, True]),
     ("bfloat16", 128, 1, 32, True),   # MHA
@@ -29,194 +152,203 @@ SPECIALISATIONS = [  # (dtype, head_dim, group, nheads_k, can_split)
 ]
 
 
-def _resident(head_dim, block_n, rows):
-    return decode.resident_programs(head_dim, block_n, rows, decode.NUM_STAGES, H200.registers_per_multiprocessor,
-                                    H200.shared_memory_per_multiprocessor)
-
-
-@pytest.mark.parametrize("head_dim,block_n,rows,expected", [
-    (128, 64, 64, 2),   # the benchmark's kernels: registers and shared memory both allow 2
-    (128, 64, 16, 3),   # 16-row tile: registers would allow 4, shared memory (72 KiB) 3
-    (256, 32, 64, 1),   # 192 registers a thread: one program
-])
-def test_resident_programs(head_dim, block_n, rows, expected):
-    assert _resident(head_dim, block_n, rows) == expected
-
-
-@pytest.mark.parametrize("dtype,head_dim,group,nheads_k,can_split", SPECIALISATIONS,
-                         ids=lambda v: str(v))
-def test_compiles_for_sm90a(dtype, head_dim, group, nheads_k, can_split):
-    block_n = choose_block_n(Problem(1, 4096, group * nheads_k, nheads_k, head_dim, dtype), H200)
-    rows = decode.q_tile_rows(group, decode.MIN_Q_ROWS)
-    blocks_per_sm = _resident(head_dim, block_n, rows)
-    registers = decode.split_kernel_registers(blocks_per_sm, H200.registers_per_multiprocessor)
-    split = decode.build_split_kernel(dtype, head_dim, group, nheads_k, block_n, decode.NUM_STAGES, can_split,
-                                      blocks_per_sm, rows, registers, target=TARGET)
-    source = split.get_kernel_source()
-    assert "tma_load" in source and ("wgmma" if rows >= 64 else "mma_sync") in source
-    assert ONE_WARP_LOOP in source
+@needs_nvcc
+@pytest.mark.parametrize("dtype,head_dim,group,nheads_k,can_split", SPECIALISATIONS, ids=str)
+def test_split_kernel_compiles_for_sm90a(dtype, head_dim, group, nheads_k, can_split):
+    problem = problem_of(dtype, head_dim, group, nheads_k)
+    config = BACKEND.default_config(problem, H200, SPLIT)
+    registers = occupancy.register_split(config, occupancy.resident_programs(problem, config, H200), H200)
+    source = compiled_source(SPLIT if can_split else SINGLE_PASS, problem)
+    assert "tma_load" in source and "wgmma" in source and ONE_WARP_LOOP in source
     assert f"warpgroup_reg_dealloc<{registers[0]}>" in source and f"warpgroup_reg_alloc<{registers[1]}>" in source
     if can_split:
-        combine = decode.build_combine_kernel(dtype, head_dim, group, nheads_k, block_n, can_split,
-                                              target=TARGET)
-        assert "decode_combine" in combine.get_kernel_source()
+        assert "decode_combine" in compiled_source("combine", problem)
 
 
+@needs_nvcc
 @pytest.mark.parametrize("dtype,head_dim,group", [("bfloat16", 128, 8), ("float16", 256, 4), ("bfloat16", 64, 32)],
                          ids=str)
 def test_small_q_tile_variant_compiles(dtype, head_dim, group):
-    """The sweep's ``MIN_Q_ROWS = 16`` variant (perf log 10): mma.sync with column-split warps."""
-    block_n = choose_block_n(Problem(1, 4096, group * 2, 2, head_dim, dtype), H200)
-    rows = decode.q_tile_rows(group, 16)
-    assert rows == max(16, group)
-    blocks_per_sm = _resident(head_dim, block_n, rows)
-    split = decode.build_split_kernel(dtype, head_dim, group, 2, block_n, decode.NUM_STAGES, True, blocks_per_sm,
-                                      rows, decode.split_kernel_registers(blocks_per_sm, H200.registers_per_multiprocessor),
-                                      target=TARGET)
-    source = split.get_kernel_source()
+    """A q tile under 64 rows (a sweep's variant): mma.sync with column-split warps."""
+    problem = problem_of(dtype, head_dim, group, 2)
+    config = SplitConfig(BACKEND.default_config(problem, H200, SPLIT).block_n, max(16, group))
+    source = compiled_source(SPLIT, problem, config)
     assert "tma_load" in source and "mma_sync" in source and "wgmma" not in source
     assert ONE_WARP_LOOP in source
 
 
+@needs_nvcc
 @pytest.mark.parametrize("dtype,head_dim,group,nheads_k",
                          [(d, h, 8, 4) for d in ("float16", "bfloat16") for h in (64, 128, 256)]
                          + [("bfloat16", 128, 32, 1), ("bfloat16", 128, 4, 8)], ids=str)
 def test_short_cache_kernel_compiles(dtype, head_dim, group, nheads_k):
     """Short unsplit caches take the short-cache kernel: no TMA pipeline, no producer; mma.sync
     below 64 rows (the shipped 16-row tile), wgmma at 64."""
-    block_n = choose_block_n(Problem(1, 64, group * nheads_k, nheads_k, head_dim, dtype), H200)
-    rows = decode.q_tile_rows(group, decode.SHORT_CACHE_MIN_Q_ROWS)
-    blocks_per_sm = decode.short_cache_resident_programs(head_dim, block_n, rows, H200.registers_per_multiprocessor,
-                                                         H200.shared_memory_per_multiprocessor)
+    problem = problem_of(dtype, head_dim, group, nheads_k, capacity=64)
     for one_tile in (True, False):  # without and with the loop over tiles
-        source = decode.build_short_cache_kernel(dtype, head_dim, group, nheads_k, block_n, blocks_per_sm, rows,
-                                                 one_tile, target=TARGET).get_kernel_source()
-        assert ("wgmma" if rows >= 64 else "mma_sync") in source and "tma_load" not in source
-        assert f"__launch_bounds__(128, {blocks_per_sm})" in source
+        config = BACKEND.default_config(problem_of(dtype, head_dim, group, nheads_k, capacity=1 if one_tile else 4096),
+                                        H200, SHORT_CACHE)
+        assert config.one_tile == one_tile
+        source = compiled_source(SHORT_CACHE, problem, config)
+        assert ("wgmma" if config.block_m >= 64 else "mma_sync") in source and "tma_load" not in source
+        assert f"__launch_bounds__(128, {occupancy.resident_programs(problem, config, H200)})" in source
         assert ("for (int t = 0" in source) != one_tile
 
 
-@pytest.mark.parametrize("head_dim,block_n,rows,expected", [(128, 64, 64, 4), (256, 32, 64, 3), (256, 32, 16, 4)])
-def test_short_cache_resident_programs(head_dim, block_n, rows, expected):
-    assert decode.short_cache_resident_programs(head_dim, block_n, rows, H200.registers_per_multiprocessor,
-                                                H200.shared_memory_per_multiprocessor) == expected
-
-
-@pytest.mark.parametrize("blocks_per_sm,expected", [(1, (24, 240)), (2, (24, 232)), (3, (24, 136))])
-def test_split_kernel_registers_move_the_producers_share_to_the_consumer(blocks_per_sm, expected):
-    """The consumer gets what the producer gives up within the program's launch share (65536
-    registers over blocks_per_sm programs of 256 threads, a multiple of 8), at most 240."""
-    assert decode.split_kernel_registers(blocks_per_sm, H200.registers_per_multiprocessor, 24) == expected
-    assert decode.split_kernel_registers(blocks_per_sm, H200.registers_per_multiprocessor, 0) is None
-
-
-def test_kernels_for_returns_launchers_of_the_compiled_module():
+@needs_nvcc
+def test_fast_entry_finds_the_compiled_modules_function():
     """The launch path bypasses TileLang's adapter: it must still find the compiled entry function."""
-    split, combine = decode.kernels_for("bfloat16", 128, 8, 4, 64, True, H200.registers_per_multiprocessor,
-                                        H200.shared_memory_per_multiprocessor, decode.NUM_STAGES, decode.MIN_Q_ROWS,
-                                        decode.PRODUCER_REGISTERS, target=decode._freeze(TARGET))
-    assert type(split).__name__ == "Function" and type(combine).__name__ == "Function"
+    kernel = BACKEND.compiled(SPLIT, problem_of(), BACKEND.default_config(problem_of(), H200, SPLIT), H200, TARGET)
+    entry = launch.fast_entry(kernel)
+    assert type(entry).__name__ == "Function" and launch.launcher(kernel) is not kernel
 
 
-def test_launchers_for_picks_the_short_cache_kernel_for_short_unsplit_caches():
-    """run(), the prebuild script and the hang reproducer share this choice: up to
-    SHORT_CACHE_MAX_BLOCKS (3) tiles of 64 and nothing split."""
-    from flashdecode.planner import plan
+@pytest.mark.gpu
+def test_fast_entry_and_public_call_compute_the_same():
+    """The entry function and TileLang's public call take the same arguments and give the same
+    bytes (split kernel with partials, then the combine)."""
+    from flashdecode.kernels.tilelang import build
 
-    target = decode._freeze(TARGET)
-    for capacity, num_splits, short in [(1, 0, True), (64, 3, True), (192, 0, True), (192, 3, False),
-                                        (193, 0, False), (600, 0, False)]:
-        problem = Problem(2, capacity, 32, 4, 128, "bfloat16")
-        p = plan(problem, H200, num_splits)
-        assert decode.takes_short_cache(problem, p) == short
-        first, combine = decode.launchers_for(problem, p, H200, target)
-        assert type(first).__name__ == "Function"
-        assert combine is None if short else p.can_split == (combine is not None)
+    torch.manual_seed(0)
+    problem = problem_of(capacity=1000)
+    config = BACKEND.default_config(problem, H200, SPLIT)
+    target = build.device_target()
+    split = BACKEND.compiled(SPLIT, problem, config, H200, target)
+    q = torch.randn(2, 1, 32, 128, dtype=torch.bfloat16, device="cuda")
+    k, v = (torch.randn(2, 1000, 4, 128, dtype=torch.bfloat16, device="cuda") for _ in range(2))
+    lengths = torch.tensor([1000, 333], dtype=torch.int32, device="cuda")
+    results = []
+    for call in (launch.fast_entry(split), split):
+        out = torch.empty_like(q)
+        lse = torch.empty(2, 32, dtype=torch.float32, device="cuda")
+        part_o = torch.full((8, 32, 128), float("nan"), device="cuda")
+        part_lse = torch.full((8, 32), float("nan"), device="cuda")
+        call(q, k, v, lengths, out, lse, part_o, part_lse, 8, 4, 1, 0.1)
+        results.append((out, lse, part_o, part_lse))
+    for fast, public in zip(*results):
+        assert torch.equal(fast.nan_to_num(7.0), public.nan_to_num(7.0))
 
 
-PRODUCER_SOURCE = """\
-extern "C" __global__ void decode_split_kernel() {
-  if (((int)threadIdx.x) < 128) {
-    tl::fence_proxy_async();
-    for (int kb = blk_lo; kb < blk_hi; ++kb) {
-      mbarrier[4].wait(1);
-      if (tl::tl_shuffle_elect<128>()) { tl::tma_load(K_desc, mbarrier[0], k_s, 0, kb); }
-    }
-  } else {
-    for (int kb_1 = blk_lo_1; kb_1 < blk_hi; ++kb_1) { mbarrier[0].wait(0); tl::wgmma_ss(desc_a, desc_b, s_f); }
-  }
+# -- the serving features (compile tests: one kernel set per feature, sharing the builds above) --------
+FEATURES = {  # name: (problem, the text its split kernel's source must have)
+    "paged": (problem_of(page_size=256), "BlockTable"),
+    "paged-16": (problem_of(page_size=16), "BlockTable"),
+    "seqlen_q-causal": (problem_of(seqlen_q=4, window_right=0), "window_right"),
+    "window": (problem_of(window_left=100), "window_left"),
+    "softcap": (problem_of(softcap=True), "tanhf"),
+    "append": (problem_of(seqlen_q=2, seqlen_new=2), "KNew"),
 }
-"""
 
 
-def test_one_warp_producer_guards_the_producer_loop_only():
-    rewritten = decode.one_warp_producer(PRODUCER_SOURCE)
-    assert rewritten.replace(ONE_WARP_LOOP, "for (int kb = ") == PRODUCER_SOURCE
-    assert rewritten.count(ONE_WARP_LOOP) == 1 and "for (int kb_1 = " in rewritten
+@needs_nvcc
+@pytest.mark.parametrize("name", FEATURES)
+def test_feature_kernels_compile_for_sm90a(name):
+    """Each feature's split kernel keeps the TMA pipeline, wgmma and the one-warp producer loop; its
+    combine and its short-cache kernel compile too."""
+    problem, marker = FEATURES[name]
+    config = BACKEND.default_config(problem, H200, SPLIT)
+    split = BACKEND.compiled(SPLIT, problem, config, H200, TARGET)
+    source = split.get_kernel_source()
+    assert "tma_load" in source and "wgmma" in source and ONE_WARP_LOOP in source and marker in source
+    assert "decode_combine" in compiled_source("combine", problem)
+    if name != "paged-16":  # the same short-cache code as "paged"
+        short = BACKEND.default_config(problem, H200, SHORT_CACHE)
+        assert marker in compiled_source(SHORT_CACHE, problem, short)
 
 
-@pytest.mark.parametrize("source", [
-    PRODUCER_SOURCE.replace("tl::tma_load", "tl::cp_async"),                 # no TMA in the loop
-    PRODUCER_SOURCE.replace("for (int kb_1", "for (int kb"),                  # two loops of kb
-    PRODUCER_SOURCE.replace("if (((int)threadIdx.x) < 128) {", "if (p) {"),   # no producer branch
-    PRODUCER_SOURCE.replace("tl::fence_proxy_async();", "} else {"),          # the loop is a consumer's
-    PRODUCER_SOURCE.replace("tl::fence_proxy_async();", "} if (128 <= ((int)threadIdx.x)) {"),  # branch closed
-    PRODUCER_SOURCE.replace("tl::wgmma_ss", "tl::copy"),                      # no products in the else
-], ids=["no-tma", "two-loops", "no-branch", "consumer-loop", "closed-branch", "no-consumer"])
-def test_one_warp_producer_refuses_an_unexpected_source(source):
-    """Another TileLang may emit another loop: the rewrite must fail loudly, not guard the wrong code."""
-    with pytest.raises(ValueError, match="one producer TMA loop"):
-        decode.one_warp_producer(source)
+def test_feature_parameters_follow_the_plain_ones_in_launch_order():
+    """The backend passes block_table, k, v, softcap and the window sizes after the plain arguments,
+    in this order (and seqlen_new, window_left to the combine)."""
+    from flashdecode.kernels.tilelang import kernels
+    from flashdecode.kernels.tilelang.config import KernelShape
+
+    problem = problem_of(page_size=64, seqlen_q=2, window_left=9, window_right=0, softcap=True, seqlen_new=2)
+    shape, config = KernelShape.of(problem), BACKEND.default_config(problem, H200, SPLIT)
+    names = [param.name.removesuffix("_handle") for param in kernels.split_kernel(shape, config, True, 2).params]
+    assert names[12:] == ["BlockTable", "KNew", "VNew", "softcap", "window_left", "window_right"]
+    short = BACKEND.default_config(problem, H200, SHORT_CACHE)
+    names = [param.name.removesuffix("_handle") for param in kernels.short_cache_kernel(shape, short, 4).params]
+    assert names[7:] == ["BlockTable", "KNew", "VNew", "softcap", "window_left", "window_right"]
+    names = [param.name.removesuffix("_handle") for param in kernels.combine_kernel(shape, config.combine, 64).params]
+    assert names[9:] == ["new_tokens", "window_left"]
 
 
-def test_postproc_hook_applies_to_this_threads_kernel_only_and_is_restored():
-    """The rewrite runs after a hook the user set, only on the named kernel compiled by the thread
-    inside the block (another thread compiling meanwhile gets the user's hook alone), and the
-    user's hook is back afterwards, also after an exception."""
-    import threading
-
-    import tvm_ffi
-
-    name = "tilelang_callback_cuda_postproc"
-    hook = lambda: tvm_ffi.get_global_func(name)  # noqa: E731
-    tvm_ffi.register_global_func(name, f=lambda code, target: code + "// user", override=True)
-    try:
-        with decode._cuda_postproc(lambda code: code + "// ours", "kernel_a"):
-            assert hook()("kernel_a", None) == "kernel_a// user// ours"
-            assert hook()("kernel_b", None) == "kernel_b// user"
-            other = []
-            worker = threading.Thread(target=lambda: other.append(hook()("kernel_a", None)))
-            worker.start()
-            worker.join()
-            assert other == ["kernel_a// user"]
-            with decode._cuda_postproc(lambda code: code + "// inner", "kernel_a"):  # nested: no deadlock
-                assert hook()("kernel_a", None) == "kernel_a// user// inner"
-        assert hook()("kernel_a", None) == "kernel_a// user"
-        with pytest.raises(RuntimeError):
-            with decode._cuda_postproc(lambda code: code + "// ours", "kernel_a"):
-                raise RuntimeError("compile failed")
-        assert hook()("kernel_a", None) == "kernel_a// user"
-    finally:
-        tvm_ffi.remove_global_func(name)
-    with decode._cuda_postproc(lambda code: code, "kernel_a"):
-        pass
-    assert tvm_ffi.get_global_func(name, allow_missing=True) is None
+# -- the serving features against the reference (GPU; the lead's machine) ----------------------------
+#: name: (problem, FlashAttention keyword arguments beyond the tensors). Lengths are full, 0 and
+#: off a tile boundary; num_splits 0 and 3 run the balanced and the forced split.
+GPU_CASES = {
+    "paged-256": (Problem(3, 1024, 32, 4, 128, "bfloat16", page_size=256), {}),
+    "paged-16": (Problem(3, 512, 32, 4, 128, "float16", page_size=16), {}),
+    "causal": (Problem(3, 1000, 32, 4, 128, "bfloat16", seqlen_q=4, window_right=0), {"causal": True}),
+    "window": (Problem(3, 1000, 16, 2, 128, "bfloat16", seqlen_q=2, window_left=100, window_right=3),
+               {"window_size": (100, 3)}),
+    "softcap": (Problem(3, 1000, 32, 4, 128, "bfloat16", softcap=True), {"softcap": 30.0}),
+    "append": (Problem(3, 1000, 32, 4, 128, "bfloat16", seqlen_q=2, seqlen_new=2), {}),
+    "short-append-paged": (Problem(3, 128, 32, 4, 128, "bfloat16", page_size=64, seqlen_new=3), {}),
+    "all": (Problem(3, 1024, 32, 4, 128, "bfloat16", seqlen_q=4, page_size=64, seqlen_new=4, window_left=200,
+                    window_right=0, softcap=True), {"causal": True, "window_size": (200, 0), "softcap": 30.0}),
+}
 
 
-def test_tilelang_counts_as_available_only_with_nvcc(monkeypatch):
-    """auto takes TileLang only where its kernels can be built: TileLang compiles with the nvcc under
-    its CUDA_HOME."""
-    import sys
+def gpu_inputs(problem, seed=0):
+    """Random q, caches (pages in a shuffled block table when paged), new k/v and lengths [full, 0,
+    off a tile boundary] for ``problem``."""
+    generator = torch.Generator("cuda").manual_seed(seed)
+    dtype = getattr(torch, problem.dtype)
 
-    from flashdecode import api
+    def randn(*shape):
+        return torch.randn(*shape, generator=generator, device="cuda").to(dtype)
 
-    tilelang_env = sys.modules["tilelang.env"]  # the module (the attribute tilelang.env is an object)
+    batch, heads_k, head_dim = problem.batch, problem.nheads_k, problem.headdim
+    tensors = {"q": randn(batch, problem.seqlen_q, problem.nheads, head_dim)}
+    if problem.paged:
+        blocks = problem.seqlen_cache // problem.page_size
+        tensors["block_table"] = torch.randperm(batch * blocks, device="cuda", generator=generator).to(
+            torch.int32).view(batch, blocks)
+        cache_shape = (batch * blocks, problem.page_size, heads_k, head_dim)
+    else:
+        cache_shape = (batch, problem.seqlen_cache, heads_k, head_dim)
+    tensors["k_cache"], tensors["v_cache"] = randn(*cache_shape), randn(*cache_shape)
+    if problem.seqlen_new:
+        tensors["k"], tensors["v"] = (randn(batch, problem.seqlen_new, heads_k, head_dim) for _ in range(2))
+    longest = problem.seqlen_cache - problem.seqlen_new
+    tensors["cache_seqlens"] = torch.tensor([longest, 0, min(longest, 333)], dtype=torch.int32, device="cuda")
+    return tensors
 
-    try:
-        api.tilelang_available.cache_clear()
-        assert api.tilelang_available()  # this machine builds the kernels above
-        api.tilelang_available.cache_clear()
-        monkeypatch.setattr(tilelang_env, "CUDA_HOME", "/nonexistent")
-        assert not api.tilelang_available()
-    finally:
-        api.tilelang_available.cache_clear()
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_splits", [0, 3])
+@pytest.mark.parametrize("name", GPU_CASES)
+def test_features_match_the_reference(name, num_splits):
+    from flashdecode import flash_attn_with_kvcache
+    from flashdecode.reference import reference_attention, relative_error
+
+    problem, options = GPU_CASES[name]
+    tensors = gpu_inputs(problem)
+    expected_caches = {cache: tensors[cache].clone() for cache in ("k_cache", "v_cache")}
+    expected, expected_lse = reference_attention(**{**tensors, **expected_caches}, **options)
+    out, lse = flash_attn_with_kvcache(**tensors, **options, num_splits=num_splits, return_softmax_lse=True,
+                                       backend="tilelang")
+    assert not out.isnan().any() and not lse.isnan().any()
+    assert relative_error(out, expected) < 1e-2
+    seen = torch.isfinite(expected_lse)
+    assert torch.equal(seen, torch.isfinite(lse)) and (out.transpose(1, 2)[~seen] == 0).all()
+    torch.testing.assert_close(lse[seen], expected_lse[seen], atol=1e-2, rtol=0)
+    for cache in ("k_cache", "v_cache"):  # the appended tokens landed where the reference put them
+        assert torch.equal(tensors[cache], expected_caches[cache])
+
+
+@pytest.mark.gpu
+def test_a_bad_block_id_gives_nan_rows_of_its_sequence_only():
+    from flashdecode import flash_attn_with_kvcache
+    from flashdecode.reference import reference_attention, relative_error
+
+    problem, _ = GPU_CASES["paged-256"]
+    tensors = gpu_inputs(problem)
+    tensors["cache_seqlens"][1] = 300
+    expected, _ = reference_attention(**tensors)
+    tensors["block_table"][1, 1] = -7  # a page sequence 1 reads
+    for num_splits in (0, 3):
+        out = flash_attn_with_kvcache(**tensors, num_splits=num_splits, backend="tilelang")
+        assert out[1].isnan().all() and not out[[0, 2]].isnan().any()
+        assert relative_error(out[[0, 2]], expected[[0, 2]]) < 1e-2

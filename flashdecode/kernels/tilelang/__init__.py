@@ -1,3 +1,7 @@
-from .decode import resident_programs_for, run
+"""The TileLang backend (``backend.TileLangBackend``): Hopper kernels built with TileLang on first use.
 
-__all__ = ["resident_programs_for", "run"]
+Modules by concern: ``config`` (tile configs, the compiled-for shape), ``occupancy`` (shared memory,
+registers, residency), ``macros`` and ``kernels`` (the prim_funcs), ``patches`` (the rewrite of
+TileLang's generated CUDA), ``build`` (compiling), ``launch`` (the fast call), ``backend``.
+Importing this package does not import TileLang.
+"""

@@ -1,0 +1,240 @@
+"""The TileLang backend: Hopper kernels (TMA, warp-specialised pipeline, wgmma) for the planner's plans.
+
+It decides nothing: ``plan.kernel`` says which kernel runs and ``plan.config`` its tile config; it
+answers the planner's questions (:meth:`TileLangBackend.kernels`, ``default_config``,
+``resident_programs``) and says what it cannot take (``limitation``). Kernels compile on first use
+and are kept on the instance, in bounded caches keyed by (kernel, config, shape, target, profile).
+TileLang is imported only then, so the backend can say that it is missing.
+"""
+import collections
+import importlib.util
+import math
+import os
+import threading
+
+from ... import hardware
+from ...planner import SHORT_CACHE, SINGLE_PASS, SPLIT
+from ..base import Backend
+from . import occupancy
+from .config import KernelShape, ShortCacheConfig, SplitConfig
+
+#: Head dims the kernels take (their tiles and shared-memory budget are sized for these).
+HEAD_DIMS = (64, 128, 256)
+#: Most query rows (seqlen_q * group) of one KV head: one q tile of 64 rows.
+MAX_Q_ROWS = 64
+#: Fewest rows of the q tile of each kernel: 64 is one wgmma M tile; the short-cache kernel's few
+#: softmax steps are all latency, where a 16-row mma.sync tile measured faster (``docs/design.md``,
+#: "Measured choices").
+MIN_BLOCK_M = {SPLIT: 64, SINGLE_PASS: 64, SHORT_CACHE: 16}
+#: Problem features (``Problem.features``) the kernels implement (``features.py``); rotary, ALiBi,
+#: cache_leftpad and cache_batch_idx are left to the other backends.
+FEATURES = frozenset(("seqlen_q>1", "paged", "append", "causal", "window", "softcap"))
+#: Most query positions per call (the q tile holds seqlen_q * group <= MAX_Q_ROWS rows).
+MAX_SEQLEN_Q = 16
+#: Fewest tokens per page: a tile never crosses a page, and 16 is the smallest tile the matrix units take.
+MIN_PAGE_SIZE = 16
+#: Compiled kernels a backend keeps (least recently used dropped first), and launch lists it memoizes.
+MAX_COMPILED, MAX_LAUNCHES = 128, 1024
+
+
+def q_tile_rows(q_rows: int, minimum: int) -> int:
+    """Rows of a q tile for ``q_rows`` query rows: a power of two, at least ``minimum``."""
+    return max(minimum, 1 << (q_rows - 1).bit_length())
+
+
+def problem_limitation(problem) -> str | None:
+    """What of this problem the kernels cannot take, as the phrase after "needs", or None."""
+    if not problem.dense:
+        return "contiguous, 16-byte aligned q, k_cache, v_cache, k, v and out"
+    if problem.headdim not in HEAD_DIMS:
+        return f"a head dim of 64, 128 or 256 (got {problem.headdim})"
+    if problem.seqlen_q > MAX_SEQLEN_Q:
+        return f"seqlen_q of at most {MAX_SEQLEN_Q} (got {problem.seqlen_q})"
+    if problem.paged and problem.page_size < MIN_PAGE_SIZE:
+        return f"a page_size of at least {MIN_PAGE_SIZE} (got {problem.page_size})"
+    if problem.q_rows > MAX_Q_ROWS:
+        return (f"at most {MAX_Q_ROWS} query rows per KV head, seqlen_q * group "
+                f"(got {problem.seqlen_q} * {problem.group})")
+    missing = [name for name in problem.features() if name not in FEATURES]
+    if missing:
+        return ", ".join(f"no {name}" for name in missing) + " (the TileLang kernels do not implement it)"
+    return None
+
+
+class TileLangBackend(Backend):
+    """Executes plans with the TileLang kernels (``kernels.py``), built for the device's target."""
+
+    name = "tilelang"
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._compiled = collections.OrderedDict()  # (kernel, config, shape, target, profile) -> kernel
+        self._launches = {}  # (plan, problem, device) -> (first launcher, combine launcher or None)
+        self._hopper = {}  # device index -> bool
+        self._targets = {}  # device index -> target dict
+        self._unavailable = None
+
+    # -- what it can take ------------------------------------------------------------------------
+    def unavailable(self) -> str | None:
+        if self._unavailable is None:
+            self._unavailable = (_why_unavailable(),)
+        return self._unavailable[0]
+
+    def limitation(self, problem, device) -> str | None:
+        reason = self.unavailable()
+        if reason is not None:
+            return reason
+        if device.type != "cuda" or not self._is_hopper(device):
+            return "a Hopper GPU (compute capability 9.x)"
+        return problem_limitation(problem)
+
+    def kernels(self, problem) -> frozenset[str]:
+        return frozenset((SHORT_CACHE, SINGLE_PASS, SPLIT))
+
+    def default_config(self, problem, profile, kernel: str):
+        """Split and single pass: ``block_n`` from the shared-memory rule, 2 stages, 64 q rows,
+        producer registers 24, combine step 16; short cache: the same ``block_n``, 16 q rows, no loop
+        when the capacity fits one tile."""
+        block_n = occupancy.largest_block_n(problem, profile)
+        if problem.paged:
+            block_n = min(block_n, problem.page_size)  # a tile never crosses a page
+        if kernel not in MIN_BLOCK_M:
+            raise ValueError(f"kernel must be one of {tuple(MIN_BLOCK_M)}, got {kernel!r}")
+        block_m = q_tile_rows(problem.q_rows, MIN_BLOCK_M[kernel])
+        if kernel == SHORT_CACHE:
+            return ShortCacheConfig(block_n, block_m, one_tile=problem.seqlen_cache <= block_n)
+        return SplitConfig(block_n, block_m)
+
+    def resident_programs(self, problem, config, profile) -> int:
+        return occupancy.resident_programs(problem, config, profile)
+
+    # -- running it ------------------------------------------------------------------------------
+    def launch(self, plan, problem, args) -> None:
+        """Queue the plan's kernels: the short-cache kernel, or the split kernel and, when sequences
+        may split, the combine kernel. Each takes the plain arguments, then those of the features
+        the problem uses (``kernels.py`` lists the order)."""
+        if problem.seqlen_cache == 0:  # no keys anywhere (and no TMA descriptor for an empty cache)
+            bad = (args.cache_seqlens + problem.seqlen_new != 0)[:, None, None, None]
+            args.out.zero_().masked_fill_(bad, math.nan)
+            args.lse.fill_(-math.inf)
+            return
+        device = args.q.device
+        key = (plan, problem, device)
+        launchers = self._launches.get(key)
+        if launchers is None:
+            launchers = self._launchers(plan, problem, device)
+            if len(self._launches) >= MAX_LAUNCHES:
+                self._launches.clear()
+            self._launches[key] = launchers
+        first, combine, plain = launchers
+        # lse is (B, Hq, Sq); for one query position the kernels index it as (B, Hq), the same memory
+        lse = args.lse.view(problem.batch, problem.nheads) if problem.seqlen_q == 1 else args.lse
+        extra = () if plain else _feature_arguments(problem, args)
+        if plan.kernel == SHORT_CACHE:
+            first(args.q, args.k_cache, args.v_cache, args.cache_seqlens, args.out, lse, args.softmax_scale, *extra)
+            return
+        first(args.q, args.k_cache, args.v_cache, args.cache_seqlens, args.out, lse, args.part_o, args.part_lse,
+              plan.programs_per_head, plan.forced_splits, plan.min_chunk, args.softmax_scale, *extra)
+        if combine is not None:
+            combine(args.cache_seqlens, args.part_o, args.part_lse, args.out, lse, problem.seqlen_cache,
+                    plan.programs_per_head, plan.forced_splits, plan.min_chunk,
+                    *(() if plain else _combine_feature_arguments(problem)))
+
+    def compiled(self, kernel: str, problem, config, profile, target: dict):
+        """The compiled TileLang kernel object of ``kernel`` (a plan kernel, or "combine" with the
+        split kernel's ``config``) for this problem, built once per (config, shape, target, profile).
+        ``target`` e.g. {"kind": "cuda", "arch": "sm_90a"}: kernels build without the GPU."""
+        from . import build
+
+        shape = KernelShape.of(problem)
+        key = (kernel, config, shape, tuple(sorted(target.items())), profile)
+        with self._lock:
+            built = self._compiled.get(key)
+            if built is not None:
+                self._compiled.move_to_end(key)
+                return built
+        if kernel == SHORT_CACHE:
+            built = build.short_cache(shape, config, profile, target)
+        elif kernel in (SPLIT, SINGLE_PASS):
+            built = build.split(shape, config, kernel == SPLIT, profile, target)
+        elif kernel == "combine":
+            built = build.combine(shape, config.combine, config.block_n, target)
+        else:
+            raise ValueError(f"kernel must be one of {(SHORT_CACHE, SINGLE_PASS, SPLIT, 'combine')}, got {kernel!r}")
+        with self._lock:
+            self._compiled[key] = built
+            while len(self._compiled) > MAX_COMPILED:
+                self._compiled.popitem(last=False)
+        return built
+
+    def _launchers(self, plan, problem, device):
+        from . import launch
+
+        profile, target = hardware.profile_for(device), self._target(device)
+        first = launch.launcher(self.compiled(plan.kernel, problem, plan.config, profile, target))
+        combine = (launch.launcher(self.compiled("combine", problem, plan.config, profile, target))
+                   if plan.needs_combine else None)
+        return first, combine, KernelShape.of(problem).plain
+
+    def _is_hopper(self, device) -> bool:
+        import torch
+
+        index = _index(device)
+        if index not in self._hopper:
+            self._hopper[index] = torch.cuda.get_device_capability(index)[0] == 9
+        return self._hopper[index]
+
+    def _target(self, device) -> dict:
+        from . import build
+
+        index = _index(device)
+        if index not in self._targets:
+            self._targets[index] = build.device_target(index)
+        return self._targets[index]
+
+
+def _feature_arguments(problem, args) -> list:
+    """The attention kernels' arguments after the plain ones: block_table, k and v, softcap, window
+    sizes, each where the problem uses it."""
+    extra = []
+    if problem.paged:
+        extra.append(args.block_table)
+    if problem.seqlen_new:
+        extra += [args.k_new, args.v_new]
+    if problem.softcap:
+        extra.append(args.softcap)
+    if problem.window_left >= 0:
+        extra.append(problem.window_left)
+    if problem.window_right >= 0:
+        extra.append(problem.window_right)
+    return extra
+
+
+def _combine_feature_arguments(problem) -> list:
+    """The combine kernel's arguments after the plain ones: what its key-range rule reads."""
+    extra = [problem.seqlen_new] if problem.seqlen_new else []
+    return extra + ([problem.window_left] if problem.window_left >= 0 else [])
+
+
+def _index(device) -> int:
+    """The index of a CUDA device (its current device when the index is not given)."""
+    import torch
+
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
+def _why_unavailable() -> str | None:
+    """Why TileLang kernels cannot be built in this process: TileLang missing, no nvcc under its
+    CUDA_HOME (it compiles each specialisation on first use), or a TileLang release the split
+    kernel's CUDA rewrite was not written for."""
+    if importlib.util.find_spec("tilelang") is None:
+        return "TileLang installed (pip install 'flashdecode[tilelang]')"
+    try:
+        from tilelang.env import CUDA_HOME
+
+        from . import patches
+    except ImportError as error:
+        return f"TileLang to import ({error})"
+    if not CUDA_HOME or not os.path.exists(os.path.join(CUDA_HOME, "bin", "nvcc")):
+        return f"nvcc under TileLang's CUDA_HOME ({CUDA_HOME or 'not set'}) to compile its kernels"
+    return patches.unsupported_version()

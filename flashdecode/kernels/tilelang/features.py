@@ -1,0 +1,253 @@
+"""The serving features of the TileLang kernels, gated at compile time: paged KV, appended k/v,
+seqlen_q > 1, causal and sliding windows, softcap (``docs/design.md``, "Semantics").
+
+A :class:`Features` is made once per kernel, before its prim_func: it holds the shape's flags, the
+symbolic sizes and runtime scalars the features add to the kernel's parameters (None where a feature
+is off, which drops the parameter), and expression builders the kernel bodies call. With every
+feature off each builder returns the plain kernel's own expression (``x + 0`` folds to ``x``), so
+the plain kernels stay byte-identical.
+
+Paged KV: a tile never crosses a page (``block_n <= page_size``; the default config takes
+``block_n = min(shared-memory rule, page_size)``), so the split kernel's TMA load indexes one page
+and the pipeline is unchanged. Pages under 64 tokens mean smaller tiles (more, shorter TMA loads and
+softmax steps per key); gathering 64 rows from several pages would need the all-threads loader of
+the last tile instead of TMA for every tile. Block ids are clamped into the pages for the reads and
+a program that meets a bad one writes NaN rows.
+"""
+import tilelang.language as T
+
+from .config import SCAN_WIDTH
+from .macros import NAN
+
+F32, I32 = T.float32, T.int32
+#: Appended tokens written per step (all threads, one head-dim element each).
+APPEND_ROWS = 16
+
+
+class Features:
+    """What one kernel's features need while its prim_func is traced (see the module docstring)."""
+
+    def __init__(self, shape, block_n: int):
+        self.seqlen_q, self.group, self.page_size = shape.seqlen_q, shape.group, shape.page_size
+        self.q_rows = shape.q_rows
+        self.block_n = block_n
+        if shape.page_size and block_n > shape.page_size:
+            raise ValueError(f"block_n must be at most the page size {shape.page_size} (a tile never crosses a "
+                             f"page), got {block_n}")
+        self.paged, self.append = shape.paged, shape.append
+        self.windowed = shape.windowed
+        #: Appended tokens per sequence: k/v's dimension 1 (0 without).
+        self.new_tokens = T.dynamic("new_tokens") if shape.append else 0
+        self.num_pages, self.max_blocks = T.dynamic("num_pages, max_blocks") if self.paged else (None, None)
+        self.softcap = T.Var("softcap", F32) if shape.softcap else None
+        self.window_left = T.Var("window_left", I32) if shape.window_left else None
+        self.window_right = T.Var("window_right", I32) if shape.window_right else None
+        #: The key range rule of the schedule when it differs from [0, length): None for plain keys.
+        self.keys = self if shape.append or shape.window_left else None
+        #: Whether ``attend`` masks more than a tile's invalid keys (windows) or transforms scores (softcap).
+        self.masks = shape.windowed or shape.softcap
+
+    # -- parameter types ---------------------------------------------------------------------------
+    def cache(self, B, S, Hk, D, dtype):
+        """k_cache / v_cache: (B, S, Hk, D), or pages (num_pages, page_size, Hk, D)."""
+        if self.paged:
+            return T.Tensor((self.num_pages, self.page_size, Hk, D), dtype)
+        return T.Tensor((B, S, Hk, D), dtype)
+
+    def capacity(self, S):
+        """Keys one sequence can hold: S, or max_blocks * page_size."""
+        return self.max_blocks * self.page_size if self.paged else S
+
+    def block_table(self, B):
+        return T.Tensor((B, self.max_blocks), I32) if self.paged else None
+
+    def new(self, B, Hk, D, dtype):
+        return T.Tensor((B, self.new_tokens, Hk, D), dtype) if self.append else None
+
+    def lse(self, B, Hq):
+        """lse as the kernels index it: (B, Hq) for one query position, else (B, Hq, seqlen_q)."""
+        return T.Tensor((B, Hq) if self.seqlen_q == 1 else (B, Hq, self.seqlen_q), F32)
+
+    # -- the key range of sequence b (docs/design.md, "Semantics") ----------------------------------
+    def key_end(self, raw_len, capacity, live=True):
+        """hi_b: cache_seqlens[b] + seqlen_new clamped to [0, capacity]; 0 unless ``live`` (a program
+        without a sequence reads its length as 0)."""
+        if not self.append:
+            return T.min(T.max(raw_len, 0), capacity)
+        return T.min(T.max(raw_len + T.if_then_else(live, self.new_tokens, 0), 0), capacity)
+
+    def bad_length(self, raw_len, end):
+        """Whether the length was outside [0, capacity] (its rows are NaN)."""
+        return raw_len + self.new_tokens != end
+
+    def first_block(self, end):
+        """lo_b // block_n: under a left window the keys before hi_b - seqlen_q - window_left go."""
+        if self.window_left is None:
+            return 0
+        return T.max(end - self.seqlen_q - self.window_left, 0) // self.block_n
+
+    def cached_end(self, raw_len, end):
+        """Keys before this come from the cache; the appended ones after it from k/v."""
+        return T.min(T.max(raw_len, 0), end) if self.append else end
+
+    def appended_pages(self, raw_len, capacity, writer):
+        """(first, end) of the pages the appended tokens go to when ``writer`` holds, else an empty
+        range (also without appended tokens)."""
+        if not self.append:
+            return 0, 0
+        end = T.ceildiv(T.min(raw_len + self.new_tokens, capacity), self.page_size)
+        return T.max(raw_len, 0) // self.page_size, T.if_then_else(writer, end, 0)
+
+    # -- query rows r = i * group + g (docs/design.md, "GQA packing") --------------------------------
+    def query(self, r):
+        return r // self.group if self.seqlen_q > 1 else 0
+
+    def head(self, h, r):
+        return h * self.group + (r % self.group if self.seqlen_q > 1 else r)
+
+    # -- scores ------------------------------------------------------------------------------------
+    def mask(self, base, end):
+        """What ``attend`` needs of the tile starting at key ``base`` of a sequence whose keys end at
+        ``end``, or None when it masks only the tile's invalid keys."""
+        return _TileMask(self, base, end) if self.masks else None
+
+    def tile(self, cache, BlockTable, b, kb, h):
+        """Tile kb of sequence b's keys of KV head h in the cache, as a region TMA can load: in the
+        contiguous cache, or within the tile's page."""
+        if not self.paged:
+            return cache[b, kb * self.block_n:(kb + 1) * self.block_n, h, :]
+        offset = kb * self.block_n % self.page_size
+        return cache[page_of(self, BlockTable, b, kb * self.block_n), offset:offset + self.block_n, h, :]
+
+    def source(self, KNew, VNew, BlockTable, cached):
+        """Where ``load_tile`` reads keys (pages, appended tokens), or None for a contiguous cache."""
+        return _TileSource(self, KNew, VNew, BlockTable, cached) if self.paged or self.append else None
+
+
+    # -- the combine ---------------------------------------------------------------------------------
+    def combine_shift(self, m):
+        """The max the combine's exponents subtract: with windows 0 while every partial so far saw
+        no key (m = -inf)."""
+        return T.if_then_else(m == -T.infinity(F32), 0, m) if self.windowed else m
+
+    def combined(self, acc, w_sum, m):
+        """The merged output: acc / w_sum; with windows 0 for a row that saw no key."""
+        return T.if_then_else(m == -T.infinity(F32), 0, acc / w_sum) if self.windowed else acc / w_sum
+
+
+class _TileMask:
+    """Per-row visibility and score transform of one tile (windows and softcap)."""
+
+    def __init__(self, features, base, end):
+        self.features, self.base, self.end = features, base, end
+
+    def visible(self, i, j, n_valid):
+        """Key ``base + j`` for q-tile row i: valid, and inside the row's window, whose position is
+        p_i = end - seqlen_q + query(i) (bottom-right alignment)."""
+        f = self.features
+        seen = j < n_valid
+        position = self.end - f.seqlen_q + i // f.group
+        if f.window_left is not None:
+            seen = T.And(seen, self.base + j >= position - f.window_left)
+        if f.window_right is not None:
+            seen = T.And(seen, self.base + j <= position + f.window_right)
+        return seen
+
+    def score(self, s, scale):
+        """The base-2 score of a raw product s: s * scale, or with softcap
+        softcap * tanh(s * softmax_scale / softcap) in base 2 (``scale`` = softmax_scale * log2 e)."""
+        if self.features.softcap is None:
+            return s * scale
+        cap = self.features.softcap * 1.4426950408889634
+        return T.tanh(s * (scale / cap)) * cap
+
+    def shift(self, m):
+        """The max the exponents subtract: 0 for a row that has seen no key yet (m = -inf), so that its
+        scores give exp2(-inf) = 0, not NaN."""
+        if not self.features.windowed:
+            return m
+        return T.if_then_else(m == -T.infinity(F32), 0, m)
+
+
+class _TileSource:
+    """Where the keys of a tile live: its page (a tile never crosses one) and, for appended tokens,
+    k/v from ``cached`` on."""
+
+    def __init__(self, features, KNew, VNew, BlockTable, cached):
+        self.features, self.KNew, self.VNew, self.BlockTable, self.cached = features, KNew, VNew, BlockTable, cached
+
+    def page(self, b, base):
+        """The page of the tile starting at key ``base`` (0 for a contiguous cache)."""
+        return page_of(self.features, self.BlockTable, b, base) if self.features.paged else 0
+
+    def key(self, K, b, page, base, j, h, d):
+        return self._read(K, self.KNew, b, page, base, j, h, d)
+
+    def value(self, V, b, page, base, j, h, d):
+        return self._read(V, self.VNew, b, page, base, j, h, d)
+
+    def _read(self, cache, new, b, page, base, j, h, d):
+        f = self.features
+        if f.paged:
+            stored = cache[page, base % f.page_size + j, h, d]
+        else:
+            stored = cache[b, base + j, h, d]
+        if not f.append:
+            return stored
+        return T.if_then_else(base + j >= self.cached, new[b, base + j - self.cached, h, d], stored)
+
+
+def page_of(features, BlockTable, b, position):
+    """The page holding key ``position`` of sequence b, its id clamped into the pages."""
+    return T.min(T.max(BlockTable[b, position // features.page_size], 0), features.num_pages - 1)
+
+
+@T.macro
+def bad_pages(BlockTable, b, first_page, end_page, num_pages, flags):
+    """1 if a block id of sequence b in [first_page, end_page) is outside [0, num_pages), else 0;
+    all threads read SCAN_WIDTH ids at once into ``flags`` (shared). The reads are clamped into the
+    table rather than guarded: a guard over a loaded value makes TileLang's vectorizer search for
+    minutes."""
+    bad = T.alloc_var(I32, init=0)
+    for c in T.serial(T.ceildiv(end_page - first_page, SCAN_WIDTH)):
+        for t in T.Parallel(SCAN_WIDTH):
+            flags[t] = T.cast(T.And(first_page + c * SCAN_WIDTH + t < end_page, T.Or(
+                BlockTable[b, T.min(first_page + c * SCAN_WIDTH + t, BlockTable.shape[1] - 1)] < 0,
+                BlockTable[b, T.min(first_page + c * SCAN_WIDTH + t, BlockTable.shape[1] - 1)] >= num_pages)), I32)
+        for t in T.serial(T.min(SCAN_WIDTH, end_page - first_page - c * SCAN_WIDTH)):
+            bad = T.max(bad, flags[t])
+    return bad
+
+
+@T.macro
+def write_appended(features, K, V, KNew, VNew, BlockTable, b, h, raw_len, capacity, head_dim):
+    """Writes sequence b's appended tokens of KV head h into the cache at cache_seqlens[b] + j,
+    skipping positions outside [0, capacity) and pages whose id is bad (a write never lands on a
+    clamped page). One program per (sequence, KV head) writes; every read of those keys in the
+    same call takes them from k/v, so nothing races."""
+    for c in T.serial(T.ceildiv(features.new_tokens, APPEND_ROWS)):
+        for j, d in T.Parallel(APPEND_ROWS, head_dim):
+            token = c * APPEND_ROWS + j
+            position = raw_len + token
+            if T.And(token < features.new_tokens, T.And(position >= 0, position < capacity)):
+                if features.paged:
+                    page = BlockTable[b, position // features.page_size]
+                    if T.And(page >= 0, page < features.num_pages):
+                        K[page, position % features.page_size, h, d] = KNew[b, token, h, d]
+                        V[page, position % features.page_size, h, d] = VNew[b, token, h, d]
+                else:
+                    K[b, position, h, d] = KNew[b, token, h, d]
+                    V[b, position, h, d] = VNew[b, token, h, d]
+
+
+def partial_value(features, o, l, bad):
+    """A split's partial output row: o / l; with windows 0 for a row that saw no key (l = 0), and
+    NaN where the program met a bad block id (``bad``; None without pages)."""
+    value = T.if_then_else(l == 0, 0, o / l) if features.windowed else o / l
+    return value if bad is None else T.if_then_else(bad > 0, NAN, value)
+
+
+def partial_lse(features, l, m, bad):
+    """A split's partial log2-sum-exp: -inf for a row that saw no key, NaN after a bad block id."""
+    value = T.if_then_else(l == 0, -T.infinity(F32), T.log2(l) + m) if features.windowed else T.log2(l) + m
+    return value if bad is None else T.if_then_else(bad > 0, NAN, value)
