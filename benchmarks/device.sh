@@ -2,7 +2,8 @@
 # Runs on the H200 machine (the device tool): unpack the TileLang bundle, then each step named on
 # the command line, logging everything under $OUT (STEP_TIMEOUT, default 400 s, bounds the bench,
 # sweep and sanitize steps so one stuck step cannot eat the whole call). Steps:
-#   tests       GPU test suite (tests/test_gpu.py) for both backends (TESTS_K: a pytest -k filter)
+#   tests       every gpu-marked test (TESTS_K: a pytest -k filter; FLASHDECODE_FA_GRID: the FA grid's size)
+#   beforeafter ARGS  flashdecode bench ARGS on .before/ (an earlier tree's flashdecode/) then on this tree
 #   fa2build    build FlashAttention 2's kernels for the fa2 peer from the carried .fa2-src.tar.xz into
 #               .fa2-build/ (benchmarks/build_fa2.py, ~4 min on 16 cores) and pack it as
 #               $OUT/fa2-build.tar.xz; copy that to .fa2-build.tar.xz here and carry it afterwards
@@ -13,14 +14,7 @@
 #   bench ARGS  flashdecode bench with the given arguments (quote them as one word)
 #   sweep ARGS  benchmarks/sweep.py with the given arguments
 #   sanitize    compute-sanitizer memcheck + racecheck on a few cases (TileLang)
-#   hostprof    host time per call, by stage and cProfile (HOSTPROF_CASES, default 3 12;
-#               HOSTPROF_BACKENDS, default both)
-#   hang        benchmarks/hang_repro.py on cases 13 and 12: whole call, split kernel alone,
-#               combine kernel alone (HANG_SECONDS each, default 60); perf log 16
 #   profile N   flashdecode profile --case N for both backends into $OUT/profile-*
-#   lagcheck    benchmarks/producer_lag_check.py: case 12's split kernel with producer warps 1-3
-#               made to lag, as TileLang emits it (expect a hang, exit 3) and as shipped (perf log 18);
-#               run it last: a hung kernel is only cleared by its process's exit
 #
 # Carried inputs, each made once on the CPU machine in the repository root (all git-excluded):
 #   bash ../shared/gpu-bundle/make-bundle.sh .gpu-bundle        # .gpu-bundle/tilelang-cp312.tar.xz, 33 MiB
@@ -42,8 +36,31 @@ while [ $# -gt 0 ]; do
   step=$1; shift
   case $step in
     tests)
-      python3 -m pytest tests/test_gpu.py -q -p no:cacheprovider --maxfail=10 ${TESTS_K:+-k "$TESTS_K"} 2>&1 | tee "$OUT/gpu_tests.log" | tail -40
-      summary+=("tests rc=${PIPESTATUS[0]}");;
+      # Every gpu-marked test; FlashAttention's grid on FLASHDECODE_FA_GRID combos (default 2000).
+      # TESTS_FILES: the files in the order to run them (default: all of tests/).
+      FLASHDECODE_FA_GRID_REPORT="$OUT/fa_grid.json" timeout -k 10 "${TESTS_TIMEOUT:-900}" python3 -m pytest \
+        ${TESTS_FILES:-tests} -m gpu -v -p no:cacheprovider -rs --maxfail=50 ${TESTS_K:+-k "$TESTS_K"} \
+        > "$OUT/gpu_tests.log" 2>&1
+      rc=$?
+      grep -E "^(FAILED|ERROR)" "$OUT/gpu_tests.log" | cut -c1-200 | head -30
+      for verdict in PASSED FAILED SKIPPED ERROR; do  # per file, also when the time limit cut the run
+        grep -oE "^tests/[a-z_]+\.py::.* $verdict" "$OUT/gpu_tests.log" | sed -E "s/::.*//" | sort | uniq -c | sed "s/$/ $verdict/"
+      done
+      tail -2 "$OUT/gpu_tests.log"
+      summary+=("tests rc=$rc");;
+    beforeafter)
+      # The same bench ARGS on the tree in .before/ (a `git archive` of the earlier commit's
+      # flashdecode/) and on this tree, one after the other in one call.
+      args=$1; shift
+      mkdir -p .before/results  # the earlier bench records there by default
+      for tree in before after; do
+        root=$PWD; [ $tree = before ] && root=$PWD/.before
+        (cd "$root" && PYTHONPATH=$root:/tmp/tl/tilelang_site timeout -k 30 -s ABRT "${STEP_TIMEOUT:-400}" \
+          python3 -X faulthandler -m flashdecode bench $args --json "$OUT/bench-$tree.json" \
+          2>"/tmp/bench-$tree-progress.log" > "$OUT/bench-$tree.log")
+        summary+=("bench $tree rc=$?")
+        tail -22 "$OUT/bench-$tree.log"
+      done;;
     fa2build)
       python3 benchmarks/build_fa2.py build --jobs "$(nproc)" > "$OUT/fa2_build.log" 2>&1
       rc=$?
@@ -82,7 +99,7 @@ while [ $# -gt 0 ]; do
       kill $smi 2>/dev/null; trap - EXIT;;
     sweep)
       args=$1; shift
-      # As for the bench: on the time limit, every Python thread's stack (a sweep hung once, perf log 12).
+      # As for the bench: on the time limit, every Python thread's stack (a sweep hung once).
       timeout -k 30 -s ABRT "${STEP_TIMEOUT:-400}" python3 -X faulthandler benchmarks/sweep.py $args 2>&1 | tee -a "$OUT/sweep.log" | tail -20
       summary+=("sweep rc=${PIPESTATUS[0]}");;
     sanitize)
@@ -97,27 +114,6 @@ while [ $# -gt 0 ]; do
         summary+=("profile $n $backend rc=${PIPESTATUS[0]}")
       done
       tar -czf "$OUT/profiles.tar.gz" -C /tmp/prof .;;
-    hostprof)
-      for backend in ${HOSTPROF_BACKENDS:-tilelang triton}; do
-        for n in ${HOSTPROF_CASES:-3 12}; do
-          python3 benchmarks/host_profile.py --case $n --backend $backend > "$OUT/hostprof_${backend}_case$n.log" 2>&1
-          grep "us/call" "$OUT/hostprof_${backend}_case$n.log"
-        done
-      done
-      summary+=("hostprof");;
-    hang)
-      for n in 13 12; do
-        for kernels in both split combine; do
-          timeout -k 10 $(( ${HANG_SECONDS:-60} + 60 )) python3 benchmarks/hang_repro.py --case $n --kernels $kernels \
-            --seconds "${HANG_SECONDS:-60}" 2>&1 | tail -30 | tee -a "$OUT/hang.log"
-          summary+=("hang case $n $kernels rc=${PIPESTATUS[0]}")
-        done
-      done;;
-    lagcheck)
-      for variant in four-warps one-warp; do
-        timeout -k 10 120 python3 benchmarks/producer_lag_check.py --variant $variant 2>&1 | tail -4 | tee -a "$OUT/lagcheck.log"
-        summary+=("lagcheck $variant rc=${PIPESTATUS[0]}")
-      done;;
     *) echo "unknown step $step"; exit 2;;
   esac
 done

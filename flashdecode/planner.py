@@ -42,7 +42,7 @@ import dataclasses
 import math
 
 from .hardware import HardwareProfile
-from .problem import DTYPE_BYTES, Problem  # noqa: F401 - Problem is the planner's input, re-exported
+from .problem import Problem  # noqa: F401 - the planner's input, re-exported for its users
 
 #: The kernels a plan can name. SHORT_CACHE: one program per (sequence, KV head) that loads each of
 #: a few tiles directly, no pipeline; SINGLE_PASS: the split kernel with one program per sequence,
@@ -111,22 +111,26 @@ def plan(problem: Problem, profile: HardwareProfile, backend, num_splits: int = 
 
     ``backend`` answers the capability questions (``flashdecode.kernels.Backend``): which kernels it
     has, its default tile config for each, and how many split programs one SM holds. ``config``
-    overrides the tile config of the kernel chosen (sweeps); ``num_splits`` > 0 forces the split."""
+    replaces the tile config of the kernel chosen where it is of that kernel's config type (sweeps);
+    ``num_splits`` > 0 forces the split."""
     if num_splits < 0:
         raise ValueError(f"num_splits must be >= 0, got {num_splits}")
     tuning = profile.tuning
-    split_config = config if config is not None else backend.default_config(problem, profile, SPLIT)
+
+    def config_for(kernel):
+        default = backend.default_config(problem, profile, kernel)
+        return config if isinstance(config, type(default)) else default
+
+    split_config = config_for(SPLIT)
     max_blocks = math.ceil(problem.key_span() / split_config.block_n)
     if num_splits > 0:
         splits = min(num_splits, max(1, max_blocks))  # no empty splits
         kernel = SPLIT if splits > 1 else SINGLE_PASS
-        chosen = config if config is not None else backend.default_config(problem, profile, kernel)
-        return Plan(kernel, chosen, problem.batch * splits, splits)
+        return Plan(kernel, config_for(kernel), problem.batch * splits, splits)
     if max_blocks <= tuning.split_above_blocks:
         short = (SHORT_CACHE in backend.kernels(problem) and max_blocks <= tuning.short_cache_max_blocks)
         kernel = SHORT_CACHE if short else SINGLE_PASS
-        chosen = config if config is not None else backend.default_config(problem, profile, kernel)
-        return Plan(kernel, chosen, problem.batch)
+        return Plan(kernel, config_for(kernel), problem.batch)
     per_sm = tuning.programs_per_multiprocessor
     if problem.batch == 1:
         per_sm = min(per_sm, max(1, backend.resident_programs(problem, split_config, profile)))

@@ -4,7 +4,7 @@ says what is checked and where it departs from FlashAttention's list).
 CPU tier (unmarked): a seeded sample of 32 float16 combos with seqlen_k <= 1024, each for the
 "reference" backend and for "triton" (under its interpreter without CUDA; bfloat16 is wrong there).
 GPU tier (``gpu`` marker): "triton" and "tilelang", float16 and bfloat16, on
-FLASHDECODE_FA_GRID="sample" (default: 2000 combos stratified over pairs of features) or "full"
+FLASHDECODE_FA_GRID="sample" (default: 2000 combos stratified over pairs of features), N (that many) or "full"
 (all 506,880 combos per backend: about a million tests, hours). A backend that cannot take a combo
 raises BackendError: that combo is skipped with its message. With FLASHDECODE_FA_GRID_REPORT=PATH,
 pass/fail/skip counts per tier, backend, dtype and feature are written there as JSON.
@@ -21,9 +21,10 @@ from flashdecode.kernels.base import BackendError
 DEVICE = "cuda" if HAS_CUDA else "cpu"
 CPU_COMBOS = fa_grid.sample(32, seed=2024, dtypes=("float16",), max_seqlen_k=1024)
 GRID_SIZE = os.environ.get("FLASHDECODE_FA_GRID", "sample")
-if GRID_SIZE not in ("sample", "full"):
-    raise ValueError(f"FLASHDECODE_FA_GRID must be 'sample' or 'full', got {GRID_SIZE!r}")
-GPU_COMBOS = fa_grid.full_grid() if GRID_SIZE == "full" else fa_grid.sample(2000, seed=2025)
+if GRID_SIZE not in ("sample", "full") and not GRID_SIZE.isdigit():
+    raise ValueError(f"FLASHDECODE_FA_GRID must be 'sample', 'full' or a number of sampled combos, got {GRID_SIZE!r}")
+GPU_COMBOS = fa_grid.full_grid() if GRID_SIZE == "full" else \
+    fa_grid.sample(2000 if GRID_SIZE == "sample" else int(GRID_SIZE), seed=2025)
 REPORT = fa_grid.GridReport()
 
 

@@ -30,7 +30,7 @@ from flashdecode.reference import reference_attention, relative_error
 from . import BenchError, Unsupported
 from .ceiling import measure_ceiling
 from .peers import select_peers
-from .provenance import environment, git_commit, version  # noqa: F401 - git_commit: the profiler's import
+from .provenance import environment, version
 from .results import BenchRun, CaseRun, Result, System
 from .timing import Timer
 

@@ -61,7 +61,8 @@ def measure(shape: shapes.Shape, backend: str, out: pathlib.Path, ncu_command: s
     import triton  # these import Triton: only here, where a device is measured
 
     from ..bench.ceiling import measure_ceiling
-    from ..bench.runner import CUDA_ITERS, CUDA_WARMUP, git_commit
+    from ..bench.provenance import git_commit
+    from ..bench.runner import CUDA_ITERS, CUDA_WARMUP
 
     out.mkdir(parents=True, exist_ok=True)
     device = torch.device("cuda")

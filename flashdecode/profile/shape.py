@@ -5,6 +5,7 @@ import argparse
 import dataclasses
 
 from .. import cases, planner
+from ..problem import DTYPE_BYTES
 from ..argtypes import positive_int
 
 #: Head dims a profiled shape may take: the tuned ones.
@@ -46,7 +47,7 @@ class Shape:
     def problem_bytes(self) -> int:
         """Bytes the call must move (cases.bytes_read): K and V of the real tokens, q and out."""
         return cases.bytes_read(self.lengths(), self.case.nheads_k, self.case.nheads, self.headdim,
-                                planner.DTYPE_BYTES[self.dtype])
+                                DTYPE_BYTES[self.dtype])
 
     def argv(self) -> list[str]:
         """The arguments that name this shape again (for ``python -m flashdecode.profile.target``)."""
