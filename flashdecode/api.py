@@ -73,6 +73,8 @@ def plan_for(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=No
              window_size=(-1, -1), softcap=0.0, rotary_interleaved=True, alibi_slopes=None, num_splits=0,
              *, backend="auto", out=None, context=None) -> Route:
     """The Route the same call to :func:`flash_attn_with_kvcache` takes (validated; nothing runs)."""
+    if not isinstance(q, torch.Tensor):
+        raise TypeError(f"q must be a torch.Tensor, got {type(q).__name__}")
     ctx = context if context is not None else DecodeContext(q.device)
     problem = ctx.problem(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
                           cache_leftpad, block_table, softmax_scale, causal, window_size, softcap,

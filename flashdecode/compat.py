@@ -26,8 +26,10 @@ def has_fast_stream_handle() -> bool:
     return _raw_stream is not None
 
 
+#: ``torch.compiler.is_compiling`` (torch >= 2.3); older torch has no torch.compile tracing to detect.
+_is_compiling = getattr(getattr(torch, "compiler", None), "is_compiling", None)
+
+
 def is_compiling() -> bool:
     """Whether torch.compile is tracing this call (the call then goes through the custom op)."""
-    compiler = getattr(torch, "compiler", None)
-    check = getattr(compiler, "is_compiling", None)
-    return bool(check and check())
+    return _is_compiling is not None and bool(_is_compiling())

@@ -37,6 +37,7 @@ class DecodeContext:
 
     def __init__(self, device=None, *, tuning=None, config=None):
         self.device = None if device is None else torch.device(device)
+        self._stream = None
         self.tuning = tuning
         self.config = config
         self._problems: dict = {}
@@ -84,16 +85,24 @@ class DecodeContext:
 
     # -- device memory -----------------------------------------------------------------------------
     def _bind(self, device: torch.device) -> None:
+        """Tie the context to the first call's device and CUDA stream: its workspace is reused in
+        stream order, so calls from another stream would race on it."""
+        stream = compat.current_stream_handle(_index(device)) if device.type == "cuda" else 0
         if self.device is None:
             self.device = device
-        elif device != self.device:
+        if self._stream is None:
+            self._stream = stream
+        if device != self.device:
             raise ValueError(f"context is bound to {self.device}, got q on {device}: use one context per device")
+        elif stream != self._stream and not _capturing(device):
+            raise ValueError("context is bound to another CUDA stream: use one DecodeContext per stream "
+                             "(the plain call keeps one per stream by itself)")
 
-    def partials(self, plan, problem, device):
+    def partials(self, plan, problem, device, capturing=None):
         """part_o (W, Hk * q_rows, D) and part_lse (W, Hk * q_rows), float32 views of one buffer; empty
         when the plan does not split."""
         rows, columns, headdim = plan.workspace_rows, problem.nheads_k * problem.q_rows, problem.headdim
-        if rows == 0 or _capturing(device):
+        if rows == 0 or (_capturing(device) if capturing is None else capturing):
             return _partial_views(torch.empty(rows * columns * (headdim + 1), dtype=torch.float32, device=device),
                                   rows, columns, headdim)
         key = (rows, columns, headdim)
@@ -110,11 +119,11 @@ class DecodeContext:
             _remember(self._workspace_views, key, views)
         return views
 
-    def lse(self, problem, device, wanted: bool) -> torch.Tensor:
+    def lse(self, problem, device, wanted: bool, capturing=None) -> torch.Tensor:
         """(B, Hq, Sq) float32 for the call's lse: fresh when asked for, else a view of the sink,
         which nothing reads."""
         shape = (problem.batch, problem.nheads, problem.seqlen_q)
-        if wanted or _capturing(device):
+        if wanted or (_capturing(device) if capturing is None else capturing):
             return torch.empty(shape, dtype=torch.float32, device=device)
         view = self._sink_views.get(shape)
         if view is None:
@@ -127,13 +136,13 @@ class DecodeContext:
             _remember(self._sink_views, shape, view)
         return view
 
-    def lengths(self, problem, cache_seqlens, device) -> torch.Tensor:
+    def lengths(self, problem, cache_seqlens, device, capturing=None) -> torch.Tensor:
         """cache_seqlens as an int32 (B,) tensor: as given, or made once per value for an int (None:
         the capacity; appended tokens then need an explicit length, see validate)."""
         if isinstance(cache_seqlens, torch.Tensor):
             return cache_seqlens
         value = problem.seqlen_cache if cache_seqlens is None else int(cache_seqlens)
-        if _capturing(device):
+        if _capturing(device) if capturing is None else capturing:
             return torch.full((problem.batch,), value, dtype=torch.int32, device=device)
         key = (problem.batch, value)
         tensor = self._uniform_lengths.get(key)
@@ -154,15 +163,22 @@ class DecodeContext:
         device = q.device
         self._bind(device)
         chosen, plan = self.route(problem, backend, int(num_splits), device)
+        if chosen.name == "reference" and device.type != "cpu":  # it indexes on the host: never out of bounds
+            check_values(problem, k_cache, cache_seqlens, cache_batch_idx, cache_leftpad, block_table, force=True)
+        capturing = _capturing(device)  # buffers a graph records must be its own (fresh)
         result = torch.empty_like(q) if out is None else out
-        lse = self.lse(problem, device, return_softmax_lse)
-        part_o, part_lse = self.partials(plan, problem, device)
+        lse = self.lse(problem, device, return_softmax_lse, capturing)
+        part_o, part_lse = self.partials(plan, problem, device, capturing)
         scale = problem.headdim ** -0.5 if softmax_scale is None else float(softmax_scale)
         chosen.launch(plan, problem, base.LaunchArgs(
-            q, k_cache, v_cache, self.lengths(problem, cache_seqlens, device), result, lse, part_o, part_lse,
+            q, k_cache, v_cache, self.lengths(problem, cache_seqlens, device, capturing), result, lse, part_o, part_lse,
             scale, float(softcap), k, v, rotary_cos, rotary_sin, cache_batch_idx, cache_leftpad, block_table,
             alibi_slopes))
         return (result, lse) if return_softmax_lse else result
+
+
+def _index(device: torch.device) -> int:
+    return device.index if device.index is not None else torch.cuda.current_device()
 
 
 def _remember(table: dict, key, value) -> None:
@@ -172,7 +188,13 @@ def _remember(table: dict, key, value) -> None:
 
 
 def _capturing(device: torch.device) -> bool:
-    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+    """Whether ``device``'s current stream is capturing a CUDA graph (not the current device's)."""
+    if device.type != "cuda":
+        return False
+    if device.index is None or device.index == torch.cuda.current_device():
+        return torch.cuda.is_current_stream_capturing()
+    with torch.cuda.device(device):
+        return torch.cuda.is_current_stream_capturing()
 
 
 def _partial_views(buffer: torch.Tensor, rows: int, columns: int, headdim: int):
@@ -197,8 +219,7 @@ MAX_DEFAULT_CONTEXTS = 16
 
 def default_context(device: torch.device) -> DecodeContext:
     """The context the plain call uses on this host thread, for ``device``'s current stream."""
-    key = (device, compat.current_stream_handle(device.index if device.index is not None else
-                                                torch.cuda.current_device())) if device.type == "cuda" else (device, 0)
+    key = (device, compat.current_stream_handle(_index(device))) if device.type == "cuda" else (device, 0)
     context = _defaults.table.get(key)
     if context is None:
         if len(_defaults.table) >= MAX_DEFAULT_CONTEXTS:

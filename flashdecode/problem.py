@@ -40,7 +40,7 @@ class Problem:
     alibi: int = ALIBI_NONE
     leftpad: bool = False  # cache_leftpad given
     batch_idx: bool = False  # cache_batch_idx given
-    dense: bool = True  # q, caches, new k/v and out contiguous and 16-byte aligned
+    dense: bool = True  # q, caches, new k/v, block_table and out contiguous and 16-byte aligned
 
     @property
     def group(self) -> int:

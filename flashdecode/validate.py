@@ -177,6 +177,10 @@ def check_call(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens,
                           f"got shape {tuple(k_cache[2])}")
     if cache_leftpad is not None:
         _require_index("cache_leftpad", cache_leftpad, (batch,), device)
+    for name, (kind, value) in (("causal", causal), ("rotary_interleaved", rotary_interleaved)):
+        if kind is not bool:
+            _fail(TypeError, f"{name} must be a bool, got {kind.__name__} {value!r}")
+    window_left, window_right = _window(window_size, causal[1], seqlen_q, capacity)
 
     seqlen_new = 0
     if (k is None) != (v is None):
@@ -222,9 +226,13 @@ def check_call(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens,
         if not 0 < rotary_dim <= headdim:
             _fail(ValueError, f"rotary_cos must have 1 to headdim/2 = {headdim // 2} columns (rotary_dim <= headdim), "
                               f"got {half}")
-        if rotary_rows < capacity:
-            _fail(ValueError, f"rotary_cos/rotary_sin must have a row for every cache position: at least {capacity} "
-                              f"rows (the capacity), got {rotary_rows}")
+        # FlashAttention's rule (a row per cache position), and under causal/windows the query rows
+        # sit at cache_seqlens + i, up to seqlen_q - 1 past the last appended position's start.
+        windowed = window_left >= 0 or window_right >= 0
+        needed = max(capacity, capacity - seqlen_new + seqlen_q) if windowed else capacity
+        if rotary_rows < needed:
+            _fail(ValueError, f"rotary_cos/rotary_sin must have a row for every position they rotate: at least "
+                              f"{needed} rows (the capacity {capacity}, or past it for query rows), got {rotary_rows}")
 
     alibi = ALIBI_NONE
     if alibi_slopes is not None:
@@ -246,16 +254,12 @@ def check_call(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens,
     if softcap_type is bool or not issubclass(softcap_type, numbers.Real) or not softcap_value >= 0 \
             or not math.isfinite(softcap_value):
         _fail(ValueError, f"softcap must be a finite float >= 0 (0: off), got {softcap_value!r}")
-    for name, (kind, value) in (("causal", causal), ("rotary_interleaved", rotary_interleaved)):
-        if kind is not bool:
-            _fail(TypeError, f"{name} must be a bool, got {kind.__name__} {value!r}")
-    window_left, window_right = _window(window_size, causal[1], seqlen_q, capacity)
     _int_value("num_splits", num_splits, low=0)
     if backend[1] not in BACKENDS:
         _fail(ValueError, f"backend must be one of {BACKENDS}, got {backend[1]!r}")
 
     dense = q_aligned and q_stride == _contiguous_strides((batch, seqlen_q, nheads, headdim))
-    for meta in (k_cache, v_cache, k, v):
+    for meta in (k_cache, v_cache, k, v, block_table):
         if meta is not None:
             dense = dense and meta[4] and meta[3] == _contiguous_strides(meta[2])
     if out is not None:
@@ -279,11 +283,12 @@ def _contiguous_strides(shape):
     return tuple(reversed(strides))
 
 
-def check_values(problem: Problem, k_cache, cache_seqlens, cache_batch_idx, cache_leftpad, block_table) -> None:
-    """Range checks of index tensors' values: always for CPU tensors, for CUDA ones when enabled.
-    Raises ValueError naming the argument and the offending range."""
+def check_values(problem: Problem, k_cache, cache_seqlens, cache_batch_idx, cache_leftpad, block_table,
+                 force: bool = False) -> None:
+    """Range checks of index tensors' values: always for CPU tensors (and with ``force``), for CUDA
+    ones when enabled. Raises ValueError naming the argument and the offending range."""
     def needed(tensor):
-        return isinstance(tensor, torch.Tensor) and (tensor.device.type == "cpu" or _ValueChecks.enabled)
+        return isinstance(tensor, torch.Tensor) and (force or tensor.device.type == "cpu" or _ValueChecks.enabled)
 
     limit = problem.seqlen_cache - problem.seqlen_new
     if needed(cache_seqlens):
@@ -293,11 +298,11 @@ def check_values(problem: Problem, k_cache, cache_seqlens, cache_batch_idx, cach
         _in_range("cache_batch_idx", cache_batch_idx, 0, k_cache.shape[0] - 1, " (rows of k_cache)")
     if needed(block_table):
         lengths = cache_seqlens if cache_seqlens is not None else limit
-        if isinstance(lengths, torch.Tensor):
-            lengths = lengths.to(block_table.device)
-        used_blocks = -(-(lengths + problem.seqlen_new) // problem.page_size)  # only these are ever read
+        if not isinstance(lengths, torch.Tensor):
+            lengths = torch.full((problem.batch,), int(lengths), dtype=torch.int64)
+        used_blocks = -(-(lengths.to(block_table.device) + problem.seqlen_new) // problem.page_size)  # only these are read
         columns = torch.arange(block_table.shape[1], device=block_table.device)
-        used = columns[None, :] < (used_blocks[:, None] if isinstance(used_blocks, torch.Tensor) else used_blocks)
+        used = columns[None, :] < used_blocks[:, None]
         _in_range("block_table", block_table[used], 0, k_cache.shape[0] - 1, " (pages of k_cache, for the blocks "
                   "a sequence's length uses)")
     if needed(cache_leftpad):

@@ -77,8 +77,23 @@ class Features:
         return T.min(T.max(raw_len + T.if_then_else(live, self.new_tokens, 0), 0), capacity)
 
     def bad_length(self, raw_len, end):
-        """Whether the length was outside [0, capacity] (its rows are NaN)."""
-        return raw_len + self.new_tokens != end
+        """Whether the length was outside [0, capacity] (its rows are NaN); with appended tokens a
+        negative cache_seqlens can still sum into range, so it is flagged on its own."""
+        if not self.append:
+            return raw_len + self.new_tokens != end
+        return T.Or(raw_len < 0, raw_len + self.new_tokens != end)
+
+    def combined_bad_length(self, raw_len, capacity):
+        """``bad_length`` as the combine sees it: a split sequence's length is never negative on its
+        own, but appended tokens can bring a negative one into range."""
+        if not self.append:
+            return raw_len + self.new_tokens > capacity
+        return T.Or(raw_len < 0, raw_len + self.new_tokens > capacity)
+
+    def pipeline_end(self, blk_lo, full_hi):
+        """The pipeline's last block + 1: with appended tokens a split may start past the cached keys,
+        so the extent is kept from going negative."""
+        return T.max(blk_lo, full_hi) if self.append else full_hi
 
     def first_block(self, end):
         """lo_b // block_n: under a left window the keys before hi_b - seqlen_q - window_left go."""

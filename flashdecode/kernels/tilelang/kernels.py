@@ -127,7 +127,7 @@ def split_kernel(shape, config, can_split: bool, blocks_per_sm: int, register_sp
             nblk = T.ceildiv(seqlen, block_n) - f.first_block(seqlen)
             blk_lo = f.first_block(seqlen) + T.cast(T.cast(split, T.int64) * nblk // nsplit, T.int32)
             blk_hi = f.first_block(seqlen) + T.cast(T.cast(split + 1, T.int64) * nblk // nsplit, T.int32)
-            full_hi = T.min(blk_hi, f.cached_end(raw_len, seqlen) // block_n)  # blocks before it: only valid keys
+            full_hi = f.pipeline_end(blk_lo, T.min(blk_hi, f.cached_end(raw_len, seqlen) // block_n))  # only valid keys
             scale = softmax_scale * LOG2E
 
             load_q(Q, q_s, b, h)
@@ -313,7 +313,7 @@ def combine_kernel(shape, config, block_n: int):
                         w_sum = w_sum + T.exp2(part_lse[s] - f.combine_shift(m_new))
                         acc = acc + T.exp2(part_lse[s] - f.combine_shift(m_new)) * part_o[s]
                     m = m_new
-                bad = seqlens[bid] + f.new_tokens > capacity  # (a negative length never splits)
+                bad = f.combined_bad_length(seqlens[bid], capacity)
                 if Sq == 1:
                     Out[bid, 0, hq, d] = T.cast(T.if_then_else(bad, NAN, f.combined(acc, w_sum, m)), dtype)
                     if d == 0:
