@@ -217,8 +217,9 @@ def test_fast_entry_and_public_call_compute_the_same():
     lengths = torch.tensor([1000, 333], dtype=torch.int32, device="cuda")
     results = []
     for call in (launch.fast_entry(split), split):
-        out = torch.empty_like(q)
-        lse = torch.empty(2, 32, dtype=torch.float32, device="cuda")
+        # poisoned alike: the split kernel leaves out/lse of split sequences to the combine
+        out = torch.full_like(q, float("nan"))
+        lse = torch.full((2, 32), float("nan"), dtype=torch.float32, device="cuda")
         part_o = torch.full((8, 32, 128), float("nan"), device="cuda")
         part_lse = torch.full((8, 32), float("nan"), device="cuda")
         call(q, k, v, lengths, out, lse, part_o, part_lse, 8, 4, 1, 0.1)
