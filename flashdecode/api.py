@@ -76,8 +76,8 @@ def plan_for(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=No
     if not isinstance(q, torch.Tensor):
         raise TypeError(f"q must be a torch.Tensor, got {type(q).__name__}")
     ctx = context if context is not None else DecodeContext(q.device)
-    problem = ctx.problem(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
-                          cache_leftpad, block_table, softmax_scale, causal, window_size, softcap,
-                          rotary_interleaved, alibi_slopes, num_splits, backend, out)
-    chosen, plan = ctx.route(problem, backend, int(num_splits), q.device)
+    problem, chosen, plan, _ = ctx.resolve(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens,
+                                           cache_batch_idx, cache_leftpad, block_table, softmax_scale, causal,
+                                           window_size, softcap, rotary_interleaved, alibi_slopes, num_splits,
+                                           backend, out)
     return Route(chosen.name, problem, plan)

@@ -23,7 +23,7 @@ import torch
 from . import compat, hardware
 from .kernels import base
 from .planner import plan as make_plan
-from .validate import check_call, check_values, scalar_meta, tensor_meta
+from .validate import check_call, check_values, scalar_meta, tensor_meta, value_checks_enabled
 
 #: Entries a context's memo tables hold before they are cleared (each distinct shape is one).
 MAX_MEMO_ENTRIES = 1024
@@ -40,8 +40,7 @@ class DecodeContext:
         self._stream = None
         self.tuning = tuning
         self.config = config
-        self._problems: dict = {}
-        self._routes: dict = {}
+        self._calls: dict = {}  # call metadata -> (Problem, backend, Plan, check index values)
         self._workspace = None
         self._workspace_views: dict = {}
         self._sink = None
@@ -49,39 +48,57 @@ class DecodeContext:
         self._uniform_lengths: dict = {}
 
     # -- what runs -------------------------------------------------------------------------------
-    def problem(self, q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
+    def resolve(self, q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
                 cache_leftpad, block_table, softmax_scale, causal, window_size, softcap, rotary_interleaved,
                 alibi_slopes, num_splits, backend, out):
-        """The call's Problem (checks memoized per metadata; raises naming the bad argument)."""
-        key = (tensor_meta("q", q), tensor_meta("k_cache", k_cache), tensor_meta("v_cache", v_cache),
-               tensor_meta("k", k), tensor_meta("v", v), tensor_meta("rotary_cos", rotary_cos),
-               tensor_meta("rotary_sin", rotary_sin),
-               tensor_meta("cache_seqlens", cache_seqlens) if isinstance(cache_seqlens, torch.Tensor)
-               else (None if cache_seqlens is None else scalar_meta(cache_seqlens)),
-               tensor_meta("cache_batch_idx", cache_batch_idx), tensor_meta("cache_leftpad", cache_leftpad),
-               tensor_meta("block_table", block_table), scalar_meta(softmax_scale), scalar_meta(causal),
-               scalar_meta(window_size), scalar_meta(softcap), scalar_meta(rotary_interleaved),
-               tensor_meta("alibi_slopes", alibi_slopes), scalar_meta(num_splits), scalar_meta(backend),
-               tensor_meta("out", out))
-        problem = self._problems.get(key)
-        if problem is None:
-            problem = check_call(*key)
-            _remember(self._problems, key, problem)
-        check_values(problem, k_cache, cache_seqlens, cache_batch_idx, cache_leftpad, block_table)
-        return problem
+        """(Problem, backend, Plan, whether index values are checked on the host) of a call: the
+        checks, ``kernels.select`` and ``planner.plan``, memoized per call metadata (one dict lookup
+        on a repeat: host time is what small calls cost). Raises naming the bad argument."""
+        meta = _fast_meta
+        key = (meta(q), meta(k_cache), meta(v_cache),
+               None if k is None else meta(k), None if v is None else meta(v),
+               None if rotary_cos is None else meta(rotary_cos), None if rotary_sin is None else meta(rotary_sin),
+               None if cache_seqlens is None else meta(cache_seqlens),
+               None if cache_batch_idx is None else meta(cache_batch_idx),
+               None if cache_leftpad is None else meta(cache_leftpad),
+               None if block_table is None else meta(block_table),
+               None if alibi_slopes is None else meta(alibi_slopes), None if out is None else meta(out),
+               softmax_scale, type(softmax_scale), causal, type(causal), softcap, type(softcap),
+               rotary_interleaved, type(rotary_interleaved), num_splits, type(num_splits), backend,
+               window_size if type(window_size) is tuple and all(type(side) is int for side in window_size)
+               else scalar_meta(window_size))
+        try:
+            entry = self._calls.get(key)
+        except TypeError:  # an unhashable argument (a list, ...): checked, and rejected, unmemoized
+            entry, key = None, None
+        if entry is None:
+            problem = check_call(
+                tensor_meta("q", q), tensor_meta("k_cache", k_cache), tensor_meta("v_cache", v_cache),
+                tensor_meta("k", k), tensor_meta("v", v), tensor_meta("rotary_cos", rotary_cos),
+                tensor_meta("rotary_sin", rotary_sin),
+                tensor_meta("cache_seqlens", cache_seqlens) if isinstance(cache_seqlens, torch.Tensor)
+                else (None if cache_seqlens is None else scalar_meta(cache_seqlens)),
+                tensor_meta("cache_batch_idx", cache_batch_idx), tensor_meta("cache_leftpad", cache_leftpad),
+                tensor_meta("block_table", block_table), scalar_meta(softmax_scale), scalar_meta(causal),
+                scalar_meta(window_size), scalar_meta(softcap), scalar_meta(rotary_interleaved),
+                tensor_meta("alibi_slopes", alibi_slopes), scalar_meta(num_splits), scalar_meta(backend),
+                tensor_meta("out", out))
+            chosen, plan = self._route(problem, backend, int(num_splits), q.device)
+            on_host = [t for t in (cache_seqlens, cache_batch_idx, cache_leftpad, block_table)
+                       if isinstance(t, torch.Tensor) and t.device.type == "cpu"]
+            # the reference indexes on the host: its values are always checked (never out of bounds)
+            entry = (problem, chosen, plan, bool(on_host) or (chosen.name == "reference" and q.device.type != "cpu"))
+            if key is not None:
+                _remember(self._calls, key, entry)
+        return entry
 
-    def route(self, problem, backend: str, num_splits: int, device: torch.device):
-        """(backend object, Plan) for a problem: ``kernels.select`` then ``planner.plan``, memoized."""
-        key = (problem, backend, num_splits, device)
-        route = self._routes.get(key)
-        if route is None:
-            profile = hardware.profile_for(device)
-            if self.tuning is not None:
-                profile = dataclasses.replace(profile, tuning=self.tuning)
-            chosen = base.select(backend, problem, device, profile)
-            route = (chosen, make_plan(problem, profile, chosen, num_splits, self.config))
-            _remember(self._routes, key, route)
-        return route
+    def _route(self, problem, backend: str, num_splits: int, device: torch.device):
+        """(backend object, Plan) for a problem: ``kernels.select`` then ``planner.plan``."""
+        profile = hardware.profile_for(device)
+        if self.tuning is not None:
+            profile = dataclasses.replace(profile, tuning=self.tuning)
+        chosen = base.select(backend, problem, device, profile)
+        return chosen, make_plan(problem, profile, chosen, num_splits, self.config)
 
     # -- device memory -----------------------------------------------------------------------------
     def _bind(self, device: torch.device) -> None:
@@ -102,13 +119,19 @@ class DecodeContext:
         """part_o (W, Hk * q_rows, D) and part_lse (W, Hk * q_rows), float32 views of one buffer; empty
         when the plan does not split."""
         rows, columns, headdim = plan.workspace_rows, problem.nheads_k * problem.q_rows, problem.headdim
-        if rows == 0 or (_capturing(device) if capturing is None else capturing):
-            return _partial_views(torch.empty(rows * columns * (headdim + 1), dtype=torch.float32, device=device),
-                                  rows, columns, headdim)
         key = (rows, columns, headdim)
         views = self._workspace_views.get(key)
+        if rows == 0 and views is not None:  # nothing is read or written: shared, even by graphs
+            return views
+        if rows and (_capturing(device) if capturing is None else capturing):
+            return _partial_views(torch.empty(rows * columns * (headdim + 1), dtype=torch.float32, device=device),
+                                  rows, columns, headdim)
         if views is None:
             need = rows * columns * (headdim + 1)
+            if rows == 0:
+                views = _partial_views(torch.empty(0, dtype=torch.float32, device=device), 0, columns, headdim)
+                _remember(self._workspace_views, key, views)
+                return views
             if self._workspace is None or self._workspace.numel() < need:
                 # The old buffer goes back to the caching allocator, which reuses it on this stream
                 # only after the kernels already queued here.
@@ -157,14 +180,14 @@ class DecodeContext:
             window_size=(-1, -1), softcap=0.0, rotary_interleaved=True, alibi_slopes=None, num_splits=0,
             return_softmax_lse=False, backend="auto", out=None):
         """validate -> route -> launch; returns out (and lse (B, Hq, Sq) when asked for)."""
-        problem = self.problem(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
-                               cache_leftpad, block_table, softmax_scale, causal, window_size, softcap,
-                               rotary_interleaved, alibi_slopes, num_splits, backend, out)
+        problem, chosen, plan, host_checks = self.resolve(
+            q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad,
+            block_table, softmax_scale, causal, window_size, softcap, rotary_interleaved, alibi_slopes, num_splits,
+            backend, out)
+        if host_checks or value_checks_enabled():
+            check_values(problem, k_cache, cache_seqlens, cache_batch_idx, cache_leftpad, block_table, force=True)
         device = q.device
         self._bind(device)
-        chosen, plan = self.route(problem, backend, int(num_splits), device)
-        if chosen.name == "reference" and device.type != "cpu":  # it indexes on the host: never out of bounds
-            check_values(problem, k_cache, cache_seqlens, cache_batch_idx, cache_leftpad, block_table, force=True)
         capturing = _capturing(device)  # buffers a graph records must be its own (fresh)
         result = torch.empty_like(q) if out is None else out
         lse = self.lse(problem, device, return_softmax_lse, capturing)
@@ -175,6 +198,14 @@ class DecodeContext:
             scale, float(softcap), k, v, rotary_cos, rotary_sin, cache_batch_idx, cache_leftpad, block_table,
             alibi_slopes))
         return (result, lse) if return_softmax_lse else result
+
+
+def _fast_meta(tensor):
+    """What a tensor argument's memo key holds: (dtype, device, shape, strides, 16-byte aligned);
+    anything else as (type, itself)."""
+    if isinstance(tensor, torch.Tensor):
+        return tensor.dtype, tensor.device, tensor.shape, tensor.stride(), tensor.data_ptr() % 16 == 0
+    return type(tensor), tensor
 
 
 def _index(device: torch.device) -> int:

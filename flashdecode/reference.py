@@ -123,15 +123,14 @@ def apply_rotary(x, cos, sin, offsets, interleaved):
     ``2 * cos.shape[1]`` dims rotate, token s of sequence b at position ``offsets[b] + s``
     (``offsets`` an int or a (B,) tensor); the rest pass through. Interleaved pairs dims
     (2c, 2c + 1), otherwise (c, c + rotary_dim / 2) (``docs/design.md``, "Semantics"). Positions
-    past the table's end stay unrotated (as FlashAttention's Triton rotary leaves them)."""
+    past the table's end take its last row, as the kernels do (FlashAttention reads past it)."""
     batch, seqlen = x.shape[:2]
     half = cos.shape[1]
     offsets = torch.as_tensor(offsets, device=x.device).long().reshape(-1, 1).expand(batch, 1)
     positions = offsets + torch.arange(seqlen, device=x.device)  # (B, S)
-    inside = (positions < cos.shape[0]).unsqueeze(-1)
-    table_rows = positions.clamp(max=cos.shape[0] - 1)
-    cos_rows = torch.where(inside, cos.float()[table_rows], 1.0).unsqueeze(2)  # (B, S, 1, half)
-    sin_rows = torch.where(inside, sin.float()[table_rows], 0.0).unsqueeze(2)
+    table_rows = positions.clamp(0, cos.shape[0] - 1)
+    cos_rows = cos.float()[table_rows].unsqueeze(2)  # (B, S, 1, half)
+    sin_rows = sin.float()[table_rows].unsqueeze(2)
     rotated = x[..., :2 * half].float()
     if interleaved:
         first, second = rotated[..., 0::2], rotated[..., 1::2]

@@ -38,6 +38,10 @@ def set_value_checks(enabled: bool) -> None:
     _ValueChecks.enabled = bool(enabled)
 
 
+def value_checks_enabled() -> bool:
+    return _ValueChecks.enabled
+
+
 #: The name this switch had when it covered ``cache_seqlens`` only.
 set_seqlens_check = set_value_checks
 
@@ -226,13 +230,9 @@ def check_call(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens,
         if not 0 < rotary_dim <= headdim:
             _fail(ValueError, f"rotary_cos must have 1 to headdim/2 = {headdim // 2} columns (rotary_dim <= headdim), "
                               f"got {half}")
-        # FlashAttention's rule (a row per cache position), and under causal/windows the query rows
-        # sit at cache_seqlens + i, up to seqlen_q - 1 past the last appended position's start.
-        windowed = window_left >= 0 or window_right >= 0
-        needed = max(capacity, capacity - seqlen_new + seqlen_q) if windowed else capacity
-        if rotary_rows < needed:
-            _fail(ValueError, f"rotary_cos/rotary_sin must have a row for every position they rotate: at least "
-                              f"{needed} rows (the capacity {capacity}, or past it for query rows), got {rotary_rows}")
+        if rotary_rows < capacity:  # FlashAttention's rule; query rows past it take the last row
+            _fail(ValueError, f"rotary_cos/rotary_sin must have a row for every cache position: at least {capacity} "
+                              f"rows (the capacity), got {rotary_rows}")
 
     alibi = ALIBI_NONE
     if alibi_slopes is not None:

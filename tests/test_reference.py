@@ -139,12 +139,12 @@ def test_apply_rotary_is_complex_multiplication(interleaved):
     batch, seqlen, nheads, headdim, half, table = 2, 5, 3, 40, 16, 9
     x = torch.randn(batch, seqlen, nheads, headdim, generator=generator)
     angle = torch.rand(table, half, generator=generator) * 2 * math.pi
-    offsets = torch.tensor([0, 6])  # the second sequence runs past the table: positions 9, 10 stay put
+    offsets = torch.tensor([0, 6])  # the second sequence runs past the table: positions 9, 10 take its last row
     rotated = apply_rotary(x, angle.cos(), angle.sin(), offsets, interleaved)
     for b in range(batch):
         for s in range(seqlen):
             position = int(offsets[b]) + s
-            turn = torch.polar(torch.ones(half), angle[position]) if position < table else torch.ones(half)
+            turn = torch.polar(torch.ones(half), angle[min(position, table - 1)])
             pairs = x[b, s, :, :2 * half]
             first, second = (pairs[:, 0::2], pairs[:, 1::2]) if interleaved else (pairs[:, :half], pairs[:, half:])
             turned = torch.complex(first, second) * turn

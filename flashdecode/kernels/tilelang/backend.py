@@ -69,7 +69,7 @@ class TileLangBackend(Backend):
     def __init__(self):
         self._lock = threading.Lock()
         self._compiled = collections.OrderedDict()  # (kernel, config, shape, target, profile) -> kernel
-        self._launches = {}  # (plan, problem, device) -> (first launcher, combine launcher or None)
+        self._launches = {}  # (id(plan), id(problem), device) -> (plan, problem, launchers)
         self._hopper = {}  # device index -> bool
         self._targets = {}  # device index -> target dict
         self._unavailable = None
@@ -119,14 +119,13 @@ class TileLangBackend(Backend):
             args.lse.fill_(-math.inf)
             return
         device = args.q.device
-        key = (plan, problem, device)
-        launchers = self._launches.get(key)
-        if launchers is None:
-            launchers = self._launchers(plan, problem, device)
+        key = (id(plan), id(problem), device)  # by identity: the caller's memo keeps both objects alive
+        entry = self._launches.get(key)
+        if entry is None or entry[0] is not plan or entry[1] is not problem:
             if len(self._launches) >= MAX_LAUNCHES:
                 self._launches.clear()
-            self._launches[key] = launchers
-        first, combine, plain = launchers
+            entry = self._launches[key] = (plan, problem, self._launchers(plan, problem, device))
+        first, combine, plain = entry[2]
         # lse is (B, Hq, Sq); for one query position the kernels index it as (B, Hq), the same memory
         lse = args.lse.view(problem.batch, problem.nheads) if problem.seqlen_q == 1 else args.lse
         extra = () if plain else _feature_arguments(problem, args)
