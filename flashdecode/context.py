@@ -180,14 +180,14 @@ class DecodeContext:
             window_size=(-1, -1), softcap=0.0, rotary_interleaved=True, alibi_slopes=None, num_splits=0,
             return_softmax_lse=False, backend="auto", out=None):
         """validate -> route -> launch; returns out (and lse (B, Hq, Sq) when asked for)."""
+        device = q.device
+        self._bind(device)
         problem, chosen, plan, host_checks = self.resolve(
             q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad,
             block_table, softmax_scale, causal, window_size, softcap, rotary_interleaved, alibi_slopes, num_splits,
             backend, out)
         if host_checks or value_checks_enabled():
             check_values(problem, k_cache, cache_seqlens, cache_batch_idx, cache_leftpad, block_table, force=True)
-        device = q.device
-        self._bind(device)
         capturing = _capturing(device)  # buffers a graph records must be its own (fresh)
         result = torch.empty_like(q) if out is None else out
         lse = self.lse(problem, device, return_softmax_lse, capturing)
