@@ -313,7 +313,7 @@ def test_measure_checks_times_skips_and_survives_failures(runner):
 
 def test_our_backend_system_checks_with_plan_for(runner):
     """Our systems ask flashdecode.plan_for: its Plan is recorded, a call the backend cannot take is Unsupported."""
-    check, setup = runner._call_ours("triton")
+    check, setup = runner.call_ours("triton")
     call = cases.make_call(SMALL, cases.VARIANTS["q4"], dtype=torch.float16)
     plan = check(call)
     assert plan["kernel"] and plan["config"]["block_n"] > 0
@@ -321,7 +321,7 @@ def test_our_backend_system_checks_with_plan_for(runner):
     assert relative_error(out, _reference(cases.make_call(SMALL, cases.VARIANTS["q4"], dtype=torch.float16))) < 2e-2
     if not torch.cuda.is_available():
         with pytest.raises(Unsupported, match="tilelang"):
-            runner._call_ours("tilelang")[0](call)
+            runner.call_ours("tilelang")[0](call)
 
 
 def test_layer_count_on_cpu(runner):
@@ -336,14 +336,14 @@ def test_torch_launch_is_timed(runner):
 def test_baseline_is_fa2_of_this_run_else_the_anchor_file_else_none(runner):
     case, plain, q4 = cases.CASES_BY_NUMBER[10], cases.VARIANTS["plain"], cases.VARIANTS["q4"]
     ours = _result("triton", "ours", 20.0)
-    assert runner._baseline(case, q4, [ours, _result("fa2", "peer", 15.0)], True, ANCHOR) == (
+    assert runner.baseline(case, q4, [ours, _result("fa2", "peer", 15.0)], True, ANCHOR) == (
         15.0, "fa2 timed in this run", "fa2")
-    us, source, system = runner._baseline(case, plain, [ours, _result("fa2", "peer", 15.0, correct=False)], True,
+    us, source, system = runner.baseline(case, plain, [ours, _result("fa2", "peer", 15.0, correct=False)], True,
                                           ANCHOR)
     assert us == ANCHOR["cases"][9]["fa2"]["median_us"] and "h200-peers.json" in source and system is None
-    assert runner._baseline(case, q4, [ours], True, ANCHOR)[::2] == (None, None)
-    assert runner._baseline(cases.WIDE_CASES[0], plain, [ours], True, ANCHOR)[::2] == (None, None)
-    assert runner._baseline(case, plain, [ours, _result("reference", "reference", 5.0)], False, ANCHOR)[::2] == (
+    assert runner.baseline(case, q4, [ours], True, ANCHOR)[::2] == (None, None)
+    assert runner.baseline(cases.WIDE_CASES[0], plain, [ours], True, ANCHOR)[::2] == (None, None)
+    assert runner.baseline(case, plain, [ours, _result("reference", "reference", 5.0)], False, ANCHOR)[::2] == (
         5.0, "reference")
 
 

@@ -96,7 +96,7 @@ class Selection:
 _OURS_CALL = "flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=, block_table=, causal=, backend={!r})"
 
 
-def _call_ours(backend: str):
+def call_ours(backend: str):
     """System.check and System.setup of the public call with ``backend``."""
     def check(call):
         try:
@@ -119,7 +119,7 @@ def _our_backend(name: str, cuda: bool) -> System:
     device = torch.device("cuda" if cuda else "cpu")
     probe = cases.make_call(cases.Case(0, 1, 64, 1, 4), cases.VARIANTS["plain"], device,
                             cases.DTYPE if cuda else CPU_DTYPE)
-    check, setup = _call_ours(name)
+    check, setup = call_ours(name)
     try:
         check(probe)
     except Unsupported as error:
@@ -161,7 +161,7 @@ def select(options: Options) -> Selection:
             raise BenchError(f"unknown backends {bad}; backends are {', '.join(OUR_BACKENDS)}")
         systems = [_our_backend(name, cuda) for name in options.backends]
     if not cuda:
-        check, setup = _call_ours("reference")
+        check, setup = call_ours("reference")
         systems.append(System("reference", "reference", f"torch {torch.__version__}",
                               _OURS_CALL.format("reference") + ": the float32 torch reference", check, setup))
     peers, skipped_peers = select_peers(None if options.peers is None else list(options.peers), cuda)
@@ -240,11 +240,11 @@ def _run_case(case, variant, selection, timer, ceiling, anchor, advance) -> Case
         results.append(result)
         advance(f"case {case.label} {variant.name} {system.name}")
     del layers
-    baseline = _baseline(case, variant, results, selection.cuda, anchor)
+    reference = baseline(case, variant, results, selection.cuda, anchor)
     for result in results:
-        if result.correct and baseline[0] is not None:
-            result.speedup = baseline[0] / result.timing.median_us
-    return CaseRun(case, shape, variant, nbytes, *baseline, results)
+        if result.correct and reference[0] is not None:
+            result.speedup = reference[0] / result.timing.median_us
+    return CaseRun(case, shape, variant, nbytes, *reference, results)
 
 
 def measure(system: System, layers: list[cases.Call], fresh: cases.Call, references, timer: Timer,
@@ -277,7 +277,7 @@ def measure(system: System, layers: list[cases.Call], fresh: cases.Call, referen
     return result
 
 
-def _baseline(case, variant, results, cuda, anchor) -> tuple[float | None, str, str | None]:
+def baseline(case, variant, results, cuda, anchor) -> tuple[float | None, str, str | None]:
     """(µs, source, system): FlashAttention 2 from this run where it ran correctly; else its H200
     anchor timing (CUDA, plain cases of the 14-case matrix only) or the torch reference (CPU, where
     the anchor's shapes are not what ran); else none."""
