@@ -47,6 +47,20 @@ class LaunchArgs:
     alibi_slopes: torch.Tensor | None = None
 
 
+#: KV tile sizes the backends choose from, largest first (16 is the smallest the matrix units take).
+BLOCK_N_CANDIDATES = (64, 32, 16)
+
+
+def largest_block_n(headdim: int, element_bytes: int, profile: HardwareProfile, stages: int = 2,
+                    programs: int = 2) -> int:
+    """The largest KV tile whose ``stages`` pipelined K and V tiles let ``programs`` programs share a
+    multiprocessor's shared memory (64 tokens at head dim 128, 32 at 256 on Hopper): the shared-memory
+    rule both backends size their tiles by (``docs/design.md``, "Measured choices")."""
+    budget = profile.shared_memory_per_multiprocessor // programs
+    return next((block_n for block_n in BLOCK_N_CANDIDATES
+                 if stages * 2 * block_n * headdim * element_bytes <= budget), BLOCK_N_CANDIDATES[-1])
+
+
 class Backend(abc.ABC):
     """One implementation of the kernels. Instances live in the registry, one per process; each owns
     its compiled kernels (bounded caches keyed by tile config)."""

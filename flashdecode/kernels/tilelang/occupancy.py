@@ -6,12 +6,12 @@ per program, the register limit per thread) come from the
 ``shape`` arguments are a :class:`~flashdecode.problem.Problem` or a
 :class:`~.config.KernelShape`: only their ``headdim`` and ``element_bytes`` are read.
 """
+from .. import base
 from .config import CONSUMER_THREADS, SCAN_WIDTH, ShortCacheConfig, SplitConfig
 
 #: Most programs of one kernel ptxas is asked to fit on one multiprocessor (``__launch_bounds__``).
 MAX_RESIDENT_PROGRAMS = 4
 #: KV tile sizes, largest first (16 is the smallest the matrix units take).
-BLOCK_N_CANDIDATES = (64, 32, 16)
 #: The shared-memory rule for ``block_n``: this many pipelined K/V stages of this many programs fit
 #: one multiprocessor.
 RULE_STAGES, RULE_PROGRAMS = 2, 2
@@ -22,13 +22,8 @@ REGISTER_GRANULE = 8
 
 
 def largest_block_n(shape, profile) -> int:
-    """The largest KV tile whose pipelined K and V stages let RULE_PROGRAMS programs share a
-    multiprocessor's shared memory (64 tokens at head dim 128, 32 at 256 on Hopper)."""
-    budget = profile.shared_memory_per_multiprocessor // RULE_PROGRAMS
-    for block_n in BLOCK_N_CANDIDATES:
-        if RULE_STAGES * 2 * block_n * shape.headdim * shape.element_bytes <= budget:
-            return block_n
-    return BLOCK_N_CANDIDATES[-1]
+    """``kernels.base.largest_block_n`` for RULE_PROGRAMS programs of RULE_STAGES stages."""
+    return base.largest_block_n(shape.headdim, shape.element_bytes, profile, RULE_STAGES, RULE_PROGRAMS)
 
 
 def split_shared_bytes(shape, config: SplitConfig, profile) -> int:

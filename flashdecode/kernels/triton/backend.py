@@ -17,13 +17,11 @@ from triton.runtime.jit import JITFunction
 from ...hardware import HardwareProfile
 from ...planner import SINGLE_PASS, SPLIT
 from ...problem import Problem
-from ..base import Backend, LaunchArgs
+from ..base import Backend, LaunchArgs, largest_block_n
 from .kernels import combine_kernel, split_kernel
 from .launch import Launcher
 
 LOG2E = 1.0 / math.log(2.0)
-#: KV tile sizes tried, largest first (``TritonConfig.block_n``).
-BLOCK_N_CANDIDATES = (64, 32, 16)
 #: Query rows of one program at most; more rows take more row tiles (programs).
 MAX_BLOCK_M = 64
 #: Partials the combine kernel loads at once: 16 for a batch, 64 for one sequence, measured on the
@@ -100,9 +98,7 @@ class TritonBackend(Backend):
                              f"got {kernel!r}")
         headdim = padded_headdim(problem.headdim)
         num_stages = 2
-        budget = profile.shared_memory_per_multiprocessor // 2
-        block_n = next((n for n in BLOCK_N_CANDIDATES
-                        if num_stages * 2 * n * headdim * problem.element_bytes <= budget), BLOCK_N_CANDIDATES[-1])
+        block_n = largest_block_n(headdim, problem.element_bytes, profile, num_stages)
         block_m = min(MAX_BLOCK_M, max(16, triton.next_power_of_2(problem.q_rows)))
         combine_step = COMBINE_STEP_ONE_SEQUENCE if problem.batch == 1 else COMBINE_STEP_BATCH
         return TritonConfig(block_n, block_m, 4 if headdim <= 128 else 8, num_stages, combine_step)
