@@ -1,0 +1,65 @@
+"""Run FlashAttention's kvcache grid combos one by one, synchronizing after each, and print each
+id before it runs: under compute-sanitizer or after an illegal access, the last id printed is the
+culprit (the pytest grid cannot say which test's kernel faulted once the context is dead).
+
+    python benchmarks/fa_combos.py --backend triton float16-q64k800-d32-gqa-splits1-newkv-... [ID ...]
+    python benchmarks/fa_combos.py --backend triton --sample 40 --seed 2025
+"""
+from __future__ import annotations
+
+import argparse
+import pathlib
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "tests"))
+import fa_grid  # noqa: E402
+
+import flashdecode  # noqa: E402
+from flashdecode.kernels.base import BackendError  # noqa: E402
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("ids", nargs="*", help="combo ids as the grid test names them (without the backend)")
+    parser.add_argument("--backend", default="triton")
+    parser.add_argument("--sample", type=int, default=0, help="also run this many sampled combos")
+    parser.add_argument("--seed", type=int, default=2025)
+    parser.add_argument("--dtype", action="append", help="with ids: also run each id in these dtypes")
+    args = parser.parse_args(argv)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    wanted = set(args.ids)
+    for dtype in args.dtype or ():
+        wanted |= {f"{dtype}-{i.split('-', 1)[1]}" for i in args.ids}
+    combos = [c for c in fa_grid.full_grid() if c.id in wanted] if wanted else []
+    missing = wanted - {c.id for c in combos}
+    if missing:
+        parser.error(f"not in the grid: {sorted(missing)}")
+    combos += fa_grid.sample(args.sample, seed=args.seed) if args.sample else []
+    failed = 0
+
+    def call(**arguments):
+        return flashdecode.flash_attn_with_kvcache(**arguments, backend=args.backend)
+
+    for combo in combos:
+        print(f"RUN  {combo.id}", flush=True)
+        started = time.perf_counter()
+        try:
+            fa_grid.check_combo(combo, device, call)
+            if device == "cuda":
+                torch.cuda.synchronize()
+            verdict = "ok"
+        except BackendError as error:
+            verdict = f"skip ({error})"
+        except AssertionError as error:
+            failed += 1
+            verdict = f"FAIL {str(error).splitlines()[0][:160]}"
+        print(f"     {verdict} {time.perf_counter() - started:.1f}s", flush=True)
+    print(f"{len(combos)} combos, {failed} failed")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
