@@ -20,6 +20,7 @@ from ...problem import Problem
 from ..base import Backend, LaunchArgs, largest_block_n
 from .kernels import combine_kernel, split_kernel
 from .launch import Launcher
+from .workarounds import steer
 
 LOG2E = 1.0 / math.log(2.0)
 #: Query rows of one program at most; more rows take more row tiles (programs).
@@ -92,7 +93,8 @@ class TritonBackend(Backend):
     def default_config(self, problem: Problem, profile: HardwareProfile, kernel: str) -> TritonConfig:
         """block_n: the largest candidate whose two pipelined K+V stages fit half a multiprocessor's
         shared memory (two programs share one); 4 warps up to head dim 128, else 8; block_m: the
-        packed rows rounded up to a power of two, 16 to MAX_BLOCK_M."""
+        packed rows rounded up to a power of two, 16 to MAX_BLOCK_M; then steered off a Triton
+        miscompile (``workarounds``)."""
         if kernel not in self.kernels(problem):
             raise ValueError(f"kernel must be one of {sorted(self.kernels(problem))} for backend 'triton', "
                              f"got {kernel!r}")
@@ -101,7 +103,8 @@ class TritonBackend(Backend):
         block_n = largest_block_n(headdim, problem.element_bytes, profile, num_stages)
         block_m = min(MAX_BLOCK_M, max(16, triton.next_power_of_2(problem.q_rows)))
         combine_step = COMBINE_STEP_ONE_SEQUENCE if problem.batch == 1 else COMBINE_STEP_BATCH
-        return TritonConfig(block_n, block_m, 4 if headdim <= 128 else 8, num_stages, combine_step)
+        config = TritonConfig(block_n, block_m, 4 if headdim <= 128 else 8, num_stages, combine_step)
+        return steer(problem, config, headdim)  # a Triton miscompile (``workarounds``)
 
     def resident_programs(self, problem: Problem, config, profile: HardwareProfile) -> int:
         """From the profile's measured ``triton_resident_programs``, by padded head dim."""

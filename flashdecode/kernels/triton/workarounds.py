@@ -1,0 +1,36 @@
+"""Triton compiler faults the backend steers around, each with the versions it was seen on.
+
+Interleaved rotary at a padded head dim of 32 (head dims 17-32) with 4 warps and 64-token KV tiles:
+Triton 3.6.0 miscompiles the split kernel on the H200. The row sums of the softmax (``tl.sum``) read
+shared memory out of range (compute-sanitizer memcheck: "Out-of-range shared or local address" in
+``_sum_combine``, only in the programs of the second row tile), which kills the CUDA context, or
+the output is wrong (error 2.4-3.3 against FlashAttention's bound of ~1e-2). The same combos pass
+under Triton's interpreter, with non-interleaved rotary, at head dim 64, and with 8 warps or
+32-token tiles (``docs/perf-log.md``, "The Triton fault"). The default config takes 32-token tiles
+there; a config given through ``DecodeContext(config=...)`` is used as given, which is how
+``tests/test_triton_workarounds.py`` checks on the GPU that the fault is still there.
+
+Not fixed in any Triton release we know of, so the steer applies to every version; the GPU test
+fails once the installed Triton compiles the faulting config correctly, and says so.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+#: The last Triton release the fault was reproduced on (H200, sm_90a).
+LAST_SEEN_ON = "3.6.0"
+#: The KV tile the faulting specialisations take instead.
+SAFE_BLOCK_N = 32
+
+
+def interleaved_rotary_small_head(problem, head_pad: int, block_n: int, num_warps: int) -> bool:
+    """Whether a split-kernel specialisation is one Triton 3.6.0 miscompiles (module docstring)."""
+    return (problem.rotary_dim > 0 and problem.rotary_interleaved and head_pad <= 32 and block_n > SAFE_BLOCK_N
+            and num_warps == 4)
+
+
+def steer(problem, config, head_pad: int):
+    """``config`` with the tile the faulting specialisations need, else unchanged."""
+    if interleaved_rotary_small_head(problem, head_pad, config.block_n, config.num_warps):
+        return dataclasses.replace(config, block_n=SAFE_BLOCK_N)
+    return config

@@ -1,0 +1,77 @@
+"""The Triton miscompile the backend steers around (``flashdecode.kernels.triton.workarounds``):
+the steer on the CPU, and on the GPU that the fault is still there (else the steer can go) and that
+the steered default passes. The GPU checks run each call in a subprocess: the fault kills the
+CUDA context."""
+import subprocess
+import sys
+
+import pytest
+
+from flashdecode.kernels.triton.backend import TritonBackend, TritonConfig
+from flashdecode.kernels.triton.workarounds import LAST_SEEN_ON, SAFE_BLOCK_N
+from flashdecode.hardware import PROFILES
+from flashdecode.problem import Problem
+
+#: A FlashAttention-grid combo that faults with the raw config on Triton 3.6.0 (H200).
+FAULTING = "float16-q64k800-d32-gqa-splits1-newkv-alibi-causal-neweq-rot0.5i-page256"
+RAW = dict(block_n=64, block_m=64, num_warps=4, num_stages=2, combine_step=16)
+
+
+def problem(headdim, interleaved, rotary_dim=16):
+    return Problem(2, 800, 6, 3, headdim, "float16", seqlen_q=64, seqlen_new=64, rotary_dim=rotary_dim,
+                   rotary_interleaved=interleaved)
+
+
+@pytest.mark.parametrize("headdim, interleaved, rotary_dim, block_n", [
+    (32, True, 16, SAFE_BLOCK_N), (17, True, 8, SAFE_BLOCK_N),  # steered
+    (32, False, 16, 64), (64, True, 32, 64), (32, True, 0, 64)])  # left alone
+def test_default_config_steers_only_the_faulting_specialisations(headdim, interleaved, rotary_dim, block_n):
+    config = TritonBackend().default_config(problem(headdim, interleaved, rotary_dim), PROFILES["h200"], "split")
+    assert config.block_n == block_n
+
+
+def run_combo(raw: bool) -> str:
+    result = subprocess.run([sys.executable, __file__, "raw" if raw else "default"], capture_output=True, text=True,
+                            timeout=300)
+    lines = result.stdout.strip().splitlines()
+    return lines[-1] if lines else f"no output (rc {result.returncode}): {result.stderr[-400:]}"
+
+
+@pytest.mark.gpu
+def test_the_miscompile_is_still_there():
+    outcome = run_combo(raw=True)
+    assert outcome != "OK", (f"the raw config now compiles correctly (last seen faulting on Triton {LAST_SEEN_ON}): "
+                             "remove the steer in flashdecode/kernels/triton/workarounds.py")
+
+
+@pytest.mark.gpu
+def test_the_steered_default_is_right():
+    assert run_combo(raw=False) == "OK"
+
+
+def _child(mode: str) -> None:
+    import pathlib
+
+    import torch
+
+    import flashdecode
+    sys.path.insert(0, str(pathlib.Path(__file__).parent))
+    import fa_grid
+
+    combo = next(c for c in fa_grid.full_grid(dtypes=("float16",)) if c.id == FAULTING)
+    context = flashdecode.DecodeContext(config=TritonConfig(**RAW)) if mode == "raw" else None
+
+    def call(**arguments):
+        return flashdecode.flash_attn_with_kvcache(**arguments, backend="triton", context=context)
+    try:
+        fa_grid.check_combo(combo, "cuda", call)
+        torch.cuda.synchronize()
+        print("OK")
+    except AssertionError as error:
+        print(f"WRONG {str(error).splitlines()[0][:120]}")
+    except Exception as error:  # noqa: BLE001 - the fault surfaces as a CUDA error at the next sync
+        print(f"FAULT {type(error).__name__}")
+
+
+if __name__ == "__main__":
+    _child(sys.argv[1])
