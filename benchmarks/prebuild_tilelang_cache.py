@@ -20,10 +20,12 @@ import sys
 
 os.environ.setdefault("TILELANG_CACHE_DIR", str(pathlib.Path(__file__).resolve().parents[1] / ".tl-cache"))
 
-from flashdecode import planner  # noqa: E402
-from flashdecode.cases import CASES  # noqa: E402
+import torch  # noqa: E402
+
+from flashdecode import DecodeContext, planner  # noqa: E402
+from flashdecode.cases import CASES, VARIANTS  # noqa: E402
 from flashdecode.hardware import PROFILES  # noqa: E402
-from flashdecode.kernels.tilelang.backend import TileLangBackend, q_tile_rows  # noqa: E402
+from flashdecode.kernels.tilelang.backend import TileLangBackend, problem_limitation, q_tile_rows  # noqa: E402
 from flashdecode.kernels.tilelang.build import SM90A  # noqa: E402
 from flashdecode.kernels.tilelang.config import KernelShape  # noqa: E402
 from flashdecode.problem import Problem  # noqa: E402
@@ -31,10 +33,20 @@ from flashdecode.problem import Problem  # noqa: E402
 H200 = PROFILES["h200"]
 
 
+def variant_problem(case, variant) -> Problem:
+    """The Problem ``validate`` makes of ``cases.make_call(case, variant)`` (bfloat16)."""
+    capacity = case.seqlen_cache
+    if variant.page_size:
+        capacity = -(-capacity // variant.page_size) * variant.page_size
+    return Problem(case.batch, capacity, case.nheads, case.nheads_k, case.headdim, "bfloat16",
+                   seqlen_q=variant.seqlen_q, page_size=variant.page_size, seqlen_new=variant.seqlen_new,
+                   window_right=0 if variant.causal else -1)
+
+
 def calls(backend, with_tests: bool):
-    """(problem, plan) for every call the benchmark and the sanitizer make, forced splits too, and
+    """(problem, plan) for every call the benchmark (every variant) and the sanitizer make, forced splits too, and
     with ``with_tests`` the GPU tests' calls (the random shapes and the TileLang feature cases)."""
-    problems = [Problem(c.batch, c.seqlen_cache, c.nheads, c.nheads_k, 128, "bfloat16") for c in CASES]
+    problems = [variant_problem(case, variant) for case in CASES for variant in VARIANTS.values()]
     problems.append(Problem(3, 1, 8, 2, 128, "bfloat16"))  # empty-cache test's kernels (unsplit)
     if with_tests:  # the random-shape test's kernels (its KERNEL_SHAPES); needs pytest and hypothesis
         sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "tests"))
@@ -47,9 +59,25 @@ def calls(backend, with_tests: bool):
             for batch, capacity in itertools.product((1, 40), test_gpu.RANDOM_CAPACITIES + [70000]):
                 problems.append(Problem(batch, capacity, nheads_k * group, nheads_k, headdim,
                                         str(dtype).removeprefix("torch.")))
+        import test_paged  # the paged tests' plain calls (TileLang takes no other of their variants)
+
+        for page_size, dtype in itertools.product(test_paged.PAGE_SIZES, (torch.float16, torch.bfloat16)):
+            call = test_paged.paged_call(page_size, test_paged.VARIANTS["plain"], test_paged.GPU_SHAPE, dtype, 0)
+            problem = problem_of_call(**call)
+            if problem_limitation(problem) is None:
+                problems.append(problem)
     for problem in problems:
-        for num_splits in (0, 3):
+        for num_splits in (0, 2, 3):
             yield problem, planner.plan(problem, H200, backend, num_splits)
+
+
+def problem_of_call(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None, cache_seqlens=None,
+                    cache_batch_idx=None, cache_leftpad=None, block_table=None, softmax_scale=None, causal=False,
+                    window_size=(-1, -1), softcap=0.0, rotary_interleaved=True, alibi_slopes=None):
+    """The Problem the public call validates from these (CPU) arguments."""
+    return DecodeContext().resolve(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens,
+                                   cache_batch_idx, cache_leftpad, block_table, softmax_scale, causal, window_size,
+                                   softcap, rotary_interleaved, alibi_slopes, 0, "reference", None)[0]
 
 
 def main():

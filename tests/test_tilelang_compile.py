@@ -121,6 +121,15 @@ def test_paged_tiles_never_cross_a_page():
     assert BACKEND.default_config(problem_of(page_size=32), H200, SHORT_CACHE).block_n == 32
 
 
+def test_pages_of_16_never_take_the_short_cache_kernel():
+    """Its 16-row tile over 4 warps needs 32-token tiles (TileLang finds no warp partition for 16)."""
+    problem = problem_of(page_size=16, capacity=64)
+    assert SHORT_CACHE not in BACKEND.kernels(problem)
+    assert plan(problem, H200, BACKEND).kernel == SINGLE_PASS
+    with pytest.raises(ValueError, match="kernel must be one of"):
+        BACKEND.default_config(problem, H200, SHORT_CACHE)
+
+
 def test_limitation_needs_a_hopper_gpu_on_cpu():
     assert "Hopper" in BACKEND.limitation(problem_of(), torch.device("cpu"))
 

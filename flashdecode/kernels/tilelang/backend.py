@@ -33,6 +33,9 @@ FEATURES = frozenset(("seqlen_q>1", "paged", "append", "causal", "window", "soft
 MAX_SEQLEN_Q = 16
 #: Fewest tokens per page: a tile never crosses a page, and 16 is the smallest tile the matrix units take.
 MIN_PAGE_SIZE = 16
+#: Fewest tokens per tile of the short-cache kernel: its 16-row q tile spread over 4 warps needs at
+#: least 32 key columns (8 per warp); pages of 16 take the split kernel instead.
+MIN_SHORT_CACHE_BLOCK_N = 32
 #: Compiled kernels a backend keeps (least recently used dropped first), and launch lists it memoizes.
 MAX_COMPILED, MAX_LAUNCHES = 128, 1024
 
@@ -89,6 +92,8 @@ class TileLangBackend(Backend):
         return problem_limitation(problem)
 
     def kernels(self, problem) -> frozenset[str]:
+        if problem.paged and problem.page_size < MIN_SHORT_CACHE_BLOCK_N:  # tiles never cross a page
+            return frozenset((SINGLE_PASS, SPLIT))
         return frozenset((SHORT_CACHE, SINGLE_PASS, SPLIT))
 
     def default_config(self, problem, profile, kernel: str):
@@ -98,8 +103,9 @@ class TileLangBackend(Backend):
         block_n = occupancy.largest_block_n(problem, profile)
         if problem.paged:
             block_n = min(block_n, problem.page_size)  # a tile never crosses a page
-        if kernel not in MIN_BLOCK_M:
-            raise ValueError(f"kernel must be one of {tuple(MIN_BLOCK_M)}, got {kernel!r}")
+        if kernel not in self.kernels(problem):
+            raise ValueError(f"kernel must be one of {sorted(self.kernels(problem))} for backend 'tilelang', "
+                             f"got {kernel!r}")
         block_m = q_tile_rows(problem.q_rows, MIN_BLOCK_M[kernel])
         if kernel == SHORT_CACHE:
             return ShortCacheConfig(block_n, block_m, one_tile=problem.seqlen_cache <= block_n)
