@@ -6,7 +6,9 @@ the lse when the caller did not ask for it, and the lengths tensors of an int ``
 It serves calls queued in order on one stream from one host thread: a call's split kernel writes the
 partials only after the previous call's combine read them, because the stream orders them. While a
 CUDA graph is being captured, every buffer is allocated fresh so the graph owns it and may replay
-on any stream. Dropping the context frees its memory.
+on any stream. It also holds the compiled host path's launch records (``host_path``): a repeat of a
+call's metadata is launched from C++ without entering the Python path. Dropping the context frees
+its memory.
 
 The plain call uses a default context per (host thread, device, stream) (``default_context``);
 users who want control (a workspace per model, per layer group) create one and pass it. A context
@@ -20,7 +22,7 @@ import threading
 
 import torch
 
-from . import compat, hardware
+from . import compat, hardware, host_path
 from .kernels import base
 from .planner import plan as make_plan
 from .validate import check_call, check_values, scalar_meta, tensor_meta, value_checks_enabled
@@ -46,6 +48,8 @@ class DecodeContext:
         self._sink = None
         self._sink_views: dict = {}
         self._uniform_lengths: dict = {}
+        self._host = None  # HostPath: the compiled host path's records (``host_path``), made on first use
+        self._host_tried = False
 
     # -- what runs -------------------------------------------------------------------------------
     def resolve(self, q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
@@ -182,22 +186,58 @@ class DecodeContext:
         """validate -> route -> launch; returns out (and lse (B, Hq, Sq) when asked for)."""
         device = q.device
         self._bind(device)
+        capturing = _capturing(device)  # buffers a graph records must be its own (fresh)
+        host = None if capturing or value_checks_enabled() else self._host_path(device)
+        if host is not None:
+            call = (q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad,
+                    block_table, softmax_scale, causal, window_size, softcap, rotary_interleaved, alibi_slopes,
+                    num_splits, return_softmax_lse, backend, out, self._stream)
+            found = host.run(call)
+            if found is not None:
+                return found
         problem, chosen, plan, host_checks = self.resolve(
             q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad,
             block_table, softmax_scale, causal, window_size, softcap, rotary_interleaved, alibi_slopes, num_splits,
             backend, out)
         if host_checks or value_checks_enabled():
             check_values(problem, k_cache, cache_seqlens, cache_batch_idx, cache_leftpad, block_table, force=True)
-        capturing = _capturing(device)  # buffers a graph records must be its own (fresh)
         result = torch.empty_like(q) if out is None else out
         lse = self.lse(problem, device, return_softmax_lse, capturing)
         part_o, part_lse = self.partials(plan, problem, device, capturing)
         scale = problem.headdim ** -0.5 if softmax_scale is None else float(softmax_scale)
-        chosen.launch(plan, problem, base.LaunchArgs(
+        arguments = base.LaunchArgs(
             q, k_cache, v_cache, self.lengths(problem, cache_seqlens, device, capturing), result, lse, part_o, part_lse,
             scale, float(softcap), k, v, rotary_cos, rotary_sin, cache_batch_idx, cache_leftpad, block_table,
-            alibi_slopes))
+            alibi_slopes)
+        chosen.launch(plan, problem, arguments)
+        if host is not None and not host_checks:
+            self._record(host, call, chosen.ffi_launches(plan, problem, arguments), problem, result,
+                         lse if return_softmax_lse else None)
         return (result, lse) if return_softmax_lse else result
+
+    @property
+    def host_path(self):
+        """The compiled host path's records for this context (``flashdecode.host_path.HostPath``:
+        ``len()`` records, ``hits``), or None before the first CUDA call and where it is off."""
+        return self._host
+
+    def _host_path(self, device: torch.device):
+        """The context's HostPath (``host_path.for_device``), made on the first call; None when off."""
+        if not self._host_tried:
+            self._host_tried = True
+            self._host = host_path.for_device(device)
+        return self._host
+
+    def _record(self, host, call, launches, problem, result, lse) -> None:
+        """Give the host path the record of a call the Python path just launched; the context's first
+        record is replayed and compared before any call uses it (``HostPath.verify``)."""
+        if launches is None:
+            return
+        if host.add(call, launches, result, lse, (problem.batch, problem.nheads, problem.seqlen_q)) and \
+                not host.verified:
+            host.verify(call, result, lse)
+            if host.off_because is not None:
+                self._host = None
 
 
 def _fast_meta(tensor):

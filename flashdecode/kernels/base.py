@@ -91,6 +91,11 @@ class Backend(abc.ABC):
     def launch(self, plan, problem: Problem, args: LaunchArgs) -> None:
         """Queue the plan's kernels on the current stream of q's device."""
 
+    def ffi_launches(self, plan, problem: Problem, args: LaunchArgs) -> list | None:
+        """``launch`` as [(TVM-FFI function, arguments)], which the compiled host path
+        (``flashdecode.host_path``) can replay; None where the launches are not TVM-FFI calls."""
+        return None
+
 
 #: Backend name -> "module:attribute" of a zero-argument factory, imported on first use (TileLang
 #: and its compiler are optional).

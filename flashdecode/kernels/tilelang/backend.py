@@ -17,6 +17,7 @@ from ...planner import SHORT_CACHE, SINGLE_PASS, SPLIT
 from ..base import Backend
 from . import occupancy
 from .config import KernelShape, ShortCacheConfig, SplitConfig
+from .launch import is_ffi_function, launcher
 
 #: Head dims the kernels take (their tiles and shared-memory budget are sized for these).
 HEAD_DIMS = (64, 128, 256)
@@ -117,13 +118,25 @@ class TileLangBackend(Backend):
     # -- running it ------------------------------------------------------------------------------
     def launch(self, plan, problem, args) -> None:
         """Queue the plan's kernels: the short-cache kernel, or the split kernel and, when sequences
-        may split, the combine kernel. Each takes the plain arguments, then those of the features
-        the problem uses (``kernels.py`` lists the order)."""
+        may split, the combine kernel (``calls`` says with what)."""
         if problem.seqlen_cache == 0:  # no keys anywhere (and no TMA descriptor for an empty cache)
             bad = (args.cache_seqlens + problem.seqlen_new != 0)[:, None, None, None]
             args.out.zero_().masked_fill_(bad, math.nan)
             args.lse.fill_(-math.inf)
             return
+        for function, arguments in self.calls(plan, problem, args):
+            function(*arguments)
+
+    def ffi_launches(self, plan, problem, args) -> list | None:
+        """``calls`` where each function is a TVM-FFI entry (``launch.fast_entry`` found them)."""
+        if problem.seqlen_cache == 0:
+            return None
+        calls = self.calls(plan, problem, args)
+        return calls if all(is_ffi_function(function) for function, _ in calls) else None
+
+    def calls(self, plan, problem, args) -> list:
+        """[(launcher, arguments)] of the plan's kernels, in launch order. Each takes the plain
+        arguments, then those of the features the problem uses (``kernels.py`` lists the order)."""
         device = args.q.device
         key = (id(plan), id(problem), device)  # by identity: the caller's memo keeps both objects alive
         entry = self._launches.get(key)
@@ -136,14 +149,16 @@ class TileLangBackend(Backend):
         lse = args.lse.view(problem.batch, problem.nheads) if problem.seqlen_q == 1 else args.lse
         extra = () if plain else _feature_arguments(problem, args)
         if plan.kernel == SHORT_CACHE:
-            first(args.q, args.k_cache, args.v_cache, args.cache_seqlens, args.out, lse, args.softmax_scale, *extra)
-            return
-        first(args.q, args.k_cache, args.v_cache, args.cache_seqlens, args.out, lse, args.part_o, args.part_lse,
-              plan.programs_per_head, plan.forced_splits, plan.min_chunk, args.softmax_scale, *extra)
+            return [(first, (args.q, args.k_cache, args.v_cache, args.cache_seqlens, args.out, lse,
+                             args.softmax_scale, *extra))]
+        calls = [(first, (args.q, args.k_cache, args.v_cache, args.cache_seqlens, args.out, lse, args.part_o,
+                          args.part_lse, plan.programs_per_head, plan.forced_splits, plan.min_chunk,
+                          args.softmax_scale, *extra))]
         if combine is not None:
-            combine(args.cache_seqlens, args.part_o, args.part_lse, args.out, lse, problem.seqlen_cache,
-                    plan.programs_per_head, plan.forced_splits, plan.min_chunk,
-                    *(() if plain else _combine_feature_arguments(problem)))
+            calls.append((combine, (args.cache_seqlens, args.part_o, args.part_lse, args.out, lse,
+                                    problem.seqlen_cache, plan.programs_per_head, plan.forced_splits,
+                                    plan.min_chunk, *(() if plain else _combine_feature_arguments(problem)))))
+        return calls
 
     def compiled(self, kernel: str, problem, config, profile, target: dict):
         """The compiled TileLang kernel object of ``kernel`` (a plan kernel, or "combine" with the
@@ -173,11 +188,9 @@ class TileLangBackend(Backend):
         return built
 
     def _launchers(self, plan, problem, device):
-        from . import launch
-
         profile, target = hardware.profile_for(device), self._target(device)
-        first = launch.launcher(self.compiled(plan.kernel, problem, plan.config, profile, target))
-        combine = (launch.launcher(self.compiled("combine", problem, plan.config, profile, target))
+        first = launcher(self.compiled(plan.kernel, problem, plan.config, profile, target))
+        combine = (launcher(self.compiled("combine", problem, plan.config, profile, target))
                    if plan.needs_combine else None)
         return first, combine, KernelShape.of(problem).plain
 

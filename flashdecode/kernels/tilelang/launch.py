@@ -27,3 +27,12 @@ def launcher(kernel):
     the kernel object itself (same arguments)."""
     entry = fast_entry(kernel)
     return kernel if entry is None else entry
+
+
+def is_ffi_function(function) -> bool:
+    """Whether ``function`` is a TVM-FFI function, which the compiled host path can call."""
+    try:
+        import tvm_ffi
+    except ImportError:
+        return False
+    return isinstance(function, tvm_ffi.Function)

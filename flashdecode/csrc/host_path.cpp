@@ -1,0 +1,361 @@
+// The compiled host path (docs/design.md, "Host path"): a repeat call's metadata is hashed here,
+// its launch record found, out (and lse) allocated and its kernels' TVM-FFI entry functions called
+// with DLTensor templates whose data pointers are patched in place. Python builds each record once,
+// on the first call of a metadata (flashdecode/host_path.py); everything it cannot express there
+// (graph capture, host-side checks, other argument types) stays on the Python path.
+#include <torch/extension.h>
+#include <torch/csrc/autograd/python_variable.h>
+
+#include <dlpack/dlpack.h>
+#include <tvm/ffi/c_api.h>
+#include <tvm/ffi/extra/c_env_api.h>
+
+#include <cstring>
+#include <memory>
+#include <stdexcept>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+namespace py = pybind11;
+
+namespace {
+
+// The call's arguments, in flash_attn_with_kvcache's order, then out and the bound stream.
+enum Position : int {
+  kQ, kKCache, kVCache, kK, kV, kCos, kSin, kSeqlens, kBatchIdx, kLeftpad, kBlockTable, kScale, kCausal,
+  kWindow, kSoftcap, kInterleaved, kAlibi, kNumSplits, kReturnLse, kBackend, kOut, kStream, kArgCount
+};
+// Tensors a launch argument can come from: the call's tensors, then the allocated lse.
+constexpr int kSlotPositions[] = {kQ, kKCache, kVCache, kK, kV, kCos, kSin, kSeqlens, kBatchIdx, kLeftpad,
+                                  kBlockTable, kAlibi, kOut};
+constexpr int kCallSlots = sizeof(kSlotPositions) / sizeof(int);
+constexpr int kLseSlot = kCallSlots;
+constexpr int kSlots = kCallSlots + 1;
+constexpr int kConstant = -1;
+
+using Key = std::vector<int64_t>;
+
+struct KeyHash {
+  size_t operator()(const Key& key) const {
+    uint64_t hash = 1469598103934665603ull;
+    for (int64_t value : key) {
+      hash ^= static_cast<uint64_t>(value);
+      hash *= 1099511628211ull;
+    }
+    return static_cast<size_t>(hash);
+  }
+};
+
+// Appends what the record depends on of one argument; false for a type the path does not take.
+bool push_argument(Key& key, PyObject* object) {
+  if (object == Py_None) {
+    key.push_back(-1);
+  } else if (THPVariable_Check(object)) {
+    const at::Tensor& tensor = THPVariable_Unpack(object);
+    key.push_back(1);
+    key.push_back(static_cast<int64_t>(tensor.scalar_type()));
+    key.push_back(static_cast<int64_t>(tensor.device().type()));
+    key.push_back(tensor.device().index());
+    key.push_back(tensor.dim());
+    for (int64_t size : tensor.sizes()) key.push_back(size);
+    for (int64_t stride : tensor.strides()) key.push_back(stride);
+    key.push_back(reinterpret_cast<uintptr_t>(tensor.data_ptr()) % 16 == 0);
+  } else if (PyBool_Check(object)) {
+    key.push_back(3);
+    key.push_back(object == Py_True);
+  } else if (PyLong_CheckExact(object)) {
+    int overflow = 0;
+    long long value = PyLong_AsLongLongAndOverflow(object, &overflow);
+    if (overflow) return false;
+    key.push_back(2);
+    key.push_back(value);
+  } else if (PyFloat_CheckExact(object)) {
+    double value = PyFloat_AS_DOUBLE(object);
+    int64_t bits;
+    std::memcpy(&bits, &value, sizeof bits);
+    key.push_back(4);
+    key.push_back(bits);
+  } else if (PyUnicode_CheckExact(object)) {
+    key.push_back(5);
+    key.push_back(PyObject_Hash(object));
+  } else if (PyTuple_CheckExact(object)) {
+    Py_ssize_t size = PyTuple_GET_SIZE(object);
+    key.push_back(6);
+    key.push_back(size);
+    for (Py_ssize_t i = 0; i < size; ++i) {
+      PyObject* item = PyTuple_GET_ITEM(object, i);
+      if (!PyLong_CheckExact(item) || !push_argument(key, item)) return false;
+    }
+  } else {
+    return false;
+  }
+  return true;
+}
+
+bool make_key(PyObject* args, Key& key) {
+  if (!PyTuple_Check(args) || PyTuple_GET_SIZE(args) != kArgCount) return false;
+  key.clear();
+  key.reserve(96);
+  for (int i = 0; i < kArgCount; ++i) {
+    if (!push_argument(key, PyTuple_GET_ITEM(args, i))) return false;
+  }
+  return true;
+}
+
+// One argument of a kernel's entry function: a tensor taken from a slot or held by the record
+// (workspace, lse sink, lengths), or a scalar.
+struct Argument {
+  int slot = kConstant;
+  at::Tensor held;
+  std::vector<int64_t> shape, strides;
+  DLTensor tensor{};
+};
+
+struct Launch {
+  py::object function;  // keeps the TVM-FFI function alive
+  TVMFFIObjectHandle handle = nullptr;
+  std::vector<std::unique_ptr<Argument>> arguments;  // stable addresses: packed points into them
+  std::vector<TVMFFIAny> packed;
+  std::vector<std::pair<int, DLTensor*>> patched;  // (slot, tensor whose data each call sets)
+};
+
+struct Record {
+  std::vector<Launch> launches;
+  std::vector<int64_t> lse_shape;  // (B, Hq, Sq): allocated per call when the caller wants lse
+  DLDevice device{kDLCPU, 0};
+};
+
+DLDataType dl_dtype(at::ScalarType type) {
+  switch (type) {
+    case at::kHalf: return {kDLFloat, 16, 1};
+    case at::kBFloat16: return {kDLBfloat, 16, 1};
+    case at::kFloat: return {kDLFloat, 32, 1};
+    case at::kInt: return {kDLInt, 32, 1};
+    case at::kLong: return {kDLInt, 64, 1};
+    default: throw std::invalid_argument("host path: unsupported tensor dtype in a launch");
+  }
+}
+
+DLDevice dl_device(const at::Tensor& tensor) {
+  if (tensor.is_cuda()) return {kDLCUDA, static_cast<int32_t>(tensor.device().index())};
+  return {kDLCPU, 0};
+}
+
+void fill_template(Argument& argument, const at::Tensor& tensor) {
+  argument.shape.assign(tensor.sizes().begin(), tensor.sizes().end());
+  argument.strides.assign(tensor.strides().begin(), tensor.strides().end());
+  DLTensor& dl = argument.tensor;
+  dl.data = tensor.data_ptr();
+  dl.device = dl_device(tensor);
+  dl.ndim = static_cast<int32_t>(tensor.dim());
+  dl.dtype = dl_dtype(tensor.scalar_type());
+  dl.shape = argument.shape.data();
+  dl.strides = argument.strides.data();
+  dl.byte_offset = 0;
+}
+
+class HostPath {
+ public:
+  explicit HostPath(size_t max_records) : max_records_(max_records) {}
+
+  // None on a miss (the caller takes the Python path), else out or (out, lse).
+  py::object run(py::args args) {
+    if (!make_key(args.ptr(), key_)) return py::none();
+    auto found = records_.find(key_);
+    if (found == records_.end()) return py::none();
+    ++hits_;
+    return execute(found->second, args.ptr(), nullptr, nullptr);
+  }
+
+  // The record of ``call`` (a tuple as ``run`` takes), run into the given out and lse (a check).
+  py::object replay(py::tuple call, at::Tensor out, py::object lse) {
+    Key key;
+    if (!make_key(call.ptr(), key)) throw std::invalid_argument("host path: call not expressible");
+    auto found = records_.find(key);
+    if (found == records_.end()) throw std::invalid_argument("host path: no record for this call");
+    at::Tensor lse_tensor;
+    if (!lse.is_none()) lse_tensor = lse.cast<at::Tensor>();
+    return execute(found->second, call.ptr(), &out, lse.is_none() ? nullptr : &lse_tensor);
+  }
+
+  // launches: [(function, [argument...], [slot...])]: slot >= 0 names the call tensor an argument
+  // is (its data pointer changes per call), -1 a tensor the record holds; scalars are ints/floats.
+  bool add(py::tuple call, py::list launches, std::vector<int64_t> lse_shape) {
+    Key key;
+    if (!make_key(call.ptr(), key)) return false;
+    Record record;
+    record.lse_shape = std::move(lse_shape);
+    for (py::handle entry : launches) {
+      py::tuple spec = entry.cast<py::tuple>();
+      Launch launch;
+      launch.function = spec[0].cast<py::object>();
+      launch.handle = reinterpret_cast<TVMFFIObjectHandle>(launch.function.attr("__chandle__")().cast<uintptr_t>());
+      py::list values = spec[1].cast<py::list>();
+      py::list slots = spec[2].cast<py::list>();
+      for (size_t i = 0; i < values.size(); ++i) {
+        auto argument = std::make_unique<Argument>();
+        PyObject* value = values[i].ptr();
+        TVMFFIAny any{};
+        if (THPVariable_Check(value)) {
+          const at::Tensor& tensor = THPVariable_Unpack(value);
+          argument->slot = slots[i].cast<int>();
+          if (argument->slot == kConstant) argument->held = tensor;
+          fill_template(*argument, tensor);
+          if (tensor.is_cuda()) record.device = dl_device(tensor);
+          any.type_index = kTVMFFIDLTensorPtr;
+          any.v_ptr = &argument->tensor;
+          if (argument->slot != kConstant) launch.patched.emplace_back(argument->slot, &argument->tensor);
+        } else if (PyBool_Check(value)) {
+          any.type_index = kTVMFFIBool;
+          any.v_int64 = value == Py_True;
+        } else if (PyLong_Check(value)) {
+          any.type_index = kTVMFFIInt;
+          any.v_int64 = PyLong_AsLongLong(value);
+        } else if (PyFloat_Check(value)) {
+          any.type_index = kTVMFFIFloat;
+          any.v_float64 = PyFloat_AsDouble(value);
+        } else {
+          return false;
+        }
+        launch.packed.push_back(any);
+        launch.arguments.push_back(std::move(argument));
+      }
+      record.launches.push_back(std::move(launch));
+    }
+    if (records_.size() >= max_records_) records_.clear();  // bounded, as the Python memo tables are
+    records_[key] = std::move(record);
+    return true;
+  }
+
+  size_t size() const { return records_.size(); }
+  int64_t hits() const { return hits_; }
+  void clear() { records_.clear(); }
+
+ private:
+  py::object execute(Record& record, PyObject* args, at::Tensor* out_given, at::Tensor* lse_given) {
+    void* data[kSlots] = {};
+    for (int slot = 0; slot < kCallSlots; ++slot) {
+      PyObject* object = PyTuple_GET_ITEM(args, kSlotPositions[slot]);
+      if (THPVariable_Check(object)) data[slot] = THPVariable_Unpack(object).data_ptr();
+    }
+    const at::Tensor& q = THPVariable_Unpack(PyTuple_GET_ITEM(args, kQ));
+    at::Tensor out;
+    if (out_given != nullptr) {
+      out = *out_given;
+    } else if (PyTuple_GET_ITEM(args, kOut) != Py_None) {
+      out = THPVariable_Unpack(PyTuple_GET_ITEM(args, kOut));
+    } else {
+      out = at::empty_like(q);
+    }
+    data[kOutSlot()] = out.data_ptr();
+    bool want_lse = PyTuple_GET_ITEM(args, kReturnLse) == Py_True;
+    at::Tensor lse;
+    if (lse_given != nullptr) {
+      lse = *lse_given;
+    } else if (want_lse) {
+      lse = at::empty(record.lse_shape, q.options().dtype(at::kFloat));
+    }
+    if (lse.defined()) data[kLseSlot] = lse.data_ptr();
+
+    TVMFFIStreamHandle previous = nullptr;
+    bool on_cuda = record.device.device_type == kDLCUDA;
+    if (on_cuda) {
+      void* stream = reinterpret_cast<void*>(PyLong_AsVoidPtr(PyTuple_GET_ITEM(args, kStream)));
+      TVMFFIEnvSetStream(kDLCUDA, record.device.device_id, stream, &previous);
+    }
+    int failed = 0;
+    for (Launch& launch : record.launches) {
+      for (auto& [slot, tensor] : launch.patched) tensor->data = data[slot];
+      TVMFFIAny result{};
+      result.type_index = kTVMFFINone;
+      failed = TVMFFIFunctionCall(launch.handle, launch.packed.data(), static_cast<int32_t>(launch.packed.size()),
+                                  &result);
+      if (failed) break;
+      if (result.type_index >= kTVMFFIStaticObjectBegin) TVMFFIObjectDecRef(result.v_obj);
+    }
+    if (on_cuda) TVMFFIEnvSetStream(kDLCUDA, record.device.device_id, previous, nullptr);
+    if (failed) {
+      TVMFFIObjectHandle error = nullptr;
+      TVMFFIErrorMoveFromRaised(&error);
+      if (error != nullptr) TVMFFIObjectDecRef(error);
+      throw std::runtime_error(
+          "flashdecode's compiled host path: a kernel launch failed; set FLASHDECODE_HOST_PATH=0 to see the "
+          "error from the Python path");
+    }
+    if (want_lse && lse_given == nullptr) return py::make_tuple(out, lse);
+    return py::cast(out);
+  }
+
+  static constexpr int kOutSlot() { return kCallSlots - 1; }
+
+  size_t max_records_;
+  int64_t hits_ = 0;
+  std::unordered_map<Key, Record, KeyHash> records_;
+  Key key_;  // reused by run: no allocation on a hit
+};
+
+// A TVM-FFI function that records what it is called with, the CPU tests' stand-in for a kernel:
+// a tensor as its data pointer, an int as itself, a float as itself. When the last argument is a
+// float, it also fills its first argument (a contiguous float32 CPU tensor) with that value.
+std::vector<py::list>& recorded() {
+  static auto* calls = new std::vector<py::list>();  // never destroyed: Python objects outlive no GIL
+  return *calls;
+}
+
+int record_call(void*, const TVMFFIAny* args, int32_t count, TVMFFIAny* result) {
+  py::gil_scoped_acquire gil;
+  py::list call;
+  for (int32_t i = 0; i < count; ++i) {
+    const TVMFFIAny& arg = args[i];
+    if (arg.type_index == kTVMFFIDLTensorPtr) {
+      call.append(reinterpret_cast<uintptr_t>(static_cast<DLTensor*>(arg.v_ptr)->data));
+    } else if (arg.type_index == kTVMFFIFloat) {
+      call.append(arg.v_float64);
+    } else {
+      call.append(arg.v_int64);
+    }
+  }
+  if (count > 1 && args[count - 1].type_index == kTVMFFIFloat && args[0].type_index == kTVMFFIDLTensorPtr) {
+    DLTensor* tensor = static_cast<DLTensor*>(args[0].v_ptr);
+    int64_t elements = 1;
+    for (int32_t d = 0; d < tensor->ndim; ++d) elements *= tensor->shape[d];
+    float* data = static_cast<float*>(tensor->data);
+    for (int64_t e = 0; e < elements; ++e) data[e] = static_cast<float>(args[count - 1].v_float64);
+  }
+  recorded().push_back(call);
+  result->type_index = kTVMFFINone;
+  return 0;
+}
+
+void register_recorder() {
+  TVMFFIObjectHandle function = nullptr;
+  if (TVMFFIFunctionCreate(nullptr, record_call, nullptr, &function) != 0) return;
+  static const char name[] = "flashdecode.host_path.record";
+  TVMFFIByteArray bytes{name, sizeof(name) - 1};
+  TVMFFIFunctionSetGlobal(&bytes, function, 1);
+  TVMFFIObjectDecRef(function);
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.attr("CALL_SLOTS") = kCallSlots;
+  m.attr("LSE_SLOT") = kLseSlot;
+  m.attr("ARGUMENT_COUNT") = static_cast<int>(kArgCount);
+  register_recorder();
+  m.def("recorded_calls", [] {
+    py::list calls;
+    for (const py::list& call : recorded()) calls.append(call);
+    recorded().clear();
+    return calls;
+  }, "The calls the recorder (TVM-FFI global flashdecode.host_path.record) took since the last read.");
+  py::class_<HostPath>(m, "HostPath")
+      .def(py::init<size_t>())
+      .def_property_readonly("hits", &HostPath::hits)
+      .def("run", &HostPath::run)
+      .def("replay", &HostPath::replay)
+      .def("add", &HostPath::add)
+      .def("clear", &HostPath::clear)
+      .def("__len__", &HostPath::size);
+}

@@ -1,0 +1,216 @@
+"""The compiled host path: a repeat call validated, looked up and launched from C++ (``docs/design.md``,
+"Host path").
+
+On the H200 machine's host a plain call spent ~23-29 us in Python for 3-20 us of GPU work: ~4 us
+building its memo key, ~4 us allocating out, ~8 us per TileLang launch converting a dozen tensors
+for TVM-FFI. ``csrc/host_path.cpp`` keeps, per :class:`~flashdecode.DecodeContext`, a table from a
+call's metadata (every tensor's dtype, device, shape, strides and 16-byte alignment, every scalar,
+the stream) to a launch record: the kernels' TVM-FFI entry functions with DLTensor templates whose
+data pointers it patches per call. The first call of a metadata takes the Python path, which
+validates, plans, launches and then adds the record; later calls hash their metadata in C++ and
+launch from there.
+
+The extension is built on first use (about a minute; cached across processes, see ``_build``) and
+used only when
+
+* ``FLASHDECODE_HOST_PATH`` is not ``0``, TVM-FFI's headers and library are installed, and the
+  build works (``unavailable()`` says why not);
+* the backend can describe its launches as TVM-FFI calls (TileLang; Triton's launches stay in
+  Python), the call is not being captured in a CUDA graph, index values are not checked on the host;
+* the context's first record, replayed into scratch outputs, writes exactly what the Python path
+  wrote (else the context keeps the Python path: ``HostPath.off_because``).
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import pathlib
+import sys
+import threading
+
+import torch
+
+#: The call's tensors a launch argument may be, in the extension's slot order; then the lse.
+CALL_TENSORS = ("q", "k_cache", "v_cache", "k", "v", "rotary_cos", "rotary_sin", "cache_seqlens", "cache_batch_idx",
+                "cache_leftpad", "block_table", "alibi_slopes", "out")
+LSE_SLOT = len(CALL_TENSORS)
+CONSTANT = -1
+#: Records a HostPath holds before it starts again (each distinct call metadata is one).
+MAX_RECORDS = 1024
+SOURCE = pathlib.Path(__file__).parent / "csrc" / "host_path.cpp"
+
+
+class _Extension:
+    """The built extension module, or why there is none; built once per process, under a lock."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._module = None
+        self._error: str | None = None
+        self._tried = False
+
+    def load(self, verbose: bool = False):
+        """The module, building it if needed; None (``error`` says why) where it cannot be had."""
+        if self._tried:
+            return self._module
+        with self._lock:
+            if not self._tried:
+                try:
+                    self._module = _build(verbose)
+                except Exception as error:  # noqa: BLE001 - any build failure means: the Python path
+                    self._error = f"the extension did not build ({type(error).__name__}: {str(error)[-300:]})"
+                self._tried = True
+        return self._module
+
+    @property
+    def error(self) -> str | None:
+        return self._error
+
+
+EXTENSION = _Extension()
+
+
+def unavailable() -> str | None:
+    """Why calls cannot take the compiled host path in this process (None: they can). Builds the
+    extension on the first call."""
+    if os.environ.get("FLASHDECODE_HOST_PATH", "1") == "0":
+        return "FLASHDECODE_HOST_PATH=0"
+    try:
+        import tvm_ffi
+    except ImportError:
+        return "TVM-FFI is not installed (it comes with TileLang)"
+    if not (hasattr(tvm_ffi, "Function") and hasattr(tvm_ffi.Function, "__chandle__")):
+        return "this TVM-FFI's Function has no __chandle__()"
+    if EXTENSION.load() is None:
+        return EXTENSION.error
+    return None
+
+
+def _build(verbose: bool):
+    """Compile ``csrc/host_path.cpp`` against this torch and TVM-FFI (once: the library is cached
+    under ``FLASHDECODE_CACHE_DIR``, default ``~/.cache/flashdecode``, keyed by the source, Python
+    and torch) and import it. The compiler is called directly (``CXX``, default ``c++``): no ninja."""
+    import importlib.util
+    import subprocess
+    import sysconfig
+
+    import tvm_ffi
+    from torch.utils import cpp_extension
+
+    package = pathlib.Path(tvm_ffi.__file__).parent
+    includes = [*cpp_extension.include_paths(), sysconfig.get_paths()["include"], str(package / "include")]
+    dlpack = package / "3rdparty" / "dlpack" / "include"
+    if dlpack.is_dir():
+        includes.append(str(dlpack))
+    key = hashlib.sha256(SOURCE.read_bytes() + f"{sys.version}{torch.__version__}".encode()).hexdigest()[:12]
+    name = f"flashdecode_host_path_{key}"
+    cache = pathlib.Path(os.environ.get("FLASHDECODE_CACHE_DIR", pathlib.Path.home() / ".cache" / "flashdecode"))
+    library = cache / f"{name}{sysconfig.get_config_var('EXT_SUFFIX')}"
+    if not library.exists():
+        print("flashdecode: building the compiled host path (once per machine, about a minute)", file=sys.stderr)
+        cache.mkdir(parents=True, exist_ok=True)
+        defines = [f"-DTORCH_EXTENSION_NAME={name}",
+                   f"-D_GLIBCXX_USE_CXX11_ABI={int(getattr(torch._C, '_GLIBCXX_USE_CXX11_ABI', True))}"]
+        for field in ("COMPILER_TYPE", "STDLIB", "BUILD_ABI"):  # torch's pybind11 ABI, as its extensions use
+            value = getattr(torch._C, f"_PYBIND11_{field}", None)
+            if value:
+                defines.append(f'-DPYBIND11_{field}="{value}"')
+        libraries = [f"-L{path}" for path in cpp_extension.library_paths()] + [
+            "-lc10", "-ltorch", "-ltorch_cpu", "-ltorch_python", f"-L{package / 'lib'}", "-ltvm_ffi",
+            *(f"-Wl,-rpath,{path}" for path in (*cpp_extension.library_paths(), package / "lib"))]
+        partial = library.with_name(f"{library.name}.{os.getpid()}.partial")
+        command = [os.environ.get("CXX", "c++"), "-O2", "-shared", "-fPIC", "-std=c++17", *defines,
+                   *(f"-I{path}" for path in includes), str(SOURCE), "-o", str(partial), *libraries]
+        done = subprocess.run(command, capture_output=True, text=True)
+        if done.returncode != 0:
+            raise RuntimeError(f"{' '.join(command[:3])} ... failed: {done.stderr[-1500:]}")
+        os.replace(partial, library)  # atomic: processes building at once each finish whole
+    elif verbose:
+        print(f"flashdecode: host path from {library}", file=sys.stderr)
+    spec = importlib.util.spec_from_file_location(name, library)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+class HostPath:
+    """One context's launch records (``csrc/host_path.cpp``). ``run`` takes the call's arguments as
+    ``DecodeContext.run`` has them, then the context's stream."""
+
+    def __init__(self, module, max_records: int = MAX_RECORDS):
+        self._native = module.HostPath(max_records)
+        self.verified = False
+        self.off_because: str | None = None
+
+    def __len__(self) -> int:
+        """Records held."""
+        return len(self._native)
+
+    @property
+    def hits(self) -> int:
+        """Calls launched from a record."""
+        return self._native.hits
+
+    def run(self, call: tuple):
+        """out, or (out, lse), from the record of ``call``; None when there is none."""
+        return self._native.run(*call)
+
+    def add(self, call: tuple, launches, result: torch.Tensor, lse: torch.Tensor | None, lse_shape) -> bool:
+        """Record ``launches`` ([(TVM-FFI function, arguments)]) of ``call``, whose out is ``result``
+        and whose lse (when the caller asked for it) is ``lse``. Each tensor argument is matched to
+        the call tensor with its data pointer (held by the record where none has it; no record when
+        two have it). Returns whether the record was added."""
+        owners: dict[int, list[int]] = {}
+        tensors = dict(zip(CALL_TENSORS, _call_tensors(call)))
+        tensors["out"] = result
+        for slot, name in enumerate(CALL_TENSORS):
+            tensor = tensors[name]
+            if isinstance(tensor, torch.Tensor) and tensor.numel():
+                owners.setdefault(tensor.data_ptr(), []).append(slot)
+        if lse is not None:
+            owners.setdefault(lse.data_ptr(), []).append(LSE_SLOT)
+        specs = []
+        for function, arguments in launches:
+            slots = []
+            for argument in arguments:
+                slot = CONSTANT
+                if isinstance(argument, torch.Tensor) and argument.numel():
+                    found = owners.get(argument.data_ptr(), [])
+                    if len(found) > 1:
+                        return False  # aliased call tensors: a record could not tell them apart
+                    slot = found[0] if found else CONSTANT
+                slots.append(slot)
+            specs.append((function, list(arguments), slots))
+        return bool(self._native.add(call, specs, list(lse_shape)))
+
+    def verify(self, call: tuple, result: torch.Tensor, lse: torch.Tensor | None) -> None:
+        """Replay the record of ``call`` into scratch outputs and compare with what the Python path
+        wrote (``result``, ``lse``); on any difference the host path stays off for this context.
+        Synchronizes the device: done once, for the context's first record."""
+        scratch = torch.full_like(result, 7.0)
+        scratch_lse = None if lse is None else torch.full_like(lse, 7.0)
+        try:
+            self._native.replay(call, scratch, scratch_lse)
+            same = torch.equal(scratch.nan_to_num(3.0), result.nan_to_num(3.0)) and (
+                lse is None or torch.equal(scratch_lse.nan_to_num(3.0), lse.nan_to_num(3.0)))
+        except Exception as error:  # noqa: BLE001 - a failing replay means: the Python path
+            self.off_because = f"the replay of the first record failed ({type(error).__name__}: {error})"
+        else:
+            if not same:
+                self.off_because = "the replay of the first record wrote other values than the Python path"
+        if self.off_because:
+            self._native.clear()
+        self.verified = True
+
+
+def _call_tensors(call: tuple) -> tuple:
+    """The call's tensor arguments in CALL_TENSORS order (out excluded): positions in ``call``."""
+    q, k_cache, v_cache, k, v, cos, sin, seqlens, batch_idx, leftpad, block_table = call[:11]
+    return (q, k_cache, v_cache, k, v, cos, sin, seqlens, batch_idx, leftpad, block_table, call[16])
+
+
+def for_device(device: torch.device) -> HostPath | None:
+    """A fresh HostPath for a context on ``device``, or None where calls cannot take it."""
+    if device.type != "cuda" or unavailable() is not None:
+        return None
+    return HostPath(EXTENSION.load())

@@ -1,0 +1,94 @@
+"""The compiled host path on the GPU (``flashdecode.host_path``): repeat calls of a metadata are
+launched from C++ and give the reference's result, for every kernel TileLang plans and every input
+the record patches (q, caches, pages, appended k/v, lengths, out, lse)."""
+import pytest
+import torch
+
+from flashdecode import DecodeContext, flash_attn_with_kvcache
+from flashdecode.cases import CASES_BY_NUMBER, VARIANTS, make_call
+from flashdecode.reference import reference_attention, relative_error
+
+pytestmark = pytest.mark.gpu
+TOLERANCE = 1e-2
+CALLS = 3  # the first records, the others take the host path
+
+
+@pytest.fixture(autouse=True)
+def needs_the_host_path():
+    pytest.importorskip("tilelang")
+    from flashdecode import host_path
+
+    reason = host_path.unavailable()
+    if reason is not None:
+        pytest.skip(f"host path unavailable: {reason}")
+
+
+@pytest.mark.parametrize("number, variant, extras", [
+    (3, "plain", {}),  # short-cache kernel
+    (10, "plain", {}),  # split + combine
+    (6, "plain", {"return_softmax_lse": True}),
+    (6, "plain", {"out": True}),
+    (5, "paged64", {}),
+    (7, "paged16", {}),
+    (6, "append", {}),
+    (4, "q4", {"return_softmax_lse": True}),
+    (10, "plain", {"cache_seqlens": 5000}),  # an int: the record holds the lengths tensor
+], ids=str)
+def test_repeat_calls_take_the_host_path(number, variant, extras):
+    context = DecodeContext()
+    for seed in range(CALLS):
+        call = make_call(CASES_BY_NUMBER[number], VARIANTS[variant], "cuda", seed=seed + 1)
+        arguments = call.kwargs()
+        if "cache_seqlens" in extras:
+            arguments["cache_seqlens"] = extras["cache_seqlens"]
+        expected_out, expected_lse = reference_attention(
+            call.q, call.k_cache.clone(), call.v_cache.clone(), **arguments)
+        out = torch.full_like(call.q, float("nan")) if extras.get("out") else None
+        result = flash_attn_with_kvcache(call.q, call.k_cache, call.v_cache, **arguments, backend="tilelang",
+                                         out=out, return_softmax_lse=extras.get("return_softmax_lse", False),
+                                         context=context)
+        got = result[0] if isinstance(result, tuple) else result
+        assert out is None or got is out
+        assert relative_error(got, expected_out) < TOLERANCE, f"call {seed}"
+        if isinstance(result, tuple):
+            torch.testing.assert_close(result[1], expected_lse, atol=1e-2, rtol=0)
+        if call.k is not None:  # the appended token landed in the cache
+            assert relative_error(call.k_cache, reference_attention_cache(call)) == 0
+    assert context.host_path is not None and context.host_path.off_because is None
+    assert context.host_path.hits == CALLS - 1
+
+
+def reference_attention_cache(call):
+    """The caches after ``call``'s append, by the reference (on copies)."""
+    k_cache = call.k_cache.clone()
+    reference_attention(call.q, k_cache, call.v_cache.clone(), **call.kwargs())
+    return k_cache
+
+
+def test_graph_capture_and_triton_stay_on_the_python_path():
+    context = DecodeContext()
+    call = make_call(CASES_BY_NUMBER[6], VARIANTS["plain"], "cuda")
+    for _ in range(2):
+        flash_attn_with_kvcache(call.q, call.k_cache, call.v_cache, **call.kwargs(), backend="triton",
+                                context=context)
+    assert context.host_path is not None and len(context.host_path) == 0
+    graph_context = DecodeContext()
+    flash_attn_with_kvcache(call.q, call.k_cache, call.v_cache, **call.kwargs(), backend="tilelang",
+                            context=graph_context)  # warm up outside capture (records, compiles)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = flash_attn_with_kvcache(call.q, call.k_cache, call.v_cache, **call.kwargs(), backend="tilelang",
+                                           context=graph_context)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert graph_context.host_path.hits == 0
+    expected, _ = reference_attention(call.q, call.k_cache, call.v_cache, **call.kwargs())
+    assert relative_error(captured, expected) < TOLERANCE
+
+
+def test_the_environment_turns_it_off(monkeypatch):
+    monkeypatch.setenv("FLASHDECODE_HOST_PATH", "0")
+    context = DecodeContext()
+    call = make_call(CASES_BY_NUMBER[3], VARIANTS["plain"], "cuda")
+    flash_attn_with_kvcache(call.q, call.k_cache, call.v_cache, **call.kwargs(), backend="tilelang", context=context)
+    assert context.host_path is None
