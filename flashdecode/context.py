@@ -184,8 +184,17 @@ class DecodeContext:
             window_size=(-1, -1), softcap=0.0, rotary_interleaved=True, alibi_slopes=None, num_splits=0,
             return_softmax_lse=False, backend="auto", out=None):
         """validate -> route -> launch; returns out (and lse (B, Hq, Sq) when asked for)."""
+        self._bind(q.device)
+        return self._run(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
+                         cache_leftpad, block_table, softmax_scale, causal, window_size, softcap, rotary_interleaved,
+                         alibi_slopes, num_splits, return_softmax_lse, backend, out)
+
+    def _run(self, q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad,
+             block_table, softmax_scale, causal, window_size, softcap, rotary_interleaved, alibi_slopes, num_splits,
+             return_softmax_lse, backend, out):
+        """``run`` on a context already bound to q's device and current stream (``default_context``
+        returns it so)."""
         device = q.device
-        self._bind(device)
         capturing = _capturing(device)  # buffers a graph records must be its own (fresh)
         host = None if capturing or value_checks_enabled() else self._host_path(device)
         if host is not None:
@@ -289,11 +298,13 @@ MAX_DEFAULT_CONTEXTS = 16
 
 
 def default_context(device: torch.device) -> DecodeContext:
-    """The context the plain call uses on this host thread, for ``device``'s current stream."""
+    """The context the plain call uses on this host thread, for ``device``'s current stream (bound
+    to both)."""
     key = (device, compat.current_stream_handle(_index(device))) if device.type == "cuda" else (device, 0)
     context = _defaults.table.get(key)
     if context is None:
         if len(_defaults.table) >= MAX_DEFAULT_CONTEXTS:
             _defaults.table.clear()
         context = _defaults.table[key] = DecodeContext(device)
+        context._bind(device)
     return context

@@ -49,18 +49,9 @@ struct KeyHash {
 
 // Appends what the record depends on of one argument; false for a type the path does not take.
 bool push_argument(Key& key, PyObject* object) {
+  // Cheap exact-type checks first: THPVariable_Check on a non-tensor goes through isinstance.
   if (object == Py_None) {
     key.push_back(-1);
-  } else if (THPVariable_Check(object)) {
-    const at::Tensor& tensor = THPVariable_Unpack(object);
-    key.push_back(1);
-    key.push_back(static_cast<int64_t>(tensor.scalar_type()));
-    key.push_back(static_cast<int64_t>(tensor.device().type()));
-    key.push_back(tensor.device().index());
-    key.push_back(tensor.dim());
-    for (int64_t size : tensor.sizes()) key.push_back(size);
-    for (int64_t stride : tensor.strides()) key.push_back(stride);
-    key.push_back(reinterpret_cast<uintptr_t>(tensor.data_ptr()) % 16 == 0);
   } else if (PyBool_Check(object)) {
     key.push_back(3);
     key.push_back(object == Py_True);
@@ -87,6 +78,16 @@ bool push_argument(Key& key, PyObject* object) {
       PyObject* item = PyTuple_GET_ITEM(object, i);
       if (!PyLong_CheckExact(item) || !push_argument(key, item)) return false;
     }
+  } else if (THPVariable_Check(object)) {
+    const at::Tensor& tensor = THPVariable_Unpack(object);
+    key.push_back(1);
+    key.push_back(static_cast<int64_t>(tensor.scalar_type()));
+    key.push_back(static_cast<int64_t>(tensor.device().type()));
+    key.push_back(tensor.device().index());
+    key.push_back(tensor.dim());
+    for (int64_t size : tensor.sizes()) key.push_back(size);
+    for (int64_t stride : tensor.strides()) key.push_back(stride);
+    key.push_back(reinterpret_cast<uintptr_t>(tensor.data_ptr()) % 16 == 0);
   } else {
     return false;
   }
@@ -237,7 +238,7 @@ class HostPath {
     void* data[kSlots] = {};
     for (int slot = 0; slot < kCallSlots; ++slot) {
       PyObject* object = PyTuple_GET_ITEM(args, kSlotPositions[slot]);
-      if (THPVariable_Check(object)) data[slot] = THPVariable_Unpack(object).data_ptr();
+      if (object != Py_None && THPVariable_Check(object)) data[slot] = THPVariable_Unpack(object).data_ptr();
     }
     const at::Tensor& q = THPVariable_Unpack(PyTuple_GET_ITEM(args, kQ));
     at::Tensor out;
