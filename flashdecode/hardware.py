@@ -36,8 +36,9 @@ class Tuning:
     #: Caches of at most this many KV blocks are never split: a combine costs more than it saves.
     split_above_blocks: int = 8
     #: Unsplit caches of at most this many tiles take a backend's short-cache kernel (3 tiles: 16%
-    #: faster than the pipeline on case 5; 6 tiles: 9% slower on case 6).
-    short_cache_max_blocks: int = 3
+    #: faster than the pipeline on case 5; 6 tiles: 9% slower on case 6; 4: paged caches of one
+    #: 256-token page holding 1-141 tokens 1.4-2.2x faster, contiguous cases 1-6 unchanged).
+    short_cache_max_blocks: int = 4
     #: ``auto``'s order: each backend with the largest cache (K and V bytes at capacity) it is
     #: chosen for (None: any). TileLang below 256 MiB: above, Triton's split kernel took 3-9% less GPU
     #: time and its host time hid behind the GPU work (cases 7, 9, 11, 12).

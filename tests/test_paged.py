@@ -20,7 +20,7 @@ from flashdecode.kernels.base import BackendError
 from flashdecode.reference import reference_attention, relative_error
 
 DEVICE = "cuda" if HAS_CUDA else "cpu"
-PAGE_SIZES = (1, 2, 16, 64, 128, 256)
+PAGE_SIZES = (1, 2, 16, 32, 64, 128, 256)
 BATCH, SPARE_PAGES = 4, 3
 
 
@@ -42,6 +42,7 @@ VARIANTS = {
     "plain": Variant(num_splits=3),
     "append": Variant(seqlen_q=3, seqlen_new=3, rotary=True, causal=True),
     "extras": Variant(seqlen_q=2, window_size=(24, 0), softcap=30.0, alibi=True, num_splits=2),
+    "serving": Variant(seqlen_q=2, seqlen_new=2, causal=True, softcap=30.0),  # all of it TileLang takes
 }
 
 

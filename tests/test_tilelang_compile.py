@@ -89,9 +89,9 @@ def test_register_split_moves_the_producers_share_to_the_consumer(resident, expe
 
 
 def test_plans_name_the_kernels_the_backend_runs():
-    """Up to 3 tiles of 64 and nothing split: short cache; up to 8: single pass; above: split."""
-    for capacity, num_splits, kernel in [(1, 0, SHORT_CACHE), (64, 3, SINGLE_PASS), (192, 0, SHORT_CACHE),
-                                         (192, 3, SPLIT), (193, 0, SINGLE_PASS), (600, 0, SPLIT)]:
+    """Up to 4 tiles of 64 and nothing split: short cache; up to 8: single pass; above: split."""
+    for capacity, num_splits, kernel in [(1, 0, SHORT_CACHE), (64, 3, SINGLE_PASS), (256, 0, SHORT_CACHE),
+                                         (256, 3, SPLIT), (257, 0, SINGLE_PASS), (600, 0, SPLIT)]:
         assert plan(problem_of(capacity=capacity), H200, BACKEND, num_splits).kernel == kernel
 
 
@@ -114,20 +114,15 @@ def test_problem_limitation_names_what_is_missing(problem, needs):
     assert reason == needs if needs is None else needs in reason
 
 
-@needs_nvcc
-def test_paged_tiles_never_cross_a_page():
-    assert BACKEND.default_config(problem_of(page_size=16), H200, SPLIT).block_n == 16
-    assert BACKEND.default_config(problem_of(page_size=256), H200, SPLIT).block_n == 64
-    assert BACKEND.default_config(problem_of(page_size=32), H200, SHORT_CACHE).block_n == 32
-
-
-def test_pages_of_16_never_take_the_short_cache_kernel():
-    """Its 16-row tile over 4 warps needs 32-token tiles (TileLang finds no warp partition for 16)."""
-    problem = problem_of(page_size=16, capacity=64)
-    assert SHORT_CACHE not in BACKEND.kernels(problem)
-    assert plan(problem, H200, BACKEND).kernel == SINGLE_PASS
-    with pytest.raises(ValueError, match="kernel must be one of"):
-        BACKEND.default_config(problem, H200, SHORT_CACHE)
+def test_paged_tiles_keep_their_size_whatever_the_page():
+    """A tile lies within one page of 64 or more tokens, or gathers whole pages of 16 and 32."""
+    for page_size in (16, 32, 64, 256):
+        assert BACKEND.default_config(problem_of(page_size=page_size), H200, SPLIT).block_n == 64
+        assert BACKEND.default_config(problem_of(page_size=page_size, capacity=64), H200, SHORT_CACHE).block_n == 64
+    assert plan(problem_of(page_size=16, capacity=64), H200, BACKEND).kernel == SHORT_CACHE
+    # appended tokens: the split kernel's tiles stay within a page (its gathered tail compiled for minutes)
+    assert BACKEND.default_config(problem_of(page_size=16, seqlen_new=1), H200, SPLIT).block_n == 16
+    assert BACKEND.default_config(problem_of(page_size=16, seqlen_new=1, capacity=64), H200, SHORT_CACHE).block_n == 64
 
 
 def test_limitation_needs_a_hopper_gpu_on_cpu():
@@ -241,6 +236,8 @@ def test_fast_entry_and_public_call_compute_the_same():
 FEATURES = {  # name: (problem, the text its split kernel's source must have)
     "paged": (problem_of(page_size=256), "BlockTable"),
     "paged-16": (problem_of(page_size=16), "BlockTable"),
+    "paged-32-fp16-d64": (problem_of(dtype="float16", head_dim=64, page_size=32), "BlockTable"),
+    "paged-16-d256": (problem_of(head_dim=256, page_size=16), "BlockTable"),
     "seqlen_q-causal": (problem_of(seqlen_q=4, window_right=0), "window_right"),
     "window": (problem_of(window_left=100), "window_left"),
     "softcap": (problem_of(softcap=True), "tanhf"),
@@ -259,9 +256,12 @@ def test_feature_kernels_compile_for_sm90a(name):
     source = split.get_kernel_source()
     assert "tma_load" in source and "wgmma" in source and ONE_WARP_LOOP in source and marker in source
     assert "decode_combine" in compiled_source("combine", problem)
-    if name != "paged-16":  # the same short-cache code as "paged"
-        short = BACKEND.default_config(problem, H200, SHORT_CACHE)
-        assert marker in compiled_source(SHORT_CACHE, problem, short)
+    short = BACKEND.default_config(problem, H200, SHORT_CACHE)
+    assert marker in compiled_source(SHORT_CACHE, problem, short)
+    if problem.paged:  # K and V: one TMA load per tile, or per page and 128-byte column chunk of a gathered one
+        pages = config.block_n // problem.page_size
+        chunks = problem.headdim * problem.element_bytes // 128
+        assert source.count("tl::tma_load(") == (2 * pages * chunks if pages > 1 else 2)
 
 
 def test_feature_parameters_follow_the_plain_ones_in_launch_order():
@@ -293,6 +293,9 @@ GPU_CASES = {
     "softcap": (Problem(3, 1000, 32, 4, 128, "bfloat16", softcap=True), {"softcap": 30.0}),
     "append": (Problem(3, 1000, 32, 4, 128, "bfloat16", seqlen_q=2, seqlen_new=2), {}),
     "short-append-paged": (Problem(3, 128, 32, 4, 128, "bfloat16", page_size=64, seqlen_new=3), {}),
+    "short-append-paged-16": (Problem(3, 128, 32, 4, 128, "bfloat16", page_size=16, seqlen_new=3), {}),
+    "causal-paged-16-d256": (Problem(3, 1000 // 16 * 16, 32, 4, 256, "bfloat16", seqlen_q=4, page_size=16,
+                                     window_right=0), {"causal": True}),
     "all": (Problem(3, 1024, 32, 4, 128, "bfloat16", seqlen_q=4, page_size=64, seqlen_new=4, window_left=200,
                     window_right=0, softcap=True), {"causal": True, "window_size": (200, 0), "softcap": 30.0}),
 }

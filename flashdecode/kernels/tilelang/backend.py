@@ -32,11 +32,9 @@ MIN_BLOCK_M = {SPLIT: 64, SINGLE_PASS: 64, SHORT_CACHE: 16}
 FEATURES = frozenset(("seqlen_q>1", "paged", "append", "causal", "window", "softcap"))
 #: Most query positions per call (the q tile holds seqlen_q * group <= MAX_Q_ROWS rows).
 MAX_SEQLEN_Q = 16
-#: Fewest tokens per page: a tile never crosses a page, and 16 is the smallest tile the matrix units take.
+#: Fewest tokens per page: a tile gathers whole pages with one TMA load per page (and 128-byte column
+#: chunk), and a load of fewer than 16 rows would make tiles of many tiny loads.
 MIN_PAGE_SIZE = 16
-#: Fewest tokens per tile of the short-cache kernel: its 16-row q tile spread over 4 warps needs at
-#: least 32 key columns (8 per warp); pages of 16 take the split kernel instead.
-MIN_SHORT_CACHE_BLOCK_N = 32
 #: Compiled kernels a backend keeps (least recently used dropped first), and launch lists it memoizes.
 MAX_COMPILED, MAX_LAUNCHES = 128, 1024
 
@@ -93,17 +91,18 @@ class TileLangBackend(Backend):
         return problem_limitation(problem)
 
     def kernels(self, problem) -> frozenset[str]:
-        if problem.paged and problem.page_size < MIN_SHORT_CACHE_BLOCK_N:  # tiles never cross a page
-            return frozenset((SINGLE_PASS, SPLIT))
         return frozenset((SHORT_CACHE, SINGLE_PASS, SPLIT))
 
     def default_config(self, problem, profile, kernel: str):
         """Split and single pass: ``block_n`` from the shared-memory rule, 2 stages, 64 q rows,
         producer registers 24, combine step 16; short cache: the same ``block_n``, 16 q rows, no loop
-        when the capacity fits one tile."""
+        when the capacity fits one tile. Paged caches keep that ``block_n``: a tile lies within one
+        larger page or gathers several smaller ones (``features.py``), except in the split kernel
+        with appended tokens, whose tiles stay within a page (TileLang took 3 minutes and more to
+        compile its gathered tail)."""
         block_n = occupancy.largest_block_n(problem, profile)
-        if problem.paged:
-            block_n = min(block_n, problem.page_size)  # a tile never crosses a page
+        if problem.paged and problem.seqlen_new and kernel != SHORT_CACHE:
+            block_n = min(block_n, problem.page_size)
         if kernel not in self.kernels(problem):
             raise ValueError(f"kernel must be one of {sorted(self.kernels(problem))} for backend 'tilelang', "
                              f"got {kernel!r}")

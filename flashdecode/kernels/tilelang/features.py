@@ -7,12 +7,13 @@ is off, which drops the parameter), and expression builders the kernel bodies ca
 feature off each builder returns the plain kernel's own expression (``x + 0`` folds to ``x``), so
 the plain kernels stay byte-identical.
 
-Paged KV: a tile never crosses a page (``block_n <= page_size``; the default config takes
-``block_n = min(shared-memory rule, page_size)``), so the split kernel's TMA load indexes one page
-and the pipeline is unchanged. Pages under 64 tokens mean smaller tiles (more, shorter TMA loads and
-softmax steps per key); gathering 64 rows from several pages would need the all-threads loader of
-the last tile instead of TMA for every tile. Block ids are clamped into the pages for the reads and
-a program that meets a bad one writes NaN rows.
+Paged KV: a tile of ``block_n`` tokens lies within one page, or (pages smaller than a tile) gathers
+``block_n / page_size`` whole pages, so the tile size and the pipeline do not depend on the page
+size. The split kernel's TMA loads then index one page each, per 128-byte column chunk of the
+swizzled shared tile (``Features.tile_parts``): tiles of 16 tokens measured 13-117% slower than the
+contiguous cache (``docs/design.md``, "Measured choices"). The split kernel with appended tokens keeps tiles
+within a page (the backend's default config): TileLang took minutes to compile its gathered tail.
+Block ids are clamped into the pages for the reads and a program that meets a bad one writes NaN rows.
 """
 import tilelang.language as T
 
@@ -31,9 +32,12 @@ class Features:
         self.seqlen_q, self.group, self.page_size = shape.seqlen_q, shape.group, shape.page_size
         self.q_rows = shape.q_rows
         self.block_n = block_n
-        if shape.page_size and block_n > shape.page_size:
-            raise ValueError(f"block_n must be at most the page size {shape.page_size} (a tile never crosses a "
-                             f"page), got {block_n}")
+        self.head_dim, self.element_bytes = shape.headdim, shape.element_bytes
+        if shape.page_size and max(block_n, shape.page_size) % min(block_n, shape.page_size):
+            raise ValueError(f"block_n must divide the page size {shape.page_size} or be a multiple of it "
+                             f"(a tile holds whole pages or part of one), got {block_n}")
+        #: Pages one K/V tile gathers (one TMA load each); 1 when a tile lies within a page.
+        self.pages_per_tile = max(1, block_n // shape.page_size) if shape.page_size else 1
         self.paged, self.append = shape.paged, shape.append
         self.windowed = shape.windowed
         #: Appended tokens per sequence: k/v's dimension 1 (0 without).
@@ -128,11 +132,21 @@ class Features:
 
     def tile(self, cache, BlockTable, b, kb, h):
         """Tile kb of sequence b's keys of KV head h in the cache, as a region TMA can load: in the
-        contiguous cache, or within the tile's page."""
+        contiguous cache, or within the tile's page (``tile_parts`` when a tile gathers pages)."""
         if not self.paged:
             return cache[b, kb * self.block_n:(kb + 1) * self.block_n, h, :]
         offset = kb * self.block_n % self.page_size
         return cache[page_of(self, BlockTable, b, kb * self.block_n), offset:offset + self.block_n, h, :]
+
+    def tile_parts(self, cache, BlockTable, b, kb, h, tile):
+        """(source, destination) regions of the TMA loads that gather tile kb from pages smaller than
+        a tile into shared ``tile``: per page, per 128-byte column chunk, as the swizzled shared
+        layout stores a tile (chunk-major, so a page's rows of one chunk are contiguous there).
+        A Python list: the loads are unrolled as the kernel is traced."""
+        rows, width = self.page_size, min(self.head_dim, 128 // self.element_bytes)
+        return [(cache[page_of(self, BlockTable, b, kb * self.block_n + p * rows), 0:rows, h, c:c + width],
+                 tile[p * rows:(p + 1) * rows, c:c + width])
+                for p in range(self.pages_per_tile) for c in range(0, self.head_dim, width)]
 
     def source(self, KNew, VNew, BlockTable, cached):
         """Where ``load_tile`` reads keys (pages, appended tokens), or None for a contiguous cache."""
@@ -191,8 +205,15 @@ class _TileSource:
     def __init__(self, features, KNew, VNew, BlockTable, cached):
         self.features, self.KNew, self.VNew, self.BlockTable, self.cached = features, KNew, VNew, BlockTable, cached
 
+    def parts(self, block_n):
+        """(first row, rows) of the parts of a tile that each lie within one page: a Python list (the
+        loads unroll as the kernel is traced), so each part reads its page's id once, outside its
+        loop over rows (an id read per row made TileLang's vectorizer search for minutes)."""
+        rows = block_n // self.features.pages_per_tile
+        return [(part * rows, rows) for part in range(self.features.pages_per_tile)]
+
     def page(self, b, base):
-        """The page of the tile starting at key ``base`` (0 for a contiguous cache)."""
+        """The page of the part starting at key ``base`` (0 for a contiguous cache)."""
         return page_of(self.features, self.BlockTable, b, base) if self.features.paged else 0
 
     def key(self, K, b, page, base, j, h, d):

@@ -142,8 +142,14 @@ def split_kernel(shape, config, can_split: bool, blocks_per_sm: int, register_sp
                               f.num_pages, counts))
 
             for kb in T.Pipelined(blk_lo, full_hi, num_stages=num_stages):
-                T.copy(f.tile(K, BlockTable, b, kb, h), k_s)
-                T.copy(f.tile(V, BlockTable, b, kb, h), v_s)
+                if f.pages_per_tile == 1:
+                    T.copy(f.tile(K, BlockTable, b, kb, h), k_s)
+                    T.copy(f.tile(V, BlockTable, b, kb, h), v_s)
+                else:  # pages smaller than a tile: one TMA load per page and column chunk
+                    for source, destination in f.tile_parts(K, BlockTable, b, kb, h, k_s):
+                        T.copy(source, destination)
+                    for source, destination in f.tile_parts(V, BlockTable, b, kb, h, v_s):
+                        T.copy(source, destination)
                 attend(q_s, k_s, v_s, s_f, p_f, o_f, m_f, l_f, m_prev, alpha, rsum, scale, block_n,
                        f.mask(kb * block_n, seqlen))
 

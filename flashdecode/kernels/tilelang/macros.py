@@ -160,12 +160,15 @@ def _load_macros(rows, block_n, head_dim, features, dtype):
             for j, d in T.Parallel(block_n, head_dim):
                 k_s[j, d] = T.if_then_else(base + j < seqlen, K[b, base + j, h, d], T.cast(0, dtype))
                 v_s[j, d] = T.if_then_else(base + j < seqlen, V[b, base + j, h, d], T.cast(0, dtype))
-        else:
-            page = source.page(b, base)
-            for j, d in T.Parallel(block_n, head_dim):
-                k_s[j, d] = T.if_then_else(base + j < seqlen, source.key(K, b, page, base, j, h, d), T.cast(0, dtype))
-                v_s[j, d] = T.if_then_else(base + j < seqlen, source.value(V, b, page, base, j, h, d),
-                                           T.cast(0, dtype))
+        else:  # one part per page of the tile (the whole tile unless it gathers pages)
+            for offset, rows in source.parts(block_n):
+                page = source.page(b, base + offset)
+                for j, d in T.Parallel(rows, head_dim):
+                    k_s[offset + j, d] = T.if_then_else(base + offset + j < seqlen,
+                                                        source.key(K, b, page, base + offset, j, h, d), T.cast(0, dtype))
+                    v_s[offset + j, d] = T.if_then_else(base + offset + j < seqlen,
+                                                        source.value(V, b, page, base + offset, j, h, d),
+                                                        T.cast(0, dtype))
 
     return load_q, load_tile
 
