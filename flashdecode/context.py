@@ -111,6 +111,8 @@ class DecodeContext:
         stream = compat.current_stream_handle(_index(device)) if device.type == "cuda" else 0
         if self.device is None:
             self.device = device
+        elif self.device.type == "cuda" and self.device.index is None:  # "cuda": the current device
+            self.device = torch.device("cuda", _index(self.device))
         if self._stream is None:
             self._stream = stream
         if device != self.device:

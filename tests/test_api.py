@@ -143,3 +143,14 @@ def test_torch_compile_fullgraph(backend):
     for a, b in zip(got, expected):
         torch.testing.assert_close(a, b, atol=2e-3, rtol=2e-3)
     assert torch.equal(k_cache, expected_k) and torch.equal(v_cache, expected_v)
+
+
+@pytest.mark.gpu
+def test_a_context_made_for_cuda_takes_the_current_device():
+    """DecodeContext("cuda") serves tensors on the current CUDA device (whose name carries an index)."""
+    q = torch.randn(2, 1, 8, 64, dtype=torch.float16, device="cuda")
+    k, v = (torch.randn(2, 40, 2, 64, dtype=torch.float16, device="cuda") for _ in range(2))
+    context = DecodeContext("cuda")
+    out = flash_attn_with_kvcache(q, k, v, backend="triton", context=context)
+    assert torch.allclose(out.float(), reference_attention(q, k, v)[0].float(), atol=2e-2)
+    assert context.device == torch.device("cuda", torch.cuda.current_device())
