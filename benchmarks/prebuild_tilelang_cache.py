@@ -7,7 +7,7 @@ benchmarks/device.sh) saves the ~15-20 s per kernel the GPU machine would spend 
 the session's device time. A cache entry that does not load there is treated by TileLang as a miss
 and rebuilt.
 
-Usage: python benchmarks/prebuild_tilelang_cache.py [--stages 2,3 --q-rows 64,16 --block-n 32]
+Usage: python benchmarks/prebuild_tilelang_cache.py [--stages 2,3 --q-rows 64,16 --block-n 32] [--shard I/N]
 (about 10 s per kernel on 2 cores; the default builds the shipped configs, a list builds sweep
 variants of the split kernel's config)
 """
@@ -59,16 +59,25 @@ def calls(backend, with_tests: bool):
             for batch, capacity in itertools.product((1, 40), test_gpu.RANDOM_CAPACITIES + [70000]):
                 problems.append(Problem(batch, capacity, nheads_k * group, nheads_k, headdim,
                                         str(dtype).removeprefix("torch.")))
-        import test_paged  # the paged tests' plain calls (TileLang takes no other of their variants)
+        import test_paged  # the paged tests' calls TileLang takes
 
-        for page_size, dtype in itertools.product(test_paged.PAGE_SIZES, (torch.float16, torch.bfloat16)):
-            call = test_paged.paged_call(page_size, test_paged.VARIANTS["plain"], test_paged.GPU_SHAPE, dtype, 0)
+        for page_size, dtype, variant in itertools.product(test_paged.PAGE_SIZES, (torch.float16, torch.bfloat16),
+                                                           test_paged.VARIANTS.values()):
+            call = test_paged.paged_call(page_size, variant, test_paged.GPU_SHAPE, dtype, 0)
             problem = problem_of_call(**call)
             if problem_limitation(problem) is None:
                 problems.append(problem)
     for problem in problems:
         for num_splits in (0, 2, 3):
             yield problem, planner.plan(problem, H200, backend, num_splits)
+    if with_tests:  # the TileLang part of FlashAttention's grid (test_fa_kvcache's sample of it)
+        import fa_grid
+        import test_fa_kvcache
+
+        for combo in test_fa_kvcache.TILELANG_COMBOS:
+            problem = fa_grid.problem_of(combo)
+            if problem_limitation(problem) is None:
+                yield problem, planner.plan(problem, H200, backend, combo.num_splits)
 
 
 def problem_of_call(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None, cache_seqlens=None,
@@ -88,7 +97,9 @@ def main():
     parser.add_argument("--block-n", default="", help="SplitConfig.block_n (default: the shipped one)")
     parser.add_argument("--with-tests", action="store_true",
                         help="also the GPU tests' kernels (always, when no variant is given)")
+    parser.add_argument("--shard", default="0/1", help="I/N: build every N-th kernel from the I-th (N processes)")
     args = parser.parse_args()
+    shard, shards = (int(part) for part in args.shard.split("/"))
     backend = TileLangBackend()
     knobs = [(field, [int(value) for value in values.split(",")])
              for field, values in (("num_stages", args.stages), ("block_m", args.q_rows), ("block_n", args.block_n))
@@ -109,6 +120,8 @@ def main():
                 if key in seen:
                     continue
                 seen.add(key)
+                if len(seen) % shards != shard:
+                    continue
                 backend.compiled(kernel, problem, config, H200, SM90A)
                 print("built", key, flush=True)
     print(f"{len(seen)} kernels in {os.environ['TILELANG_CACHE_DIR']}")

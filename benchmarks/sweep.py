@@ -3,7 +3,8 @@ and tile configs, timed from a CUDA graph (cold L2) and checked against the refe
 
 Variants are values given to a ``DecodeContext(tuning=..., config=...)``; nothing is reassigned.
 Usage: python benchmarks/sweep.py --backend tilelang,triton --ppsm 2,3,4 --block-n 32,64
-       [--tl-stages 2,3 --tl-rows 64,16 --tl-producer-regs 24,0] [--cases 7,12] [--log FILE]
+       [--tl-stages 2,3 --tl-rows 64,16 --tl-producer-regs 24,0] [--cases 7,12] [--variant plain,paged256]
+       [--log FILE]
 """
 import argparse
 import dataclasses
@@ -12,11 +13,11 @@ import json
 
 import torch
 
-from flashdecode import DecodeContext, flash_decode_with_kvcache, plan_for
+from flashdecode import DecodeContext, flash_attn_with_kvcache, plan_for
 from flashdecode.bench.timing import Timer
-from flashdecode.cases import CASES, bytes_read, make_inputs
+from flashdecode.cases import CASES, VARIANTS, make_call
 from flashdecode.hardware import current
-from flashdecode.reference import reference_decode, relative_error
+from flashdecode.reference import reference_attention, relative_error
 
 
 def values(text):
@@ -30,33 +31,35 @@ def main():
                  "--tl-producer-regs"):
         parser.add_argument(flag, default="", help="comma list (default: the measured value)")
     parser.add_argument("--cases", default="")
+    parser.add_argument("--variant", default="plain", help="comma list of cases.VARIANTS (default: plain)")
     parser.add_argument("--log", default=None)
     args = parser.parse_args()
     numbers = [int(c) for c in args.cases.split(",")] if args.cases else [c.number for c in CASES]
     timer = Timer(torch.device("cuda"), iters=50, warmup=5)
     base = current().tuning
     rows = []
-    for case in (c for c in CASES if c.number in numbers):
-        q, k, v, seqlens = make_inputs(case, device="cuda")
-        expected = reference_decode(q, k, v, seqlens)[0]
-        nbytes = bytes_read(seqlens.tolist(), case.nheads_k, case.nheads)
+    for case, variant in itertools.product((c for c in CASES if c.number in numbers), args.variant.split(",")):
+        inputs = make_call(case, VARIANTS[variant], device="cuda")
+        expected = reference_attention(inputs.q, inputs.k_cache, inputs.v_cache, **inputs.kwargs())[0]
+        nbytes = inputs.bytes_moved()
         for backend, ppsm, min_chunk, short_max, block_n, stages, q_rows, producer in itertools.product(
                 args.backend.split(","), *(values(getattr(args, name)) for name in (
                     "ppsm", "min_chunk", "short_max_blocks", "block_n", "tl_stages", "tl_rows", "tl_producer_regs"))):
             tuning = dataclasses.replace(base, **{name: value for name, value in (
                 ("programs_per_multiprocessor", ppsm), ("min_blocks_per_split", min_chunk),
                 ("short_cache_max_blocks", short_max)) if value is not None})
-            default = plan_for(q, k, v, cache_seqlens=seqlens, backend=backend,
+            default = plan_for(inputs.q, inputs.k_cache, inputs.v_cache, **inputs.kwargs(), backend=backend,
                                context=DecodeContext("cuda", tuning=tuning)).plan.config
             changes = {name: value for name, value in (("block_n", block_n), ("num_stages", stages),
                                                        ("block_m", q_rows), ("producer_registers", producer))
                        if value is not None and hasattr(default, name)}
-            row = dict(case=case.number, backend=backend, tuning=dataclasses.asdict(tuning), config=changes)
+            row = dict(case=case.number, variant=variant, backend=backend, tuning=dataclasses.asdict(tuning), config=changes)
             try:  # a combination the compiler rejects is logged, the sweep goes on
                 context = DecodeContext("cuda", tuning=tuning, config=dataclasses.replace(default, **changes))
 
                 def call():
-                    return flash_decode_with_kvcache(q, k, v, seqlens, backend=backend, context=context)
+                    return flash_attn_with_kvcache(inputs.q, inputs.k_cache, inputs.v_cache, **inputs.kwargs(),
+                                                   backend=backend, context=context)
 
                 error = relative_error(call(), expected)
                 timing, graph_out = timer.time_graph(call)

@@ -27,6 +27,7 @@ import zlib
 import pytest
 import torch
 
+from flashdecode.problem import ALIBI_PER_SEQUENCE, Problem
 from flashdecode.reference import apply_rotary, attention_ref
 
 SEQLEN_PAIRS = ((1, 128), (1, 339), (3, 1024), (64, 800), (64, 256), (3, 799), (64, 2048), (16, 20000),
@@ -120,11 +121,12 @@ def full_grid(dtypes=AXES["dtype"], max_seqlen_k=None) -> list[Combo]:
     return [combo for combo in combos if skip_reason(combo) is None]
 
 
-def sample(count, seed, dtypes=AXES["dtype"], max_seqlen_k=None, pool=16) -> list[Combo]:
+def sample(count, seed, dtypes=AXES["dtype"], max_seqlen_k=None, pool=16, restrict=None) -> list[Combo]:
     """``count`` distinct combos, deterministic for ``seed``, stratified over pairs of features:
     each pick is the one of ``pool`` random runnable combos whose (axis=value, axis=value) pairs
-    have been seen least, so every value (and nearly every pair of values) appears evenly."""
-    axes = _axes(dtypes, max_seqlen_k)
+    have been seen least, so every value (and nearly every pair of values) appears evenly.
+    ``restrict``: {axis: values} drawn from instead of the grid's (a backend's part of the grid)."""
+    axes = {**_axes(dtypes, max_seqlen_k), **(restrict or {})}
     rng = random.Random(seed)
     pair_counts = collections.Counter()
     chosen = {}
@@ -147,6 +149,26 @@ def sample(count, seed, dtypes=AXES["dtype"], max_seqlen_k=None, pool=16) -> lis
         pair_counts.update(pairs)
         chosen[best] = None
     return list(chosen)
+
+
+def problem_of(combo: Combo) -> Problem:
+    """The Problem the public call validates from ``make_case(combo).call``, without drawing the
+    inputs (the prebuild script compiles the TileLang kernels of a sample from it). Only the kernel
+    shape is exact for appended tokens: ``seqlen_new`` is 1 where the combo draws it."""
+    seqlen_q, seqlen_k = combo.seqlens
+    pages = math.ceil(seqlen_k / combo.paged_kv_block_size) * 3 if combo.paged_kv_block_size else 0
+    left, right = (1, 1) if combo.local else (-1, -1)  # drawn in [0, seqlen_k): they always bind
+    if combo.causal:
+        right = 0
+    if seqlen_q == 1:
+        right = -1
+    return Problem(BATCH, pages * combo.paged_kv_block_size if pages else seqlen_k, NHEADS, NHEADS_K[combo.mha_type],
+                   combo.d, combo.dtype, seqlen_q=seqlen_q, page_size=combo.paged_kv_block_size or 0,
+                   seqlen_new=int(combo.new_kv), rotary_dim=int(combo.rotary_fraction * combo.d) // 16 * 16
+                   if combo.new_kv else 0, rotary_interleaved=combo.rotary_interleaved and combo.new_kv
+                   and combo.rotary_fraction > 0, window_left=left, window_right=right,
+                   alibi=ALIBI_PER_SEQUENCE if combo.alibi else 0, leftpad=combo.has_leftpad,
+                   batch_idx=combo.has_batch_idx)
 
 
 def padding_mask(seqlen_k, ends, leftpads=None):

@@ -9,6 +9,7 @@ FLASHDECODE_FA_GRID="sample" (default: 2000 combos stratified over pairs of feat
 raises BackendError: that combo is skipped with its message. With FLASHDECODE_FA_GRID_REPORT=PATH,
 pass/fail/skip counts per tier, backend, dtype and feature are written there as JSON.
 """
+import dataclasses
 import os
 
 import pytest
@@ -25,6 +26,14 @@ if GRID_SIZE not in ("sample", "full") and not GRID_SIZE.isdigit():
     raise ValueError(f"FLASHDECODE_FA_GRID must be 'sample', 'full' or a number of sampled combos, got {GRID_SIZE!r}")
 GPU_COMBOS = fa_grid.full_grid() if GRID_SIZE == "full" else \
     fa_grid.sample(2000 if GRID_SIZE == "sample" else int(GRID_SIZE), seed=2025)
+#: The part of the grid the TileLang kernels implement (no rotary, ALiBi, cache_leftpad or
+#: cache_batch_idx; head dims 64, 128, 256); query rows over its q tile are still skipped. Its own
+#: sample (FLASHDECODE_FA_GRID_TILELANG combos, default 60), as the whole grid's sample holds few.
+TILELANG_AXES = {"d": (64, 128, 256), "alibi": (False,), "rotary_fraction": (0.0,), "rotary_interleaved": (False,),
+                 "has_leftpad": (False,), "has_batch_idx": (False,),
+                 "seqlens": tuple(pair for pair in fa_grid.SEQLEN_PAIRS if pair[0] <= 16)}
+TILELANG_COMBOS = fa_grid.sample(int(os.environ.get("FLASHDECODE_FA_GRID_TILELANG", "60")), seed=2026,
+                                 restrict=TILELANG_AXES)
 REPORT = fa_grid.GridReport()
 
 
@@ -62,6 +71,23 @@ def test_kvcache_grid_sample(backend, combo):
 @pytest.mark.parametrize("backend", ["triton", "tilelang"])
 def test_kvcache_grid_gpu(backend, combo):
     run("gpu", backend, combo)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("combo", TILELANG_COMBOS, ids=lambda combo: combo.id)
+def test_kvcache_grid_tilelang_part_gpu(combo):
+    run("gpu-tilelang-part", "tilelang", combo)
+
+
+@pytest.mark.parametrize("combo", CPU_COMBOS[:12], ids=lambda combo: combo.id)
+def test_problem_of_a_combo_is_what_the_call_validates(combo):
+    """``fa_grid.problem_of`` (the prebuild script's view of a combo) matches the validated call."""
+    call = {name: value for name, value in fa_grid.make_case(combo, "cpu").call.items()
+            if name != "return_softmax_lse"}
+    problem = flashdecode.plan_for(**call, backend="reference").problem
+    expected = fa_grid.problem_of(combo)
+    assert dataclasses.replace(problem, seqlen_new=min(problem.seqlen_new, 1), window_left=min(
+        problem.window_left, 1), window_right=min(problem.window_right, 1)) == expected
 
 
 def test_sample_covers_every_value_several_times():
