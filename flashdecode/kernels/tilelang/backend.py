@@ -35,6 +35,8 @@ MAX_SEQLEN_Q = 16
 #: Fewest tokens per page: a tile gathers whole pages with one TMA load per page (and 128-byte column
 #: chunk), and a load of fewer than 16 rows would make tiles of many tiny loads.
 MIN_PAGE_SIZE = 16
+#: The plan kernels it has, for every problem it takes (pages of any size included).
+PLAN_KERNELS = frozenset((SHORT_CACHE, SINGLE_PASS, SPLIT))
 #: Compiled kernels a backend keeps (least recently used dropped first), and launch lists it memoizes.
 MAX_COMPILED, MAX_LAUNCHES = 128, 1024
 
@@ -91,7 +93,7 @@ class TileLangBackend(Backend):
         return problem_limitation(problem)
 
     def kernels(self, problem) -> frozenset[str]:
-        return frozenset((SHORT_CACHE, SINGLE_PASS, SPLIT))
+        return PLAN_KERNELS
 
     def default_config(self, problem, profile, kernel: str):
         """Split and single pass: ``block_n`` from the shared-memory rule, 2 stages, 64 q rows,

@@ -11,7 +11,6 @@ from .config import CONSUMER_THREADS, SCAN_WIDTH, ShortCacheConfig, SplitConfig
 
 #: Most programs of one kernel ptxas is asked to fit on one multiprocessor (``__launch_bounds__``).
 MAX_RESIDENT_PROGRAMS = 4
-#: KV tile sizes, largest first (16 is the smallest the matrix units take).
 #: The shared-memory rule for ``block_n``: this many pipelined K/V stages of this many programs fit
 #: one multiprocessor.
 RULE_STAGES, RULE_PROGRAMS = 2, 2
