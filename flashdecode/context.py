@@ -222,7 +222,7 @@ class DecodeContext:
             alibi_slopes)
         chosen.launch(plan, problem, arguments)
         if host is not None and not host_checks:
-            self._record(host, call, chosen.ffi_launches(plan, problem, arguments), problem, result,
+            self._record(host, call, chosen.host_launches(plan, problem, arguments), problem, result,
                          lse if return_softmax_lse else None)
         return (result, lse) if return_softmax_lse else result
 
@@ -241,12 +241,13 @@ class DecodeContext:
 
     def _record(self, host, call, launches, problem, result, lse) -> None:
         """Give the host path the record of a call the Python path just launched; the context's first
-        record is replayed and compared before any call uses it (``HostPath.verify``)."""
+        record of each kind (TVM-FFI, CUDA launches) is replayed and compared before any call uses it
+        (``HostPath.verify``)."""
         if launches is None:
             return
         if host.add(call, launches, result, lse, (problem.batch, problem.nheads, problem.seqlen_q)) and \
-                not host.verified:
-            host.verify(call, result, lse)
+                host.needs_verify(launches):
+            host.verify(call, launches, result, lse)
             if host.off_because is not None:
                 self._host = None
 

@@ -1,24 +1,24 @@
 """The compiled host path: a repeat call validated, looked up and launched from C++ (``docs/design.md``,
 "Host path").
 
-On the H200 machine's host a plain call spent ~23-29 us in Python for 3-20 us of GPU work: ~4 us
-building its memo key, ~4 us allocating out, ~8 us per TileLang launch converting a dozen tensors
-for TVM-FFI. ``csrc/host_path.cpp`` keeps, per :class:`~flashdecode.DecodeContext`, a table from a
-call's metadata (every tensor's dtype, device, shape, strides and 16-byte alignment, every scalar,
-the stream) to a launch record: the kernels' TVM-FFI entry functions with DLTensor templates whose
-data pointers it patches per call. The first call of a metadata takes the Python path, which
-validates, plans, launches and then adds the record; later calls hash their metadata in C++ and
-launch from there.
+On the H200 machine's host a plain call spent ~23-29 us in Python for 3-20 us of GPU work with
+TileLang (~4 us building its memo key, ~4 us allocating out, ~8 us per launch converting a dozen
+tensors for TVM-FFI) and 42-113 us with Triton (its launcher's Python per launch).
+``csrc/host_path.cpp`` keeps, per :class:`~flashdecode.DecodeContext`, a table from a call's
+metadata (every tensor's dtype, device, shape, strides and 16-byte alignment, every scalar, the
+stream) to a launch record: TileLang's TVM-FFI entry functions with DLTensor templates, or Triton's
+CUDA functions with their parameter words (``cuLaunchKernel``), whose data pointers it patches per
+call. The first call of a metadata takes the Python path, which validates, plans, launches and then
+adds the record; later calls hash their metadata in C++ and launch from there.
 
-The extension is built on first use (about a minute; cached across processes, see ``_build``) and
-used only when
+The extension is built on first use (about a minute; cached across processes, see ``_build``), with
+TVM-FFI where it is installed (else for CUDA launches only), and used only when
 
-* ``FLASHDECODE_HOST_PATH`` is not ``0``, TVM-FFI's headers and library are installed, and the
-  build works (``unavailable()`` says why not);
-* the backend can describe its launches as TVM-FFI calls (TileLang; Triton's launches stay in
-  Python), the call is not being captured in a CUDA graph, index values are not checked on the host;
-* the context's first record, replayed into scratch outputs, writes exactly what the Python path
-  wrote (else the context keeps the Python path: ``HostPath.off_because``).
+* ``FLASHDECODE_HOST_PATH`` is not ``0`` and the build works (``unavailable()`` says why not);
+* the backend can describe its launches (``Backend.host_launches``), the call is not being captured
+  in a CUDA graph, index values are not checked on the host;
+* the context's first record of each kind, replayed into scratch outputs, writes exactly what the
+  Python path wrote (else the context keeps the Python path: ``HostPath.off_because``).
 """
 from __future__ import annotations
 
@@ -29,6 +29,8 @@ import sys
 import threading
 
 import torch
+
+from .kernels.base import CudaLaunch
 
 #: The call's tensors a launch argument may be, in the extension's slot order; then the lse.
 CALL_TENSORS = ("q", "k_cache", "v_cache", "k", "v", "rotary_cos", "rotary_sin", "cache_seqlens", "cache_batch_idx",
@@ -75,49 +77,49 @@ def unavailable() -> str | None:
     extension on the first call."""
     if os.environ.get("FLASHDECODE_HOST_PATH", "1") == "0":
         return "FLASHDECODE_HOST_PATH=0"
-    try:
-        import tvm_ffi
-    except ImportError:
-        return "TVM-FFI is not installed (it comes with TileLang)"
-    if not (hasattr(tvm_ffi, "Function") and hasattr(tvm_ffi.Function, "__chandle__")):
-        return "this TVM-FFI's Function has no __chandle__()"
     if EXTENSION.load() is None:
         return EXTENSION.error
     return None
 
 
 def _build(verbose: bool):
-    """Compile ``csrc/host_path.cpp`` against this torch and TVM-FFI (once: the library is cached
-    under ``FLASHDECODE_CACHE_DIR``, default ``~/.cache/flashdecode``, keyed by the source, Python
-    and torch) and import it. The compiler is called directly (``CXX``, default ``c++``): no ninja."""
+    """Compile ``csrc/host_path.cpp`` against this torch, and TVM-FFI where it is installed (once: the
+    library is cached under ``FLASHDECODE_CACHE_DIR``, default ``~/.cache/flashdecode``, keyed by the
+    source, Python, torch and whether TVM-FFI is in) and import it. The compiler is called directly
+    (``CXX``, default ``c++``): no ninja."""
     import importlib.util
     import subprocess
     import sysconfig
 
-    import tvm_ffi
     from torch.utils import cpp_extension
 
-    package = pathlib.Path(tvm_ffi.__file__).parent
-    includes = [*cpp_extension.include_paths(), sysconfig.get_paths()["include"], str(package / "include")]
-    dlpack = package / "3rdparty" / "dlpack" / "include"
-    if dlpack.is_dir():
-        includes.append(str(dlpack))
-    key = hashlib.sha256(SOURCE.read_bytes() + f"{sys.version}{torch.__version__}".encode()).hexdigest()[:12]
+    includes = [*cpp_extension.include_paths(), sysconfig.get_paths()["include"]]
+    ffi_defines, ffi_libraries = [], []
+    package = _tvm_ffi_package()
+    if package is not None:
+        includes.append(str(package / "include"))
+        dlpack = package / "3rdparty" / "dlpack" / "include"
+        if dlpack.is_dir():
+            includes.append(str(dlpack))
+        ffi_defines = ["-DFLASHDECODE_TVM_FFI"]
+        ffi_libraries = [f"-L{package / 'lib'}", "-ltvm_ffi", f"-Wl,-rpath,{package / 'lib'}"]
+    flavour = f"{sys.version}{torch.__version__}{bool(ffi_defines)}"
+    key = hashlib.sha256(SOURCE.read_bytes() + flavour.encode()).hexdigest()[:12]
     name = f"flashdecode_host_path_{key}"
     cache = pathlib.Path(os.environ.get("FLASHDECODE_CACHE_DIR", pathlib.Path.home() / ".cache" / "flashdecode"))
     library = cache / f"{name}{sysconfig.get_config_var('EXT_SUFFIX')}"
     if not library.exists():
         print("flashdecode: building the compiled host path (once per machine, about a minute)", file=sys.stderr)
         cache.mkdir(parents=True, exist_ok=True)
-        defines = [f"-DTORCH_EXTENSION_NAME={name}",
+        defines = [f"-DTORCH_EXTENSION_NAME={name}", *ffi_defines,
                    f"-D_GLIBCXX_USE_CXX11_ABI={int(getattr(torch._C, '_GLIBCXX_USE_CXX11_ABI', True))}"]
         for field in ("COMPILER_TYPE", "STDLIB", "BUILD_ABI"):  # torch's pybind11 ABI, as its extensions use
             value = getattr(torch._C, f"_PYBIND11_{field}", None)
             if value:
                 defines.append(f'-DPYBIND11_{field}="{value}"')
         libraries = [f"-L{path}" for path in cpp_extension.library_paths()] + [
-            "-lc10", "-ltorch", "-ltorch_cpu", "-ltorch_python", f"-L{package / 'lib'}", "-ltvm_ffi",
-            *(f"-Wl,-rpath,{path}" for path in (*cpp_extension.library_paths(), package / "lib"))]
+            "-lc10", "-ltorch", "-ltorch_cpu", "-ltorch_python", "-ldl", *ffi_libraries,
+            *(f"-Wl,-rpath,{path}" for path in cpp_extension.library_paths())]
         partial = library.with_name(f"{library.name}.{os.getpid()}.partial")
         command = [os.environ.get("CXX", "c++"), "-O2", "-shared", "-fPIC", "-std=c++17", *defines,
                    *(f"-I{path}" for path in includes), str(SOURCE), "-o", str(partial), *libraries]
@@ -133,13 +135,25 @@ def _build(verbose: bool):
     return module
 
 
+def _tvm_ffi_package() -> pathlib.Path | None:
+    """TVM-FFI's installed package folder, where it has what the TVM-FFI launches need (its
+    Function's ``__chandle__``); else None."""
+    try:
+        import tvm_ffi
+    except ImportError:
+        return None
+    if not (hasattr(tvm_ffi, "Function") and hasattr(tvm_ffi.Function, "__chandle__")):
+        return None
+    return pathlib.Path(tvm_ffi.__file__).parent
+
+
 class HostPath:
     """One context's launch records (``csrc/host_path.cpp``). ``run`` takes the call's arguments as
     ``DecodeContext.run`` has them, then the context's stream."""
 
     def __init__(self, module, max_records: int = MAX_RECORDS):
         self._native = module.HostPath(max_records)
-        self.verified = False
+        self._verified: set[str] = set()  # kinds of launches ("ffi", "cuda") a replay checked
         self.off_because: str | None = None
 
     def __len__(self) -> int:
@@ -155,11 +169,11 @@ class HostPath:
         """out, or (out, lse), from the record of ``call``; None when there is none."""
         return self._native.run(*call)
 
-    def add(self, call: tuple, launches, result: torch.Tensor, lse: torch.Tensor | None, lse_shape) -> bool:
-        """Record ``launches`` ([(TVM-FFI function, arguments)]) of ``call``, whose out is ``result``
-        and whose lse (when the caller asked for it) is ``lse``. Each tensor argument is matched to
-        the call tensor with its data pointer (held by the record where none has it; no record when
-        two have it). Returns whether the record was added."""
+    def add(self, call: tuple, launches: list, result: torch.Tensor, lse: torch.Tensor | None, lse_shape) -> bool:
+        """Record ``launches`` (``kernels.base.FfiLaunch`` es or ``CudaLaunch`` es, not both) of ``call``,
+        whose out is ``result`` and whose lse (when the caller asked for it) is ``lse``. Each tensor
+        argument is matched to the call tensor with its data pointer (held by the record where none
+        has it; no record when two have it). Returns whether the record was added."""
         owners: dict[int, list[int]] = {}
         tensors = dict(zip(CALL_TENSORS, _call_tensors(call)))
         tensors["out"] = result
@@ -170,9 +184,9 @@ class HostPath:
         if lse is not None:
             owners.setdefault(lse.data_ptr(), []).append(LSE_SLOT)
         specs = []
-        for function, arguments in launches:
+        for launch in launches:
             slots = []
-            for argument in arguments:
+            for argument in launch.arguments:
                 slot = CONSTANT
                 if isinstance(argument, torch.Tensor) and argument.numel():
                     found = owners.get(argument.data_ptr(), [])
@@ -180,13 +194,28 @@ class HostPath:
                         return False  # aliased call tensors: a record could not tell them apart
                     slot = found[0] if found else CONSTANT
                 slots.append(slot)
-            specs.append((function, list(arguments), slots))
+            if isinstance(launch, CudaLaunch):
+                specs.append(("cuda", launch.function, launch.grid, launch.block, launch.shared,
+                              list(launch.arguments), slots, list(launch.kinds)))
+            else:
+                specs.append(("ffi", launch.function, list(launch.arguments), slots))
         return bool(self._native.add(call, specs, list(lse_shape)))
 
-    def verify(self, call: tuple, result: torch.Tensor, lse: torch.Tensor | None) -> None:
-        """Replay the record of ``call`` into scratch outputs and compare with what the Python path
-        wrote (``result``, ``lse``); on any difference the host path stays off for this context.
-        Synchronizes the device: done once, for the context's first record."""
+    def needs_verify(self, launches: list) -> bool:
+        """Whether no record of this kind of launches (TVM-FFI or CUDA) was verified yet."""
+        return _kind(launches) not in self._verified
+
+    def parameter_words(self, call: tuple) -> list:
+        """The 8-byte parameter words the record of ``call`` would pass to each ``cuLaunchKernel``,
+        with ``call``'s data pointers patched in (an inspection for tests: out, unless the call
+        gives it, and lse are allocated per launch, their words here 0)."""
+        return self._native.parameter_words(call)
+
+    def verify(self, call: tuple, launches: list, result: torch.Tensor, lse: torch.Tensor | None) -> None:
+        """Replay the record of ``call`` (made of ``launches``) into scratch outputs and compare with
+        what the Python path wrote (``result``, ``lse``); on any difference the host path stays off
+        for this context. Synchronizes the device: done once per kind of launches, for the context's
+        first record of that kind."""
         scratch = torch.full_like(result, 7.0)
         scratch_lse = None if lse is None else torch.full_like(lse, 7.0)
         try:
@@ -200,7 +229,11 @@ class HostPath:
                 self.off_because = "the replay of the first record wrote other values than the Python path"
         if self.off_because:
             self._native.clear()
-        self.verified = True
+        self._verified.add(_kind(launches))
+
+
+def _kind(launches: list) -> str:
+    return "cuda" if isinstance(launches[0], CudaLaunch) else "ffi"
 
 
 def _call_tensors(call: tuple) -> tuple:

@@ -1,16 +1,17 @@
 """The compiled host path (``flashdecode.host_path``, ``csrc/host_path.cpp``) on the CPU: the
-extension builds, a record launches its TVM-FFI functions with the new call's data pointers and
-the held tensors, a call whose metadata differs misses, and aliased call tensors get no record.
-A Python function wrapped by TVM-FFI stands in for the kernels. The GPU tier (``test_gpu.py``)
-compares the path with the Python path on real kernels."""
+extension builds (with TVM-FFI and without), a record launches its TVM-FFI functions with the new
+call's data pointers and the held tensors, a CUDA launch's parameter words are packed as its kinds
+say, a call whose metadata differs misses, and aliased call tensors get no record. A function
+registered with TVM-FFI stands in for TileLang's kernels; CUDA launches are only packed here. The
+GPU tier (``test_gpu_host_path.py``) compares the path with the Python path on real kernels."""
 import shutil
 
 import pytest
 import torch
 
 from flashdecode import host_path
+from flashdecode.kernels.base import FLOAT32, INT8, INT32, INT64, POINTER, CudaLaunch, FfiLaunch
 
-tvm_ffi = pytest.importorskip("tvm_ffi")
 pytestmark = pytest.mark.skipif(shutil.which("c++") is None and shutil.which("g++") is None,
                                 reason="no C++ compiler to build the extension with")
 
@@ -26,6 +27,7 @@ class Kernel:
     """The extension's recording TVM-FFI function (a tensor recorded as its data pointer)."""
 
     def __init__(self, module):
+        tvm_ffi = pytest.importorskip("tvm_ffi")
         self.module = module
         self.function = tvm_ffi.get_global_func("flashdecode.host_path.record")
         module.recorded_calls()  # start empty
@@ -48,8 +50,8 @@ def test_a_record_launches_with_each_calls_tensors(module):
     path = host_path.HostPath(module, max_records=4)
     first = make_call()
     result, workspace = torch.empty_like(first[0]), torch.zeros(64)
-    assert path.add(first, [(kernel.function, [first[0], first[1], first[2], first[7], result, workspace, 7, 0.5]),
-                            (kernel.function, [workspace, result, 3])], result, None, (2, 4, 1))
+    assert path.add(first, [FfiLaunch(kernel.function, (first[0], first[1], first[2], first[7], result, workspace, 7, 0.5)),
+                            FfiLaunch(kernel.function, (workspace, result, 3))], result, None, (2, 4, 1))
     assert len(path) == 1
     second = make_call()
     out = path.run(second)
@@ -65,7 +67,7 @@ def test_records_are_bounded(module):
     for batch in range(1, 7):
         call = make_call(batch=batch)
         result = torch.empty_like(call[0])
-        assert path.add(call, [(Kernel(module).function, [result])], result, None, (batch, 4, 1))
+        assert path.add(call, [FfiLaunch(Kernel(module).function, (result,))], result, None, (batch, 4, 1))
     assert len(path) == 2  # cleared at the fifth
 
 
@@ -74,7 +76,7 @@ def test_other_metadata_misses(module):
     path = host_path.HostPath(module, max_records=4)
     first = make_call()
     result = torch.empty_like(first[0])
-    path.add(first, [(kernel.function, [first[0], result])], result, None, (2, 4, 1))
+    path.add(first, [FfiLaunch(kernel.function, (first[0], result))], result, None, (2, 4, 1))
     assert path.run(make_call(batch=3)) is None  # other shapes
     assert path.run(make_call()[:12] + (True,) + make_call()[13:]) is None  # causal
     assert path.run(make_call(seqlens=5)) is None  # an int where the record had a tensor
@@ -87,12 +89,12 @@ def test_out_and_lse_given_or_allocated(module):
     path = host_path.HostPath(module, max_records=4)
     first = make_call(return_lse=True)
     result, lse = torch.empty_like(first[0]), torch.empty(2, 4, 1)
-    assert path.add(first, [(kernel.function, [result, lse.view(2, 4)])], result, lse, (2, 4, 1))
+    assert path.add(first, [FfiLaunch(kernel.function, (result, lse.view(2, 4)))], result, lse, (2, 4, 1))
     out, lse_out = path.run(make_call(return_lse=True))
     assert lse_out.shape == (2, 4, 1) and lse_out.dtype == torch.float32
     assert kernel.calls == [[out.data_ptr(), lse_out.data_ptr()]]
     given = torch.empty(2, 1, 4, 8)
-    path.add(make_call(out=given), [(kernel.function, [given])], given, None, (2, 4, 1))
+    path.add(make_call(out=given), [FfiLaunch(kernel.function, (given,))], given, None, (2, 4, 1))
     mine = torch.empty(2, 1, 4, 8)
     assert path.run(make_call(out=mine)) is mine and kernel.calls == [[mine.data_ptr()]]
 
@@ -102,7 +104,7 @@ def test_aliased_call_tensors_get_no_record(module):
     call = make_call()
     call = (call[0], call[1], call[1]) + call[3:]  # v_cache is k_cache
     result = torch.empty_like(call[0])
-    assert not path.add(call, [(Kernel(module).function, [call[1], result])], result, None, (2, 4, 1))
+    assert not path.add(call, [FfiLaunch(Kernel(module).function, (call[1], result))], result, None, (2, 4, 1))
     assert len(path) == 0
 
 
@@ -110,9 +112,79 @@ def test_verify_keeps_a_record_that_replays_what_python_wrote(module):
     path = host_path.HostPath(module, max_records=4)
     call = make_call()
     result = torch.full_like(call[0], 2.0)
-    path.add(call, [(Kernel(module).function, [result, 2.0])], result, None, (2, 4, 1))  # fills out with 2
-    path.verify(call, result, None)
-    assert path.verified and path.off_because is None and len(path) == 1
+    launches = [FfiLaunch(Kernel(module).function, (result, 2.0))]
+    path.add(call, launches, result, None, (2, 4, 1))  # fills out with 2
+    assert path.needs_verify(launches)
+    path.verify(call, launches, result, None)
+    assert not path.needs_verify(launches) and path.off_because is None and len(path) == 1
+    assert path.needs_verify([CudaLaunch(1, (1, 1, 1), 32, 0, (), ())])  # each kind is checked once
     wrong = torch.full_like(call[0], 5.0)
-    path.verify(call, wrong, None)
+    path.verify(call, launches, wrong, None)
     assert "other values" in path.off_because and len(path) == 0
+
+
+def words_of(*values) -> list:
+    """Each value as the 8-byte parameter word cuLaunchKernel reads (little-endian, zero-padded)."""
+    import struct
+
+    packed = []
+    for kind, value in values:
+        format_ = {INT32: "<i", INT64: "<q", FLOAT32: "<f", INT8: "<b", POINTER: "<Q"}[kind]
+        packed.append(int.from_bytes(struct.pack(format_, value).ljust(8, b"\0"), "little"))
+    return packed
+
+
+def test_a_cuda_launch_packs_each_parameter_as_its_kind(module):
+    path = host_path.HostPath(module, max_records=4)
+    result, lse, workspace = torch.empty(2, 1, 4, 8), torch.empty(2, 4, 1), torch.zeros(64)
+    first = make_call(out=result, return_lse=True)
+    split = CudaLaunch(0x1234, (3, 2, 1), 128, 4096,
+                       (first[0], first[1], first[7], result, lse, workspace, None, 0.125, -7, 2 ** 40, 1),
+                       (POINTER,) * 7 + (FLOAT32, INT32, INT64, INT8))
+    combine = CudaLaunch(0x5678, (2, 1, 1), 128, 0, (result, 9), (POINTER, INT32))
+    assert path.add(first, [split, combine], result, lse, (2, 4, 1))
+    out = torch.empty(2, 1, 4, 8)  # given: the words hold its pointer (an allocated out's is 0 here)
+    second = make_call(out=out, return_lse=True)
+    q, k_cache, seqlens = second[0], second[1], second[7]
+    split_words, combine_words = path.parameter_words(second)
+    assert split_words[:3] == words_of((POINTER, q.data_ptr()), (POINTER, k_cache.data_ptr()),
+                                       (POINTER, seqlens.data_ptr()))
+    assert split_words[3] == out.data_ptr() and split_words[4] == 0  # the lse is allocated per call
+    assert split_words[5:] == words_of((POINTER, workspace.data_ptr()), (POINTER, 0), (FLOAT32, 0.125),
+                                       (INT32, -7), (INT64, 2 ** 40), (INT8, 1))
+    assert combine_words == words_of((POINTER, out.data_ptr()), (INT32, 9))
+
+
+@pytest.mark.parametrize("arguments, kinds", [
+    ((torch.zeros(4),), (INT32,)),  # a tensor is a pointer
+    ((2 ** 31,), (INT32,)),  # does not fit
+    ((300,), (INT8,)),
+    ((0.5,), (INT64,)),  # a float is FLOAT32
+    (("x",), (POINTER,)),
+    ((1, 2), (INT32,)),  # one kind per argument
+    ((1,), (9,)),  # no such kind
+], ids=str)
+def test_a_cuda_launch_whose_arguments_do_not_fit_their_kinds_gets_no_record(module, arguments, kinds):
+    path = host_path.HostPath(module, max_records=4)
+    call = make_call()
+    result = torch.empty_like(call[0])
+    assert not path.add(call, [CudaLaunch(1, (1, 1, 1), 32, 0, arguments, kinds)], result, None, (2, 4, 1))
+    assert len(path) == 0
+
+
+def test_the_extension_builds_without_tvm_ffi(tmp_path, monkeypatch):
+    """Triton-only installs: the library then takes CUDA launches only."""
+    monkeypatch.setattr(host_path, "_tvm_ffi_package", lambda: None)
+    monkeypatch.setenv("FLASHDECODE_CACHE_DIR", str(tmp_path))
+    extension = host_path._Extension()
+    module = extension.load()
+    assert module is not None, extension.error
+    assert not module.TVM_FFI and not hasattr(module, "recorded_calls")
+    path = host_path.HostPath(module)
+    call = make_call()
+    result, workspace = torch.empty_like(call[0]), torch.zeros(8)
+    launch = CudaLaunch(1, (1, 1, 1), 32, 0, (workspace, call[0], 3), (POINTER, POINTER, INT32))
+    assert path.add(call, [launch], result, None, (2, 4, 1))
+    second = make_call()
+    assert path.parameter_words(second) == [words_of((POINTER, workspace.data_ptr()), (POINTER, second[0].data_ptr()),
+                                                     (INT32, 3))]

@@ -1,15 +1,17 @@
 """The Triton backend's direct launch (``flashdecode.kernels.triton.launch``): when it is used, what
 it passes, and, on a GPU, that it computes exactly what Triton's own launch path computes."""
 
+import types
+
 import pytest
 import torch
 
 from conftest import HAS_CUDA
 from flashdecode import compat, plan_for
-from flashdecode.kernels.base import LaunchArgs
+from flashdecode.kernels.base import FLOAT32, INT32, INT64, POINTER, CudaLaunch, LaunchArgs
 from flashdecode.kernels.triton import launch
 from flashdecode.kernels.triton.backend import TritonBackend
-from flashdecode.kernels.triton.launch import Launcher, probe_direct_launch, specialization
+from flashdecode.kernels.triton.launch import Launcher, describe, probe_direct_launch, specialization
 
 
 class CudaTensor:
@@ -40,8 +42,15 @@ class FakeKernel:
 
 
 class FakeCompiled:
-    def __init__(self, calls):
+    """A compiled kernel: its launches recorded in ``calls``, and the fields ``describe`` reads."""
+
+    def __init__(self, calls, signature=None, **metadata):
         self.calls = calls
+        self.function = 0xF00
+        self.src = types.SimpleNamespace(signature=signature or {"X": "*fp16", "n": "i32", "f": "fp32",
+                                                                 "C": "constexpr"})
+        self.metadata = types.SimpleNamespace(**{"num_warps": 4, "shared": 2048, "num_ctas": 1,
+                                                 "global_scratch_size": 0, "profile_scratch_size": 0, **metadata})
 
     def __getitem__(self, grid):
         return lambda *args, stream: self.calls.append(("direct", grid, args, stream))
@@ -194,3 +203,63 @@ def test_direct_launch_matches_tritons_launch(features, num_splits):
     expected = launch_route(public, route, q, k_cache, v_cache, kwargs)
     for got, want in zip(direct, expected):
         assert torch.equal(got, want)
+
+
+def test_describe_lists_the_parameters_triton_passes():
+    """Constexprs left out, each scalar as its signature type, a null pointer per scratch buffer."""
+    x, y = torch.zeros(4), torch.zeros(2)
+    compiled = FakeCompiled([], {"X": "*fp16", "Y": "*i32", "n": "i32", "m": "i64", "f": "fp32", "C": "constexpr",
+                                 "D": "constexpr"})
+    launch = describe(compiled, (5, 2), (x, y, 3, 2 ** 40, 0.5, 16, None))
+    assert launch == CudaLaunch(0xF00, (5, 2, 1), 128, 2048, (x, y, 3, 2 ** 40, 0.5, None, None),
+                                (POINTER, POINTER, INT32, INT64, FLOAT32, POINTER, POINTER))
+    del compiled.metadata.profile_scratch_size  # a Triton with one scratch buffer
+    assert describe(compiled, (5,), (x, y, 3, 2 ** 40, 0.5, 16, None)).kinds[-2:] == (FLOAT32, POINTER)
+
+
+@pytest.mark.parametrize("change", [
+    {"num_ctas": 2}, {"launch_pdl": True}, {"launch_cooperative_grid": True}, {"global_scratch_size": 64},
+    {"profile_scratch_size": 8}, {"tensordesc_meta": [{}]}, {"signature": {"X": "*fp16", "n": "fp16"}},
+    {"signature": {"X": "*fp16"}}, {"values": (torch.zeros(1), 2.5)}, {"values": (3, 4)}, {"function": None},
+], ids=str)
+def test_describe_declines_what_a_plain_launch_cannot_do(change):
+    change = dict(change)
+    signature = change.pop("signature", {"X": "*fp16", "n": "i32"})
+    values = change.pop("values", (torch.zeros(1), 2))
+    function = change.pop("function", 0xF00)
+    compiled = FakeCompiled([], signature, **change)
+    compiled.function = function
+    assert describe(compiled, (1,), values) is None
+    assert describe(FakeCompiled([], {"X": "*fp16", "n": "i32"}), (1,), (torch.zeros(1), 2)) is not None
+
+
+def test_cuda_launch_describes_the_compiled_specialization(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    launcher, kernel = fast_launcher(), FakeKernelCompiling()
+    x = CudaTensorLike()
+    arguments = (kernel, (4,), (x,), (9, 0.5), {"C": 16}, {"num_warps": 4})
+    assert launcher.cuda_launch(*arguments) is None  # not compiled yet
+    launcher.launch(*arguments)
+    launch = launcher.cuda_launch(*arguments)
+    assert launch.function == 0xF00 and launch.grid == (4, 1, 1) and launch.arguments[:3] == (x, 9, 0.5)
+    assert Launcher(unavailable="Triton lacks it").cuda_launch(*arguments) is None
+
+
+class CudaTensorLike(torch.Tensor):
+    """A CPU tensor that says it is on cuda:0 (what the launcher reads of a CUDA tensor)."""
+
+    @staticmethod
+    def __new__(cls):
+        return torch.Tensor._make_subclass(cls, torch.zeros(4))
+
+    @property
+    def device(self):
+        return torch.device("cuda", 0)
+
+
+class FakeKernelCompiling(FakeKernel):
+    def __init__(self):
+        super().__init__([])
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: FakeCompiled(self.calls)

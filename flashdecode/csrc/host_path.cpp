@@ -1,14 +1,22 @@
 // The compiled host path (docs/design.md, "Host path"): a repeat call's metadata is hashed here,
-// its launch record found, out (and lse) allocated and its kernels' TVM-FFI entry functions called
-// with DLTensor templates whose data pointers are patched in place. Python builds each record once,
-// on the first call of a metadata (flashdecode/host_path.py); everything it cannot express there
-// (graph capture, host-side checks, other argument types) stays on the Python path.
+// its launch record found, out (and lse) allocated and its kernels launched with the call's data
+// pointers patched in place: TileLang's kernels through their TVM-FFI entry functions (DLTensor
+// templates), Triton's as CUDA functions through the driver's cuLaunchKernel (parameter words).
+// Python builds each record once, on the first call of a metadata (flashdecode/host_path.py);
+// everything it cannot express there (graph capture, host-side checks, other argument types) stays
+// on the Python path.
 #include <torch/extension.h>
 #include <torch/csrc/autograd/python_variable.h>
 
+// FLASHDECODE_TVM_FFI: built against TVM-FFI (it comes with TileLang); without it, records hold
+// raw CUDA launches only.
+#ifdef FLASHDECODE_TVM_FFI
 #include <dlpack/dlpack.h>
 #include <tvm/ffi/c_api.h>
 #include <tvm/ffi/extra/c_env_api.h>
+#endif
+
+#include <dlfcn.h>
 
 #include <cstring>
 #include <memory>
@@ -104,6 +112,44 @@ bool make_key(PyObject* args, Key& key) {
   return true;
 }
 
+// The CUDA driver functions a raw launch needs, looked up in libcuda at first use (the library
+// builds without CUDA headers; CPU machines have no libcuda, and never launch).
+struct Driver {
+  using LaunchKernel = int (*)(void*, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, void*,
+                               void**, void**);
+  using CtxGetCurrent = int (*)(void**);
+  using FuncGetParamInfo = int (*)(void*, size_t, size_t*, size_t*);
+  LaunchKernel launch_kernel = nullptr;
+  CtxGetCurrent ctx_get_current = nullptr;
+  FuncGetParamInfo func_get_param_info = nullptr;  // CUDA 12.4+ drivers
+
+  static const Driver& get() {
+    static const Driver driver = [] {
+      Driver found;
+      void* library = dlopen("libcuda.so.1", RTLD_NOW | RTLD_NOLOAD);
+      if (library == nullptr) library = dlopen("libcuda.so.1", RTLD_NOW);
+      if (library != nullptr) {
+        found.launch_kernel = reinterpret_cast<LaunchKernel>(dlsym(library, "cuLaunchKernel"));
+        found.ctx_get_current = reinterpret_cast<CtxGetCurrent>(dlsym(library, "cuCtxGetCurrent"));
+        found.func_get_param_info = reinterpret_cast<FuncGetParamInfo>(dlsym(library, "cuFuncGetParamInfo"));
+      }
+      return found;
+    }();
+    return driver;
+  }
+
+  void* current_context() const {
+    void* context = nullptr;
+    if (ctx_get_current == nullptr || ctx_get_current(&context) != 0) return nullptr;
+    return context;
+  }
+};
+
+// A raw launch's parameter kinds (flashdecode/host_path.py's PARAMETER_KINDS), with their sizes.
+enum ParameterKind : int { kPointer, kInt32, kInt64, kFloat32, kInt8, kParameterKinds };
+constexpr size_t kParameterSize[kParameterKinds] = {8, 4, 8, 4, 1};
+
+#ifdef FLASHDECODE_TVM_FFI
 // One argument of a kernel's entry function: a tensor taken from a slot or held by the record
 // (workspace, lse sink, lengths), or a scalar.
 struct Argument {
@@ -120,13 +166,32 @@ struct Launch {
   std::vector<TVMFFIAny> packed;
   std::vector<std::pair<int, DLTensor*>> patched;  // (slot, tensor whose data each call sets)
 };
+#else
+struct Launch {};
+#endif
+
+// A CUDA function launched with cuLaunchKernel: one 8-byte word per parameter, the call's data
+// pointers written into theirs before each launch.
+struct RawLaunch {
+  void* function = nullptr;  // CUfunction, owned by the kernel's module (its compiler keeps it loaded)
+  unsigned grid[3] = {1, 1, 1};
+  unsigned block = 1;
+  unsigned shared = 0;
+  std::vector<uint64_t> words;
+  std::vector<void*> parameters;  // points into words
+  std::vector<at::Tensor> held;
+  std::vector<std::pair<int, size_t>> patched;  // (slot, word whose pointer each call sets)
+};
 
 struct Record {
   std::vector<Launch> launches;
+  std::vector<RawLaunch> raw_launches;  // a record has launches of one kind
+  void* cuda_context = nullptr;  // the context raw launches' functions belong to
   std::vector<int64_t> lse_shape;  // (B, Hq, Sq): allocated per call when the caller wants lse
-  DLDevice device{kDLCPU, 0};
+  int device_type = 0, device_id = 0;  // of the TVM-FFI launches' tensors (DLPack's numbering)
 };
 
+#ifdef FLASHDECODE_TVM_FFI
 DLDataType dl_dtype(at::ScalarType type) {
   switch (type) {
     case at::kHalf: return {kDLFloat, 16, 1};
@@ -155,6 +220,7 @@ void fill_template(Argument& argument, const at::Tensor& tensor) {
   dl.strides = argument.strides.data();
   dl.byte_offset = 0;
 }
+#endif
 
 class HostPath {
  public:
@@ -180,8 +246,10 @@ class HostPath {
     return execute(found->second, call.ptr(), &out, lse.is_none() ? nullptr : &lse_tensor);
   }
 
-  // launches: [(function, [argument...], [slot...])]: slot >= 0 names the call tensor an argument
-  // is (its data pointer changes per call), -1 a tensor the record holds; scalars are ints/floats.
+  // launches: [("ffi", function, [argument...], [slot...])] or [("cuda", CUfunction as an int,
+  // (grid x, y, z), block x, shared bytes, [argument...], [slot...], [ParameterKind...])]: slot >= 0
+  // names the call tensor an argument is (its data pointer changes per call), -1 a tensor the record
+  // holds; scalars are ints/floats.
   bool add(py::tuple call, py::list launches, std::vector<int64_t> lse_shape) {
     Key key;
     if (!make_key(call.ptr(), key)) return false;
@@ -189,44 +257,33 @@ class HostPath {
     record.lse_shape = std::move(lse_shape);
     for (py::handle entry : launches) {
       py::tuple spec = entry.cast<py::tuple>();
-      Launch launch;
-      launch.function = spec[0].cast<py::object>();
-      launch.handle = reinterpret_cast<TVMFFIObjectHandle>(launch.function.attr("__chandle__")().cast<uintptr_t>());
-      py::list values = spec[1].cast<py::list>();
-      py::list slots = spec[2].cast<py::list>();
-      for (size_t i = 0; i < values.size(); ++i) {
-        auto argument = std::make_unique<Argument>();
-        PyObject* value = values[i].ptr();
-        TVMFFIAny any{};
-        if (THPVariable_Check(value)) {
-          const at::Tensor& tensor = THPVariable_Unpack(value);
-          argument->slot = slots[i].cast<int>();
-          if (argument->slot == kConstant) argument->held = tensor;
-          fill_template(*argument, tensor);
-          if (tensor.is_cuda()) record.device = dl_device(tensor);
-          any.type_index = kTVMFFIDLTensorPtr;
-          any.v_ptr = &argument->tensor;
-          if (argument->slot != kConstant) launch.patched.emplace_back(argument->slot, &argument->tensor);
-        } else if (PyBool_Check(value)) {
-          any.type_index = kTVMFFIBool;
-          any.v_int64 = value == Py_True;
-        } else if (PyLong_Check(value)) {
-          any.type_index = kTVMFFIInt;
-          any.v_int64 = PyLong_AsLongLong(value);
-        } else if (PyFloat_Check(value)) {
-          any.type_index = kTVMFFIFloat;
-          any.v_float64 = PyFloat_AsDouble(value);
-        } else {
-          return false;
-        }
-        launch.packed.push_back(any);
-        launch.arguments.push_back(std::move(argument));
+      if (spec[0].cast<std::string>() == "cuda") {
+        if (!add_raw(record, spec)) return false;
+        continue;
       }
-      record.launches.push_back(std::move(launch));
+      if (!add_ffi(record, spec)) return false;
     }
+    if (!record.launches.empty() && !record.raw_launches.empty()) return false;
     if (records_.size() >= max_records_) records_.clear();  // bounded, as the Python memo tables are
     records_[key] = std::move(record);
     return true;
+  }
+
+  // The parameter words of the record of ``call``'s raw launches, with ``call``'s data pointers
+  // patched in (what cuLaunchKernel would read): the CPU tests' view of a raw launch.
+  std::vector<std::vector<uint64_t>> parameter_words(py::tuple call) {
+    Key key;
+    if (!make_key(call.ptr(), key)) throw std::invalid_argument("host path: call not expressible");
+    auto found = records_.find(key);
+    if (found == records_.end()) throw std::invalid_argument("host path: no record for this call");
+    void* data[kSlots] = {};
+    call_data(call.ptr(), data);
+    std::vector<std::vector<uint64_t>> words;
+    for (RawLaunch& launch : found->second.raw_launches) {  // (the words the function takes)
+      for (auto& [slot, word] : launch.patched) launch.words[word] = reinterpret_cast<uintptr_t>(data[slot]);
+      words.push_back(launch.words);
+    }
+    return words;
   }
 
   size_t size() const { return records_.size(); }
@@ -234,12 +291,139 @@ class HostPath {
   void clear() { records_.clear(); }
 
  private:
-  py::object execute(Record& record, PyObject* args, at::Tensor* out_given, at::Tensor* lse_given) {
-    void* data[kSlots] = {};
+  // One TVM-FFI launch from spec ("ffi", function, arguments, slots); false for an argument type
+  // it does not take, and always without TVM-FFI.
+  bool add_ffi(Record& record, py::tuple spec) {
+#ifdef FLASHDECODE_TVM_FFI
+    Launch launch;
+    launch.function = spec[1].cast<py::object>();
+    launch.handle = reinterpret_cast<TVMFFIObjectHandle>(launch.function.attr("__chandle__")().cast<uintptr_t>());
+    py::list values = spec[2].cast<py::list>();
+    py::list slots = spec[3].cast<py::list>();
+    for (size_t i = 0; i < values.size(); ++i) {
+      auto argument = std::make_unique<Argument>();
+      PyObject* value = values[i].ptr();
+      TVMFFIAny any{};
+      if (THPVariable_Check(value)) {
+        const at::Tensor& tensor = THPVariable_Unpack(value);
+        argument->slot = slots[i].cast<int>();
+        if (argument->slot == kConstant) argument->held = tensor;
+        fill_template(*argument, tensor);
+        if (tensor.is_cuda()) {
+          record.device_type = kDLCUDA;
+          record.device_id = static_cast<int>(tensor.device().index());
+        }
+        any.type_index = kTVMFFIDLTensorPtr;
+        any.v_ptr = &argument->tensor;
+        if (argument->slot != kConstant) launch.patched.emplace_back(argument->slot, &argument->tensor);
+      } else if (PyBool_Check(value)) {
+        any.type_index = kTVMFFIBool;
+        any.v_int64 = value == Py_True;
+      } else if (PyLong_Check(value)) {
+        any.type_index = kTVMFFIInt;
+        any.v_int64 = PyLong_AsLongLong(value);
+      } else if (PyFloat_Check(value)) {
+        any.type_index = kTVMFFIFloat;
+        any.v_float64 = PyFloat_AsDouble(value);
+      } else {
+        return false;
+      }
+      launch.packed.push_back(any);
+      launch.arguments.push_back(std::move(argument));
+    }
+    record.launches.push_back(std::move(launch));
+    return true;
+#else
+    return false;
+#endif
+  }
+
+  // One raw launch from spec ("cuda", function, grid, block, shared, arguments, slots, kinds); false
+  // when an argument does not fit its kind or the function's parameters (where the driver can say)
+  // are not the words given.
+  bool add_raw(Record& record, py::tuple spec) {
+    RawLaunch launch;
+    launch.function = reinterpret_cast<void*>(spec[1].cast<uintptr_t>());
+    py::tuple grid = spec[2].cast<py::tuple>();
+    for (int d = 0; d < 3; ++d) launch.grid[d] = grid[d].cast<unsigned>();
+    launch.block = spec[3].cast<unsigned>();
+    launch.shared = spec[4].cast<unsigned>();
+    py::list values = spec[5].cast<py::list>();
+    py::list slots = spec[6].cast<py::list>();
+    py::list kinds = spec[7].cast<py::list>();
+    if (values.size() != kinds.size() || values.size() != slots.size()) return false;
+    launch.words.assign(values.size(), 0);
+    for (size_t i = 0; i < values.size(); ++i) {
+      PyObject* value = values[i].ptr();
+      int kind = kinds[i].cast<int>();
+      if (kind < 0 || kind >= kParameterKinds) return false;
+      uint64_t& word = launch.words[i];
+      if (value == Py_None) {
+        if (kind != kPointer) return false;  // a null pointer (Triton's scratch buffers)
+      } else if (THPVariable_Check(value)) {
+        if (kind != kPointer) return false;
+        const at::Tensor& tensor = THPVariable_Unpack(value);
+        int slot = slots[i].cast<int>();
+        word = reinterpret_cast<uintptr_t>(tensor.data_ptr());
+        if (slot == kConstant) {
+          launch.held.push_back(tensor);
+        } else {
+          launch.patched.emplace_back(slot, i);
+        }
+      } else if (PyFloat_Check(value) && kind == kFloat32) {
+        float single = static_cast<float>(PyFloat_AsDouble(value));
+        std::memcpy(&word, &single, sizeof single);
+      } else if (PyLong_Check(value) && (kind == kInt32 || kind == kInt64 || kind == kInt8)) {
+        int64_t integer = PyLong_AsLongLong(value);
+        if (kind == kInt32) {
+          int32_t narrow = static_cast<int32_t>(integer);
+          if (narrow != integer) return false;
+          std::memcpy(&word, &narrow, sizeof narrow);
+        } else if (kind == kInt8) {
+          int8_t narrow = static_cast<int8_t>(integer);
+          if (narrow != integer) return false;
+          std::memcpy(&word, &narrow, sizeof narrow);
+        } else {
+          std::memcpy(&word, &integer, sizeof integer);
+        }
+      } else {
+        return false;
+      }
+    }
+    const Driver& driver = Driver::get();
+    if (driver.func_get_param_info != nullptr) {  // the function's own parameter list, where the driver has it
+      size_t count = 0, offset = 0, size = 0;
+      while (count <= values.size() && driver.func_get_param_info(launch.function, count, &offset, &size) == 0) {
+        if (count < values.size() && size != kParameterSize[kinds[count].cast<int>()]) return false;
+        ++count;
+      }
+      if (count > values.size()) return false;
+      for (size_t i = count; i < values.size(); ++i) {  // trailing null pointers the function does not take
+        if (values[i].ptr() != Py_None) return false;
+      }
+      launch.words.resize(count);
+    }
+    for (uint64_t& word : launch.words) launch.parameters.push_back(&word);
+    record.cuda_context = driver.current_context();
+    record.raw_launches.push_back(std::move(launch));
+    return true;
+  }
+
+  static void call_data(PyObject* args, void** data) {
     for (int slot = 0; slot < kCallSlots; ++slot) {
       PyObject* object = PyTuple_GET_ITEM(args, kSlotPositions[slot]);
       if (object != Py_None && THPVariable_Check(object)) data[slot] = THPVariable_Unpack(object).data_ptr();
     }
+  }
+
+  py::object execute(Record& record, PyObject* args, at::Tensor* out_given, at::Tensor* lse_given) {
+    const Driver& driver = Driver::get();
+    if (!record.raw_launches.empty() && driver.current_context() != record.cuda_context) {
+      if (out_given != nullptr) throw std::invalid_argument("host path: another CUDA context is current");
+      return py::none();  // the functions belong to another device's context: the Python path
+    }
+    void* data[kSlots] = {};
+    call_data(args, data);
     const at::Tensor& q = THPVariable_Unpack(PyTuple_GET_ITEM(args, kQ));
     at::Tensor out;
     if (out_given != nullptr) {
@@ -259,11 +443,36 @@ class HostPath {
     }
     if (lse.defined()) data[kLseSlot] = lse.data_ptr();
 
+    if (!record.raw_launches.empty()) {
+      void* stream = PyLong_AsVoidPtr(PyTuple_GET_ITEM(args, kStream));
+      for (RawLaunch& launch : record.raw_launches) {
+        for (auto& [slot, word] : launch.patched) launch.words[word] = reinterpret_cast<uintptr_t>(data[slot]);
+        if (launch.grid[0] * launch.grid[1] * launch.grid[2] == 0) continue;
+        int status = driver.launch_kernel == nullptr ? -1 : driver.launch_kernel(
+            launch.function, launch.grid[0], launch.grid[1], launch.grid[2], launch.block, 1, 1, launch.shared,
+            stream, launch.parameters.data(), nullptr);
+        if (status != 0) {
+          throw std::runtime_error(
+              "flashdecode's compiled host path: cuLaunchKernel failed (CUresult " + std::to_string(status) +
+              "); set FLASHDECODE_HOST_PATH=0 to see the error from the Python path");
+        }
+      }
+      if (want_lse && lse_given == nullptr) return py::make_tuple(out, lse);
+      return py::cast(out);
+    }
+    launch_ffi(record, args, data);
+    if (want_lse && lse_given == nullptr) return py::make_tuple(out, lse);
+    return py::cast(out);
+  }
+
+  // The record's TVM-FFI launches on the call's stream, with the call's data pointers.
+  static void launch_ffi(Record& record, PyObject* args, void** data) {
+#ifdef FLASHDECODE_TVM_FFI
     TVMFFIStreamHandle previous = nullptr;
-    bool on_cuda = record.device.device_type == kDLCUDA;
+    bool on_cuda = record.device_type == kDLCUDA;
     if (on_cuda) {
       void* stream = reinterpret_cast<void*>(PyLong_AsVoidPtr(PyTuple_GET_ITEM(args, kStream)));
-      TVMFFIEnvSetStream(kDLCUDA, record.device.device_id, stream, &previous);
+      TVMFFIEnvSetStream(kDLCUDA, record.device_id, stream, &previous);
     }
     int failed = 0;
     for (Launch& launch : record.launches) {
@@ -275,7 +484,7 @@ class HostPath {
       if (failed) break;
       if (result.type_index >= kTVMFFIStaticObjectBegin) TVMFFIObjectDecRef(result.v_obj);
     }
-    if (on_cuda) TVMFFIEnvSetStream(kDLCUDA, record.device.device_id, previous, nullptr);
+    if (on_cuda) TVMFFIEnvSetStream(kDLCUDA, record.device_id, previous, nullptr);
     if (failed) {
       TVMFFIObjectHandle error = nullptr;
       TVMFFIErrorMoveFromRaised(&error);
@@ -284,8 +493,7 @@ class HostPath {
           "flashdecode's compiled host path: a kernel launch failed; set FLASHDECODE_HOST_PATH=0 to see the "
           "error from the Python path");
     }
-    if (want_lse && lse_given == nullptr) return py::make_tuple(out, lse);
-    return py::cast(out);
+#endif
   }
 
   static constexpr int kOutSlot() { return kCallSlots - 1; }
@@ -296,6 +504,7 @@ class HostPath {
   Key key_;  // reused by run: no allocation on a hit
 };
 
+#ifdef FLASHDECODE_TVM_FFI
 // A TVM-FFI function that records what it is called with, the CPU tests' stand-in for a kernel:
 // a tensor as its data pointer, an int as itself, a float as itself. When the last argument is a
 // float, it also fills its first argument (a contiguous float32 CPU tensor) with that value.
@@ -337,6 +546,7 @@ void register_recorder() {
   TVMFFIFunctionSetGlobal(&bytes, function, 1);
   TVMFFIObjectDecRef(function);
 }
+#endif
 
 }  // namespace
 
@@ -344,6 +554,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("CALL_SLOTS") = kCallSlots;
   m.attr("LSE_SLOT") = kLseSlot;
   m.attr("ARGUMENT_COUNT") = static_cast<int>(kArgCount);
+  m.attr("PARAMETER_KINDS") = static_cast<int>(kParameterKinds);
+#ifdef FLASHDECODE_TVM_FFI
+  m.attr("TVM_FFI") = true;
   register_recorder();
   m.def("recorded_calls", [] {
     py::list calls;
@@ -351,12 +564,16 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     recorded().clear();
     return calls;
   }, "The calls the recorder (TVM-FFI global flashdecode.host_path.record) took since the last read.");
+#else
+  m.attr("TVM_FFI") = false;
+#endif
   py::class_<HostPath>(m, "HostPath")
       .def(py::init<size_t>())
       .def_property_readonly("hits", &HostPath::hits)
       .def("run", &HostPath::run)
       .def("replay", &HostPath::replay)
       .def("add", &HostPath::add)
+      .def("parameter_words", &HostPath::parameter_words)
       .def("clear", &HostPath::clear)
       .def("__len__", &HostPath::size);
 }

@@ -47,6 +47,31 @@ class LaunchArgs:
     alibi_slopes: torch.Tensor | None = None
 
 
+@dataclasses.dataclass(frozen=True)
+class FfiLaunch:
+    """One launch as a TVM-FFI function call (TileLang's entry functions), for the compiled host path."""
+
+    function: object  # a tvm_ffi.Function
+    arguments: tuple  # tensors and scalars, in the function's order
+
+
+#: Parameter kinds of a :class:`CudaLaunch`, as ``csrc/host_path.cpp`` numbers them.
+POINTER, INT32, INT64, FLOAT32, INT8 = range(5)
+
+
+@dataclasses.dataclass(frozen=True)
+class CudaLaunch:
+    """One launch as a CUDA function and its parameters (Triton's compiled kernels), for the
+    compiled host path's ``cuLaunchKernel``."""
+
+    function: int  # CUfunction
+    grid: tuple  # (x, y, z)
+    block: int  # threads (x)
+    shared: int  # dynamic shared memory, bytes
+    arguments: tuple  # tensors (their data pointers), None (a null pointer), ints and floats
+    kinds: tuple  # each argument's parameter kind: POINTER, INT32, INT64, FLOAT32 or INT8
+
+
 #: KV tile sizes the backends choose from, largest first (16 is the smallest the matrix units take).
 BLOCK_N_CANDIDATES = (64, 32, 16)
 
@@ -91,9 +116,10 @@ class Backend(abc.ABC):
     def launch(self, plan, problem: Problem, args: LaunchArgs) -> None:
         """Queue the plan's kernels on the current stream of q's device."""
 
-    def ffi_launches(self, plan, problem: Problem, args: LaunchArgs) -> list | None:
-        """``launch`` as [(TVM-FFI function, arguments)], which the compiled host path
-        (``flashdecode.host_path``) can replay; None where the launches are not TVM-FFI calls."""
+    def host_launches(self, plan, problem: Problem, args: LaunchArgs) -> list | None:
+        """The launches ``launch`` just made, as [:class:`FfiLaunch`] or [:class:`CudaLaunch`], which the
+        compiled host path (``flashdecode.host_path``) replays for repeats of the call; None where
+        they cannot be described so."""
         return None
 
 

@@ -14,7 +14,7 @@ import threading
 
 from ... import hardware
 from ...planner import SHORT_CACHE, SINGLE_PASS, SPLIT
-from ..base import Backend
+from ..base import Backend, FfiLaunch
 from . import occupancy
 from .config import KernelShape, ShortCacheConfig, SplitConfig
 from .launch import is_ffi_function, launcher
@@ -128,12 +128,15 @@ class TileLangBackend(Backend):
         for function, arguments in self.calls(plan, problem, args):
             function(*arguments)
 
-    def ffi_launches(self, plan, problem, args) -> list | None:
-        """``calls`` where each function is a TVM-FFI entry (``launch.fast_entry`` found them)."""
+    def host_launches(self, plan, problem, args) -> list | None:
+        """``calls`` as FfiLaunches, where each function is a TVM-FFI entry (``launch.fast_entry`` found
+        them)."""
         if problem.seqlen_cache == 0:
             return None
         calls = self.calls(plan, problem, args)
-        return calls if all(is_ffi_function(function) for function, _ in calls) else None
+        if not all(is_ffi_function(function) for function, _ in calls):
+            return None
+        return [FfiLaunch(function, tuple(arguments)) for function, arguments in calls]
 
     def calls(self, plan, problem, args) -> list:
         """[(launcher, arguments)] of the plan's kernels, in launch order. Each takes the plain

@@ -114,7 +114,20 @@ class TritonBackend(Backend):
 
     # -- the launch --------------------------------------------------------------------------------
     def launch(self, plan, problem: Problem, args: LaunchArgs) -> None:
-        """The split kernel over ``plan.grid(problem)``, then the combine when the plan splits. Unused
+        """The split kernel over ``plan.grid(problem)``, then the combine when the plan splits
+        (``launches`` says with what)."""
+        with _on_device(args.q.device):
+            for launch in self.launches(plan, problem, args):
+                self.launcher.launch(*launch)
+
+    def host_launches(self, plan, problem: Problem, args: LaunchArgs) -> list | None:
+        """``launches`` as CudaLaunches of the kernels ``launch`` just compiled or ran (None where the
+        launcher cannot describe one, ``Launcher.cuda_launch``)."""
+        described = [self.launcher.cuda_launch(*launch) for launch in self.launches(plan, problem, args)]
+        return None if any(launch is None for launch in described) else described
+
+    def launches(self, plan, problem: Problem, args: LaunchArgs) -> list:
+        """[(kernel, grid, tensors, scalars, constexprs, options)] of the plan, in launch order. Unused
         features pass None (Triton compiles None as a constant). lse, part_o and part_lse must be
         contiguous, as ``DecodeContext`` allocates them; the other tensors need a contiguous last
         dimension only."""
@@ -136,15 +149,14 @@ class TritonBackend(Backend):
             alibi.stride(0) if alibi is not None and alibi.dim() == 2 else None)
         tensors = (q, k_cache, v_cache, args.cache_seqlens, out, args.lse, args.part_o, args.part_lse,
                    k_new, v_new, args.cache_batch_idx, args.cache_leftpad, table, cos, args.rotary_sin, alibi)
-        with _on_device(q.device):
-            self.launcher.launch(split_kernel, spec.split_grid, tensors, scalars, spec.split_constexprs,
-                                 spec.split_options)
-            if spec.combine_grid is not None:
-                self.launcher.launch(
-                    combine_kernel, spec.combine_grid,
-                    (args.cache_seqlens, args.cache_leftpad, out, args.lse, args.part_o, args.part_lse),
-                    (*spec.schedule, *spec.features[:2], out.stride(0), out.stride(1), out.stride(2)),
-                    spec.combine_constexprs, spec.combine_options)
+        launches = [(split_kernel, spec.split_grid, tensors, scalars, spec.split_constexprs, spec.split_options)]
+        if spec.combine_grid is not None:
+            launches.append((
+                combine_kernel, spec.combine_grid,
+                (args.cache_seqlens, args.cache_leftpad, out, args.lse, args.part_o, args.part_lse),
+                (*spec.schedule, *spec.features[:2], out.stride(0), out.stride(1), out.stride(2)),
+                spec.combine_constexprs, spec.combine_options))
+        return launches
 
     def _spec(self, plan, problem: Problem) -> _LaunchSpec:
         """The memoized spec of (plan, problem), found by identity (the caller keeps both objects)."""

@@ -23,6 +23,13 @@ import triton
 import triton.language as tl
 
 from ... import compat
+from ..base import FLOAT32, INT8, INT32, INT64, POINTER, CudaLaunch
+
+#: Parameter kinds of Triton's scalar signature types (pointers are "*<type>").
+SCALAR_KINDS = {"i1": INT8, "i8": INT8, "i32": INT32, "i64": INT64, "fp32": FLOAT32}
+#: Pointer parameters Triton's launcher appends after the kernel's own, by the metadata field that
+#: sizes each (a null pointer where the size is 0).
+SCRATCH_FIELDS = ("global_scratch_size", "profile_scratch_size")
 
 #: Compiled kernels a launcher keeps (each new shape or schedule constant adds one); past it the
 #: table starts again.
@@ -134,6 +141,22 @@ class Launcher:
         compiled[tuple(grid) + (1,) * (3 - len(grid))](*tensors, *scalars, *constexpr_values,
                                                         stream=self._stream_handle(device.index))
 
+    def cuda_launch(self, kernel, grid: tuple, tensors: tuple, scalars: tuple, constexprs: dict,
+                    options: dict) -> CudaLaunch | None:
+        """The launch ``launch`` made last with these arguments, as its CUDA function and parameters
+        (``describe``), for the compiled host path; None where the fast path is off, the kernel was
+        not compiled for them, or q's device is not the current one."""
+        device = tensors[0].device
+        if not self.fast_path or device.type != "cuda":
+            return None
+        if device.index is not None and device.index != torch.cuda.current_device():
+            return None  # the function belongs to another device's context than the current one
+        key = specialization(kernel, device.index, tensors, scalars, tuple(constexprs.values()), tuple(options.items()))
+        compiled = self._compiled.get(key)
+        if compiled is None:
+            return None
+        return describe(compiled, grid, (*tensors, *scalars, *constexprs.values()))
+
     def _fast_path_on(self, device: torch.device) -> bool:
         if self.fast_path is None:
             if self._is_capturing():
@@ -152,3 +175,43 @@ class Launcher:
             raise TypeError(f"{getattr(kernel, '__name__', kernel)}: parameters after the first {positional} are "
                             f"{names[positional:]}, expected the constexprs {constexpr_names} in this order")
         self._checked_signatures.add(key)
+
+
+def describe(compiled, grid: tuple, values: tuple) -> CudaLaunch | None:
+    """A compiled kernel's launch with ``values`` (every parameter in signature order, constexprs
+    included) as Triton's launcher makes it: the non-constexpr parameters, then a null pointer per
+    scratch buffer. Reads Triton's private CompiledKernel fields; None where any is missing or the
+    launch needs more than cuLaunchKernel's plain parameters (clusters, cooperative or dependent
+    launches, scratch memory, tensor descriptors). The compiled host path checks the parameter list
+    against the function's own where the driver can tell, and replays its first record against
+    Triton's launch (``docs/design.md``, "Host path")."""
+    try:
+        if getattr(compiled, "function", None) is None:
+            compiled._init_handles()
+        function, metadata, signature = compiled.function, compiled.metadata, compiled.src.signature
+        num_warps, shared = int(metadata.num_warps), int(metadata.shared)
+    except (AttributeError, TypeError, ValueError):
+        return None
+    plain = (getattr(metadata, "num_ctas", 1) == 1 and not getattr(metadata, "launch_cooperative_grid", False)
+             and not getattr(metadata, "launch_pdl", False) and not getattr(metadata, "tensordesc_meta", None)
+             and not any(getattr(metadata, field, 0) for field in SCRATCH_FIELDS))
+    types = list(signature.values()) if isinstance(signature, dict) else []
+    if not plain or not isinstance(function, int) or not function or len(types) != len(values):
+        return None
+    arguments, kinds = [], []
+    for kind, value in zip(types, values):
+        if kind == "constexpr":
+            continue
+        if isinstance(kind, str) and kind.startswith("*") and isinstance(value, torch.Tensor):
+            kinds.append(POINTER)
+        elif kind in SCALAR_KINDS and isinstance(value, (int, float)) and (kind == "fp32") == isinstance(value, float):
+            kinds.append(SCALAR_KINDS[kind])
+        else:
+            return None
+        arguments.append(value)
+    for field in SCRATCH_FIELDS:
+        if hasattr(metadata, field):
+            arguments.append(None)
+            kinds.append(POINTER)
+    grid = tuple(grid) + (1,) * (3 - len(grid))
+    return CudaLaunch(function, grid, 32 * num_warps, shared, tuple(arguments), tuple(kinds))
