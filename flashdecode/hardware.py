@@ -39,10 +39,14 @@ class Tuning:
     #: faster than the pipeline on case 5; 6 tiles: 9% slower on case 6; 4: paged caches of one
     #: 256-token page holding 1-141 tokens 1.4-2.2x faster, contiguous cases 1-6 unchanged).
     short_cache_max_blocks: int = 4
-    #: ``auto``'s order: each backend with the largest cache (K and V bytes at capacity) it is
-    #: chosen for (None: any). TileLang below 256 MiB: above, Triton's split kernel took 3-9% less GPU
-    #: time and its host time hid behind the GPU work (cases 7, 9, 11, 12).
-    auto_order: tuple = (("tilelang", 256 * MIB), ("triton", None))
+    #: ``auto``'s order: each backend with the largest cache (K and V bytes at capacity, below) and
+    #: head dim (at most) it is chosen for (None: any); the first that can take the call runs it.
+    #: Measured on the H200 with both on the compiled host path (``docs/design.md``, "Measured
+    #: choices"): TileLang below 32 MiB (cases 1-6, 32-token caches: its short-cache and 64-row
+    #: kernels 0-8% faster); above, Triton's split kernel 2-28% less GPU time at head dims 64-128
+    #: (cases 7-14, wide W1-W8, W11-W14), TileLang's at head dim 256 (W9 tie, W10 5% faster).
+    auto_order: tuple = (("tilelang", 32 * MIB, None), ("triton", None, 128), ("tilelang", None, None),
+                         ("triton", None, None))
     #: Split programs of Triton's kernel one SM holds, by head dim (ncu, head dim 128: 38 KB of shared
     #: memory, 107 registers x 128 threads; 256 runs 8 warps on twice the tiles).
     triton_resident_programs: tuple = ((64, 4), (128, 4), (256, 2))
