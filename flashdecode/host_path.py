@@ -30,7 +30,7 @@ import threading
 
 import torch
 
-from .kernels.base import CudaLaunch
+from .kernels.base import INT8, CudaLaunch
 
 #: The call's tensors a launch argument may be, in the extension's slot order; then the lse.
 CALL_TENSORS = ("q", "k_cache", "v_cache", "k", "v", "rotary_cos", "rotary_sin", "cache_seqlens", "cache_batch_idx",
@@ -132,6 +132,8 @@ def _build(verbose: bool):
     spec = importlib.util.spec_from_file_location(name, library)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
+    if (module.CALL_SLOTS, module.LSE_SLOT, module.PARAMETER_KINDS) != (len(CALL_TENSORS), LSE_SLOT, INT8 + 1):
+        raise RuntimeError("the extension's slots or parameter kinds differ from flashdecode's")
     return module
 
 
@@ -151,8 +153,10 @@ class HostPath:
     """One context's launch records (``csrc/host_path.cpp``). ``run`` takes the call's arguments as
     ``DecodeContext.run`` has them, then the context's stream."""
 
-    def __init__(self, module, max_records: int = MAX_RECORDS):
-        self._native = module.HostPath(max_records)
+    def __init__(self, module, max_records: int = MAX_RECORDS, check_parameters: bool = True):
+        """``check_parameters``: compare each CUDA launch's parameter words with its function's own
+        list where the driver can tell (off only where the functions are stand-ins, in tests)."""
+        self._native = module.HostPath(max_records, check_parameters)
         self._verified: set[str] = set()  # kinds of launches ("ffi", "cuda") a replay checked
         self.off_because: str | None = None
 
@@ -195,7 +199,7 @@ class HostPath:
                     slot = found[0] if found else CONSTANT
                 slots.append(slot)
             if isinstance(launch, CudaLaunch):
-                specs.append(("cuda", launch.function, launch.grid, launch.block, launch.shared,
+                specs.append(("cuda", launch.function, launch.owner, launch.grid, launch.block, launch.shared,
                               list(launch.arguments), slots, list(launch.kinds)))
             else:
                 specs.append(("ffi", launch.function, list(launch.arguments), slots))

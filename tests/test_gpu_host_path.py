@@ -4,6 +4,8 @@ every input the record patches (q, caches, pages, appended k/v, lengths, out, ls
 import pytest
 import torch
 
+import fa_grid
+
 from flashdecode import DecodeContext, flash_attn_with_kvcache
 from flashdecode.cases import CASES_BY_NUMBER, VARIANTS, make_call
 from flashdecode.reference import reference_attention, relative_error
@@ -90,3 +92,25 @@ def test_the_environment_turns_it_off(monkeypatch):
     call = make_call(CASES_BY_NUMBER[3], VARIANTS["plain"], "cuda")
     flash_attn_with_kvcache(call.q, call.k_cache, call.v_cache, **call.kwargs(), backend="tilelang", context=context)
     assert context.host_path is None
+
+
+#: FlashAttention-grid combos with the features only Triton takes (rotary on appended tokens, ALiBi,
+#: cache_leftpad, cache_batch_idx), local windows and pages of 256.
+TRITON_FEATURE_COMBOS = fa_grid.sample(6, seed=11, restrict={
+    "new_kv": (True,), "alibi": (True,), "rotary_fraction": (0.5, 1.0), "has_leftpad": (True, False),
+    "has_batch_idx": (True, False), "d": (64, 128), "seqlens": ((1, 339), (3, 799), (16, 20000))})
+
+
+@pytest.mark.parametrize("combo", TRITON_FEATURE_COMBOS, ids=lambda combo: combo.id)
+def test_triton_features_take_the_host_path(combo):
+    """Every tensor a Triton-only feature passes (rotary tables, slopes, left pads, batch indices)
+    is patched into the record: repeats match FlashAttention's rule like the first call."""
+    context = DecodeContext()
+
+    def call(**arguments):
+        return flash_attn_with_kvcache(**arguments, backend="triton", context=context)
+
+    for _ in range(CALLS):
+        fa_grid.check_combo(combo, "cuda", call)
+    assert context.host_path is not None and context.host_path.off_because is None
+    assert context.host_path.hits == CALLS - 1

@@ -212,13 +212,13 @@ def test_describe_lists_the_parameters_triton_passes():
                                  "D": "constexpr"})
     launch = describe(compiled, (5, 2), (x, y, 3, 2 ** 40, 0.5, 16, None))
     assert launch == CudaLaunch(0xF00, (5, 2, 1), 128, 2048, (x, y, 3, 2 ** 40, 0.5, None, None),
-                                (POINTER, POINTER, INT32, INT64, FLOAT32, POINTER, POINTER))
+                                (POINTER, POINTER, INT32, INT64, FLOAT32, POINTER, POINTER), owner=compiled)
     del compiled.metadata.profile_scratch_size  # a Triton with one scratch buffer
     assert describe(compiled, (5,), (x, y, 3, 2 ** 40, 0.5, 16, None)).kinds[-2:] == (FLOAT32, POINTER)
 
 
 @pytest.mark.parametrize("change", [
-    {"num_ctas": 2}, {"launch_pdl": True}, {"launch_cooperative_grid": True}, {"global_scratch_size": 64},
+    {"num_ctas": 2}, {"shared": 229 * 1024}, {"launch_pdl": True}, {"launch_cooperative_grid": True}, {"global_scratch_size": 64},
     {"profile_scratch_size": 8}, {"tensordesc_meta": [{}]}, {"signature": {"X": "*fp16", "n": "fp16"}},
     {"signature": {"X": "*fp16"}}, {"values": (torch.zeros(1), 2.5)}, {"values": (3, 4)}, {"function": None},
 ], ids=str)

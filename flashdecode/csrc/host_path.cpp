@@ -145,7 +145,7 @@ struct Driver {
   }
 };
 
-// A raw launch's parameter kinds (flashdecode/host_path.py's PARAMETER_KINDS), with their sizes.
+// A CUDA launch's parameter kinds (flashdecode/kernels/base.py: POINTER ... INT8), with their sizes.
 enum ParameterKind : int { kPointer, kInt32, kInt64, kFloat32, kInt8, kParameterKinds };
 constexpr size_t kParameterSize[kParameterKinds] = {8, 4, 8, 4, 1};
 
@@ -159,7 +159,7 @@ struct Argument {
   DLTensor tensor{};
 };
 
-struct Launch {
+struct FfiLaunch {
   py::object function;  // keeps the TVM-FFI function alive
   TVMFFIObjectHandle handle = nullptr;
   std::vector<std::unique_ptr<Argument>> arguments;  // stable addresses: packed points into them
@@ -167,13 +167,20 @@ struct Launch {
   std::vector<std::pair<int, DLTensor*>> patched;  // (slot, tensor whose data each call sets)
 };
 #else
-struct Launch {};
+struct FfiLaunch {};
 #endif
 
 // A CUDA function launched with cuLaunchKernel: one 8-byte word per parameter, the call's data
 // pointers written into theirs before each launch.
-struct RawLaunch {
-  void* function = nullptr;  // CUfunction, owned by the kernel's module (its compiler keeps it loaded)
+struct CudaLaunch {
+  CudaLaunch() = default;
+  CudaLaunch(const CudaLaunch&) = delete;  // parameters point into words: moved, never copied
+  CudaLaunch& operator=(const CudaLaunch&) = delete;
+  CudaLaunch(CudaLaunch&&) noexcept = default;
+  CudaLaunch& operator=(CudaLaunch&&) noexcept = default;
+
+  void* function = nullptr;  // CUfunction, loaded while owner (the compiled kernel) lives
+  py::object owner;
   unsigned grid[3] = {1, 1, 1};
   unsigned block = 1;
   unsigned shared = 0;
@@ -184,8 +191,8 @@ struct RawLaunch {
 };
 
 struct Record {
-  std::vector<Launch> launches;
-  std::vector<RawLaunch> raw_launches;  // a record has launches of one kind
+  std::vector<FfiLaunch> ffi_launches;
+  std::vector<CudaLaunch> cuda_launches;  // a record has launches of one kind
   void* cuda_context = nullptr;  // the context raw launches' functions belong to
   std::vector<int64_t> lse_shape;  // (B, Hq, Sq): allocated per call when the caller wants lse
   int device_type = 0, device_id = 0;  // of the TVM-FFI launches' tensors (DLPack's numbering)
@@ -224,15 +231,19 @@ void fill_template(Argument& argument, const at::Tensor& tensor) {
 
 class HostPath {
  public:
-  explicit HostPath(size_t max_records) : max_records_(max_records) {}
+  // check_parameters: compare a CUDA launch's words with the function's parameter list where the
+  // driver can tell (off only for tests whose functions are not real).
+  HostPath(size_t max_records, bool check_parameters)
+      : max_records_(max_records), check_parameters_(check_parameters) {}
 
   // None on a miss (the caller takes the Python path), else out or (out, lse).
   py::object run(py::args args) {
     if (!make_key(args.ptr(), key_)) return py::none();
     auto found = records_.find(key_);
     if (found == records_.end()) return py::none();
-    ++hits_;
-    return execute(found->second, args.ptr(), nullptr, nullptr);
+    py::object result = execute(found->second, args.ptr(), nullptr, nullptr);
+    if (!result.is_none()) ++hits_;
+    return result;
   }
 
   // The record of ``call`` (a tuple as ``run`` takes), run into the given out and lse (a check).
@@ -246,8 +257,8 @@ class HostPath {
     return execute(found->second, call.ptr(), &out, lse.is_none() ? nullptr : &lse_tensor);
   }
 
-  // launches: [("ffi", function, [argument...], [slot...])] or [("cuda", CUfunction as an int,
-  // (grid x, y, z), block x, shared bytes, [argument...], [slot...], [ParameterKind...])]: slot >= 0
+  // launches: [("ffi", function, [argument...], [slot...])] or [("cuda", CUfunction as an int, its
+  // owner, (grid x, y, z), block x, shared bytes, [argument...], [slot...], [ParameterKind...])]: slot >= 0
   // names the call tensor an argument is (its data pointer changes per call), -1 a tensor the record
   // holds; scalars are ints/floats.
   bool add(py::tuple call, py::list launches, std::vector<int64_t> lse_shape) {
@@ -257,13 +268,10 @@ class HostPath {
     record.lse_shape = std::move(lse_shape);
     for (py::handle entry : launches) {
       py::tuple spec = entry.cast<py::tuple>();
-      if (spec[0].cast<std::string>() == "cuda") {
-        if (!add_raw(record, spec)) return false;
-        continue;
-      }
-      if (!add_ffi(record, spec)) return false;
+      std::string kind = spec[0].cast<std::string>();
+      if (kind == "cuda" ? !add_cuda(record, spec) : kind != "ffi" || !add_ffi(record, spec)) return false;
     }
-    if (!record.launches.empty() && !record.raw_launches.empty()) return false;
+    if (record.ffi_launches.empty() == record.cuda_launches.empty()) return false;  // one kind, at least one
     if (records_.size() >= max_records_) records_.clear();  // bounded, as the Python memo tables are
     records_[key] = std::move(record);
     return true;
@@ -279,7 +287,7 @@ class HostPath {
     void* data[kSlots] = {};
     call_data(call.ptr(), data);
     std::vector<std::vector<uint64_t>> words;
-    for (RawLaunch& launch : found->second.raw_launches) {  // (the words the function takes)
+    for (CudaLaunch& launch : found->second.cuda_launches) {  // (the words the function takes)
       for (auto& [slot, word] : launch.patched) launch.words[word] = reinterpret_cast<uintptr_t>(data[slot]);
       words.push_back(launch.words);
     }
@@ -295,7 +303,7 @@ class HostPath {
   // it does not take, and always without TVM-FFI.
   bool add_ffi(Record& record, py::tuple spec) {
 #ifdef FLASHDECODE_TVM_FFI
-    Launch launch;
+    FfiLaunch launch;
     launch.function = spec[1].cast<py::object>();
     launch.handle = reinterpret_cast<TVMFFIObjectHandle>(launch.function.attr("__chandle__")().cast<uintptr_t>());
     py::list values = spec[2].cast<py::list>();
@@ -331,26 +339,27 @@ class HostPath {
       launch.packed.push_back(any);
       launch.arguments.push_back(std::move(argument));
     }
-    record.launches.push_back(std::move(launch));
+    record.ffi_launches.push_back(std::move(launch));
     return true;
 #else
     return false;
 #endif
   }
 
-  // One raw launch from spec ("cuda", function, grid, block, shared, arguments, slots, kinds); false
+  // One CUDA launch from spec ("cuda", function, owner, grid, block, shared, arguments, slots, kinds); false
   // when an argument does not fit its kind or the function's parameters (where the driver can say)
   // are not the words given.
-  bool add_raw(Record& record, py::tuple spec) {
-    RawLaunch launch;
+  bool add_cuda(Record& record, py::tuple spec) {
+    CudaLaunch launch;
     launch.function = reinterpret_cast<void*>(spec[1].cast<uintptr_t>());
-    py::tuple grid = spec[2].cast<py::tuple>();
+    launch.owner = spec[2].cast<py::object>();
+    py::tuple grid = spec[3].cast<py::tuple>();
     for (int d = 0; d < 3; ++d) launch.grid[d] = grid[d].cast<unsigned>();
-    launch.block = spec[3].cast<unsigned>();
-    launch.shared = spec[4].cast<unsigned>();
-    py::list values = spec[5].cast<py::list>();
-    py::list slots = spec[6].cast<py::list>();
-    py::list kinds = spec[7].cast<py::list>();
+    launch.block = spec[4].cast<unsigned>();
+    launch.shared = spec[5].cast<unsigned>();
+    py::list values = spec[6].cast<py::list>();
+    py::list slots = spec[7].cast<py::list>();
+    py::list kinds = spec[8].cast<py::list>();
     if (values.size() != kinds.size() || values.size() != slots.size()) return false;
     launch.words.assign(values.size(), 0);
     for (size_t i = 0; i < values.size(); ++i) {
@@ -374,7 +383,9 @@ class HostPath {
         float single = static_cast<float>(PyFloat_AsDouble(value));
         std::memcpy(&word, &single, sizeof single);
       } else if (PyLong_Check(value) && (kind == kInt32 || kind == kInt64 || kind == kInt8)) {
-        int64_t integer = PyLong_AsLongLong(value);
+        int overflow = 0;
+        int64_t integer = PyLong_AsLongLongAndOverflow(value, &overflow);
+        if (overflow) return false;
         if (kind == kInt32) {
           int32_t narrow = static_cast<int32_t>(integer);
           if (narrow != integer) return false;
@@ -391,7 +402,7 @@ class HostPath {
       }
     }
     const Driver& driver = Driver::get();
-    if (driver.func_get_param_info != nullptr) {  // the function's own parameter list, where the driver has it
+    if (check_parameters_ && driver.func_get_param_info != nullptr) {  // the function's own parameter list, where the driver has it
       size_t count = 0, offset = 0, size = 0;
       while (count <= values.size() && driver.func_get_param_info(launch.function, count, &offset, &size) == 0) {
         if (count < values.size() && size != kParameterSize[kinds[count].cast<int>()]) return false;
@@ -405,7 +416,7 @@ class HostPath {
     }
     for (uint64_t& word : launch.words) launch.parameters.push_back(&word);
     record.cuda_context = driver.current_context();
-    record.raw_launches.push_back(std::move(launch));
+    record.cuda_launches.push_back(std::move(launch));
     return true;
   }
 
@@ -418,7 +429,7 @@ class HostPath {
 
   py::object execute(Record& record, PyObject* args, at::Tensor* out_given, at::Tensor* lse_given) {
     const Driver& driver = Driver::get();
-    if (!record.raw_launches.empty() && driver.current_context() != record.cuda_context) {
+    if (!record.cuda_launches.empty() && driver.current_context() != record.cuda_context) {
       if (out_given != nullptr) throw std::invalid_argument("host path: another CUDA context is current");
       return py::none();  // the functions belong to another device's context: the Python path
     }
@@ -443,11 +454,11 @@ class HostPath {
     }
     if (lse.defined()) data[kLseSlot] = lse.data_ptr();
 
-    if (!record.raw_launches.empty()) {
+    if (!record.cuda_launches.empty()) {
       void* stream = PyLong_AsVoidPtr(PyTuple_GET_ITEM(args, kStream));
-      for (RawLaunch& launch : record.raw_launches) {
+      for (CudaLaunch& launch : record.cuda_launches) {
         for (auto& [slot, word] : launch.patched) launch.words[word] = reinterpret_cast<uintptr_t>(data[slot]);
-        if (launch.grid[0] * launch.grid[1] * launch.grid[2] == 0) continue;
+        if (launch.grid[0] == 0 || launch.grid[1] == 0 || launch.grid[2] == 0) continue;
         int status = driver.launch_kernel == nullptr ? -1 : driver.launch_kernel(
             launch.function, launch.grid[0], launch.grid[1], launch.grid[2], launch.block, 1, 1, launch.shared,
             stream, launch.parameters.data(), nullptr);
@@ -475,7 +486,7 @@ class HostPath {
       TVMFFIEnvSetStream(kDLCUDA, record.device_id, stream, &previous);
     }
     int failed = 0;
-    for (Launch& launch : record.launches) {
+    for (FfiLaunch& launch : record.ffi_launches) {
       for (auto& [slot, tensor] : launch.patched) tensor->data = data[slot];
       TVMFFIAny result{};
       result.type_index = kTVMFFINone;
@@ -499,6 +510,7 @@ class HostPath {
   static constexpr int kOutSlot() { return kCallSlots - 1; }
 
   size_t max_records_;
+  bool check_parameters_;
   int64_t hits_ = 0;
   std::unordered_map<Key, Record, KeyHash> records_;
   Key key_;  // reused by run: no allocation on a hit
@@ -568,7 +580,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("TVM_FFI") = false;
 #endif
   py::class_<HostPath>(m, "HostPath")
-      .def(py::init<size_t>())
+      .def(py::init<size_t, bool>())
       .def_property_readonly("hits", &HostPath::hits)
       .def("run", &HostPath::run)
       .def("replay", &HostPath::replay)

@@ -70,6 +70,7 @@ class CudaLaunch:
     shared: int  # dynamic shared memory, bytes
     arguments: tuple  # tensors (their data pointers), None (a null pointer), ints and floats
     kinds: tuple  # each argument's parameter kind: POINTER, INT32, INT64, FLOAT32 or INT8
+    owner: object = None  # what keeps the function loaded (Triton's compiled kernel), held by the record
 
 
 #: KV tile sizes the backends choose from, largest first (16 is the smallest the matrix units take).

@@ -31,6 +31,9 @@ SCALAR_KINDS = {"i1": INT8, "i8": INT8, "i32": INT32, "i64": INT64, "fp32": FLOA
 #: sizes each (a null pointer where the size is 0).
 SCRATCH_FIELDS = ("global_scratch_size", "profile_scratch_size")
 
+#: Shared memory a plain launch takes (above it Triton sets an oversized-shared-memory attribute).
+MAX_PLAIN_SHARED = 228 * 1024
+
 #: Compiled kernels a launcher keeps (each new shape or schedule constant adds one); past it the
 #: table starts again.
 MAX_COMPILED = 4096
@@ -182,7 +185,8 @@ def describe(compiled, grid: tuple, values: tuple) -> CudaLaunch | None:
     included) as Triton's launcher makes it: the non-constexpr parameters, then a null pointer per
     scratch buffer. Reads Triton's private CompiledKernel fields; None where any is missing or the
     launch needs more than cuLaunchKernel's plain parameters (clusters, cooperative or dependent
-    launches, scratch memory, tensor descriptors). The compiled host path checks the parameter list
+    launches, scratch memory, tensor descriptors, oversized shared memory). Triton's launch hooks
+    (a profiler's) are not called for launches from the record. The compiled host path checks the parameter list
     against the function's own where the driver can tell, and replays its first record against
     Triton's launch (``docs/design.md``, "Host path")."""
     try:
@@ -192,7 +196,7 @@ def describe(compiled, grid: tuple, values: tuple) -> CudaLaunch | None:
         num_warps, shared = int(metadata.num_warps), int(metadata.shared)
     except (AttributeError, TypeError, ValueError):
         return None
-    plain = (getattr(metadata, "num_ctas", 1) == 1 and not getattr(metadata, "launch_cooperative_grid", False)
+    plain = (getattr(metadata, "num_ctas", 1) == 1 and shared <= MAX_PLAIN_SHARED and not getattr(metadata, "launch_cooperative_grid", False)
              and not getattr(metadata, "launch_pdl", False) and not getattr(metadata, "tensordesc_meta", None)
              and not any(getattr(metadata, field, 0) for field in SCRATCH_FIELDS))
     types = list(signature.values()) if isinstance(signature, dict) else []
@@ -214,4 +218,4 @@ def describe(compiled, grid: tuple, values: tuple) -> CudaLaunch | None:
             arguments.append(None)
             kinds.append(POINTER)
     grid = tuple(grid) + (1,) * (3 - len(grid))
-    return CudaLaunch(function, grid, 32 * num_warps, shared, tuple(arguments), tuple(kinds))
+    return CudaLaunch(function, grid, 32 * num_warps, shared, tuple(arguments), tuple(kinds), owner=compiled)
