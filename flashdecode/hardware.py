@@ -43,8 +43,9 @@ class Tuning:
     #: head dim (at most) it is chosen for (None: any); the first that can take the call runs it.
     #: Measured on the H200 with both on the compiled host path (``docs/design.md``, "Measured
     #: choices"): TileLang below 32 MiB (cases 1-6, 32-token caches: its short-cache and 64-row
-    #: kernels 0-8% faster); above, Triton's split kernel 2-28% less GPU time at head dims 64-128
-    #: (cases 7-14, wide W1-W8, W11-W14), TileLang's at head dim 256 (W9 tie, W10 5% faster).
+    #: kernels up to 8% faster; case 10 the exception); above, Triton's split kernel 1-28% less GPU
+    #: time at head dims 64-128 (cases 7-9 and 11-14, wide W1-W8, W11, W12, W14), TileLang's at head
+    #: dim 256 (W9 tie, W10 5% faster).
     auto_order: tuple = (("tilelang", 32 * MIB, None), ("triton", None, 128), ("tilelang", None, None),
                          ("triton", None, None))
     #: Split programs of Triton's kernel one SM holds, by head dim (ncu, head dim 128: 38 KB of shared
