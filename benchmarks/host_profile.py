@@ -1,0 +1,66 @@
+"""Where a call's host time goes on the compiled host path (GPU machine): one plain torch launch,
+`torch.empty_like`, the capture check, the default-context lookup, then per backend the whole call
+and the C++ part alone (`HostPath.run`: lookup, allocation, launches); the difference is the Python
+before it. Calls back to back, no waiting on the GPU (a case whose GPU time exceeds its host time
+shows the GPU instead).
+
+Usage: python benchmarks/host_profile.py [--cases 3,10,8] [--calls 3000]
+"""
+import argparse
+import statistics
+import time
+
+import torch
+
+import flashdecode
+from flashdecode import compat
+from flashdecode.cases import CASES_BY_NUMBER, VARIANTS, make_call
+from flashdecode.context import default_context
+
+
+def per_call(function, calls: int, repeats: int = 5) -> float:
+    """Median over ``repeats`` of the host time per call of ``calls`` calls, in us."""
+    times = []
+    for _ in range(repeats):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(calls):
+            function()
+        times.append((time.perf_counter() - start) / calls * 1e6)
+        torch.cuda.synchronize()
+    return statistics.median(times)
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--cases", default="3,10,8")
+    parser.add_argument("--calls", type=int, default=3000)
+    args = parser.parse_args()
+    for number in (int(text) for text in args.cases.split(",")):
+        call = make_call(CASES_BY_NUMBER[number], VARIANTS["plain"], "cuda")
+        q, k_cache, v_cache, lengths = call.q, call.k_cache, call.v_cache, call.kwargs()["cache_seqlens"]
+        index = q.device.index or 0
+        print(f"case {number}: q.add_(0) {per_call(lambda: q.add_(0), args.calls):.1f}  "
+              f"empty_like {per_call(lambda: torch.empty_like(q), args.calls):.1f}  "
+              f"is_capturing {per_call(torch.cuda.is_current_stream_capturing, args.calls):.1f}  "
+              f"default_context {per_call(lambda: default_context(q.device), args.calls):.2f}")
+        for backend in ("tilelang", "triton"):
+            def whole():
+                return flashdecode.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=lengths, backend=backend)
+
+            for _ in range(5):
+                whole()  # the first records its launches
+            host = default_context(q.device).host_path
+            if host is None:
+                print(f"  {backend:8s} no host path: {flashdecode.host_path.unavailable()}")
+                continue
+            arguments = (q, k_cache, v_cache, None, None, None, None, lengths, None, None, None, None, False, (-1, -1),
+                         0.0, True, None, 0, False, backend, None, compat.current_stream_handle(index))
+            hits = host.hits
+            whole_us, native_us = per_call(whole, args.calls), per_call(lambda: host.run(arguments), args.calls)
+            print(f"  {backend:8s} whole call {whole_us:6.1f}  C++ part {native_us:6.1f}  "
+                  f"python before it {whole_us - native_us:5.1f}  (host path hits +{host.hits - hits})")
+
+
+if __name__ == "__main__":
+    main()
