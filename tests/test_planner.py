@@ -2,6 +2,7 @@
 import math
 
 import pytest
+import torch
 from hypothesis import given, settings, strategies as st
 
 from flashdecode.cases import CASES, case_seqlens
@@ -141,3 +142,22 @@ def test_block_n_fits_the_shared_memory_of_each_profile(backend):
         for headdim in (64, 128, 256):
             p = plan(Problem(1, 4096, 8, 1, headdim, "float16"), profile, get_backend(backend))
             assert 2 * 2 * p.block_n * headdim * 2 <= profile.shared_memory_per_multiprocessor // 2
+
+
+@pytest.mark.parametrize("batch, seqlen_cache, nheads_k, headdim, able, expected", [
+    (16, 362, 8, 128, ("tilelang", "triton"), "tilelang"),  # 22.6 MiB: under 32
+    (16, 4096, 4, 128, ("tilelang", "triton"), "triton"),  # 128 MiB at head dim 128
+    (8, 32768, 1, 256, ("tilelang", "triton"), "tilelang"),  # head dim 256
+    (8, 32768, 1, 256, ("triton",), "triton"),  # where TileLang cannot take it
+    (16, 362, 8, 128, ("triton",), "triton"),
+    (16, 362, 8, 128, (), "reference"),
+])
+def test_auto_takes_the_first_backend_whose_limits_hold(monkeypatch, batch, seqlen_cache, nheads_k, headdim, able,
+                                                        expected):
+    """``select("auto")`` over ``Tuning.auto_order`` on a CUDA device, each backend able or not."""
+    from flashdecode.kernels import base
+
+    monkeypatch.setattr(base, "why_not", lambda name, problem, device: None if name in able else "unable here")
+    problem = Problem(batch, seqlen_cache, nheads_k * 4, nheads_k, headdim, "bfloat16")
+    chosen = base.select("auto", problem, torch.device("cuda", 0), PROFILES["h200"])
+    assert chosen.name == expected
