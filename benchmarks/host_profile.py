@@ -8,27 +8,19 @@ Usage: python benchmarks/host_profile.py [--cases 3,10,8] [--calls 3000]
 """
 import argparse
 import statistics
-import time
 
 import torch
 
 import flashdecode
 from flashdecode import compat
+from flashdecode.bench.timing import Timer
 from flashdecode.cases import CASES_BY_NUMBER, VARIANTS, make_call
 from flashdecode.context import default_context
 
 
-def per_call(function, calls: int, repeats: int = 5) -> float:
-    """Median over ``repeats`` of the host time per call of ``calls`` calls, in us."""
-    times = []
-    for _ in range(repeats):
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        for _ in range(calls):
-            function()
-        times.append((time.perf_counter() - start) / calls * 1e6)
-        torch.cuda.synchronize()
-    return statistics.median(times)
+def per_call(timer: Timer, function, calls: int, repeats: int = 5) -> float:
+    """Median over ``repeats`` of the benchmark's host time per call (``Timer.host_overhead_us``), in us."""
+    return statistics.median(timer.host_overhead_us(function, calls) for _ in range(repeats))
 
 
 def main():
@@ -40,10 +32,11 @@ def main():
         call = make_call(CASES_BY_NUMBER[number], VARIANTS["plain"], "cuda")
         q, k_cache, v_cache, lengths = call.q, call.k_cache, call.v_cache, call.kwargs()["cache_seqlens"]
         index = q.device.index or 0
-        print(f"case {number}: q.add_(0) {per_call(lambda: q.add_(0), args.calls):.1f}  "
-              f"empty_like {per_call(lambda: torch.empty_like(q), args.calls):.1f}  "
-              f"is_capturing {per_call(torch.cuda.is_current_stream_capturing, args.calls):.1f}  "
-              f"default_context {per_call(lambda: default_context(q.device), args.calls):.2f}")
+        timer = Timer(q.device, iters=1, warmup=0, cold_l2=False)
+        print(f"case {number}: q.add_(0) {per_call(timer, lambda: q.add_(0), args.calls):.1f}  "
+              f"empty_like {per_call(timer, lambda: torch.empty_like(q), args.calls):.1f}  "
+              f"is_capturing {per_call(timer, torch.cuda.is_current_stream_capturing, args.calls):.1f}  "
+              f"default_context {per_call(timer, lambda: default_context(q.device), args.calls):.2f}")
         for backend in ("tilelang", "triton"):
             def whole():
                 return flashdecode.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=lengths, backend=backend)
@@ -57,7 +50,8 @@ def main():
             arguments = (q, k_cache, v_cache, None, None, None, None, lengths, None, None, None, None, False, (-1, -1),
                          0.0, True, None, 0, False, backend, None, compat.current_stream_handle(index))
             hits = host.hits
-            whole_us, native_us = per_call(whole, args.calls), per_call(lambda: host.run(arguments), args.calls)
+            whole_us = per_call(timer, whole, args.calls)
+            native_us = per_call(timer, lambda: host.run(arguments), args.calls)
             print(f"  {backend:8s} whole call {whole_us:6.1f}  C++ part {native_us:6.1f}  "
                   f"python before it {whole_us - native_us:5.1f}  (host path hits +{host.hits - hits})")
 

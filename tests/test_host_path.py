@@ -50,8 +50,9 @@ def test_a_record_launches_with_each_calls_tensors(module):
     path = host_path.HostPath(module, max_records=4)
     first = make_call()
     result, workspace = torch.empty_like(first[0]), torch.zeros(64)
-    assert path.add(first, [FfiLaunch(kernel.function, (first[0], first[1], first[2], first[7], result, workspace, 7, 0.5)),
-                            FfiLaunch(kernel.function, (workspace, result, 3))], result, None, (2, 4, 1))
+    split = FfiLaunch(kernel.function, (first[0], first[1], first[2], first[7], result, workspace, 7, 0.5))
+    combine = FfiLaunch(kernel.function, (workspace, result, 3))
+    assert path.add(first, [split, combine], result, None, (2, 4, 1))
     assert len(path) == 1
     second = make_call()
     out = path.run(second)

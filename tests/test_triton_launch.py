@@ -218,7 +218,8 @@ def test_describe_lists_the_parameters_triton_passes():
 
 
 @pytest.mark.parametrize("change", [
-    {"num_ctas": 2}, {"shared": 229 * 1024}, {"launch_pdl": True}, {"launch_cooperative_grid": True}, {"global_scratch_size": 64},
+    {"num_ctas": 2}, {"shared": 229 * 1024}, {"launch_pdl": True}, {"launch_cooperative_grid": True},
+    {"global_scratch_size": 64},
     {"profile_scratch_size": 8}, {"tensordesc_meta": [{}]}, {"signature": {"X": "*fp16", "n": "fp16"}},
     {"signature": {"X": "*fp16"}}, {"values": (torch.zeros(1), 2.5)}, {"values": (3, 4)}, {"function": None},
 ], ids=str)

@@ -402,7 +402,7 @@ class HostPath {
       }
     }
     const Driver& driver = Driver::get();
-    if (check_parameters_ && driver.func_get_param_info != nullptr) {  // the function's own parameter list, where the driver has it
+    if (check_parameters_ && driver.func_get_param_info != nullptr) {  // where the driver can tell
       size_t count = 0, offset = 0, size = 0;
       while (count <= values.size() && driver.func_get_param_info(launch.function, count, &offset, &size) == 0) {
         if (count < values.size() && size != kParameterSize[kinds[count].cast<int>()]) return false;

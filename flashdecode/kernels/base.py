@@ -183,8 +183,9 @@ def why_not(name: str, problem: Problem, device: torch.device) -> str | None:
 
 def select(requested: str, problem: Problem, device: torch.device, profile: HardwareProfile) -> Backend:
     """The backend that runs the call: the one named, else (``"auto"``) the first of the profile's
-    ``auto_order`` that can take it within its cache size and head dim limits; CPU tensors take the reference. Naming a
-    backend that cannot take the call raises :class:`BackendError` naming one that can."""
+    ``auto_order`` that can take it within its cache size and head dim limits; CPU tensors take the
+    reference. Naming a backend that cannot take the call raises :class:`BackendError` naming one
+    that can."""
     if requested != "auto":
         reason = why_not(requested, problem, device)
         if reason is not None:

@@ -15,6 +15,9 @@ only when
 It reuses a compiled kernel only for calls with the same ``specialization`` key, at least as fine as
 Triton's own: kernel, device, constexprs, options, each tensor's dtype and 16-byte alignment, and
 the exact value of every scalar.
+
+``describe`` goes one step further for the compiled host path (``flashdecode.host_path``): a
+compiled kernel's CUDA function and parameter words, launched from C++ with ``cuLaunchKernel``.
 """
 from __future__ import annotations
 
@@ -196,7 +199,8 @@ def describe(compiled, grid: tuple, values: tuple) -> CudaLaunch | None:
         num_warps, shared = int(metadata.num_warps), int(metadata.shared)
     except (AttributeError, TypeError, ValueError):
         return None
-    plain = (getattr(metadata, "num_ctas", 1) == 1 and shared <= MAX_PLAIN_SHARED and not getattr(metadata, "launch_cooperative_grid", False)
+    plain = (getattr(metadata, "num_ctas", 1) == 1 and shared <= MAX_PLAIN_SHARED
+             and not getattr(metadata, "launch_cooperative_grid", False)
              and not getattr(metadata, "launch_pdl", False) and not getattr(metadata, "tensordesc_meta", None)
              and not any(getattr(metadata, field, 0) for field in SCRATCH_FIELDS))
     types = list(signature.values()) if isinstance(signature, dict) else []
