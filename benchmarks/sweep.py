@@ -3,8 +3,11 @@ and tile configs, timed from a CUDA graph (cold L2) and checked against the refe
 
 Variants are values given to a ``DecodeContext(tuning=..., config=...)``; nothing is reassigned.
 Usage: python benchmarks/sweep.py --backend tilelang,triton --ppsm 2,3,4 --block-n 32,64
-       [--tl-stages 2,3 --tl-rows 64,16 --tl-producer-regs 24,0] [--cases 7,12] [--variant plain,paged256]
-       [--log FILE]
+       [--tl-stages 2,3 --tl-rows 64,16 --tl-producer-regs 24,0 --warps 4,8] [--matrix wide] [--cases 7,12]
+       [--shapes 64x4096x8x4x256:uniform,...] [--variant plain,paged256] [--log FILE]
+``--tl-stages`` and ``--tl-rows`` set any backend's ``num_stages`` / ``block_m``; ``--warps`` Triton's
+``num_warps``. ``--shapes`` adds cases of one's own: batch x seqlen_cache x nheads_k x group x headdim,
+then ``:`` and a length rule of ``cases.LENGTH_RULES`` (numbered S1, S2, ...).
 """
 import argparse
 import dataclasses
@@ -15,7 +18,7 @@ import torch
 
 from flashdecode import DecodeContext, flash_attn_with_kvcache, plan_for
 from flashdecode.bench.timing import Timer
-from flashdecode.cases import CASES, VARIANTS, make_call
+from flashdecode.cases import LENGTH_RULES, MATRICES, VARIANTS, Case, make_call
 from flashdecode.hardware import current
 from flashdecode.reference import reference_attention, relative_error
 
@@ -24,36 +27,54 @@ def values(text):
     return [int(item) for item in text.split(",")] if text else [None]
 
 
+def own_shapes(text):
+    """Cases S1, S2, ... of ``--shapes``."""
+    cases = []
+    for number, item in enumerate(filter(None, text.split(",")), start=1):
+        sizes, _, rule = item.partition(":")
+        if rule not in LENGTH_RULES[1:]:
+            raise SystemExit(f"--shapes: length rule must be one of {LENGTH_RULES[1:]}, got {rule!r} in {item!r}")
+        cases.append(Case(f"S{number}", *(int(size) for size in sizes.split("x")), lengths=rule))
+    return cases
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--backend", default="tilelang")
     for flag in ("--ppsm", "--min-chunk", "--short-max-blocks", "--block-n", "--tl-stages", "--tl-rows",
-                 "--tl-producer-regs"):
+                 "--tl-producer-regs", "--warps"):
         parser.add_argument(flag, default="", help="comma list (default: the measured value)")
-    parser.add_argument("--cases", default="")
+    parser.add_argument("--matrix", default="cases", choices=sorted(MATRICES))
+    parser.add_argument("--cases", default="", help="comma list of case numbers (default: all; none with --shapes)")
+    parser.add_argument("--shapes", default="")
     parser.add_argument("--variant", default="plain", help="comma list of cases.VARIANTS (default: plain)")
     parser.add_argument("--log", default=None)
     args = parser.parse_args()
-    numbers = [int(c) for c in args.cases.split(",")] if args.cases else [c.number for c in CASES]
+    matrix = MATRICES[args.matrix]
+    numbers = [int(c) for c in args.cases.split(",")] if args.cases else \
+        [] if args.shapes else [c.number for c in matrix]
+    cases = [c for c in matrix if c.number in numbers] + own_shapes(args.shapes)
     timer = Timer(torch.device("cuda"), iters=50, warmup=5)
     base = current().tuning
     rows = []
-    for case, variant in itertools.product((c for c in CASES if c.number in numbers), args.variant.split(",")):
+    for case, variant in itertools.product(cases, args.variant.split(",")):
         inputs = make_call(case, VARIANTS[variant], device="cuda")
         expected = reference_attention(inputs.q, inputs.k_cache, inputs.v_cache, **inputs.kwargs())[0]
         nbytes = inputs.bytes_moved()
-        for backend, ppsm, min_chunk, short_max, block_n, stages, q_rows, producer in itertools.product(
+        for backend, ppsm, min_chunk, short_max, block_n, stages, q_rows, producer, warps in itertools.product(
                 args.backend.split(","), *(values(getattr(args, name)) for name in (
-                    "ppsm", "min_chunk", "short_max_blocks", "block_n", "tl_stages", "tl_rows", "tl_producer_regs"))):
+                    "ppsm", "min_chunk", "short_max_blocks", "block_n", "tl_stages", "tl_rows", "tl_producer_regs",
+                    "warps"))):
             tuning = dataclasses.replace(base, **{name: value for name, value in (
                 ("programs_per_multiprocessor", ppsm), ("min_blocks_per_split", min_chunk),
                 ("short_cache_max_blocks", short_max)) if value is not None})
             default = plan_for(inputs.q, inputs.k_cache, inputs.v_cache, **inputs.kwargs(), backend=backend,
                                context=DecodeContext("cuda", tuning=tuning)).plan.config
             changes = {name: value for name, value in (("block_n", block_n), ("num_stages", stages),
-                                                       ("block_m", q_rows), ("producer_registers", producer))
+                                                       ("block_m", q_rows), ("producer_registers", producer),
+                                                       ("num_warps", warps))
                        if value is not None and hasattr(default, name)}
-            row = dict(case=case.number, variant=variant, backend=backend, tuning=dataclasses.asdict(tuning), config=changes)
+            row = dict(case=case.label, shape=case.describe(), variant=variant, backend=backend, tuning=dataclasses.asdict(tuning), config=changes)
             try:  # a combination the compiler rejects is logged, the sweep goes on
                 context = DecodeContext("cuda", tuning=tuning, config=dataclasses.replace(default, **changes))
 

@@ -48,9 +48,14 @@ class Tuning:
     #: dim 256 (W9 tie, W10 5% faster).
     auto_order: tuple = (("tilelang", 32 * MIB, None), ("triton", None, 128), ("tilelang", None, None),
                          ("triton", None, None))
+    #: Triton's split-kernel tile by padded head dim (at most): (head dim, block_n, num_warps,
+    #: num_stages). Swept on the H200 (``docs/design.md``, "Measured choices"): 128 tokens at head dim
+    #: 64 (W8, W14 4-9% faster than 64), 4 warps and 3 stages of 64 tokens at 256 (W9, W10 and two
+    #: shapes of our own 10-25% faster than 8 warps on 32).
+    triton_tiles: tuple = ((64, 128, 4, 2), (128, 64, 4, 2), (256, 64, 4, 3))
     #: Split programs of Triton's kernel one SM holds, by head dim (ncu, head dim 128: 38 KB of shared
-    #: memory, 107 registers x 128 threads; 256 runs 8 warps on twice the tiles).
-    triton_resident_programs: tuple = ((64, 4), (128, 4), (256, 2))
+    #: memory, 107 registers x 128 threads; 256: its 3 stages of 64 tokens keep 128 KB of shared memory).
+    triton_resident_programs: tuple = ((64, 4), (128, 4), (256, 1))
 
 
 @dataclasses.dataclass(frozen=True)

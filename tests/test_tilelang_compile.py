@@ -40,11 +40,11 @@ def compiled_source(kernel, problem, config=None):
 
 
 # -- configs, occupancy, capabilities (no compile) ----------------------------------------------
-@pytest.mark.parametrize("head_dim,block_n", [(64, 64), (128, 64), (256, 32)])
-def test_default_configs_are_the_shipped_choices(head_dim, block_n):
-    problem = problem_of(head_dim=head_dim)
+@pytest.mark.parametrize("head_dim,block_n,split_tile", [(64, 64, (64, 64)), (128, 64, (64, 64)), (256, 32, (64, 16))])
+def test_default_configs_are_the_shipped_choices(head_dim, block_n, split_tile):
+    problem = problem_of(head_dim=head_dim)  # 8 query rows per KV head
     for kernel in (SPLIT, SINGLE_PASS):
-        assert BACKEND.default_config(problem, H200, kernel) == SplitConfig(block_n, 64, 2, 24, CombineConfig(16))
+        assert BACKEND.default_config(problem, H200, kernel) == SplitConfig(*split_tile, 2, 24, CombineConfig(16))
     assert BACKEND.default_config(problem, H200, SHORT_CACHE) == ShortCacheConfig(block_n, 16, False)
     assert BACKEND.default_config(problem_of(head_dim=head_dim, capacity=block_n), H200, SHORT_CACHE).one_tile
     assert BACKEND.default_config(problem_of(head_dim=head_dim, group=32), H200, SHORT_CACHE).block_m == 32
@@ -112,6 +112,17 @@ def test_plans_name_the_kernels_the_backend_runs():
 def test_problem_limitation_names_what_is_missing(problem, needs):
     reason = problem_limitation(problem)
     assert reason == needs if needs is None else needs in reason
+
+
+def test_wide_heads_take_the_16_row_tile_where_it_fits():
+    """Head dim 256: 16 q rows on 64 tokens; more rows, or tiles under 32 tokens, keep the 64-row tile."""
+    assert BACKEND.default_config(problem_of(head_dim=256, group=16), H200, SPLIT).block_m == 16
+    assert BACKEND.default_config(problem_of(head_dim=256, group=32), H200, SPLIT) == SplitConfig(32, 64)
+    assert BACKEND.default_config(problem_of(head_dim=256, seqlen_q=4), H200, SPLIT) == SplitConfig(32, 64)
+    assert BACKEND.default_config(problem_of(head_dim=256, page_size=16, seqlen_new=1), H200, SPLIT) == \
+        SplitConfig(16, 64)
+    assert BACKEND.default_config(problem_of(head_dim=256, page_size=32, seqlen_new=1), H200, SPLIT) == \
+        SplitConfig(32, 16)
 
 
 def test_paged_tiles_keep_their_size_whatever_the_page():

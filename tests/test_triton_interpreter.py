@@ -322,8 +322,12 @@ def test_default_config():
     config = BACKEND.default_config(plain, h200, SPLIT)
     assert config == TritonConfig(block_n=64, block_m=16, num_warps=4, num_stages=2, combine_step=16)
     wide = BACKEND.default_config(Problem(1, 4096, 32, 8, 256, "bfloat16"), h200, SINGLE_PASS)
-    assert (wide.block_n, wide.num_warps, wide.combine_step) == (32, 8, 64)
-    assert BACKEND.default_config(Problem(2, 64, 8, 1, 59, "float16"), h200, SPLIT).block_n == 64
+    assert (wide.block_n, wide.num_warps, wide.num_stages, wide.combine_step) == (64, 4, 3, 64)
+    assert BACKEND.default_config(Problem(2, 64, 8, 1, 59, "float16"), h200, SPLIT).block_n == 128
+    # a device with less shared memory gets tiles whose stages fit it (C500: 64 KiB)
+    small = [BACKEND.default_config(Problem(1, 4096, 8, 8, d, "bfloat16"), PROFILES["c500"], SPLIT).block_n
+             for d in (64, 128, 256)]
+    assert small == [128, 64, 16]
     rows = [BACKEND.default_config(Problem(2, 64, 64, 8, 64, "float16", seqlen_q=sq), h200, SPLIT).block_m
             for sq in (1, 2, 3, 9)]
     assert rows == [16, 16, 32, 64]  # 8, 16, 24, 72 rows per KV head: up to 64, then row tiles
@@ -334,7 +338,7 @@ def test_default_config():
 def test_resident_programs_and_kernels():
     h200 = PROFILES["h200"]
     counts = [BACKEND.resident_programs(Problem(1, 64, 8, 1, d, "float16"), None, h200) for d in (32, 59, 128, 256)]
-    assert counts == [4, 4, 4, 2]
+    assert counts == [4, 4, 4, 1]
     assert BACKEND.kernels(Problem(1, 64, 8, 1, 64, "float16")) == {SINGLE_PASS, SPLIT}
 
 

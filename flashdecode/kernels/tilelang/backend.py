@@ -27,6 +27,11 @@ MAX_Q_ROWS = 64
 #: softmax steps are all latency, where a 16-row mma.sync tile measured faster (``docs/design.md``,
 #: "Measured choices").
 MIN_BLOCK_M = {SPLIT: 64, SINGLE_PASS: 64, SHORT_CACHE: 16}
+#: Wide heads: from this head dim, a split or single-pass q tile of at most 16 rows runs mma.sync on
+#: tiles of WIDE_HEAD_BLOCK_N tokens (one program per SM): 9-20% faster than the 64-row wgmma tile on
+#: 32 tokens, whose output alone holds 128 registers per consumer thread (W9, W10 and two shapes of
+#: our own, ``docs/design.md``, "Measured choices"). Its 4 warps need 32 tokens or more per tile.
+WIDE_HEAD_DIM, WIDE_HEAD_BLOCK_N, WIDE_HEAD_MIN_BLOCK_N = 256, 64, 32
 #: Problem features (``Problem.features``) the kernels implement (``features.py``); rotary, ALiBi,
 #: cache_leftpad and cache_batch_idx are left to the other backends.
 FEATURES = frozenset(("seqlen_q>1", "paged", "append", "causal", "window", "softcap"))
@@ -96,21 +101,25 @@ class TileLangBackend(Backend):
         return PLAN_KERNELS
 
     def default_config(self, problem, profile, kernel: str):
-        """Split and single pass: ``block_n`` from the shared-memory rule, 2 stages, 64 q rows,
-        producer registers 24, combine step 16; short cache: the same ``block_n``, 16 q rows, no loop
-        when the capacity fits one tile. Paged caches keep that ``block_n``: a tile lies within one
-        larger page or gathers several smaller ones (``features.py``), except in the split kernel
-        with appended tokens, whose tiles stay within a page (TileLang took 3 minutes and more to
-        compile its gathered tail)."""
-        block_n = occupancy.largest_block_n(problem, profile)
-        if problem.paged and problem.seqlen_new and kernel != SHORT_CACHE:
-            block_n = min(block_n, problem.page_size)
+        """Split and single pass: ``block_n`` from the shared-memory rule, 2 stages, 64 q rows (wide
+        heads: 16 rows on WIDE_HEAD_BLOCK_N tokens), producer registers 24, combine step 16; short
+        cache: the rule's ``block_n``, 16 q rows, no loop when the capacity fits one tile. Paged
+        caches keep that ``block_n``: a tile lies within one larger page or gathers several smaller
+        ones (``features.py``), except in the split kernel with appended tokens, whose tiles stay
+        within a page (TileLang took 3 minutes and more to compile its gathered tail)."""
         if kernel not in self.kernels(problem):
             raise ValueError(f"kernel must be one of {sorted(self.kernels(problem))} for backend 'tilelang', "
                              f"got {kernel!r}")
+        block_n = occupancy.largest_block_n(problem, profile)
         block_m = q_tile_rows(problem.q_rows, MIN_BLOCK_M[kernel])
         if kernel == SHORT_CACHE:
             return ShortCacheConfig(block_n, block_m, one_tile=problem.seqlen_cache <= block_n)
+        if problem.headdim >= WIDE_HEAD_DIM and problem.q_rows <= MIN_BLOCK_M[SHORT_CACHE]:
+            block_n, block_m = WIDE_HEAD_BLOCK_N, MIN_BLOCK_M[SHORT_CACHE]
+        if problem.paged and problem.seqlen_new:
+            block_n = min(block_n, problem.page_size)
+        if block_m < MIN_BLOCK_M[kernel] and block_n < WIDE_HEAD_MIN_BLOCK_N:
+            block_m = MIN_BLOCK_M[kernel]
         return SplitConfig(block_n, block_m)
 
     def resident_programs(self, problem, config, profile) -> int:

@@ -17,7 +17,7 @@ from triton.runtime.jit import JITFunction
 from ...hardware import HardwareProfile
 from ...planner import SINGLE_PASS, SPLIT
 from ...problem import Problem
-from ..base import Backend, LaunchArgs, largest_block_n
+from ..base import Backend, LaunchArgs
 from .kernels import combine_kernel, split_kernel
 from .launch import Launcher
 from .workarounds import steer
@@ -91,19 +91,22 @@ class TritonBackend(Backend):
         return frozenset((SINGLE_PASS, SPLIT))
 
     def default_config(self, problem: Problem, profile: HardwareProfile, kernel: str) -> TritonConfig:
-        """block_n: the largest candidate whose two pipelined K+V stages fit half a multiprocessor's
-        shared memory (two programs share one); 4 warps up to head dim 128, else 8; block_m: the
-        packed rows rounded up to a power of two, 16 to MAX_BLOCK_M; then steered off a Triton
-        miscompile (``workarounds``)."""
+        """block_n, warps and stages from the profile's ``triton_tiles`` by padded head dim, block_n
+        halved until one program's K/V buffers and q tile fit a multiprocessor's shared memory; block_m: the packed rows
+        rounded up to a power of two, 16 to MAX_BLOCK_M; then steered off a Triton miscompile
+        (``workarounds``)."""
         if kernel not in self.kernels(problem):
             raise ValueError(f"kernel must be one of {sorted(self.kernels(problem))} for backend 'triton', "
                              f"got {kernel!r}")
         headdim = padded_headdim(problem.headdim)
-        num_stages = 2
-        block_n = largest_block_n(headdim, problem.element_bytes, profile, num_stages)
+        table = profile.tuning.triton_tiles
+        _, block_n, num_warps, num_stages = next((row for row in table if row[0] >= headdim), table[-1])
         block_m = min(MAX_BLOCK_M, max(16, triton.next_power_of_2(problem.q_rows)))
+        while block_n > 16 and ((num_stages - 1) * 2 * block_n + block_m) * headdim * problem.element_bytes > \
+                profile.shared_memory_per_multiprocessor:  # Triton's K/V buffers (stages - 1) and q
+            block_n //= 2
         combine_step = COMBINE_STEP_ONE_SEQUENCE if problem.batch == 1 else COMBINE_STEP_BATCH
-        config = TritonConfig(block_n, block_m, 4 if headdim <= 128 else 8, num_stages, combine_step)
+        config = TritonConfig(block_n, block_m, num_warps, num_stages, combine_step)
         return steer(problem, config, headdim)  # a Triton miscompile (``workarounds``)
 
     def resident_programs(self, problem: Problem, config, profile: HardwareProfile) -> int:
