@@ -54,17 +54,21 @@ def rotate(x, x_partner, positions, Cos, Sin, rotary_rows, column, sign, rotatin
 
 
 @triton.jit
-def cache_offsets(tokens, in_range, table_row, num_pages, stride_kp, stride_kt, stride_vp, stride_vt,
-                  PAGE_SIZE: tl.constexpr):
+def cache_offsets(tokens, block_start, in_range, table_row, num_pages, stride_kp, stride_kt, stride_vp, stride_vt,
+                  PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr):
     """(K offsets, V offsets, bad block id seen) of the tokens of one block, relative to the KV
-    head's base. Paged: token t is row t % PAGE_SIZE of page block_table[b, t // PAGE_SIZE], looked
-    up per token in range, also when a page holds whole blocks: a vector load the software pipeline
-    issues a stage ahead, where one scalar lookup per block left the K/V loads waiting on it
-    (``docs/design.md``, "Measured choices"); block ids are clamped into [0, num_pages) and a bad one
-    is reported."""
+    head's base. Paged: token t is row t % PAGE_SIZE of page block_table[b, t // PAGE_SIZE], one
+    lookup per block when a page holds whole blocks, else one per token in range; block ids are
+    clamped into [0, num_pages) and a bad one is reported."""
     if PAGE_SIZE == 0:
         offsets = tokens.to(tl.int64)
         return offsets * stride_kt, offsets * stride_vt, 0
+    elif PAGE_SIZE >= BLOCK_N:
+        page = tl.load(table_row + block_start // PAGE_SIZE)
+        bad = ((page < 0) | (page >= num_pages)).to(tl.int32)
+        page = tl.minimum(tl.maximum(page, 0), num_pages - 1).to(tl.int64)
+        rows = (block_start % PAGE_SIZE + tl.arange(0, BLOCK_N)).to(tl.int64)
+        return page * stride_kp + rows * stride_kt, page * stride_vp + rows * stride_vt, bad
     else:
         pages = tl.load(table_row + tokens // PAGE_SIZE, mask=in_range, other=0)
         bad = tl.max(((pages < 0) | (pages >= num_pages)).to(tl.int32), 0)
@@ -106,8 +110,8 @@ def attend_block(acc, m, l, bad, q, block_start, start, end, new_from,
     in_range = tokens < end
     if LEFTPAD or ROW_MASKS:
         in_range = in_range & (tokens >= start)
-    k_offs, v_offs, block_bad = cache_offsets(tokens, in_range, table_row, num_pages,
-                                              stride_kp, stride_kt, stride_vp, stride_vt, PAGE_SIZE)
+    k_offs, v_offs, block_bad = cache_offsets(tokens, block_start, in_range, table_row, num_pages,
+                                              stride_kp, stride_kt, stride_vp, stride_vt, PAGE_SIZE, BLOCK_N)
     if PAGE_SIZE > 0:
         bad = bad | block_bad
     k_ptrs = k_head + k_offs[:, None] + d[None, :]
