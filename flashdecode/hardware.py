@@ -24,6 +24,22 @@ MIB = 1024 * KIB
 
 
 @dataclasses.dataclass(frozen=True)
+class AutoRule:
+    """One entry of ``auto``'s order: a backend and the calls it is chosen for (None: no limit)."""
+
+    backend: str
+    max_cache_bytes: int | None = None  # K and V bytes at capacity, below this
+    max_headdim: int | None = None  # at most this
+    plain_cache_only: bool = False  # only calls that read a contiguous cache and append nothing
+
+    def admits(self, problem) -> bool:
+        """Whether this route's limits hold for ``problem`` (a :class:`~flashdecode.problem.Problem`)."""
+        return ((self.max_cache_bytes is None or problem.cache_bytes() < self.max_cache_bytes)
+                and (self.max_headdim is None or problem.headdim <= self.max_headdim)
+                and not (self.plain_cache_only and (problem.paged or problem.seqlen_new > 0)))
+
+
+@dataclasses.dataclass(frozen=True)
 class Tuning:
     """The schedule's thresholds and the ``auto`` rule, measured per device (``docs/design.md``,
     "Measured choices"): values, never reassigned; a sweep passes another Tuning."""
@@ -39,15 +55,17 @@ class Tuning:
     #: faster than the pipeline on case 5; 6 tiles: 9% slower on case 6; 4: paged caches of one
     #: 256-token page holding 1-141 tokens 1.4-2.2x faster, contiguous cases 1-6 unchanged).
     short_cache_max_blocks: int = 4
-    #: ``auto``'s order: each backend with the largest cache (K and V bytes at capacity, below) and
-    #: head dim (at most) it is chosen for (None: any); the first that can take the call runs it.
-    #: Measured on the H200 with both on the compiled host path (``docs/design.md``, "Measured
-    #: choices"): TileLang below 32 MiB (cases 1-6, 32-token caches: its short-cache and 64-row
-    #: kernels up to 8% faster; case 10 the exception); above, Triton's split kernel 1-28% less GPU
-    #: time at head dims 64-128 (cases 7-9 and 11-14, wide W1-W8, W11, W12, W14), TileLang's at head
-    #: dim 256 (W9 tie, W10 5% faster).
-    auto_order: tuple = (("tilelang", 32 * MIB, None), ("triton", None, 128), ("tilelang", None, None),
-                         ("triton", None, None))
+    #: ``auto``'s order (:class:`AutoRule`): the first rule whose limits hold and whose backend can
+    #: take the call runs it. Measured on the H200 with both on the compiled host path
+    #: (``docs/design.md``, "Measured choices"): TileLang below 32 MiB for contiguous caches without
+    #: appended tokens (cases 1-6, 32-token caches: its short-cache and 64-row kernels up to 8%
+    #: faster; case 10 the exception); Triton for paged caches and appended tokens there (4-49% less
+    #: GPU time on cases 5, 6 and 10 and case 4's append; case 4's pages and cases 1-3 within 1.3 us);
+    #: above 32 MiB Triton's split kernel at head dims 64-128 (1-28% less GPU time: cases 7-9 and
+    #: 11-14, wide W1-W8, W11, W12, W14); at head dim 256 a tie, TileLang kept (2% faster on W9 and a
+    #: shape of our own, 0-8% slower on W10 and two others).
+    auto_order: tuple = (AutoRule("tilelang", max_cache_bytes=32 * MIB, plain_cache_only=True),
+                         AutoRule("triton", max_headdim=128), AutoRule("tilelang"), AutoRule("triton"))
     #: Triton's split-kernel tile by padded head dim (at most): (head dim, block_n, num_warps,
     #: num_stages). Swept on the H200 (``docs/design.md``, "Measured choices"): 128 tokens at head dim
     #: 64 (W8, W14 4-9% faster than 64), 4 warps and 3 stages of 64 tokens at 256 (W9, W10 and two

@@ -138,26 +138,32 @@ def test_negative_splits_are_rejected():
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_block_n_fits_the_shared_memory_of_each_profile(backend):
+    """One program's pipelined K and V tiles fit a multiprocessor of every profile."""
     for profile in PROFILES.values():
         for headdim in (64, 128, 256):
             p = plan(Problem(1, 4096, 8, 1, headdim, "float16"), profile, get_backend(backend))
-            assert 2 * 2 * p.block_n * headdim * 2 <= profile.shared_memory_per_multiprocessor // 2
+            stages = getattr(p.config, "num_stages", 2)
+            assert stages * 2 * p.block_n * headdim * 2 <= profile.shared_memory_per_multiprocessor
 
 
-@pytest.mark.parametrize("batch, seqlen_cache, nheads_k, headdim, able, expected", [
-    (16, 362, 8, 128, ("tilelang", "triton"), "tilelang"),  # 22.6 MiB: under 32
-    (16, 4096, 4, 128, ("tilelang", "triton"), "triton"),  # 128 MiB at head dim 128
-    (8, 32768, 1, 256, ("tilelang", "triton"), "tilelang"),  # head dim 256
-    (8, 32768, 1, 256, ("triton",), "triton"),  # where TileLang cannot take it
-    (16, 362, 8, 128, ("triton",), "triton"),
-    (16, 362, 8, 128, (), "reference"),
+@pytest.mark.parametrize("batch, seqlen_cache, nheads_k, headdim, able, expected, features", [
+    (16, 362, 8, 128, ("tilelang", "triton"), "tilelang", {}),  # 22.6 MiB: under 32
+    (16, 4096, 4, 128, ("tilelang", "triton"), "triton", {}),  # 128 MiB at head dim 128
+    (8, 32768, 1, 256, ("tilelang", "triton"), "tilelang", {}),  # head dim 256
+    (8, 32768, 1, 256, ("triton",), "triton", {}),  # where TileLang cannot take it
+    (16, 362, 8, 128, ("triton",), "triton", {}),
+    (16, 362, 8, 128, (), "reference", {}),
+    (16, 362, 8, 128, ("tilelang", "triton"), "triton", dict(page_size=16)),  # paged, under 32 MiB
+    (16, 362, 8, 128, ("tilelang", "triton"), "triton", dict(seqlen_new=1)),  # appended tokens
+    (16, 362, 8, 128, ("tilelang", "triton"), "tilelang", dict(seqlen_q=4)),  # several query tokens
+    (16, 362, 8, 256, ("tilelang", "triton"), "tilelang", dict(page_size=64)),  # paged at head dim 256
 ])
 def test_auto_takes_the_first_backend_whose_limits_hold(monkeypatch, batch, seqlen_cache, nheads_k, headdim, able,
-                                                        expected):
+                                                        expected, features):
     """``select("auto")`` over ``Tuning.auto_order`` on a CUDA device, each backend able or not."""
     from flashdecode.kernels import base
 
     monkeypatch.setattr(base, "why_not", lambda name, problem, device: None if name in able else "unable here")
-    problem = Problem(batch, seqlen_cache, nheads_k * 4, nheads_k, headdim, "bfloat16")
+    problem = Problem(batch, seqlen_cache, nheads_k * 4, nheads_k, headdim, "bfloat16", **features)
     chosen = base.select("auto", problem, torch.device("cuda", 0), PROFILES["h200"])
     assert chosen.name == expected

@@ -183,7 +183,7 @@ def why_not(name: str, problem: Problem, device: torch.device) -> str | None:
 
 def select(requested: str, problem: Problem, device: torch.device, profile: HardwareProfile) -> Backend:
     """The backend that runs the call: the one named, else (``"auto"``) the first of the profile's
-    ``auto_order`` that can take it within its cache size and head dim limits; CPU tensors take the
+    ``auto_order`` whose rule admits the call and whose backend can take it; CPU tensors take the
     reference. Naming a backend that cannot take the call raises :class:`BackendError` naming one
     that can."""
     if requested != "auto":
@@ -195,8 +195,7 @@ def select(requested: str, problem: Problem, device: torch.device, profile: Hard
         return get_backend(requested)
     if device.type != "cuda":
         return get_backend("reference")
-    for name, max_bytes, max_headdim in profile.tuning.auto_order:
-        if (max_bytes is None or problem.cache_bytes() < max_bytes) and (
-                max_headdim is None or problem.headdim <= max_headdim) and why_not(name, problem, device) is None:
-            return get_backend(name)
+    for rule in profile.tuning.auto_order:
+        if rule.admits(problem) and why_not(rule.backend, problem, device) is None:
+            return get_backend(rule.backend)
     return get_backend("reference")
