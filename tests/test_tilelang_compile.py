@@ -174,16 +174,17 @@ def test_split_kernel_compiles_for_sm90a(dtype, head_dim, group, nheads_k, can_s
     config = BACKEND.default_config(problem, H200, SPLIT)
     registers = occupancy.register_split(config, occupancy.resident_programs(problem, config, H200), H200)
     source = compiled_source(SPLIT if can_split else SINGLE_PASS, problem)
-    assert "tma_load" in source and "wgmma" in source and ONE_WARP_LOOP in source
+    mma = "wgmma" if config.block_m >= 64 else "mma_sync"  # head dim 256: the 16-row wide-head tile
+    assert "tma_load" in source and mma in source and ONE_WARP_LOOP in source
     assert f"warpgroup_reg_dealloc<{registers[0]}>" in source and f"warpgroup_reg_alloc<{registers[1]}>" in source
     if can_split:
         assert "decode_combine" in compiled_source("combine", problem)
 
 
 @needs_nvcc
-@pytest.mark.parametrize("dtype,head_dim,group", [("float16", 256, 4)], ids=str)
+@pytest.mark.parametrize("dtype,head_dim,group", [("float16", 128, 4)], ids=str)
 def test_small_q_tile_variant_compiles(dtype, head_dim, group):
-    """A q tile under 64 rows (a sweep's variant): mma.sync with column-split warps."""
+    """A q tile under 64 rows at head dim 128 (a sweep's variant): mma.sync with column-split warps."""
     problem = problem_of(dtype, head_dim, group, 2)
     config = SplitConfig(BACKEND.default_config(problem, H200, SPLIT).block_n, max(16, group))
     source = compiled_source(SPLIT, problem, config)
@@ -259,13 +260,14 @@ FEATURES = {  # name: (problem, the text its split kernel's source must have)
 @needs_nvcc
 @pytest.mark.parametrize("name", FEATURES)
 def test_feature_kernels_compile_for_sm90a(name):
-    """Each feature's split kernel keeps the TMA pipeline, wgmma and the one-warp producer loop; its
-    combine and its short-cache kernel compile too."""
+    """Each feature's split kernel keeps the TMA pipeline, its tensor-core form and the one-warp
+    producer loop; its combine and its short-cache kernel compile too."""
     problem, marker = FEATURES[name]
     config = BACKEND.default_config(problem, H200, SPLIT)
     split = BACKEND.compiled(SPLIT, problem, config, H200, TARGET)
     source = split.get_kernel_source()
-    assert "tma_load" in source and "wgmma" in source and ONE_WARP_LOOP in source and marker in source
+    mma = "wgmma" if config.block_m >= 64 else "mma_sync"  # head dim 256: the 16-row wide-head tile
+    assert "tma_load" in source and mma in source and ONE_WARP_LOOP in source and marker in source
     assert "decode_combine" in compiled_source("combine", problem)
     short = BACKEND.default_config(problem, H200, SHORT_CACHE)
     assert marker in compiled_source(SHORT_CACHE, problem, short)
