@@ -69,8 +69,8 @@ class Tuning:
     #: Triton's split-kernel tile by padded head dim (at most): (head dim, block_n, num_warps,
     #: num_stages). Swept on the H200 (``docs/design.md``, "Measured choices"): 128 tokens at head dim
     #: 64 (W8, W14 4-9% faster than 64), 4 warps and 3 stages of 64 tokens at 256 (W9, W10 and two
-    #: shapes of our own 10-25% faster than 8 warps on 32).
-    triton_tiles: tuple = ((64, 128, 4, 2), (128, 64, 4, 2), (256, 64, 4, 3))
+    #: shapes of our own 10-25% faster than 8 warps on 32); head dims up to 32 keep 64 tokens (not swept).
+    triton_tiles: tuple = ((32, 64, 4, 2), (64, 128, 4, 2), (128, 64, 4, 2), (256, 64, 4, 3))
     #: Split programs of Triton's kernel one SM holds, by head dim (ncu, head dim 128: 38 KB of shared
     #: memory, 107 registers x 128 threads; 256: its 3 stages of 64 tokens keep 128 KB of shared memory).
     triton_resident_programs: tuple = ((64, 4), (128, 4), (256, 1))

@@ -328,6 +328,7 @@ def test_default_config():
     small = [BACKEND.default_config(Problem(1, 4096, 8, 8, d, "bfloat16"), PROFILES["c500"], SPLIT).block_n
              for d in (64, 128, 256)]
     assert small == [128, 64, 16]
+    assert BACKEND.default_config(Problem(1, 4096, 8, 8, 32, "float16"), h200, SPLIT).block_n == 64
     rows = [BACKEND.default_config(Problem(2, 64, 64, 8, 64, "float16", seqlen_q=sq), h200, SPLIT).block_m
             for sq in (1, 2, 3, 9)]
     assert rows == [16, 16, 32, 64]  # 8, 16, 24, 72 rows per KV head: up to 64, then row tiles

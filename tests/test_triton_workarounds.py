@@ -24,7 +24,7 @@ def problem(headdim, interleaved, rotary_dim=16):
 
 @pytest.mark.parametrize("headdim, interleaved, rotary_dim, block_n", [
     (32, True, 16, SAFE_BLOCK_N), (17, True, 8, SAFE_BLOCK_N),  # steered
-    (32, False, 16, 64), (64, True, 32, 64), (32, True, 0, 64)])  # left alone
+    (32, False, 16, 64), (64, True, 32, 128), (32, True, 0, 64)])  # left alone (head dim 64: 128-token tiles)
 def test_default_config_steers_only_the_faulting_specialisations(headdim, interleaved, rotary_dim, block_n):
     config = TritonBackend().default_config(problem(headdim, interleaved, rotary_dim), PROFILES["h200"], "split")
     assert config.block_n == block_n
