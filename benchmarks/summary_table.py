@@ -5,9 +5,11 @@ file's for the 14 plain cases), our backends' cold median / GPU (graph) time / h
 eager-loop time per call, the best of our two against FA2, the fraction of the ceiling, the best
 FlashInfer system, SDPA, flex and TileOPs' GPU time (14 plain cases); then, per variant, wins against
 FA2 and geometric means, for TileLang alone and for the faster of our two backends, on medians and
-on GPU (graph) time.
+on GPU (graph) time. With ``--plain RUN.json`` (a run holding the plain calls; the run itself if it
+does), a second table: each variant's GPU (graph) time over the plain call's, best of our backends
+on both sides, per case (issue 13's "within 10% of the contiguous cache").
 
-Usage: python benchmarks/summary_table.py docs/benchmarks.json
+Usage: python benchmarks/summary_table.py docs/benchmarks.json [--plain docs/benchmarks.json]
 """
 import argparse
 import json
@@ -43,9 +45,37 @@ def best_of(results, names):
     return min(correct, key=lambda item: item[1]["median_us"], default=(None, None))
 
 
+def best_graph(results):
+    """The lowest correct GPU (graph) time of our backends, or None."""
+    graphs = [results[name]["graph_us"] for name in OURS
+              if results.get(name, {}).get("correct") and results[name].get("graph_us") is not None]
+    return min(graphs, default=None)
+
+
+def print_against_plain(run, plain_run):
+    """Each variant's best GPU time over the plain call's, per case (markdown)."""
+    plain = {str(c["case"]): best_graph(c["results"]) for c in plain_run["cases"] if c.get("variant", "plain") == "plain"}
+    variants = [name for name in run["settings"]["variants"] if name != "plain"]
+    table = {}
+    for case in run["cases"]:
+        label, variant = str(case["case"]), case.get("variant", "plain")
+        if variant in variants and plain.get(label):
+            graph = best_graph(case["results"])
+            table.setdefault(label, {})[variant] = f"{graph / plain[label]:.2f}" if graph else "-"
+    print()
+    print("Best GPU (graph) time of each variant over the plain call's (best of our backends on both sides):")
+    print()
+    print("| case | plain µs | " + " | ".join(variants) + " |")
+    print("|---|---|" + "---|" * len(variants))
+    for label, row in table.items():
+        print(f"| {label} | {plain[label]:.1f} | " + " | ".join(row.get(name, "-") for name in variants) + " |")
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("run", type=pathlib.Path)
+    parser.add_argument("--plain", type=pathlib.Path, default=None,
+                        help="a run with the plain calls: adds each variant's GPU time over the plain call's")
     args = parser.parse_args()
     run = json.loads(args.run.read_text())
     anchor_graph = {str(c["case"]): c["fa2"]["graph_us"] for c in json.loads(ANCHOR_PATH.read_text())["cases"]}
@@ -100,6 +130,8 @@ def main():
         print(f"{variant}, {measure}, {who}: faster than FA2 on {wins} of {len(values)}, "
               f"geometric mean {geomean(values):.2f}x")
     print("faster backend's GPU time slower than TileOPs on cases:", ", ".join(slower_than_tileops) or "none")
+    if args.plain:
+        print_against_plain(run, json.loads(args.plain.read_text()))
 
 
 if __name__ == "__main__":
