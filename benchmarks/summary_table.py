@@ -55,7 +55,7 @@ def best_graph(results):
 def print_against_plain(run, plain_run):
     """Each variant's best GPU time over the plain call's, per case (markdown)."""
     plain = {str(c["case"]): best_graph(c["results"]) for c in plain_run["cases"] if c.get("variant", "plain") == "plain"}
-    variants = [name for name in run["settings"]["variants"] if name != "plain"]
+    variants = [name for name in run["settings"].get("variants", ["plain"]) if name != "plain"]
     table = {}
     for case in run["cases"]:
         label, variant = str(case["case"]), case.get("variant", "plain")

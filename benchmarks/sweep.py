@@ -18,7 +18,7 @@ import torch
 
 from flashdecode import DecodeContext, flash_attn_with_kvcache, plan_for
 from flashdecode.bench.timing import Timer
-from flashdecode.cases import LENGTH_RULES, MATRICES, VARIANTS, Case, make_call
+from flashdecode.cases import LENGTH_RULES, MATRICES, VARIANTS, Case, make_call, select
 from flashdecode.hardware import current
 from flashdecode.reference import reference_attention, relative_error
 
@@ -32,9 +32,11 @@ def own_shapes(text):
     cases = []
     for number, item in enumerate(filter(None, text.split(",")), start=1):
         sizes, _, rule = item.partition(":")
-        if rule not in LENGTH_RULES[1:]:
-            raise SystemExit(f"--shapes: length rule must be one of {LENGTH_RULES[1:]}, got {rule!r} in {item!r}")
-        cases.append(Case(f"S{number}", *(int(size) for size in sizes.split("x")), lengths=rule))
+        fields = sizes.split("x")
+        if rule not in LENGTH_RULES[1:] or len(fields) != 5 or not all(field.isdigit() for field in fields):
+            raise SystemExit(f"--shapes: each shape is batch x seqlen_cache x nheads_k x group x headdim, ':' and "
+                             f"a length rule of {LENGTH_RULES[1:]}, e.g. 64x4096x8x4x256:uniform; got {item!r}")
+        cases.append(Case(f"S{number}", *map(int, fields), lengths=rule))
     return cases
 
 
@@ -45,15 +47,14 @@ def main():
                  "--tl-producer-regs", "--warps"):
         parser.add_argument(flag, default="", help="comma list (default: the measured value)")
     parser.add_argument("--matrix", default="cases", choices=sorted(MATRICES))
-    parser.add_argument("--cases", default="", help="comma list of case numbers (default: all; none with --shapes)")
+    parser.add_argument("--cases", default="", help="cases of the matrix, e.g. 7,12 or W9,W10 (default: all; none "
+                        "with --shapes)")
     parser.add_argument("--shapes", default="")
     parser.add_argument("--variant", default="plain", help="comma list of cases.VARIANTS (default: plain)")
     parser.add_argument("--log", default=None)
     args = parser.parse_args()
-    matrix = MATRICES[args.matrix]
-    numbers = [int(c) for c in args.cases.split(",")] if args.cases else \
-        [] if args.shapes else [c.number for c in matrix]
-    cases = [c for c in matrix if c.number in numbers] + own_shapes(args.shapes)
+    chosen = select(args.matrix, args.cases) if args.cases else () if args.shapes else MATRICES[args.matrix]
+    cases = list(chosen) + own_shapes(args.shapes)
     timer = Timer(torch.device("cuda"), iters=50, warmup=5)
     base = current().tuning
     rows = []
@@ -74,9 +75,11 @@ def main():
                                                        ("block_m", q_rows), ("producer_registers", producer),
                                                        ("num_warps", warps))
                        if value is not None and hasattr(default, name)}
-            row = dict(case=case.label, shape=case.describe(), variant=variant, backend=backend, tuning=dataclasses.asdict(tuning), config=changes)
+            config = dataclasses.replace(default, **changes)
+            row = dict(case=case.label, shape=case.describe(), variant=variant, backend=backend,
+                       tuning=dataclasses.asdict(tuning), config=changes, effective=dataclasses.asdict(config))
             try:  # a combination the compiler rejects is logged, the sweep goes on
-                context = DecodeContext("cuda", tuning=tuning, config=dataclasses.replace(default, **changes))
+                context = DecodeContext("cuda", tuning=tuning, config=config)
 
                 def call():
                     return flash_attn_with_kvcache(inputs.q, inputs.k_cache, inputs.v_cache, **inputs.kwargs(),

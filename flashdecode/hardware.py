@@ -60,10 +60,10 @@ class Tuning:
     #: (``docs/design.md``, "Measured choices"): TileLang below 32 MiB for contiguous caches without
     #: appended tokens (cases 1-6, 32-token caches: its short-cache and 64-row kernels up to 8%
     #: faster; case 10 the exception); Triton for paged caches and appended tokens there (4-49% less
-    #: GPU time on cases 5, 6 and 10 and case 4's append; case 4's pages and cases 1-3 within 1.3 us);
-    #: above 32 MiB Triton's split kernel at head dims 64-128 (1-28% less GPU time: cases 7-9 and
-    #: 11-14, wide W1-W8, W11, W12, W14); at head dim 256 a tie, TileLang kept (2% faster on W9 and a
-    #: shape of our own, 0-8% slower on W10 and two others).
+    #: GPU time on cases 5, 6 and 10 and case 4's append; case 4's pages and cases 1-3 within 1.3
+    #: us); above 32 MiB Triton's split kernel at head dims 64-128 (plain calls: 1-28% less GPU time
+    #: on cases 7-9 and 11-14, wide W1-W8, W11, W12, W14); at head dim 256 a tie, TileLang kept (2%
+    #: faster on W9 and a shape of our own, 0-3% slower on W10 and two others in the sweep).
     auto_order: tuple = (AutoRule("tilelang", max_cache_bytes=32 * MIB, plain_cache_only=True),
                          AutoRule("triton", max_headdim=128), AutoRule("tilelang"), AutoRule("triton"))
     #: Triton's split-kernel tile by padded head dim (at most): (head dim, block_n, num_warps,

@@ -128,7 +128,8 @@ def plan(problem: Problem, profile: HardwareProfile, backend, num_splits: int = 
         kernel = SPLIT if splits > 1 else SINGLE_PASS
         return Plan(kernel, config_for(kernel), problem.batch * splits, splits)
     if max_blocks <= tuning.split_above_blocks:
-        short = (SHORT_CACHE in backend.kernels(problem) and max_blocks <= tuning.short_cache_max_blocks)
+        short = SHORT_CACHE in backend.kernels(problem) and math.ceil(
+            problem.key_span() / config_for(SHORT_CACHE).block_n) <= tuning.short_cache_max_blocks  # its own tiles
         kernel = SHORT_CACHE if short else SINGLE_PASS
         return Plan(kernel, config_for(kernel), problem.batch)
     per_sm = tuning.programs_per_multiprocessor

@@ -114,6 +114,12 @@ def test_problem_limitation_names_what_is_missing(problem, needs):
     assert reason == needs if needs is None else needs in reason
 
 
+def test_the_gpu_cases_cover_the_wide_head_tile():
+    for name in ("wide-head-paged-16", "wide-head-all"):
+        problem, _ = GPU_CASES[name]
+        assert BACKEND.default_config(problem, H200, SPLIT).block_m == 16, name
+
+
 def test_wide_heads_take_the_16_row_tile_where_it_fits():
     """Head dim 256: 16 q rows on 64 tokens; more rows, or tiles under 32 tokens, keep the 64-row tile."""
     assert BACKEND.default_config(problem_of(head_dim=256, group=16), H200, SPLIT).block_m == 16
@@ -311,6 +317,11 @@ GPU_CASES = {
                                      window_right=0), {"causal": True}),
     "all": (Problem(3, 1024, 32, 4, 128, "bfloat16", seqlen_q=4, page_size=64, seqlen_new=4, window_left=200,
                     window_right=0, softcap=True), {"causal": True, "window_size": (200, 0), "softcap": 30.0}),
+    # head dim 256 with at most 16 query rows: the wide-head tile (16 rows on 64 tokens)
+    "wide-head-paged-16": (Problem(3, 512, 16, 4, 256, "float16", page_size=16), {}),
+    "wide-head-all": (Problem(3, 1024, 16, 4, 256, "bfloat16", seqlen_q=2, page_size=64, seqlen_new=2,
+                              window_left=200, window_right=0, softcap=True),
+                      {"causal": True, "window_size": (200, 0), "softcap": 30.0}),
 }
 
 

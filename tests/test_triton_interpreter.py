@@ -329,6 +329,10 @@ def test_default_config():
              for d in (64, 128, 256)]
     assert small == [128, 64, 16]
     assert BACKEND.default_config(Problem(1, 4096, 8, 8, 32, "float16"), h200, SPLIT).block_n == 64
+    # head dim 256: 4 warps up to 32 query rows, 8 for a 64-row tile (its fp32 output past 64 values a thread)
+    warps = [BACKEND.default_config(Problem(1, 4096, rows, 1, 256, "bfloat16"), h200, SPLIT).num_warps
+             for rows in (8, 32, 64)]
+    assert warps == [4, 4, 8]
     rows = [BACKEND.default_config(Problem(2, 64, 64, 8, 64, "float16", seqlen_q=sq), h200, SPLIT).block_m
             for sq in (1, 2, 3, 9)]
     assert rows == [16, 16, 32, 64]  # 8, 16, 24, 72 rows per KV head: up to 64, then row tiles

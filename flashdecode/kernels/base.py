@@ -73,15 +73,17 @@ class CudaLaunch:
     owner: object = None  # what keeps the function loaded (Triton's compiled kernel), held by the record
 
 
-#: KV tile sizes the backends choose from, largest first (16 is the smallest the matrix units take).
+#: KV tile sizes the shared-memory rule chooses from, largest first (16 is the smallest the matrix
+#: units take).
 BLOCK_N_CANDIDATES = (64, 32, 16)
 
 
 def largest_block_n(headdim: int, element_bytes: int, profile: HardwareProfile, stages: int = 2,
                     programs: int = 2) -> int:
     """The largest KV tile whose ``stages`` pipelined K and V tiles let ``programs`` programs share a
-    multiprocessor's shared memory (64 tokens at head dim 128, 32 at 256 on Hopper): the shared-memory
-    rule both backends size their tiles by (``docs/design.md``, "Measured choices")."""
+    multiprocessor's shared memory (64 tokens at head dim 128, 32 at 256 on Hopper): TileLang's
+    shared-memory rule (``docs/design.md``, "Measured choices"; its wide-head tile and Triton's
+    ``triton_tiles`` are measured exceptions)."""
     budget = profile.shared_memory_per_multiprocessor // programs
     return next((block_n for block_n in BLOCK_N_CANDIDATES
                  if stages * 2 * block_n * headdim * element_bytes <= budget), BLOCK_N_CANDIDATES[-1])

@@ -23,16 +23,16 @@ from .launch import is_ffi_function, launcher
 HEAD_DIMS = (64, 128, 256)
 #: Most query rows (seqlen_q * group) of one KV head: one q tile of 64 rows.
 MAX_Q_ROWS = 64
-#: Fewest rows of the q tile of each kernel: 64 is one wgmma M tile; the short-cache kernel's few
-#: softmax steps are all latency, where a 16-row mma.sync tile measured faster (``docs/design.md``,
-#: "Measured choices").
+#: Fewest rows of the q tile of each kernel (wide heads excepted, below): 64 is one wgmma M tile; the
+#: short-cache kernel's few softmax steps are all latency, where a 16-row mma.sync tile measured
+#: faster (``docs/design.md``, "Measured choices").
 MIN_BLOCK_M = {SPLIT: 64, SINGLE_PASS: 64, SHORT_CACHE: 16}
-#: Wide heads: from this head dim, a split or single-pass q tile of at most 16 rows runs mma.sync on
-#: tiles of WIDE_HEAD_BLOCK_N tokens (one program per SM): 9-20% faster than the 64-row wgmma tile on
-#: 32 tokens, whose output alone holds 128 registers per consumer thread (W9, W10 and two shapes of
-#: our own, ``docs/design.md``, "Measured choices"), where one such program fits a multiprocessor.
-#: Its 4 warps need 32 tokens or more per tile.
-WIDE_HEAD_DIM, WIDE_HEAD_BLOCK_N, WIDE_HEAD_MIN_BLOCK_N = 256, 64, 32
+#: Wide heads: from WIDE_HEAD_DIM, a split or single-pass q tile of at most WIDE_HEAD_BLOCK_M rows
+#: runs mma.sync on tiles of WIDE_HEAD_BLOCK_N tokens (one program per SM), where one such program
+#: fits a multiprocessor: 15-19% less time than the 64-row wgmma tile on 32 tokens, whose output
+#: alone holds 128 registers per consumer thread (W9, W10 and two shapes of our own,
+#: ``docs/design.md``, "Measured choices"). Its 4 warps need WIDE_HEAD_MIN_BLOCK_N tokens per tile.
+WIDE_HEAD_DIM, WIDE_HEAD_BLOCK_M, WIDE_HEAD_BLOCK_N, WIDE_HEAD_MIN_BLOCK_N = 256, 16, 64, 32
 #: Problem features (``Problem.features``) the kernels implement (``features.py``); rotary, ALiBi,
 #: cache_leftpad and cache_batch_idx are left to the other backends.
 FEATURES = frozenset(("seqlen_q>1", "paged", "append", "causal", "window", "softcap"))
@@ -115,7 +115,7 @@ class TileLangBackend(Backend):
         block_m = q_tile_rows(problem.q_rows, MIN_BLOCK_M[kernel])
         if kernel == SHORT_CACHE:
             return ShortCacheConfig(block_n, block_m, one_tile=problem.seqlen_cache <= block_n)
-        wide = SplitConfig(WIDE_HEAD_BLOCK_N, MIN_BLOCK_M[SHORT_CACHE])
+        wide = SplitConfig(WIDE_HEAD_BLOCK_N, WIDE_HEAD_BLOCK_M)
         if problem.headdim >= WIDE_HEAD_DIM and problem.q_rows <= wide.block_m and \
                 occupancy.split_shared_bytes(problem, wide, profile) <= profile.shared_memory_per_multiprocessor:
             block_n, block_m = wide.block_n, wide.block_m

@@ -29,6 +29,9 @@ MAX_BLOCK_M = 64
 #: H200 (``docs/design.md``, "Measured choices"): against 16, a step of 64 takes 0.5-3.2 us off a
 #: single sequence of ~70-100 splits and adds 0.2-2.7 us to batched calls.
 COMBINE_STEP_BATCH, COMBINE_STEP_ONE_SEQUENCE = 16, 64
+#: fp32 output values a thread holds at most: past it the default config doubles its warps (head dim
+#: 256 with 64 query rows: 8 warps; every measured tile of ``triton_tiles`` stays within it).
+MAX_OUTPUT_PER_THREAD = 64
 #: Launch specs a backend keeps (one per (problem, plan) in use); past it the table starts again.
 MAX_SPECS = 1024
 INTERPRETED = not isinstance(split_kernel, JITFunction)
@@ -43,6 +46,13 @@ class TritonConfig:
     num_warps: int
     num_stages: int  # software pipeline depth of the main loop's K/V loads
     combine_step: int  # partials the combine kernel loads at once
+
+
+def shared_bytes(config: TritonConfig, headdim: int, element_bytes: int, profile: HardwareProfile) -> int:
+    """Shared memory one split program needs, as Triton lays it out: stages - 1 buffered K and V
+    tiles, the q tile, the driver's reserve (padded ``headdim``)."""
+    tiles = (config.num_stages - 1) * 2 * config.block_n + config.block_m
+    return tiles * headdim * element_bytes + profile.driver_reserved_shared_per_program
 
 
 def padded_headdim(headdim: int) -> int:
@@ -91,10 +101,11 @@ class TritonBackend(Backend):
         return frozenset((SINGLE_PASS, SPLIT))
 
     def default_config(self, problem: Problem, profile: HardwareProfile, kernel: str) -> TritonConfig:
-        """block_n, warps and stages from the profile's ``triton_tiles`` by padded head dim, block_n
-        halved until one program's K/V buffers and q tile fit a multiprocessor's shared memory; block_m: the packed rows
-        rounded up to a power of two, 16 to MAX_BLOCK_M; then steered off a Triton miscompile
-        (``workarounds``)."""
+        """block_n, warps and stages from the profile's ``triton_tiles`` by padded head dim; block_m:
+        the packed rows rounded up to a power of two, 16 to MAX_BLOCK_M; warps doubled while the fp32
+        output tile holds more than MAX_OUTPUT_PER_THREAD values a thread; block_n halved (down to 16),
+        then stages dropped (down to 2), then block_m halved (more row tiles), until ``shared_bytes``
+        fits a multiprocessor; then steered off a Triton miscompile (``workarounds``)."""
         if kernel not in self.kernels(problem):
             raise ValueError(f"kernel must be one of {sorted(self.kernels(problem))} for backend 'triton', "
                              f"got {kernel!r}")
@@ -102,11 +113,19 @@ class TritonBackend(Backend):
         table = profile.tuning.triton_tiles
         _, block_n, num_warps, num_stages = next((row for row in table if row[0] >= headdim), table[-1])
         block_m = min(MAX_BLOCK_M, max(16, triton.next_power_of_2(problem.q_rows)))
-        while block_n > 16 and ((num_stages - 1) * 2 * block_n + block_m) * headdim * problem.element_bytes > \
-                profile.shared_memory_per_multiprocessor:  # Triton's K/V buffers (stages - 1) and q
-            block_n //= 2
+        while block_m * headdim > MAX_OUTPUT_PER_THREAD * profile.wave_width * num_warps and num_warps < 8:
+            num_warps *= 2
         combine_step = COMBINE_STEP_ONE_SEQUENCE if problem.batch == 1 else COMBINE_STEP_BATCH
         config = TritonConfig(block_n, block_m, num_warps, num_stages, combine_step)
+        while shared_bytes(config, headdim, problem.element_bytes, profile) > profile.shared_memory_per_multiprocessor:
+            if config.block_n > 16:
+                config = dataclasses.replace(config, block_n=config.block_n // 2)
+            elif config.num_stages > 2:
+                config = dataclasses.replace(config, num_stages=config.num_stages - 1)
+            elif config.block_m > 16:  # more row tiles
+                config = dataclasses.replace(config, block_m=config.block_m // 2)
+            else:
+                break
         return steer(problem, config, headdim)  # a Triton miscompile (``workarounds``)
 
     def resident_programs(self, problem: Problem, config, profile: HardwareProfile) -> int:
