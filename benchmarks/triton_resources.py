@@ -1,0 +1,102 @@
+"""Registers, stack (spills) and shared memory of Triton's split kernel, compiled for sm_90a on a
+machine without a GPU: a first look at a tile config before spending device time on it.
+
+The kernel is compiled by the installed Triton (``triton.compile`` with an explicit target), so the
+numbers are that Triton's; the GPU machine's may differ by version. Shapes are plain decode calls
+(contiguous cache, one query position) of ``--rows`` query rows per KV head.
+
+Usage: python benchmarks/triton_resources.py --headdim 256 --rows 16,64 [--warps 4,8 --block-n 32,64
+       --stages 2,3]   (each list crossed with the others; empty: the default config's value)
+"""
+import argparse
+import dataclasses
+import itertools
+import os
+import subprocess
+import tempfile
+
+import torch
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from flashdecode.hardware import PROFILES
+from flashdecode.kernels import get_backend
+from flashdecode.kernels.base import LaunchArgs
+from flashdecode.planner import SPLIT, plan
+from flashdecode.problem import Problem
+
+POINTER_TYPES = {torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float32: "*fp32", torch.int32: "*i32"}
+HOPPER = GPUTarget("cuda", 90, 32)
+
+
+def split_launch(problem: Problem, config):
+    """(kernel, tensors, scalars, constexprs, options) of the split kernel for ``problem`` (CPU tensors)."""
+    backend = get_backend("triton")
+    the_plan = plan(problem, PROFILES["h200"], backend, num_splits=2, config=config)
+    dtype = getattr(torch, problem.dtype)
+    q = torch.empty(problem.batch, 1, problem.nheads, problem.headdim, dtype=dtype)
+    cache = torch.empty(problem.batch, problem.seqlen_cache, problem.nheads_k, problem.headdim, dtype=dtype)
+    args = LaunchArgs(q=q, k_cache=cache, v_cache=cache, cache_seqlens=torch.empty(problem.batch, dtype=torch.int32),
+                      out=torch.empty_like(q), lse=torch.empty(problem.batch, problem.nheads, 1),
+                      part_o=torch.empty(1, 1, problem.headdim), part_lse=torch.empty(1, 1), softmax_scale=0.1)
+    kernel, _, tensors, scalars, constexprs, options = backend.launches(the_plan, problem, args)[0]
+    return the_plan.config, kernel, tensors, scalars, constexprs, options
+
+
+def compile_for_hopper(kernel, tensors, scalars, constexprs, options):
+    """The kernel compiled for sm_90a: None arguments become constants, as Triton makes them."""
+    signature, constants = {}, dict(constexprs)
+    for name, value in zip(kernel.arg_names, list(tensors) + list(scalars)):
+        if value is None:
+            signature[name], constants[name] = "constexpr", None
+        elif isinstance(value, torch.Tensor):
+            signature[name] = POINTER_TYPES[value.dtype]
+        elif isinstance(value, float):
+            signature[name] = "fp32"
+        else:
+            signature[name] = "i32" if abs(value) < 2 ** 31 else "i64"
+    signature.update({name: "constexpr" for name in constexprs})
+    source = ASTSource(fn=kernel, signature=signature,
+                       constexprs={(kernel.arg_names.index(name),): value for name, value in constants.items()})
+    return triton.compile(source, target=HOPPER, options=options)
+
+
+def resource_usage(compiled) -> str:
+    """cuobjdump's resource line of the compiled cubin (registers, stack bytes a thread, ...)."""
+    cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
+        cubin.write(compiled.asm["cubin"])
+        cubin.flush()
+        report = subprocess.run([cuobjdump, "-res-usage", cubin.name], capture_output=True, text=True, check=True)
+    return next((line.strip() for line in report.stdout.splitlines() if "REG:" in line), report.stdout.strip())
+
+
+def values(text):
+    return [int(item) for item in text.split(",")] if text else [None]
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--headdim", type=int, default=128)
+    parser.add_argument("--rows", default="16", help="query rows per KV head (group), comma list")
+    parser.add_argument("--dtype", default="bfloat16")
+    for flag in ("--warps", "--block-n", "--stages"):
+        parser.add_argument(flag, default="", help="comma list (default: the default config's)")
+    args = parser.parse_args()
+    backend = get_backend("triton")
+    print(f"triton {triton.__version__}, target sm_90a, head dim {args.headdim}, {args.dtype}")
+    for rows, warps, block_n, stages in itertools.product(
+            values(args.rows), values(args.warps), values(args.block_n), values(args.stages)):
+        problem = Problem(4, 8192, rows, 1, args.headdim, args.dtype)
+        default = backend.default_config(problem, PROFILES["h200"], SPLIT)
+        changes = {name: value for name, value in (("num_warps", warps), ("block_n", block_n),
+                                                   ("num_stages", stages)) if value is not None}
+        config, *launch = split_launch(problem, dataclasses.replace(default, **changes))
+        compiled = compile_for_hopper(*launch)
+        print(f"rows {rows:3d}  block_n {config.block_n:3d}  block_m {config.block_m:3d}  warps {config.num_warps}  "
+              f"stages {config.num_stages}  shared {compiled.metadata.shared:6d}  {resource_usage(compiled)}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
