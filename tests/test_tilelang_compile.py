@@ -114,6 +114,16 @@ def test_problem_limitation_names_what_is_missing(problem, needs):
     assert reason == needs if needs is None else needs in reason
 
 
+def test_the_short_cache_kernel_is_chosen_by_its_own_tiles():
+    """Head dim 256: the short-cache tile (32 tokens) is half the wide split tile (64); up to
+    short_cache_max_blocks of its own tiles take it, longer unsplit caches the single-pass kernel."""
+    most = H200.tuning.short_cache_max_blocks * BACKEND.default_config(
+        problem_of(head_dim=256, capacity=64), H200, SHORT_CACHE).block_n
+    assert plan(problem_of(head_dim=256, capacity=most), H200, BACKEND).kernel == SHORT_CACHE
+    assert plan(problem_of(head_dim=256, capacity=most + 1), H200, BACKEND).kernel == SINGLE_PASS
+    assert plan(problem_of(head_dim=128, capacity=4 * 64), H200, BACKEND).kernel == SHORT_CACHE
+
+
 def test_the_gpu_cases_cover_the_wide_head_tile():
     for name in ("wide-head-paged-16", "wide-head-all"):
         problem, _ = GPU_CASES[name]
