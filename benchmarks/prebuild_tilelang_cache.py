@@ -63,10 +63,14 @@ def calls(backend, with_tests: bool):
                                         str(dtype).removeprefix("torch.")))
         import test_paged  # the paged tests' calls TileLang takes
 
-        for page_size, dtype, variant in itertools.product(test_paged.PAGE_SIZES, (torch.float16, torch.bfloat16),
-                                                           test_paged.VARIANTS.values()):
-            call = test_paged.paged_call(page_size, variant, test_paged.GPU_SHAPE, dtype, 0)
-            problem = problem_of_call(**call)
+        paged_calls = [(page_size, dtype, variant, test_paged.GPU_SHAPE) for page_size, dtype, variant in
+                       itertools.product(test_paged.PAGE_SIZES, (torch.float16, torch.bfloat16),
+                                         test_paged.VARIANTS.values())]
+        paged_calls += [(page_size, torch.bfloat16, test_paged.VARIANTS[variant], shape)
+                        for shape in test_paged.GPU_WIDE_SHAPES.values() for page_size in (16, 256)
+                        for variant in ("plain", "serving")]
+        for page_size, dtype, variant, shape in paged_calls:
+            problem = problem_of_call(**test_paged.paged_call(page_size, variant, shape, dtype, 0))
             if problem_limitation(problem) is None:
                 problems.append(problem)
     for problem in problems:

@@ -132,6 +132,21 @@ def test_paged_gpu(backend, page_size, variant, dtype):
     check_paged(backend, page_size, variant, GPU_SHAPE, dtype, seed=page_size)
 
 
+#: Head dims whose tiles differ from head dim 128's: Triton's 128-token tiles at 64, 3 stages at 256,
+#: TileLang's 16-row wide-head tile at 256 (gathered pages, appended tokens, windows and softcap in it).
+GPU_WIDE_SHAPES = {"d64": Shape(nheads_k=4, group=8, headdim=64, target_capacity=3000),
+                   "d256": Shape(nheads_k=2, group=8, headdim=256, target_capacity=3000)}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("variant", ["plain", "serving"])
+@pytest.mark.parametrize("page_size", [16, 256])
+@pytest.mark.parametrize("shape", GPU_WIDE_SHAPES)
+@pytest.mark.parametrize("backend", ["triton", "tilelang"])
+def test_paged_gpu_other_head_dims(backend, shape, page_size, variant):
+    check_paged(backend, page_size, variant, GPU_WIDE_SHAPES[shape], torch.bfloat16, seed=page_size)
+
+
 def test_block_tables_are_shuffled():
     """The inputs really are scattered: no sequence's pages are all consecutive ids."""
     for page_size in PAGE_SIZES:
