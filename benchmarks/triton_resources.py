@@ -25,6 +25,7 @@ from flashdecode.kernels import get_backend
 from flashdecode.kernels.base import LaunchArgs
 from flashdecode.planner import SPLIT, plan
 from flashdecode.problem import Problem
+from sweep import values  # benchmarks/sweep.py: a comma list of ints, [None] when empty
 
 POINTER_TYPES = {torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float32: "*fp32", torch.int32: "*i32"}
 HOPPER = GPUTarget("cuda", 90, 32)
@@ -70,10 +71,6 @@ def resource_usage(compiled) -> str:
         cubin.flush()
         report = subprocess.run([cuobjdump, "-res-usage", cubin.name], capture_output=True, text=True, check=True)
     return next((line.strip() for line in report.stdout.splitlines() if "REG:" in line), report.stdout.strip())
-
-
-def values(text):
-    return [int(item) for item in text.split(",")] if text else [None]
 
 
 def main():

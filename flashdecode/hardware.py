@@ -33,7 +33,7 @@ class AutoRule:
     plain_cache_only: bool = False  # only calls that read a contiguous cache and append nothing
 
     def admits(self, problem) -> bool:
-        """Whether this route's limits hold for ``problem`` (a :class:`~flashdecode.problem.Problem`)."""
+        """Whether this rule's limits hold for ``problem`` (a :class:`~flashdecode.problem.Problem`)."""
         return ((self.max_cache_bytes is None or problem.cache_bytes() < self.max_cache_bytes)
                 and (self.max_headdim is None or problem.headdim <= self.max_headdim)
                 and not (self.plain_cache_only and (problem.paged or problem.seqlen_new > 0)))

@@ -115,15 +115,13 @@ class TileLangBackend(Backend):
         block_m = q_tile_rows(problem.q_rows, MIN_BLOCK_M[kernel])
         if kernel == SHORT_CACHE:
             return ShortCacheConfig(block_n, block_m, one_tile=problem.seqlen_cache <= block_n)
-        wide = SplitConfig(WIDE_HEAD_BLOCK_N, WIDE_HEAD_BLOCK_M)
-        if problem.headdim >= WIDE_HEAD_DIM and problem.q_rows <= wide.block_m and \
-                occupancy.split_shared_bytes(problem, wide, profile) <= profile.shared_memory_per_multiprocessor:
-            block_n, block_m = wide.block_n, wide.block_m
-        if problem.paged and problem.seqlen_new:
-            block_n = min(block_n, problem.page_size)
-        if block_m < MIN_BLOCK_M[kernel] and block_n < WIDE_HEAD_MIN_BLOCK_N:
-            block_m = MIN_BLOCK_M[kernel]
-        return SplitConfig(block_n, block_m)
+        most_n = problem.page_size if problem.paged and problem.seqlen_new else math.inf  # appending: within a page
+        wide = SplitConfig(min(WIDE_HEAD_BLOCK_N, most_n), WIDE_HEAD_BLOCK_M)
+        if (problem.headdim >= WIDE_HEAD_DIM and problem.q_rows <= wide.block_m
+                and wide.block_n >= WIDE_HEAD_MIN_BLOCK_N
+                and occupancy.split_shared_bytes(problem, wide, profile) <= profile.shared_memory_per_multiprocessor):
+            return wide
+        return SplitConfig(min(block_n, most_n), block_m)
 
     def resident_programs(self, problem, config, profile) -> int:
         return occupancy.resident_programs(problem, config, profile)
