@@ -6,7 +6,7 @@ numbers are that Triton's; the GPU machine's may differ by version. Shapes are p
 (contiguous cache, one query position) of ``--rows`` query rows per KV head.
 
 Usage: python benchmarks/triton_resources.py --headdim 256 --rows 16,64 [--warps 4,8 --block-n 32,64
-       --stages 2,3]   (each list crossed with the others; empty: the default config's value)
+       --stages 2,3 --max-registers 0,128]   (each list crossed with the others; empty: the default config's value)
 """
 import argparse
 import dataclasses
@@ -27,7 +27,6 @@ from flashdecode.planner import SPLIT, plan
 from flashdecode.problem import Problem
 from sweep import values  # benchmarks/sweep.py: a comma list of ints, [None] when empty
 
-POINTER_TYPES = {torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float32: "*fp32", torch.int32: "*i32"}
 HOPPER = GPUTarget("cuda", 90, 32)
 
 
@@ -46,19 +45,24 @@ def split_launch(problem: Problem, config):
 
 
 def compile_for_hopper(kernel, tensors, scalars, constexprs, options):
-    """The kernel compiled for sm_90a: None arguments become constants, as Triton makes them."""
-    signature, constants = {}, dict(constexprs)
-    for name, value in zip(kernel.arg_names, list(tensors) + list(scalars)):
-        if value is None:
-            signature[name], constants[name] = "constexpr", None
-        elif isinstance(value, torch.Tensor):
-            signature[name] = POINTER_TYPES[value.dtype]
-        elif isinstance(value, float):
-            signature[name] = "fp32"
-        else:
-            signature[name] = "i32" if abs(value) < 2 ** 31 else "i64"
+    """The kernel compiled for sm_90a, specialised as Triton's launcher specialises a call with these
+    arguments (``native_specialize_impl``): 16-byte-aligned pointers and ints divisible by 16 marked
+    so, ints equal to 1 and None made constants, ``do_not_specialize`` respected. Without the marks
+    Triton cannot vectorise the loads and the registers read far above a real launch's."""
+    from triton.backends.compiler import BaseBackend
+    from triton.runtime.jit import native_specialize_impl
+
+    signature, constants, attrs = {}, dict(constexprs), {}
+    for index, (param, value) in enumerate(zip(kernel.params, list(tensors) + list(scalars))):
+        kind, spec = native_specialize_impl(BaseBackend, value, False, not param.do_not_specialize, True)
+        if kind == "constexpr":
+            signature[param.name], constants[param.name] = "constexpr", value
+            continue
+        signature[param.name] = kind
+        if spec:
+            attrs[(index,)] = BaseBackend.parse_attr(spec)
     signature.update({name: "constexpr" for name in constexprs})
-    source = ASTSource(fn=kernel, signature=signature,
+    source = ASTSource(fn=kernel, signature=signature, attrs=attrs,
                        constexprs={(kernel.arg_names.index(name),): value for name, value in constants.items()})
     return triton.compile(source, target=HOPPER, options=options)
 
@@ -78,21 +82,24 @@ def main():
     parser.add_argument("--headdim", type=int, default=128)
     parser.add_argument("--rows", default="16", help="query rows per KV head (group), comma list")
     parser.add_argument("--dtype", default="bfloat16")
-    for flag in ("--warps", "--block-n", "--stages"):
+    for flag in ("--warps", "--block-n", "--stages", "--max-registers"):
         parser.add_argument(flag, default="", help="comma list (default: the default config's)")
     args = parser.parse_args()
     backend = get_backend("triton")
     print(f"triton {triton.__version__}, target sm_90a, head dim {args.headdim}, {args.dtype}")
-    for rows, warps, block_n, stages in itertools.product(
-            values(args.rows), values(args.warps), values(args.block_n), values(args.stages)):
+    for rows, warps, block_n, stages, registers in itertools.product(
+            values(args.rows), values(args.warps), values(args.block_n), values(args.stages),
+            values(args.max_registers)):
         problem = Problem(4, 8192, rows, 1, args.headdim, args.dtype)
         default = backend.default_config(problem, PROFILES["h200"], SPLIT)
         changes = {name: value for name, value in (("num_warps", warps), ("block_n", block_n),
                                                    ("num_stages", stages)) if value is not None}
+        if registers is not None:  # 0: no cap
+            changes["max_registers"] = registers or None
         config, *launch = split_launch(problem, dataclasses.replace(default, **changes))
         compiled = compile_for_hopper(*launch)
         print(f"rows {rows:3d}  block_n {config.block_n:3d}  block_m {config.block_m:3d}  warps {config.num_warps}  "
-              f"stages {config.num_stages}  shared {compiled.metadata.shared:6d}  {resource_usage(compiled)}", flush=True)
+              f"stages {config.num_stages}  cap {config.max_registers}  shared {compiled.metadata.shared:6d}  {resource_usage(compiled)}", flush=True)
 
 
 if __name__ == "__main__":

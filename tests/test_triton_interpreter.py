@@ -23,6 +23,7 @@ from flashdecode import flash_attn_with_kvcache, plan_for
 from flashdecode.hardware import PROFILES, profile_for
 from flashdecode.kernels.base import LaunchArgs
 from flashdecode.kernels.triton.backend import TritonBackend, TritonConfig
+from flashdecode.kernels.triton.launch import REGISTER_CEILING
 from flashdecode.planner import SINGLE_PASS, SPLIT, plan
 from flashdecode.problem import Problem
 from flashdecode.reference import reference_attention, relative_error
@@ -320,7 +321,8 @@ def test_default_config():
     h200 = PROFILES["h200"]
     plain = Problem(4, 4096, 32, 8, 128, "float16")
     config = BACKEND.default_config(plain, h200, SPLIT)
-    assert config == TritonConfig(block_n=64, block_m=16, num_warps=4, num_stages=2, combine_step=16)
+    assert config == TritonConfig(block_n=64, block_m=16, num_warps=4, num_stages=2, combine_step=16,
+                                  max_registers=128)
     wide = BACKEND.default_config(Problem(1, 4096, 32, 8, 256, "bfloat16"), h200, SINGLE_PASS)
     assert (wide.block_n, wide.num_warps, wide.num_stages, wide.combine_step) == (64, 4, 3, 64)
     assert BACKEND.default_config(Problem(2, 64, 8, 1, 59, "float16"), h200, SPLIT).block_n == 128
@@ -338,6 +340,32 @@ def test_default_config():
     assert rows == [16, 16, 32, 64]  # 8, 16, 24, 72 rows per KV head: up to 64, then row tiles
     with pytest.raises(ValueError, match="kernel must be one of"):
         BACKEND.default_config(plain, h200, "short_cache")
+
+
+@pytest.mark.parametrize("headdim", [32, 64, 128, 256])
+@pytest.mark.parametrize("rows", [1, 8, 16, 32, 64])
+@pytest.mark.parametrize("profile", ["h200", "c500"])
+def test_register_cap_lets_the_planned_programs_fit(headdim, rows, profile):
+    """The cap leaves room for the resident programs the planner sizes its grid with, and is only
+    set where it binds below the compiler's limit and leaves the output tile three quarters of it."""
+    hardware = PROFILES[profile]
+    problem = Problem(2, 4096, rows, 1, headdim, "bfloat16")
+    config = BACKEND.default_config(problem, hardware, SPLIT)
+    threads = hardware.wave_width * config.num_warps
+    resident = BACKEND.resident_programs(problem, config, hardware)
+    share = hardware.registers_per_multiprocessor // (resident * threads) // 8 * 8  # registers a thread may have
+    if config.max_registers is None:
+        assert share >= hardware.max_registers_per_thread or config.block_m * max(16, headdim) * 4 > threads * share
+    else:
+        assert config.max_registers % 8 == 0 and config.max_registers < hardware.max_registers_per_thread
+        assert resident * threads * config.max_registers <= hardware.registers_per_multiprocessor
+        assert config.block_m * max(16, headdim) <= threads * config.max_registers // 4
+    q = torch.empty(2, 1, rows, headdim, dtype=torch.bfloat16)
+    cache = torch.empty(2, 4096, 1, headdim, dtype=torch.bfloat16)
+    args = LaunchArgs(q, cache, cache, torch.empty(2, dtype=torch.int32), torch.empty_like(q),
+                      torch.empty(2, rows, 1), torch.empty(4, rows, headdim), torch.empty(4, rows), 0.1)
+    split_launch = BACKEND.launches(plan(problem, hardware, BACKEND, num_splits=2), problem, args)[0]
+    assert split_launch[5][REGISTER_CEILING] == config.max_registers  # the split kernel's launch options
 
 
 def test_resident_programs_and_kernels():

@@ -40,6 +40,15 @@ class FakeKernel:
             return FakeCompiled(self.calls)
         return run
 
+    def warmup(self, *args, grid, **kwargs):
+        """A compile without a launch; the compiled kernel uses ``registers`` registers a thread."""
+        self.calls.append(("warmup", grid, args, kwargs))
+        compiled = FakeCompiled(self.calls)
+        compiled.n_regs = self.registers
+        return compiled
+
+    registers = 100
+
 
 class FakeCompiled:
     """A compiled kernel: its launches recorded in ``calls``, and the fields ``describe`` reads."""
@@ -145,6 +154,33 @@ def test_constexprs_must_be_the_last_parameters():
         launcher.launch(FakeKernel([]), (1,), (CudaTensor(),), (9,), {"C": 16}, {})
 
 
+@pytest.mark.parametrize("registers, ceiling, maxnreg", [(141, 128, 128), (128, 128, None), (107, 128, None),
+                                                        (200, None, None)])
+def test_register_ceiling_binds_only_where_the_compiler_exceeds_it(registers, ceiling, maxnreg):
+    """The ceiling becomes Triton's maxnreg only for a kernel compiled with more registers; decided
+    once per specialisation (one compile without launch), never passed to Triton itself."""
+    calls = []
+    launcher, kernel = fast_launcher(), FakeKernel(calls)
+    kernel.registers = registers
+    options = {"num_warps": 4, launch.REGISTER_CEILING: ceiling}
+    for _ in range(3):
+        launcher.launch(kernel, (1,), (CudaTensor(),), (9, 0.5), {"C": 16}, options)
+    triton_calls = [call for call in calls if call[0] == "triton"]
+    assert len(triton_calls) == 1 and [call[0] for call in calls].count("warmup") == (ceiling is not None)
+    expected = {"C": 16, "num_warps": 4, **({} if maxnreg is None else {"maxnreg": maxnreg})}
+    assert triton_calls[0][3] == expected
+    assert [call[0] for call in calls][-2:] == ["direct", "direct"]
+
+
+def test_register_ceiling_is_dropped_without_a_compiled_register_count():
+    """CPU tensors (Triton's interpreter) and kernels without ``warmup`` launch without the ceiling."""
+    calls = []
+    for tensor, kernel in ((torch.zeros(4), FakeKernel(calls)), (CudaTensor(), type("NoWarmup", (FakeKernel,), {
+            "warmup": None})(calls))):
+        fast_launcher().launch(kernel, (1,), (tensor,), (9, 0.5), {"C": 16}, {launch.REGISTER_CEILING: 64})
+    assert [call[3] for call in calls] == [{"C": 16}, {"C": 16}]
+
+
 @pytest.mark.skipif(HAS_CUDA, reason="the interpreter's selection")
 def test_interpreter_turns_the_fast_path_off():
     assert "interpreted" in launch.FAST_PATH_UNAVAILABLE
@@ -157,19 +193,43 @@ def test_probe_passes_on_this_gpu():
     assert probe_direct_launch(torch.device("cuda"), compat.current_stream_handle) is None
 
 
-def launch_route(backend, route, q, k_cache, v_cache, kwargs):
-    """out, lse and the caches after ``backend`` launched ``route`` on copies of the caches."""
+def route_args(route, q, k_cache, v_cache, kwargs) -> LaunchArgs:
+    """The launch arguments of ``route``: fresh out, lse and partials; the caches as given."""
     problem, plan = route.problem, route.plan
-    k_cache, v_cache = k_cache.clone(), v_cache.clone()
-    out = torch.empty_like(q)
     lse = torch.empty(q.shape[0], q.shape[2], q.shape[1], device=q.device)
     part_o = torch.empty(plan.workspace_rows, problem.nheads_k * problem.q_rows, q.shape[3], device=q.device)
     part_lse = torch.empty(plan.workspace_rows, problem.nheads_k * problem.q_rows, device=q.device)
-    backend.launch(plan, problem, LaunchArgs(
-        q, k_cache, v_cache, kwargs["cache_seqlens"], out, lse, part_o, part_lse, q.shape[3] ** -0.5, 0.0,
-        kwargs.get("k"), kwargs.get("v"), kwargs.get("rotary_cos"), kwargs.get("rotary_sin"),
-        block_table=kwargs.get("block_table"), alibi_slopes=kwargs.get("alibi_slopes")))
-    return out, lse, k_cache, v_cache
+    return LaunchArgs(
+        q, k_cache, v_cache, kwargs["cache_seqlens"], torch.empty_like(q), lse, part_o, part_lse, q.shape[3] ** -0.5,
+        0.0, kwargs.get("k"), kwargs.get("v"), kwargs.get("rotary_cos"), kwargs.get("rotary_sin"),
+        block_table=kwargs.get("block_table"), alibi_slopes=kwargs.get("alibi_slopes"))
+
+
+def launch_route(backend, route, q, k_cache, v_cache, kwargs):
+    """out, lse and the caches after ``backend`` launched ``route`` on copies of the caches."""
+    args = route_args(route, q, k_cache.clone(), v_cache.clone(), kwargs)
+    backend.launch(route.plan, route.problem, args)
+    return args.out, args.lse, args.k_cache, args.v_cache
+
+
+@pytest.mark.gpu
+def test_register_ceiling_holds_on_this_gpu():
+    """Pages of 64 at group 4, head dim 128: the split kernel keeps to the config's ceiling, so the
+    4 programs per SM the planner counts on fit (Triton 3.6 compiles it to 141 registers uncapped)."""
+    generator = torch.Generator("cuda").manual_seed(0)
+    q = torch.randn(2, 1, 16, 128, device="cuda", generator=generator).half()
+    k_cache, v_cache = (torch.randn(64, 64, 4, 128, device="cuda", generator=generator).half() for _ in range(2))
+    kwargs = dict(cache_seqlens=torch.tensor([2000, 900], dtype=torch.int32, device="cuda"),
+                  block_table=torch.randperm(64, device="cuda", generator=generator).view(2, 32).int())
+    route = plan_for(q, k_cache, v_cache, backend="triton", num_splits=4, **kwargs)
+    ceiling = route.plan.config.max_registers
+    assert ceiling == 128
+    backend = TritonBackend()
+    args = route_args(route, q, k_cache, v_cache, kwargs)
+    for _ in range(2):
+        backend.launch(route.plan, route.problem, args)
+    split = backend.host_launches(route.plan, route.problem, args)[0]
+    assert split.owner.n_regs <= ceiling
 
 
 @pytest.mark.gpu

@@ -19,7 +19,7 @@ from ...planner import SINGLE_PASS, SPLIT
 from ...problem import Problem
 from ..base import Backend, LaunchArgs
 from .kernels import combine_kernel, split_kernel
-from .launch import Launcher
+from .launch import REGISTER_CEILING, Launcher
 from .workarounds import steer
 
 LOG2E = 1.0 / math.log(2.0)
@@ -46,6 +46,9 @@ class TritonConfig:
     num_warps: int
     num_stages: int  # software pipeline depth of the main loop's K/V loads
     combine_step: int  # partials the combine kernel loads at once
+    #: Registers a thread may use: a kernel the compiler gives more is compiled again with this cap
+    #: (Triton's ``maxnreg``, ``launch.register_options``); None: the compiler's choice.
+    max_registers: int | None = None
 
 
 def shared_bytes(config: TritonConfig, headdim: int, element_bytes: int, profile: HardwareProfile) -> int:
@@ -53,6 +56,27 @@ def shared_bytes(config: TritonConfig, headdim: int, element_bytes: int, profile
     tiles, the q tile, the driver's reserve (padded ``headdim``)."""
     tiles = (config.num_stages - 1) * 2 * config.block_n + config.block_m
     return tiles * headdim * element_bytes + profile.driver_reserved_shared_per_program
+
+
+def resident_by_headdim(headdim: int, profile: HardwareProfile) -> int:
+    """The profile's ``triton_resident_programs`` entry for a padded head dim."""
+    table = profile.tuning.triton_resident_programs
+    return next((programs for dim, programs in table if dim >= headdim), table[-1][1])
+
+
+def register_cap(config: TritonConfig, headdim: int, profile: HardwareProfile) -> int | None:
+    """Registers a thread may use so that ``triton_resident_programs`` programs fit a multiprocessor,
+    as the planner assumes when it sizes the grid; None where no cap is needed (the compiler's limit
+    already lets them fit) or where the fp32 output tile alone would take more than a quarter of it.
+    Features add registers: on Triton 3.6 the head-dim-128 kernel takes 107 plain, 141 with pages of
+    64 or an appended token, 168 with 32 query rows, i.e. 3 programs per SM instead of 4, and a
+    second wave (``docs/design.md``, "Measured choices")."""
+    resident = resident_by_headdim(headdim, profile)
+    threads = profile.wave_width * config.num_warps
+    cap = profile.registers_per_multiprocessor // (resident * threads) // 8 * 8
+    if cap >= profile.max_registers_per_thread or config.block_m * headdim > threads * cap // 4:
+        return None
+    return cap
 
 
 def padded_headdim(headdim: int) -> int:
@@ -126,13 +150,12 @@ class TritonBackend(Backend):
                 config = dataclasses.replace(config, block_m=config.block_m // 2)
             else:
                 break
+        config = dataclasses.replace(config, max_registers=register_cap(config, headdim, profile))
         return steer(problem, config, headdim)  # a Triton miscompile (``workarounds``)
 
     def resident_programs(self, problem: Problem, config, profile: HardwareProfile) -> int:
         """From the profile's measured ``triton_resident_programs``, by padded head dim."""
-        table = profile.tuning.triton_resident_programs
-        headdim = padded_headdim(problem.headdim)
-        return next((programs for dim, programs in table if dim >= headdim), table[-1][1])
+        return resident_by_headdim(padded_headdim(problem.headdim), profile)
 
     # -- the launch --------------------------------------------------------------------------------
     def launch(self, plan, problem: Problem, args: LaunchArgs) -> None:
@@ -212,6 +235,7 @@ def _make_spec(plan, problem: Problem) -> _LaunchSpec:
         BLOCK_N=config.block_n, BATCH_PAD=batch_pad, SPLITS_PER_STEP=config.combine_step, APPEND=append,
         LEFTPAD=leftpad, WINDOW_LEFT=window_left, EMPTY_ROWS=problem.windowed and problem.seqlen_q > 1)
     return _LaunchSpec(
-        plan.grid(problem), split_constexprs, dict(num_warps=config.num_warps, num_stages=config.num_stages),
+        plan.grid(problem), split_constexprs,
+        {"num_warps": config.num_warps, "num_stages": config.num_stages, REGISTER_CEILING: config.max_registers},
         (problem.batch, problem.nheads_k * problem.q_rows) if plan.needs_combine else None, combine_constexprs,
         dict(num_warps=4), schedule, features)

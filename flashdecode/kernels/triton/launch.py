@@ -37,6 +37,10 @@ SCRATCH_FIELDS = ("global_scratch_size", "profile_scratch_size")
 #: Shared memory a plain launch takes (above it Triton sets an oversized-shared-memory attribute).
 MAX_PLAIN_SHARED = 228 * 1024
 
+#: A launch option of flashdecode's, not Triton's: the most registers a thread should use
+#: (``TritonConfig.max_registers``), applied only where the compiler's own choice exceeds it.
+REGISTER_CEILING = "register_ceiling"
+
 #: Compiled kernels a launcher keeps (each new shape or schedule constant adds one); past it the
 #: table starts again.
 MAX_COMPILED = 4096
@@ -119,6 +123,7 @@ class Launcher:
         self.fast_path: bool | None = False if unavailable else None
         self.fast_path_off_because = unavailable
         self._compiled: dict = {}
+        self._options: dict = {}  # specialisation -> Triton's options (``register_options``)
         self._checked_signatures: set = set()
 
     def __len__(self) -> int:
@@ -128,24 +133,41 @@ class Launcher:
     def launch(self, kernel, grid: tuple, tensors: tuple, scalars: tuple, constexprs: dict, options: dict) -> None:
         """``kernel[grid](*tensors, *scalars, **constexprs, **options)``: the kernel's parameters are
         its tensors, then its scalars, then its constexprs, in this order; later calls of a
-        specialisation go to the compiled kernel directly when the fast path is on. The first tensor
-        is never None: its device is the launch's."""
+        specialisation go to the compiled kernel directly when the fast path is on. A
+        ``REGISTER_CEILING`` option becomes Triton's ``maxnreg`` where the compiler gives the kernel
+        more (``register_options``). The first tensor is never None: its device is the launch's."""
         device = tensors[0].device
-        if device.type != "cuda" or not self._fast_path_on(device):
-            kernel[grid](*tensors, *scalars, **constexprs, **options)
+        if device.type != "cuda":
+            kernel[grid](*tensors, *scalars, **constexprs, **_without_ceiling(options))
             return
+        fast = self._fast_path_on(device)
         constexpr_values = tuple(constexprs.values())
         key = specialization(kernel, device.index, tensors, scalars, constexpr_values, tuple(options.items()))
-        compiled = self._compiled.get(key)
-        if compiled is None:
-            self._check_signature(kernel, len(tensors) + len(scalars), tuple(constexprs))
-            compiled = kernel[grid](*tensors, *scalars, **constexprs, **options)
-            if len(self._compiled) >= self.max_compiled:
-                self._compiled.clear()
-            self._compiled[key] = compiled
+        compiled = self._compiled.get(key) if fast else None
+        if compiled is not None:
+            compiled[tuple(grid) + (1,) * (3 - len(grid))](*tensors, *scalars, *constexpr_values,
+                                                            stream=self._stream_handle(device.index))
             return
-        compiled[tuple(grid) + (1,) * (3 - len(grid))](*tensors, *scalars, *constexpr_values,
-                                                        stream=self._stream_handle(device.index))
+        triton_options = self._register_options(key, kernel, grid, tensors, scalars, constexprs, options)
+        if not fast:
+            kernel[grid](*tensors, *scalars, **constexprs, **triton_options)
+            return
+        self._check_signature(kernel, len(tensors) + len(scalars), tuple(constexprs))
+        compiled = kernel[grid](*tensors, *scalars, **constexprs, **triton_options)
+        if len(self._compiled) >= self.max_compiled:
+            self._compiled.clear()
+        self._compiled[key] = compiled
+
+    def _register_options(self, key, kernel, grid, tensors, scalars, constexprs, options) -> dict:
+        """Triton's options for a specialisation (memoized): ``register_options`` of ``options``."""
+        if REGISTER_CEILING not in options:
+            return options
+        found = self._options.get(key)
+        if found is None:
+            if len(self._options) >= self.max_compiled:
+                self._options.clear()
+            found = self._options[key] = register_options(kernel, grid, tensors, scalars, constexprs, options)
+        return found
 
     def cuda_launch(self, kernel, grid: tuple, tensors: tuple, scalars: tuple, constexprs: dict,
                     options: dict) -> CudaLaunch | None:
@@ -181,6 +203,33 @@ class Launcher:
             raise TypeError(f"{getattr(kernel, '__name__', kernel)}: parameters after the first {positional} are "
                             f"{names[positional:]}, expected the constexprs {constexpr_names} in this order")
         self._checked_signatures.add(key)
+
+
+def _without_ceiling(options: dict) -> dict:
+    return {name: value for name, value in options.items() if name != REGISTER_CEILING}
+
+
+def register_options(kernel, grid: tuple, tensors: tuple, scalars: tuple, constexprs: dict, options: dict) -> dict:
+    """Triton's options for a launch whose ``options`` carry a ``REGISTER_CEILING``: the others, plus
+    ``maxnreg`` = the ceiling where the kernel compiled without it uses more registers a thread. A
+    cap always set costs speed where the compiler stays below it anyway (on the H200, case 7 with
+    Triton 3.6: 113.8 against 121.5 us); one set where it binds keeps the programs per SM the
+    planner counts on (``docs/design.md``, "Measured choices"). The count is read from a compile
+    without a launch (``JITFunction.warmup``) and the compiled kernel's ``n_regs`` (private, loaded
+    by ``_init_handles``); where either is missing the ceiling is dropped."""
+    plain = _without_ceiling(options)
+    ceiling = options[REGISTER_CEILING]
+    warmup = getattr(kernel, "warmup", None)
+    if ceiling is None or not callable(warmup):
+        return plain
+    compiled = warmup(*tensors, *scalars, grid=grid, **constexprs, **plain)
+    registers = getattr(compiled, "n_regs", None)
+    if registers is None and callable(getattr(compiled, "_init_handles", None)):
+        compiled._init_handles()
+        registers = getattr(compiled, "n_regs", None)
+    if not isinstance(registers, int) or registers <= ceiling:
+        return plain
+    return {**plain, "maxnreg": ceiling}
 
 
 def describe(compiled, grid: tuple, values: tuple) -> CudaLaunch | None:
