@@ -37,15 +37,27 @@ while [ $# -gt 0 ]; do
   case $step in
     tests)
       # Every gpu-marked test; FlashAttention's grid on FLASHDECODE_FA_GRID combos (default 2000).
-      # TESTS_FILES: the files in the order to run them (default: all of tests/).
+      # TESTS_FILES: the files in the order to run them (default: all of tests/). TESTS_WORKERS=N:
+      # N pytest-xdist processes (compiles run in parallel), installed from the carried .xdist/
+      # wheels (pip download --no-deps pytest-xdist execnet -d .xdist).
+      workers=()
+      if [ -n "${TESTS_WORKERS:-}" ] && pip install -q --no-deps --no-index .xdist/*.whl > "$OUT/xdist_install.log" 2>&1; then
+        workers=(-n "$TESTS_WORKERS")
+      fi
       FLASHDECODE_FA_GRID_REPORT="$OUT/fa_grid.json" timeout -k 10 "${TESTS_TIMEOUT:-900}" python3 -m pytest \
-        ${TESTS_FILES:-tests} -m gpu -v -p no:cacheprovider -rs --maxfail=50 ${TESTS_K:+-k "$TESTS_K"} \
+        ${TESTS_FILES:-tests} -m gpu -v -p no:cacheprovider -rs --maxfail=50 "${workers[@]}" ${TESTS_K:+-k "$TESTS_K"} \
         > "$OUT/gpu_tests.log" 2>&1
       rc=$?
       grep -E "^(FAILED|ERROR)" "$OUT/gpu_tests.log" | cut -c1-200 | head -30
-      for verdict in PASSED FAILED SKIPPED ERROR; do  # per file, also when the time limit cut the run
-        grep -oE "^tests/[a-z_]+\.py::.* $verdict" "$OUT/gpu_tests.log" | sed -E "s/::.*//" | sort | uniq -c | sed "s/$/ $verdict/"
-      done
+      # per file and verdict, also when the time limit cut the run ("tests/f.py::t PASSED", or with
+      # xdist "[gw0] [ 1%] PASSED tests/f.py::t")
+      sed -nE "s/^(tests\/[a-z_]+\.py)::.* (PASSED|FAILED|SKIPPED|ERROR).*/\1 \2/p; s/^\[gw[0-9]+\].* (PASSED|FAILED|SKIPPED|ERROR) (tests\/[a-z_]+\.py)::.*/\2 \1/p" \
+        "$OUT/gpu_tests.log" | sort | uniq -c
+      if ls "$OUT"/fa_grid.json.gw* > /dev/null 2>&1; then  # one report per worker: merged
+        python3 -c "import glob, json, sys; sys.path.insert(0, 'tests'); import fa_grid
+json.dump(fa_grid.merge_reports([json.load(open(p)) for p in sorted(glob.glob('$OUT/fa_grid.json.gw*'))]), open('$OUT/fa_grid.json', 'w'), indent=1)" \
+          && rm -f "$OUT"/fa_grid.json.gw*
+      fi
       tail -2 "$OUT/gpu_tests.log"
       summary+=("tests rc=$rc");;
     beforeafter)

@@ -21,6 +21,7 @@ import dataclasses
 import itertools
 import json
 import math
+import os
 import random
 import zlib
 
@@ -329,12 +330,15 @@ def check_combo(combo: Combo, device, function) -> None:
 
 
 class GridReport:
-    """Pass/fail/skip counts per (tier, backend, dtype) and per ``axis=value`` feature, as JSON."""
+    """Pass/fail/skip counts per (tier, backend, dtype) and per ``axis=value`` feature, as JSON,
+    written to ``path`` (when given) after every outcome, so a run cut by a time limit still
+    leaves its counts."""
 
     MAX_FAILURES = 50  # failures listed per (tier, backend, dtype)
 
-    def __init__(self):
+    def __init__(self, path=None):
         self.entries = {}
+        self.path = path
 
     def record(self, tier, backend, combo: Combo, outcome, message=""):
         entry = self.entries.setdefault((tier, backend, combo.dtype), {
@@ -344,6 +348,8 @@ class GridReport:
             entry["features"][feature][outcome] += 1
         if outcome == "fail" and len(entry["failures"]) < self.MAX_FAILURES:
             entry["failures"].append({"id": combo.id, "message": message[:300]})
+        if self.path:
+            self.write(self.path)
 
     @contextlib.contextmanager
     def recording(self, tier, backend, combo: Combo):
@@ -369,5 +375,26 @@ class GridReport:
         return report
 
     def write(self, path):
-        with open(path, "w") as file:
+        partial = f"{path}.partial"
+        with open(partial, "w") as file:
             json.dump(self.as_dict(), file, indent=1)
+        os.replace(partial, path)
+
+
+def merge_reports(reports: list) -> dict:
+    """One report (``GridReport.as_dict`` form) summing several, e.g. one per pytest-xdist worker."""
+    merged = {}
+    for report in reports:
+        for tier, backends in report.items():
+            for backend, dtypes in backends.items():
+                for dtype, entry in dtypes.items():
+                    into = merged.setdefault(tier, {}).setdefault(backend, {}).setdefault(
+                        dtype, {"total": {}, "features": {}, "failures": []})
+                    for outcome, count in entry["total"].items():
+                        into["total"][outcome] = into["total"].get(outcome, 0) + count
+                    for feature, counts in entry["features"].items():
+                        target = into["features"].setdefault(feature, {})
+                        for outcome, count in counts.items():
+                            target[outcome] = target.get(outcome, 0) + count
+                    into["failures"] = (into["failures"] + entry["failures"])[:GridReport.MAX_FAILURES]
+    return merged

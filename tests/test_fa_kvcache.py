@@ -7,9 +7,11 @@ GPU tier (``gpu`` marker): "triton" and "tilelang", float16 and bfloat16, on
 FLASHDECODE_FA_GRID="sample" (default: 2000 combos stratified over pairs of features), N (that many) or "full"
 (all 506,880 combos per backend: about a million tests, hours). A backend that cannot take a combo
 raises BackendError: that combo is skipped with its message. With FLASHDECODE_FA_GRID_REPORT=PATH,
-pass/fail/skip counts per tier, backend, dtype and feature are written there as JSON.
+pass/fail/skip counts per tier, backend, dtype and feature are written there as JSON after every
+combo (a file per pytest-xdist worker, merged by ``fa_grid.merge_reports``).
 """
 import dataclasses
+import json
 import os
 
 import pytest
@@ -34,15 +36,16 @@ TILELANG_AXES = {"d": (64, 128, 256), "alibi": (False,), "rotary_fraction": (0.0
                  "seqlens": tuple(pair for pair in fa_grid.SEQLEN_PAIRS if pair[0] <= 16)}
 TILELANG_COMBOS = fa_grid.sample(int(os.environ.get("FLASHDECODE_FA_GRID_TILELANG", "60")), seed=2026,
                                  restrict=TILELANG_AXES)
-REPORT = fa_grid.GridReport()
 
 
-@pytest.fixture(scope="module", autouse=True)
-def write_report():
-    yield
+def _report_path():
+    """FLASHDECODE_FA_GRID_REPORT, one file per pytest-xdist worker (``.gw0``, ...; ``fa_grid.merge_reports``)."""
     path = os.environ.get("FLASHDECODE_FA_GRID_REPORT")
-    if path:
-        REPORT.write(path)
+    worker = os.environ.get("PYTEST_XDIST_WORKER")
+    return f"{path}.{worker}" if path and worker else path
+
+
+REPORT = fa_grid.GridReport(_report_path())
 
 
 def public_call(backend):
@@ -97,3 +100,21 @@ def test_sample_covers_every_value_several_times():
             if axis == "dtype" and value != "float16" or axis == "seqlens" and value[1] > 1024:
                 continue
             assert sum(getattr(combo, axis) == value for combo in CPU_COMBOS) >= 3, (axis, value)
+
+
+def test_report_is_written_after_every_combo_and_merges_across_workers(tmp_path):
+    """A run cut by a time limit keeps its counts; per-worker files sum to one report."""
+    combos = CPU_COMBOS[:3]
+    paths = [tmp_path / "grid.json.gw0", tmp_path / "grid.json.gw1"]
+    for path, outcomes in zip(paths, (("pass", "fail"), ("pass",))):
+        report = fa_grid.GridReport(str(path))
+        for combo, outcome in zip(combos, outcomes):
+            report.record("gpu", "triton", combo, outcome, "boom" if outcome == "fail" else "")
+            assert json.loads(path.read_text()) == report.as_dict()  # on disk after each outcome
+    merged = fa_grid.merge_reports([json.loads(path.read_text()) for path in paths])
+    entry = merged["gpu"]["triton"][combos[0].dtype]
+    assert entry["total"] == {"pass": 2, "fail": 1}
+    assert entry["failures"] == [{"id": combos[1].id, "message": "boom"}]
+    feature = next(iter(combos[0].features()))
+    expected = sum(feature in combo.features() for combo in (combos[0], combos[1], combos[0]))
+    assert sum(entry["features"][feature].values()) == expected
