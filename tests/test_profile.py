@@ -7,6 +7,7 @@ how to refresh them); the report tests run on each.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -18,7 +19,7 @@ import pytest
 import torch
 
 from conftest import cli_fails
-from flashdecode import cases, cli, hardware, planner
+from flashdecode import cases, cli, hardware, plan_for, planner
 from flashdecode.profile import catalogue, geometry, ncu, report, shape, timeline
 from flashdecode.kernels import get_backend
 from flashdecode.profile.report import PLAN_BACKEND
@@ -365,6 +366,20 @@ def test_shapes_round_trip_through_their_arguments():
         assert _parse(item.argv()) == item
     assert custom.label == "b3-s1000-hk2-g8-d64-float16" and _shape(12).label == "case12"
     assert custom.lengths() == cases.case_seqlens(3, 1000).tolist()
+    for variant in cases.VARIANTS:
+        for item in (dataclasses.replace(_shape(12), variant=variant), dataclasses.replace(custom, variant=variant)):
+            assert _parse(item.argv()) == item
+    assert dataclasses.replace(_shape(12), variant="paged64").label == "case12-paged64"
+
+
+@pytest.mark.parametrize("variant", list(cases.VARIANTS))
+@pytest.mark.parametrize("headdim", [64, 128])
+def test_a_variants_problem_is_what_its_call_validates_to(variant, headdim):
+    """The plan-only report plans the Problem the profiled call would run, bytes included."""
+    item = shape.Shape(cases.Case(0, 3, 100, 2, 4), headdim, "float16", variant)
+    call = item.call("cpu")
+    assert plan_for(call.q, call.k_cache, call.v_cache, **call.kwargs()).problem == item.problem()
+    assert call.lengths == item.lengths() and call.bytes_moved() == item.problem_bytes()
 
 
 @pytest.mark.parametrize("argv, message", [

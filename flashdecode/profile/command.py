@@ -47,7 +47,12 @@ def run(args: argparse.Namespace) -> int:
         reason = why_not(args.backend, shape.problem(), device)
         if reason is not None:
             parser.error(f"backend {args.backend!r} cannot run here: it needs {reason}")
-    backend = args.backend or (flashdecode.plan_for(*shape.inputs(device)).backend if cuda else None)
+    if args.backend is None and cuda:
+        inputs = shape.call(device)
+        backend = flashdecode.plan_for(inputs.q, inputs.k_cache, inputs.v_cache, **inputs.kwargs()).backend
+        del inputs
+    else:
+        backend = args.backend
     out = args.out or pathlib.Path("profiles") / f"{shape.label}-{backend or 'plan'}"
     report = measure(shape, backend, out, args.ncu) if cuda else plan_only(shape, backend)
     json_path, md_path = write(report, out)
@@ -66,10 +71,11 @@ def measure(shape: shapes.Shape, backend: str, out: pathlib.Path, ncu_command: s
 
     out.mkdir(parents=True, exist_ok=True)
     device = torch.device("cuda")
-    q, k_cache, v_cache, seqlens = shape.inputs(device)
+    inputs = shape.call(device)
 
     def call():
-        return flashdecode.flash_decode_with_kvcache(q, k_cache, v_cache, seqlens, backend=backend)
+        return flashdecode.flash_attn_with_kvcache(inputs.q, inputs.k_cache, inputs.v_cache, **inputs.kwargs(),
+                                                   backend=backend)
 
     timer = Timer(device, CUDA_ITERS, CUDA_WARMUP)
     measured = Measurements(ceiling_gbps=measure_ceiling(timer).gbps, call_us=timer.time(call).median_us)

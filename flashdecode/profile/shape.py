@@ -1,4 +1,6 @@
-"""The shape a profile runs: a case of the matrix, or one given with flags (lengths by the matrix's rule)."""
+"""The call a profile runs: a case of the matrix, or a shape given with flags (lengths by the
+matrix's rule), under one of the benchmark's variants (``cases.VARIANTS``: pages, query tokens,
+an appended token)."""
 from __future__ import annotations
 
 import argparse
@@ -17,51 +19,66 @@ SHAPE_FLAGS = ("batch", "seqlen_cache", "nheads_k", "group")
 
 @dataclasses.dataclass(frozen=True)
 class Shape:
-    """A decode problem: ``case.number`` is 0 for a shape given with flags."""
+    """A decode call: ``case.number`` is 0 for a shape given with flags; ``variant`` names one of
+    ``cases.VARIANTS``."""
 
     case: cases.Case
     headdim: int = cases.HEADDIM
     dtype: str = "bfloat16"
+    variant: str = "plain"
 
     @property
     def label(self) -> str:
-        """Short name for directories: ``case12`` or ``b8-s32768-hk8-g4[-d64][-float16]``."""
+        """Short name for directories: ``case12[-paged64]`` or ``b8-s32768-hk8-g4[-d64][-float16][-q4]``."""
+        suffix = "" if self.variant == "plain" else f"-{self.variant}"
         if self.case.number:
-            return f"case{self.case.number}"
+            return f"case{self.case.number}{suffix}"
         c = self.case
         extra = ("" if self.headdim == cases.HEADDIM else f"-d{self.headdim}") + \
                 ("" if self.dtype == "bfloat16" else f"-{self.dtype}")
-        return f"b{c.batch}-s{c.seqlen_cache}-hk{c.nheads_k}-g{c.group}{extra}"
+        return f"b{c.batch}-s{c.seqlen_cache}-hk{c.nheads_k}-g{c.group}{extra}{suffix}"
 
     def describe(self) -> str:
         name = f"case {self.case.number}" if self.case.number else "shape"
-        return f"{name} ({self.case.describe()}, headdim {self.headdim}, {self.dtype})"
+        how = "" if self.variant == "plain" else f", {cases.VARIANTS[self.variant].description}"
+        return f"{name} ({self.case.describe()}, headdim {self.headdim}, {self.dtype}{how})"
 
     def problem(self) -> planner.Problem:
-        c = self.case
-        return planner.Problem(c.batch, c.seqlen_cache, c.nheads, c.nheads_k, self.headdim, self.dtype)
+        """The Problem ``validate`` makes of :meth:`call` (paged capacity: whole pages)."""
+        c, variant = self.case, cases.VARIANTS[self.variant]
+        capacity = c.seqlen_cache
+        if variant.page_size:
+            capacity = -(-capacity // variant.page_size) * variant.page_size
+        return planner.Problem(c.batch, capacity, c.nheads, c.nheads_k, self.headdim, self.dtype,
+                               seqlen_q=variant.seqlen_q, page_size=variant.page_size,
+                               seqlen_new=variant.seqlen_new, window_right=0 if variant.causal else -1)
 
     def lengths(self) -> list[int]:
+        """Keys each sequence sees (cached and appended)."""
         return cases.case_seqlens(self.case.batch, self.case.seqlen_cache).tolist()
 
     def problem_bytes(self) -> int:
-        """Bytes the call must move (cases.bytes_read): K and V of the real tokens, q and out."""
+        """Bytes the call must move (cases.bytes_read): K and V of the real tokens, the appended
+        tokens written, q and out."""
+        variant = cases.VARIANTS[self.variant]
         return cases.bytes_read(self.lengths(), self.case.nheads_k, self.case.nheads, self.headdim,
-                                DTYPE_BYTES[self.dtype])
+                                DTYPE_BYTES[self.dtype], variant.seqlen_q, variant.seqlen_new)
 
     def argv(self) -> list[str]:
-        """The arguments that name this shape again (for ``python -m flashdecode.profile.target``)."""
+        """The arguments that name this call again (for ``python -m flashdecode.profile.target``)."""
+        variant = [] if self.variant == "plain" else ["--variant", self.variant]
         if self.case.number:
-            return ["--case", str(self.case.number)]
+            return ["--case", str(self.case.number), *variant]
         c = self.case
         return ["--batch", str(c.batch), "--seqlen-cache", str(c.seqlen_cache), "--nheads-k", str(c.nheads_k),
-                "--group", str(c.group), "--headdim", str(self.headdim), "--dtype", self.dtype]
+                "--group", str(c.group), "--headdim", str(self.headdim), "--dtype", self.dtype, *variant]
 
-    def inputs(self, device):
-        """q, k_cache, v_cache, cache_seqlens as ``cases.make_inputs`` makes them for the benchmark."""
+    def call(self, device) -> cases.Call:
+        """The call's arguments as ``cases.make_call`` makes them for the benchmark."""
         import torch
 
-        return cases.make_inputs(self.case, device, dtype=getattr(torch, self.dtype), headdim=self.headdim)
+        case = dataclasses.replace(self.case, headdim=self.headdim)
+        return cases.make_call(case, cases.VARIANTS[self.variant], device, dtype=getattr(torch, self.dtype))
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -73,6 +90,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="with the shape flags (default %(default)s)")
     parser.add_argument("--dtype", choices=DTYPES, default="bfloat16",
                         help="with the shape flags (default %(default)s)")
+    parser.add_argument("--variant", choices=tuple(cases.VARIANTS), default="plain",
+                        help="how the case is called: pages, query tokens, an appended token (default %(default)s)")
 
 
 def from_args(args: argparse.Namespace) -> Shape:
@@ -84,7 +103,8 @@ def from_args(args: argparse.Namespace) -> Shape:
             raise ValueError(f"give --case or the shape flags ({flags}), not both")
         if args.case not in cases.CASES_BY_NUMBER:
             raise ValueError(f"unknown case {args.case}: cases are 1-{len(cases.CASES)}")
-        return Shape(cases.CASES_BY_NUMBER[args.case])
+        return Shape(cases.CASES_BY_NUMBER[args.case], variant=args.variant)
     if len(given) != len(SHAPE_FLAGS):
         raise ValueError(f"need --case N, or all of {flags}")
-    return Shape(cases.Case(0, args.batch, args.seqlen_cache, args.nheads_k, args.group), args.headdim, args.dtype)
+    return Shape(cases.Case(0, args.batch, args.seqlen_cache, args.nheads_k, args.group), args.headdim, args.dtype,
+                 args.variant)

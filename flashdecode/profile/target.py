@@ -1,6 +1,7 @@
-"""The program Nsight Compute profiles: ``python -m flashdecode.profile.target --case N --backend B``.
+"""The program Nsight Compute profiles: ``python -m flashdecode.profile.target --case N [--variant V]
+--backend B``.
 
-It builds the shape's inputs as the benchmark does, runs the call ``--warmup`` times (compilation,
+It builds the call's inputs as the benchmark does, runs the call ``--warmup`` times (compilation,
 caches, allocator) and then ``--calls`` times between cudaProfilerStart and cudaProfilerStop, the
 range ``ncu --profile-from-start off`` profiles. It prints nothing.
 """
@@ -28,13 +29,14 @@ def main(argv=None) -> None:
 
     import flashdecode
 
-    q, k_cache, v_cache, seqlens = shape.inputs(torch.device("cuda"))
+    inputs = shape.call(torch.device("cuda"))
+    arguments = dict(inputs.kwargs(), backend=args.backend)
     for _ in range(args.warmup):
-        flashdecode.flash_decode_with_kvcache(q, k_cache, v_cache, seqlens, backend=args.backend)
+        flashdecode.flash_attn_with_kvcache(inputs.q, inputs.k_cache, inputs.v_cache, **arguments)
     torch.cuda.synchronize()
     torch.cuda.profiler.start()
     for _ in range(args.calls):
-        flashdecode.flash_decode_with_kvcache(q, k_cache, v_cache, seqlens, backend=args.backend)
+        flashdecode.flash_attn_with_kvcache(inputs.q, inputs.k_cache, inputs.v_cache, **arguments)
     torch.cuda.synchronize()
     torch.cuda.profiler.stop()
 
