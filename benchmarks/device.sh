@@ -14,7 +14,8 @@
 #   bench ARGS  flashdecode bench with the given arguments (quote them as one word)
 #   sweep ARGS  benchmarks/sweep.py with the given arguments
 #   sanitize    compute-sanitizer memcheck + racecheck on a few cases (TileLang)
-#   profile N   flashdecode profile --case N for both backends into $OUT/profile-*
+#   profile N[:VARIANT]  flashdecode profile --case N [--variant VARIANT] for PROFILE_BACKENDS (default
+#               both) into $OUT/profiles.tar.gz
 #
 # Carried inputs, each made once on the CPU machine in the repository root (all git-excluded):
 #   bash ../shared/gpu-bundle/make-bundle.sh .gpu-bundle        # .gpu-bundle/tilelang-cp312.tar.xz, 33 MiB
@@ -120,9 +121,11 @@ json.dump(fa_grid.merge_reports([json.load(open(p)) for p in sorted(glob.glob('$
         summary+=("sanitize $tool rc=${PIPESTATUS[0]}")
       done;;
     profile)
-      n=$1; shift
-      for backend in tilelang triton; do
-        timeout 200 python3 -m flashdecode profile --case "$n" --backend $backend --out "/tmp/prof/case$n-$backend" 2>&1 | tail -15
+      n=$1; shift  # N, or N:VARIANT (e.g. 7:paged64)
+      number=${n%%:*}; variant=plain; [ "$n" != "$number" ] && variant=${n#*:}
+      for backend in ${PROFILE_BACKENDS:-tilelang triton}; do
+        timeout 200 python3 -m flashdecode profile --case "$number" --variant "$variant" --backend $backend \
+          --out "/tmp/prof/case$number-$variant-$backend" 2>&1 | tail -15
         summary+=("profile $n $backend rc=${PIPESTATUS[0]}")
       done
       tar -czf "$OUT/profiles.tar.gz" -C /tmp/prof .;;
