@@ -38,12 +38,17 @@ while [ $# -gt 0 ]; do
   case $step in
     tests)
       # Every gpu-marked test; FlashAttention's grid on FLASHDECODE_FA_GRID combos (default 2000).
-      # TESTS_FILES: the files in the order to run them (default: all of tests/). TESTS_WORKERS=N:
+      # TESTS_FILES: the files in the order to run them (default: all of tests/; with workers, the
+      # order is xdist's). TESTS_WORKERS=N:
       # N pytest-xdist processes (compiles run in parallel), installed from the carried .xdist/
       # wheels (pip download --no-deps pytest-xdist execnet -d .xdist).
       workers=()
-      if [ -n "${TESTS_WORKERS:-}" ] && pip install -q --no-deps --no-index .xdist/*.whl > "$OUT/xdist_install.log" 2>&1; then
-        workers=(-n "$TESTS_WORKERS")
+      if [ -n "${TESTS_WORKERS:-}" ]; then
+        if python3 -m pip install -q --no-deps --no-index .xdist/*.whl > "$OUT/xdist_install.log" 2>&1; then
+          workers=(-n "$TESTS_WORKERS")
+        else
+          echo "TESTS_WORKERS: pytest-xdist did not install (see xdist_install.log): tests run one at a time"
+        fi
       fi
       FLASHDECODE_FA_GRID_REPORT="$OUT/fa_grid.json" timeout -k 10 "${TESTS_TIMEOUT:-900}" python3 -m pytest \
         ${TESTS_FILES:-tests} -m gpu -v -p no:cacheprovider -rs --maxfail=50 "${workers[@]}" ${TESTS_K:+-k "$TESTS_K"} \
@@ -56,7 +61,8 @@ while [ $# -gt 0 ]; do
         "$OUT/gpu_tests.log" | sort | uniq -c
       if ls "$OUT"/fa_grid.json.gw* > /dev/null 2>&1; then  # one report per worker: merged
         python3 -c "import glob, json, sys; sys.path.insert(0, 'tests'); import fa_grid
-json.dump(fa_grid.merge_reports([json.load(open(p)) for p in sorted(glob.glob('$OUT/fa_grid.json.gw*'))]), open('$OUT/fa_grid.json', 'w'), indent=1)" \
+paths = [p for p in sorted(glob.glob('$OUT/fa_grid.json.gw*')) if not p.endswith('.partial')]
+json.dump(fa_grid.merge_reports([json.load(open(p)) for p in paths]), open('$OUT/fa_grid.json', 'w'), indent=1)" \
           && rm -f "$OUT"/fa_grid.json.gw*
       fi
       tail -2 "$OUT/gpu_tests.log"

@@ -12,6 +12,7 @@ import argparse
 import dataclasses
 import itertools
 import os
+import re
 import subprocess
 import tempfile
 
@@ -23,6 +24,8 @@ from triton.compiler import ASTSource
 from flashdecode.hardware import PROFILES
 from flashdecode.kernels import get_backend
 from flashdecode.kernels.base import LaunchArgs
+from flashdecode.kernels.triton.backend import padded_headdim, register_cap
+from flashdecode.kernels.triton.launch import REGISTER_CEILING
 from flashdecode.planner import SPLIT, plan
 from flashdecode.problem import Problem
 from sweep import values  # benchmarks/sweep.py: a comma list of ints, [None] when empty
@@ -48,13 +51,15 @@ def compile_for_hopper(kernel, tensors, scalars, constexprs, options):
     """The kernel compiled for sm_90a, specialised as Triton's launcher specialises a call with these
     arguments (``native_specialize_impl``): 16-byte-aligned pointers and ints divisible by 16 marked
     so, ints equal to 1 and None made constants, ``do_not_specialize`` respected. Without the marks
-    Triton cannot vectorise the loads and the registers read far above a real launch's."""
+    Triton cannot vectorise the loads and the registers read far above a real launch's. ``options``
+    are Triton's (a ``REGISTER_CEILING`` is the launcher's business: see ``main``)."""
     from triton.backends.compiler import BaseBackend
     from triton.runtime.jit import native_specialize_impl
 
     signature, constants, attrs = {}, dict(constexprs), {}
     for index, (param, value) in enumerate(zip(kernel.params, list(tensors) + list(scalars))):
-        kind, spec = native_specialize_impl(BaseBackend, value, False, not param.do_not_specialize, True)
+        kind, spec = native_specialize_impl(BaseBackend, value, param.is_const, not param.do_not_specialize,
+                                            not param.do_not_specialize_on_alignment)
         if kind == "constexpr":
             signature[param.name], constants[param.name] = "constexpr", value
             continue
@@ -96,11 +101,22 @@ def main():
                                                    ("num_stages", stages)) if value is not None}
         if registers is not None:  # 0: no cap
             changes["max_registers"] = registers or None
-        config, *launch = split_launch(problem, dataclasses.replace(default, **changes))
-        compiled = compile_for_hopper(*launch)
+        config = dataclasses.replace(default, **changes)
+        if registers is None:  # the ceiling of the config swept, not the default's
+            config = dataclasses.replace(config, max_registers=register_cap(config, padded_headdim(args.headdim),
+                                                                            PROFILES["h200"]))
+        config, kernel, tensors, scalars, constexprs, options = split_launch(problem, config)
+        # as the launcher does (``launch.register_options``): the ceiling only where the compiler exceeds it
+        plain = {name: value for name, value in options.items() if name != REGISTER_CEILING}
+        compiled = compile_for_hopper(kernel, tensors, scalars, constexprs, plain)
+        usage = resource_usage(compiled)
+        uncapped = int(re.search(r"REG:(\d+)", usage).group(1))
+        if config.max_registers is not None and uncapped > config.max_registers:
+            compiled = compile_for_hopper(kernel, tensors, scalars, constexprs, {**plain, "maxnreg": config.max_registers})
+            usage = f"{resource_usage(compiled)}  (capped: {uncapped} without the ceiling)"
         print(f"rows {rows:3d}  block_n {config.block_n:3d}  block_m {config.block_m:3d}  warps {config.num_warps}  "
-              f"stages {config.num_stages}  cap {config.max_registers}  shared {compiled.metadata.shared:6d}  {resource_usage(compiled)}", flush=True)
-
+              f"stages {config.num_stages}  ceiling {config.max_registers}  shared {compiled.metadata.shared:6d}  "
+              f"{usage}", flush=True)
 
 if __name__ == "__main__":
     main()

@@ -23,6 +23,7 @@ import json
 import math
 import os
 import random
+import time
 import zlib
 
 import pytest
@@ -331,14 +332,18 @@ def check_combo(combo: Combo, device, function) -> None:
 
 class GridReport:
     """Pass/fail/skip counts per (tier, backend, dtype) and per ``axis=value`` feature, as JSON,
-    written to ``path`` (when given) after every outcome, so a run cut by a time limit still
-    leaves its counts."""
+    written to ``path`` (when given) every WRITE_EVERY seconds and by ``flush``, so a run cut by a
+    time limit still leaves its counts."""
 
     MAX_FAILURES = 50  # failures listed per (tier, backend, dtype)
+
+    #: Seconds between writes to ``path`` (a write of the whole report takes ~1 ms).
+    WRITE_EVERY = 2.0
 
     def __init__(self, path=None):
         self.entries = {}
         self.path = path
+        self._written = 0.0
 
     def record(self, tier, backend, combo: Combo, outcome, message=""):
         entry = self.entries.setdefault((tier, backend, combo.dtype), {
@@ -348,8 +353,14 @@ class GridReport:
             entry["features"][feature][outcome] += 1
         if outcome == "fail" and len(entry["failures"]) < self.MAX_FAILURES:
             entry["failures"].append({"id": combo.id, "message": message[:300]})
+        if self.path and time.monotonic() - self._written >= self.WRITE_EVERY:
+            self.flush()
+
+    def flush(self):
+        """Write the report to ``path`` now (at the end of a run; ``record`` writes every WRITE_EVERY s)."""
         if self.path:
             self.write(self.path)
+            self._written = time.monotonic()
 
     @contextlib.contextmanager
     def recording(self, tier, backend, combo: Combo):

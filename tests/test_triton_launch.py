@@ -172,6 +172,18 @@ def test_register_ceiling_binds_only_where_the_compiler_exceeds_it(registers, ce
     assert [call[0] for call in calls][-2:] == ["direct", "direct"]
 
 
+def test_register_ceiling_on_tritons_path_is_decided_once():
+    """Without the direct path every call goes through Triton, with the ceiling's options decided by
+    one compile without launch."""
+    calls = []
+    launcher, kernel = fast_launcher(probe=lambda device, stream_handle: "off"), FakeKernel(calls)
+    kernel.registers = 141
+    for _ in range(3):
+        launcher.launch(kernel, (1,), (CudaTensor(),), (9, 0.5), {"C": 16}, {launch.REGISTER_CEILING: 128})
+    assert [call[0] for call in calls] == ["warmup", "triton", "triton", "triton"]
+    assert all(call[3] == {"C": 16, "maxnreg": 128} for call in calls[1:])
+
+
 def test_register_ceiling_is_dropped_without_a_compiled_register_count():
     """CPU tensors (Triton's interpreter) and kernels without ``warmup`` launch without the ceiling."""
     calls = []
@@ -226,6 +238,10 @@ def test_register_ceiling_holds_on_this_gpu():
     assert ceiling == 128
     backend = TritonBackend()
     args = route_args(route, q, k_cache, v_cache, kwargs)
+    kernel, grid, tensors, scalars, constexprs, options = backend.launches(route.plan, route.problem, args)[0]
+    uncapped = launch.register_options(kernel, grid, tensors, scalars, constexprs, options)
+    if "maxnreg" not in uncapped:
+        pytest.skip("this Triton compiles the kernel within the ceiling: nothing to cap")
     for _ in range(2):
         backend.launch(route.plan, route.problem, args)
     split = backend.host_launches(route.plan, route.problem, args)[0]
@@ -304,6 +320,19 @@ def test_cuda_launch_describes_the_compiled_specialization(monkeypatch):
     launch = launcher.cuda_launch(*arguments)
     assert launch.function == 0xF00 and launch.grid == (4, 1, 1) and launch.arguments[:3] == (x, 9, 0.5)
     assert Launcher(unavailable="Triton lacks it").cuda_launch(*arguments) is None
+
+
+def test_cuda_launch_finds_the_kernel_compiled_under_a_ceiling(monkeypatch):
+    """The compiled host path describes the capped kernel the launcher compiled (same key)."""
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    calls = []
+    launcher, kernel = fast_launcher(), FakeKernel(calls)
+    kernel.registers = 141
+    arguments = (kernel, (4,), (CudaTensorLike(),), (9, 0.5), {"C": 16},
+                 {"num_warps": 4, launch.REGISTER_CEILING: 128})
+    launcher.launch(*arguments)
+    assert calls[-1][0] == "triton" and calls[-1][3]["maxnreg"] == 128
+    assert launcher.cuda_launch(*arguments).function == 0xF00
 
 
 class CudaTensorLike(torch.Tensor):

@@ -141,6 +141,9 @@ class Launcher:
             kernel[grid](*tensors, *scalars, **constexprs, **_without_ceiling(options))
             return
         fast = self._fast_path_on(device)
+        if not fast and REGISTER_CEILING not in options:
+            kernel[grid](*tensors, *scalars, **constexprs, **options)
+            return
         constexpr_values = tuple(constexprs.values())
         key = specialization(kernel, device.index, tensors, scalars, constexpr_values, tuple(options.items()))
         compiled = self._compiled.get(key) if fast else None
