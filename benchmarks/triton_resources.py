@@ -6,12 +6,13 @@ numbers are that Triton's; the GPU machine's may differ by version. Shapes are p
 (contiguous cache, one query position) of ``--rows`` query rows per KV head.
 
 Usage: python benchmarks/triton_resources.py --headdim 256 --rows 16,64 [--warps 4,8 --block-n 32,64
-       --stages 2,3 --max-registers 0,128]   (each list crossed with the others; empty: the default config's value)
+       --stages 2,3 --max-registers 0,128 --page-size 16 --dump DIR]   (each list crossed with the others; empty: the default config's value)
 """
 import argparse
 import dataclasses
 import itertools
 import os
+import pathlib
 import re
 import subprocess
 import tempfile
@@ -34,15 +35,23 @@ HOPPER = GPUTarget("cuda", 90, 32)
 
 
 def split_launch(problem: Problem, config):
-    """(kernel, tensors, scalars, constexprs, options) of the split kernel for ``problem`` (CPU tensors)."""
+    """(config, kernel, tensors, scalars, constexprs, options) of the split kernel for ``problem``
+    (CPU tensors; a paged problem gets a page pool and block table of its capacity)."""
     backend = get_backend("triton")
     the_plan = plan(problem, PROFILES["h200"], backend, num_splits=2, config=config)
     dtype = getattr(torch, problem.dtype)
     q = torch.empty(problem.batch, 1, problem.nheads, problem.headdim, dtype=dtype)
-    cache = torch.empty(problem.batch, problem.seqlen_cache, problem.nheads_k, problem.headdim, dtype=dtype)
+    table = None
+    if problem.paged:
+        pages = problem.seqlen_cache // problem.page_size
+        cache = torch.empty(problem.batch * pages, problem.page_size, problem.nheads_k, problem.headdim, dtype=dtype)
+        table = torch.empty(problem.batch, pages, dtype=torch.int32)
+    else:
+        cache = torch.empty(problem.batch, problem.seqlen_cache, problem.nheads_k, problem.headdim, dtype=dtype)
     args = LaunchArgs(q=q, k_cache=cache, v_cache=cache, cache_seqlens=torch.empty(problem.batch, dtype=torch.int32),
                       out=torch.empty_like(q), lse=torch.empty(problem.batch, problem.nheads, 1),
-                      part_o=torch.empty(1, 1, problem.headdim), part_lse=torch.empty(1, 1), softmax_scale=0.1)
+                      part_o=torch.empty(1, 1, problem.headdim), part_lse=torch.empty(1, 1), softmax_scale=0.1,
+                      block_table=table)
     kernel, _, tensors, scalars, constexprs, options = backend.launches(the_plan, problem, args)[0]
     return the_plan.config, kernel, tensors, scalars, constexprs, options
 
@@ -87,6 +96,8 @@ def main():
     parser.add_argument("--headdim", type=int, default=128)
     parser.add_argument("--rows", default="16", help="query rows per KV head (group), comma list")
     parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--page-size", type=int, default=0, help="a paged cache of pages of this many tokens")
+    parser.add_argument("--dump", metavar="DIR", help="also write each kernel's TTGIR and PTX there")
     for flag in ("--warps", "--block-n", "--stages", "--max-registers"):
         parser.add_argument(flag, default="", help="comma list (default: the default config's)")
     args = parser.parse_args()
@@ -95,7 +106,7 @@ def main():
     for rows, warps, block_n, stages, registers in itertools.product(
             values(args.rows), values(args.warps), values(args.block_n), values(args.stages),
             values(args.max_registers)):
-        problem = Problem(4, 8192, rows, 1, args.headdim, args.dtype)
+        problem = Problem(4, 8192, rows, 1, args.headdim, args.dtype, page_size=args.page_size)
         default = backend.default_config(problem, PROFILES["h200"], SPLIT)
         changes = {name: value for name, value in (("num_warps", warps), ("block_n", block_n),
                                                    ("num_stages", stages)) if value is not None}
@@ -114,6 +125,10 @@ def main():
         if config.max_registers is not None and uncapped > config.max_registers:
             compiled = compile_for_hopper(kernel, tensors, scalars, constexprs, {**plain, "maxnreg": config.max_registers})
             usage = f"{resource_usage(compiled)}  (capped: {uncapped} without the ceiling)"
+        if args.dump:
+            name = f"rows{rows}-n{config.block_n}-w{config.num_warps}-s{config.num_stages}-p{args.page_size}"
+            for kind in ("ttgir", "ptx"):
+                pathlib.Path(args.dump, f"{name}.{kind}").write_text(compiled.asm[kind])
         print(f"rows {rows:3d}  block_n {config.block_n:3d}  block_m {config.block_m:3d}  warps {config.num_warps}  "
               f"stages {config.num_stages}  ceiling {config.max_registers}  shared {compiled.metadata.shared:6d}  "
               f"{usage}", flush=True)
