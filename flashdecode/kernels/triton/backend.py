@@ -153,6 +153,9 @@ class TritonBackend(Backend):
         config = dataclasses.replace(config, max_registers=register_cap(config, headdim, profile))
         return steer(problem, config, headdim)  # a Triton miscompile (``workarounds``)
 
+    def merges_in_split(self, problem: Problem) -> bool:
+        return True
+
     def resident_programs(self, problem: Problem, config, profile: HardwareProfile) -> int:
         """From the profile's measured ``triton_resident_programs``, by padded head dim."""
         return resident_by_headdim(padded_headdim(problem.headdim), profile)
@@ -193,7 +196,8 @@ class TritonBackend(Backend):
             None if table is None else table.stride(0),
             alibi.stride(0) if alibi is not None and alibi.dim() == 2 else None)
         tensors = (q, k_cache, v_cache, args.cache_seqlens, out, args.lse, args.part_o, args.part_lse,
-                   k_new, v_new, args.cache_batch_idx, args.cache_leftpad, table, cos, args.rotary_sin, alibi)
+                   k_new, v_new, args.cache_batch_idx, args.cache_leftpad, table, cos, args.rotary_sin, alibi,
+                   args.tickets)
         launches = [(split_kernel, spec.split_grid, tensors, scalars, spec.split_constexprs, spec.split_options)]
         if spec.combine_grid is not None:
             launches.append((
@@ -229,7 +233,7 @@ def _make_spec(plan, problem: Problem) -> _LaunchSpec:
         PAGE_SIZE=problem.page_size, APPEND=append, ROTARY_DIM=problem.rotary_dim,
         ROTARY_INTERLEAVED=problem.rotary_interleaved, ROTARY_PER_ROW=problem.windowed, WINDOW_LEFT=window_left,
         WINDOW_RIGHT=window_right, SOFTCAP=problem.softcap, ALIBI=problem.alibi, LEFTPAD=leftpad,
-        BATCH_IDX=problem.batch_idx and not problem.paged)
+        BATCH_IDX=problem.batch_idx and not problem.paged, MERGE_IN_SPLIT=plan.merge_in_split)
     combine_constexprs = dict(
         GROUP=problem.group, SEQLEN_Q=problem.seqlen_q, HEAD_DIM=problem.headdim, HEAD_PAD=head_pad,
         BLOCK_N=config.block_n, BATCH_PAD=batch_pad, SPLITS_PER_STEP=config.combine_step, APPEND=append,
