@@ -232,6 +232,18 @@ def test_features_through_the_public_call():
     assert_matches(through_api(call, num_splits=2), reference(call))
 
 
+@pytest.mark.parametrize("merge_step", [1, 2, 4, 8])
+def test_merge_steps(merge_step):
+    """The merging program takes its partials merge_step at a time: sequence 0's 7 splits leave a
+    partial last step for every step but 1 (windows, where a split can hold no key of a row, are
+    in ``test_feature``)."""
+    call = make_call(capacity=120, seqlen_q=3, causal=True, lengths=[117, 70], seed=merge_step)
+    config = dataclasses.replace(SMALL, merge_step=merge_step)
+    problem = plan_for(call.q, call.k_cache, call.v_cache, **call.kwargs, num_splits=7, backend="triton").problem
+    assert plan(problem, PROFILES["h200"], BACKEND, 7, config=config).max_splits(problem) == 7
+    assert_matches(through_backend(call, num_splits=7, config=config, merge=True), reference(call))
+
+
 def test_merge_in_split_through_the_public_call():
     """A context whose tuning lets the split kernel merge: its plan merges, repeated calls (new
     lengths, on the context's counters) match the reference, and the counters end at zero."""

@@ -46,6 +46,7 @@ class TritonConfig:
     num_warps: int
     num_stages: int  # software pipeline depth of the main loop's K/V loads
     combine_step: int  # partials the combine kernel loads at once
+    merge_step: int = 2  # partials a split kernel that merges (``Plan.merge_in_split``) loads at once
     #: Registers a thread may use: a kernel the compiler gives more is compiled again with this cap
     #: (Triton's ``maxnreg``, ``launch.register_options``); None: the compiler's choice.
     max_registers: int | None = None
@@ -233,7 +234,8 @@ def _make_spec(plan, problem: Problem) -> _LaunchSpec:
         PAGE_SIZE=problem.page_size, APPEND=append, ROTARY_DIM=problem.rotary_dim,
         ROTARY_INTERLEAVED=problem.rotary_interleaved, ROTARY_PER_ROW=problem.windowed, WINDOW_LEFT=window_left,
         WINDOW_RIGHT=window_right, SOFTCAP=problem.softcap, ALIBI=problem.alibi, LEFTPAD=leftpad,
-        BATCH_IDX=problem.batch_idx and not problem.paged, MERGE_IN_SPLIT=plan.merge_in_split)
+        BATCH_IDX=problem.batch_idx and not problem.paged, MERGE_IN_SPLIT=plan.merge_in_split,
+        MERGE_STEP=config.merge_step if plan.merge_in_split else 1)
     combine_constexprs = dict(
         GROUP=problem.group, SEQLEN_Q=problem.seqlen_q, HEAD_DIM=problem.headdim, HEAD_PAD=head_pad,
         BLOCK_N=config.block_n, BATCH_PAD=batch_pad, SPLITS_PER_STEP=config.combine_step, APPEND=append,

@@ -40,7 +40,7 @@ def split_kernel(Q, K, V, Lens, Out, Lse, PartO, PartLse, KNew, VNew, BatchIdx, 
                  PAGE_SIZE: tl.constexpr, APPEND: tl.constexpr, ROTARY_DIM: tl.constexpr,
                  ROTARY_INTERLEAVED: tl.constexpr, ROTARY_PER_ROW: tl.constexpr, WINDOW_LEFT: tl.constexpr,
                  WINDOW_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, LEFTPAD: tl.constexpr,
-                 BATCH_IDX: tl.constexpr, MERGE_IN_SPLIT: tl.constexpr):
+                 BATCH_IDX: tl.constexpr, MERGE_IN_SPLIT: tl.constexpr, MERGE_STEP: tl.constexpr):
     pid = tl.program_id(0)
     head_k = tl.program_id(1)
     tile = tl.program_id(2)
@@ -178,7 +178,7 @@ def split_kernel(Q, K, V, Lens, Out, Lse, PartO, PartLse, KNew, VNew, BatchIdx, 
             if MERGE_IN_SPLIT:
                 merge_if_last(Tickets, PartO, PartLse, Out, Lse, seq, head_k, tile, pid - split, num_splits, rows,
                               row_live, d, stride_ob, stride_oi, stride_oh, GROUP, SEQLEN_Q, HEAD_DIM, HEAD_PAD,
-                              BLOCK_M)
+                              BLOCK_M, MERGE_STEP)
 
 
 @triton.jit
@@ -199,13 +199,14 @@ def store_output(Out, Lse, o, lse2, seq, head_k, rows, row_live, d, stride_ob, s
 @triton.jit
 def merge_if_last(Tickets, PartO, PartLse, Out, Lse, seq, head_k, tile, first, num_splits, rows, row_live, d,
                   stride_ob, stride_oi, stride_oh, GROUP: tl.constexpr, SEQLEN_Q: tl.constexpr,
-                  HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr, BLOCK_M: tl.constexpr):
+                  HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr, BLOCK_M: tl.constexpr, MERGE_STEP: tl.constexpr):
     """Take a ticket for (sequence, KV head, row tile); the program that draws the last one merges
-    the sequence's ``num_splits`` partials (programs ``first`` ...) one split at a time, writes
-    out/lse and resets the counter, so the next call (or a graph replay) starts from zero. The
-    barrier orders every thread's partial stores before the ticket's release (acq_rel, GPU scope);
-    the merger's loads skip L1 (``.cg``), which may hold lines read before the others' stores. A
-    row no split saw a key of (windows) comes out 0 with lse -inf, as from the combine kernel."""
+    the sequence's ``num_splits`` partials (programs ``first`` ...), MERGE_STEP splits at a time,
+    writes out/lse and resets the counter, so the next call (or a graph replay) starts from zero.
+    The barrier orders every thread's partial stores before the ticket's release (acq_rel, GPU
+    scope); the merger's loads skip L1 (``.cg``), which may hold lines read before the others'
+    stores. A row no split saw a key of (windows) comes out 0 with lse -inf, as from the combine
+    kernel."""
     tl.debug_barrier()
     ticket_ptr = Tickets + (seq * tl.num_programs(1) + head_k) * tl.num_programs(2) + tile
     if tl.atomic_add(ticket_ptr, 1, sem="acq_rel", scope="gpu") == num_splits - 1:
@@ -213,18 +214,20 @@ def merge_if_last(Tickets, PartO, PartLse, Out, Lse, seq, head_k, tile, first, n
         m = tl.full([BLOCK_M], float("-inf"), tl.float32)
         weight = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, HEAD_PAD], tl.float32)
-        stored = tile_mask(row_live, HEAD_DIM, HEAD_PAD)
-        for s in range(0, num_splits):
-            part = ((first + s) * tl.num_programs(1) + head_k) * (GROUP * SEQLEN_Q) + rows
-            part_lse = tl.load(PartLse + part, mask=row_live, other=float("-inf"), cache_modifier=".cg")
-            part_o = tl.load(PartO + part[:, None] * HEAD_DIM + d[None, :], mask=stored, other=0.0,
-                             cache_modifier=".cg")
-            m_new = tl.maximum(m, part_lse)  # a NaN partial still spoils w, hence the output
+        steps = tl.arange(0, MERGE_STEP)
+        row_dims = tile_mask(row_live, HEAD_DIM, HEAD_PAD)
+        for s0 in range(0, num_splits, MERGE_STEP):
+            live = (s0 + steps < num_splits)[:, None] & row_live[None, :]  # (step, rows)
+            part = ((first + s0 + steps)[:, None] * tl.num_programs(1) + head_k) * (GROUP * SEQLEN_Q) + rows[None, :]
+            part_lse = tl.load(PartLse + part, mask=live, other=float("-inf"), cache_modifier=".cg")
+            part_o = tl.load(PartO + part[:, :, None] * HEAD_DIM + d[None, None, :],
+                             mask=live[:, :, None] & row_dims[None, :, :], other=0.0, cache_modifier=".cg")
+            m_new = tl.maximum(m, tl.max(part_lse, 0))  # a NaN partial still spoils w, hence the output
             m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-            w = tl.exp2(part_lse - m_safe)
+            w = tl.exp2(part_lse - m_safe[None, :])
             alpha = tl.exp2(m - m_safe)
-            acc = acc * alpha[:, None] + w[:, None] * part_o
-            weight = weight * alpha + w
+            acc = acc * alpha[:, None] + tl.sum(w[:, :, None] * part_o, 0)
+            weight = weight * alpha + tl.sum(w, 0)
             m = m_new
         empty = weight == 0
         o = tl.where(empty[:, None], 0.0, acc / tl.where(empty, 1.0, weight)[:, None])
