@@ -33,22 +33,12 @@ from flashdecode.problem import Problem  # noqa: E402
 H200 = PROFILES["h200"]
 
 
-def variant_problem(case, variant) -> Problem:
-    """The Problem ``validate`` makes of ``cases.make_call(case, variant)`` (bfloat16)."""
-    capacity = case.seqlen_cache
-    if variant.page_size:
-        capacity = -(-capacity // variant.page_size) * variant.page_size
-    return Problem(case.batch, capacity, case.nheads, case.nheads_k, case.headdim, "bfloat16",
-                   seqlen_q=variant.seqlen_q, page_size=variant.page_size, seqlen_new=variant.seqlen_new,
-                   window_right=0 if variant.causal else -1)
-
-
 def calls(backend, with_tests: bool):
     """(problem, plan) for every call the benchmark (every variant; the wide matrix plain) and the sanitizer make,
     forced splits too, and with ``with_tests`` the GPU tests' calls (the random shapes and the TileLang feature
     cases)."""
-    problems = [variant_problem(case, variant) for case in CASES for variant in VARIANTS.values()]
-    problems += [variant_problem(case, VARIANTS["plain"]) for case in WIDE_CASES]
+    problems = [variant.problem(case) for case in CASES for variant in VARIANTS.values()]
+    problems += [VARIANTS["plain"].problem(case) for case in WIDE_CASES]
     problems.append(Problem(3, 1, 8, 2, 128, "bfloat16"))  # empty-cache test's kernels (unsplit)
     if with_tests:  # the random-shape test's kernels (its KERNEL_SHAPES); needs pytest and hypothesis
         sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "tests"))

@@ -25,7 +25,7 @@ from flashdecode import DecodeContext, flash_attn_with_kvcache, plan_for
 from flashdecode.bench.timing import Timer
 from flashdecode.cases import LENGTH_RULES, MATRICES, VARIANTS, Case, make_call, select
 from flashdecode.hardware import current
-from flashdecode.kernels.triton.backend import padded_headdim, register_cap
+from flashdecode.kernels.triton.backend import TritonConfig, padded_headdim, retiled
 from flashdecode.reference import reference_attention, relative_error
 
 
@@ -81,12 +81,12 @@ def main():
                                                        ("block_m", q_rows), ("producer_registers", producer),
                                                        ("num_warps", warps), ("merge_step", merge_step))
                        if value is not None and hasattr(default, name)}
-            if registers is not None and hasattr(default, "max_registers"):  # 0: no cap
+            if registers is not None and isinstance(default, TritonConfig):  # 0: no cap
                 changes["max_registers"] = registers or None
-            config = dataclasses.replace(default, **changes)
-            if registers is None and hasattr(config, "max_registers"):  # the swept tile's ceiling, not the default's
-                config = dataclasses.replace(config, max_registers=register_cap(
-                    config, padded_headdim(inputs.q.shape[-1]), current()))
+            if isinstance(default, TritonConfig):  # the swept tile's register ceiling, not the default's
+                config = retiled(default, padded_headdim(inputs.q.shape[-1]), current(), **changes)
+            else:
+                config = dataclasses.replace(default, **changes)
             row = dict(case=case.label, shape=case.describe(), variant=variant, backend=backend,
                        tuning=dataclasses.asdict(tuning), config=changes, effective=dataclasses.asdict(config))
             try:  # a combination the compiler rejects is logged, the sweep goes on

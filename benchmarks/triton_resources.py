@@ -9,7 +9,6 @@ Usage: python benchmarks/triton_resources.py --headdim 256 --rows 16,64 [--warps
        --stages 2,3 --max-registers 0,128 --page-size 16 --dump DIR]   (each list crossed with the others; empty: the default config's value)
 """
 import argparse
-import dataclasses
 import itertools
 import os
 import pathlib
@@ -25,7 +24,7 @@ from triton.compiler import ASTSource
 from flashdecode.hardware import PROFILES
 from flashdecode.kernels import get_backend
 from flashdecode.kernels.base import LaunchArgs
-from flashdecode.kernels.triton.backend import padded_headdim, register_cap
+from flashdecode.kernels.triton.backend import padded_headdim, retiled
 from flashdecode.kernels.triton.launch import REGISTER_CEILING
 from flashdecode.planner import SPLIT, plan
 from flashdecode.problem import Problem
@@ -112,10 +111,7 @@ def main():
                                                    ("num_stages", stages)) if value is not None}
         if registers is not None:  # 0: no cap
             changes["max_registers"] = registers or None
-        config = dataclasses.replace(default, **changes)
-        if registers is None:  # the ceiling of the config swept, not the default's
-            config = dataclasses.replace(config, max_registers=register_cap(config, padded_headdim(args.headdim),
-                                                                            PROFILES["h200"]))
+        config = retiled(default, padded_headdim(args.headdim), PROFILES["h200"], **changes)
         config, kernel, tensors, scalars, constexprs, options = split_launch(problem, config)
         # as the launcher does (``launch.register_options``): the ceiling only where the compiler exceeds it
         plain = {name: value for name, value in options.items() if name != REGISTER_CEILING}

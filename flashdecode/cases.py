@@ -16,6 +16,8 @@ import math
 
 import torch
 
+from .problem import Problem
+
 NHEADS = 32
 HEADDIM = 128
 DTYPE = torch.bfloat16
@@ -181,6 +183,15 @@ class Variant:
     @property
     def causal(self) -> bool:
         return self.seqlen_q > 1
+
+    def problem(self, case: Case, dtype: str = "bfloat16") -> Problem:
+        """The Problem ``validate`` makes of :func:`make_call` (``case``, this variant): a paged
+        capacity is whole pages."""
+        capacity = case.seqlen_cache
+        if self.page_size:
+            capacity = -(-capacity // self.page_size) * self.page_size
+        return Problem(case.batch, capacity, case.nheads, case.nheads_k, case.headdim, dtype, seqlen_q=self.seqlen_q,
+                       page_size=self.page_size, seqlen_new=self.seqlen_new, window_right=0 if self.causal else -1)
 
 
 VARIANTS = {variant.name: variant for variant in (

@@ -401,7 +401,7 @@ def test_register_cap_lets_the_planned_programs_fit(headdim, rows, profile):
     args = LaunchArgs(q, cache, cache, torch.empty(2, dtype=torch.int32), torch.empty_like(q),
                       torch.empty(2, rows, 1), torch.empty(4, rows, headdim), torch.empty(4, rows), 0.1)
     split_launch = BACKEND.launches(plan(problem, hardware, BACKEND, num_splits=2), problem, args)[0]
-    assert split_launch[5][REGISTER_CEILING] == config.max_registers  # the split kernel's launch options
+    assert split_launch[5].get(REGISTER_CEILING) == config.max_registers  # absent where there is none
 
 
 def test_resident_programs_and_kernels():

@@ -44,14 +44,8 @@ class Shape:
         return f"{name} ({self.case.describe()}, headdim {self.headdim}, {self.dtype}{how})"
 
     def problem(self) -> planner.Problem:
-        """The Problem ``validate`` makes of :meth:`call` (paged capacity: whole pages)."""
-        c, variant = self.case, cases.VARIANTS[self.variant]
-        capacity = c.seqlen_cache
-        if variant.page_size:
-            capacity = -(-capacity // variant.page_size) * variant.page_size
-        return planner.Problem(c.batch, capacity, c.nheads, c.nheads_k, self.headdim, self.dtype,
-                               seqlen_q=variant.seqlen_q, page_size=variant.page_size,
-                               seqlen_new=variant.seqlen_new, window_right=0 if variant.causal else -1)
+        """The Problem ``validate`` makes of :meth:`call`."""
+        return cases.VARIANTS[self.variant].problem(dataclasses.replace(self.case, headdim=self.headdim), self.dtype)
 
     def lengths(self) -> list[int]:
         """Keys each sequence sees (cached and appended)."""

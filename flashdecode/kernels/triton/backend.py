@@ -80,6 +80,15 @@ def register_cap(config: TritonConfig, headdim: int, profile: HardwareProfile) -
     return cap
 
 
+def retiled(config: TritonConfig, headdim: int, profile: HardwareProfile, **changes) -> TritonConfig:
+    """``config`` with ``changes`` (a sweep's tile), its register ceiling derived again for the new
+    tile unless ``changes`` names one (``headdim`` padded)."""
+    config = dataclasses.replace(config, **changes)
+    if "max_registers" in changes:
+        return config
+    return dataclasses.replace(config, max_registers=register_cap(config, headdim, profile))
+
+
 def padded_headdim(headdim: int) -> int:
     """The head dim the kernels compute with: a power of two, at least 16 (tl.dot's minimum)."""
     return max(16, triton.next_power_of_2(headdim))
@@ -151,8 +160,7 @@ class TritonBackend(Backend):
                 config = dataclasses.replace(config, block_m=config.block_m // 2)
             else:
                 break
-        config = dataclasses.replace(config, max_registers=register_cap(config, headdim, profile))
-        return steer(problem, config, headdim)  # a Triton miscompile (``workarounds``)
+        return steer(problem, retiled(config, headdim, profile), headdim)  # a Triton miscompile (``workarounds``)
 
     def merges_in_split(self, problem: Problem) -> bool:
         return True
@@ -240,8 +248,10 @@ def _make_spec(plan, problem: Problem) -> _LaunchSpec:
         GROUP=problem.group, SEQLEN_Q=problem.seqlen_q, HEAD_DIM=problem.headdim, HEAD_PAD=head_pad,
         BLOCK_N=config.block_n, BATCH_PAD=batch_pad, SPLITS_PER_STEP=config.combine_step, APPEND=append,
         LEFTPAD=leftpad, WINDOW_LEFT=window_left, EMPTY_ROWS=problem.windowed and problem.seqlen_q > 1)
+    split_options = {"num_warps": config.num_warps, "num_stages": config.num_stages}
+    if config.max_registers is not None:
+        split_options[REGISTER_CEILING] = config.max_registers
     return _LaunchSpec(
-        plan.grid(problem), split_constexprs,
-        {"num_warps": config.num_warps, "num_stages": config.num_stages, REGISTER_CEILING: config.max_registers},
+        plan.grid(problem), split_constexprs, split_options,
         (problem.batch, problem.nheads_k * problem.q_rows) if plan.needs_combine else None, combine_constexprs,
         dict(num_warps=4), schedule, features)
