@@ -46,7 +46,9 @@ class TritonConfig:
     num_warps: int
     num_stages: int  # software pipeline depth of the main loop's K/V loads
     combine_step: int  # partials the combine kernel loads at once
-    merge_step: int = 2  # partials a split kernel that merges (``Plan.merge_in_split``) loads at once
+    #: Partials a split kernel that merges (``Plan.merge_in_split``) has in flight at once; None: by
+    #: the row tile (``merge_step_for``).
+    merge_step: int | None = None
     #: Registers a thread may use: a kernel the compiler gives more is compiled again with this cap
     #: (Triton's ``maxnreg``, ``launch.register_options``); None: the compiler's choice.
     max_registers: int | None = None
@@ -80,13 +82,22 @@ def register_cap(config: TritonConfig, headdim: int, profile: HardwareProfile) -
     return cap
 
 
+def merge_step_for(block_m: int) -> int:
+    """Partials the merging program loads at once: 4 for row tiles of up to 16 rows, 2 above. On
+    Triton 3.6 the head-dim-64/128 kernels stay at their plain registers (96-110; 128 for 32 rows),
+    while 4 partials of 32 rows spill (head dim 128) or take 255 registers (head dim 256)."""
+    return 4 if block_m <= 16 else 2
+
+
 def retiled(config: TritonConfig, headdim: int, profile: HardwareProfile, **changes) -> TritonConfig:
-    """``config`` with ``changes`` (a sweep's tile), its register ceiling derived again for the new
-    tile unless ``changes`` names one (``headdim`` padded)."""
+    """``config`` with ``changes`` (a sweep's tile), its register ceiling and merge step derived
+    again for the new tile unless ``changes`` names them (``headdim`` padded)."""
     config = dataclasses.replace(config, **changes)
-    if "max_registers" in changes:
-        return config
-    return dataclasses.replace(config, max_registers=register_cap(config, headdim, profile))
+    if "max_registers" not in changes:
+        config = dataclasses.replace(config, max_registers=register_cap(config, headdim, profile))
+    if changes.get("merge_step") is None:
+        config = dataclasses.replace(config, merge_step=merge_step_for(config.block_m))
+    return config
 
 
 def padded_headdim(headdim: int) -> int:
@@ -243,7 +254,7 @@ def _make_spec(plan, problem: Problem) -> _LaunchSpec:
         ROTARY_INTERLEAVED=problem.rotary_interleaved, ROTARY_PER_ROW=problem.windowed, WINDOW_LEFT=window_left,
         WINDOW_RIGHT=window_right, SOFTCAP=problem.softcap, ALIBI=problem.alibi, LEFTPAD=leftpad,
         BATCH_IDX=problem.batch_idx and not problem.paged, MERGE_IN_SPLIT=plan.merge_in_split,
-        MERGE_STEP=config.merge_step if plan.merge_in_split else 1)
+        MERGE_STEP=(config.merge_step or merge_step_for(config.block_m)) if plan.merge_in_split else 1)
     combine_constexprs = dict(
         GROUP=problem.group, SEQLEN_Q=problem.seqlen_q, HEAD_DIM=problem.headdim, HEAD_PAD=head_pad,
         BLOCK_N=config.block_n, BATCH_PAD=batch_pad, SPLITS_PER_STEP=config.combine_step, APPEND=append,

@@ -201,7 +201,8 @@ def merge_if_last(Tickets, PartO, PartLse, Out, Lse, seq, head_k, tile, first, n
                   stride_ob, stride_oi, stride_oh, GROUP: tl.constexpr, SEQLEN_Q: tl.constexpr,
                   HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr, BLOCK_M: tl.constexpr, MERGE_STEP: tl.constexpr):
     """Take a ticket for (sequence, KV head, row tile); the program that draws the last one merges
-    the sequence's ``num_splits`` partials (programs ``first`` ...), MERGE_STEP splits at a time,
+    the sequence's ``num_splits`` partials (programs ``first`` ...), MERGE_STEP at a time (unrolled,
+    so the step's loads are in flight together and a step costs one memory latency, not MERGE_STEP),
     writes out/lse and resets the counter, so the next call (or a graph replay) starts from zero.
     The barrier orders every thread's partial stores before the ticket's release (acq_rel, GPU
     scope); the merger's loads skip L1 (``.cg``), which may hold lines read before the others'
@@ -214,21 +215,21 @@ def merge_if_last(Tickets, PartO, PartLse, Out, Lse, seq, head_k, tile, first, n
         m = tl.full([BLOCK_M], float("-inf"), tl.float32)
         weight = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, HEAD_PAD], tl.float32)
-        steps = tl.arange(0, MERGE_STEP)
         row_dims = tile_mask(row_live, HEAD_DIM, HEAD_PAD)
         for s0 in range(0, num_splits, MERGE_STEP):
-            live = (s0 + steps < num_splits)[:, None] & row_live[None, :]  # (step, rows)
-            part = ((first + s0 + steps)[:, None] * tl.num_programs(1) + head_k) * (GROUP * SEQLEN_Q) + rows[None, :]
-            part_lse = tl.load(PartLse + part, mask=live, other=float("-inf"), cache_modifier=".cg")
-            part_o = tl.load(PartO + part[:, :, None] * HEAD_DIM + d[None, None, :],
-                             mask=live[:, :, None] & row_dims[None, :, :], other=0.0, cache_modifier=".cg")
-            m_new = tl.maximum(m, tl.max(part_lse, 0))  # a NaN partial still spoils w, hence the output
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-            w = tl.exp2(part_lse - m_safe[None, :])
-            alpha = tl.exp2(m - m_safe)
-            acc = acc * alpha[:, None] + tl.sum(w[:, :, None] * part_o, 0)
-            weight = weight * alpha + tl.sum(w, 0)
-            m = m_new
+            for j in tl.static_range(MERGE_STEP):  # independent loads: all of a step in flight at once
+                live = tl.where(s0 + j < num_splits, row_live, False)
+                part = ((first + s0 + j) * tl.num_programs(1) + head_k) * (GROUP * SEQLEN_Q) + rows
+                part_lse = tl.load(PartLse + part, mask=live, other=float("-inf"), cache_modifier=".cg")
+                part_o = tl.load(PartO + part[:, None] * HEAD_DIM + d[None, :], mask=live[:, None] & row_dims,
+                                 other=0.0, cache_modifier=".cg")
+                m_new = tl.maximum(m, part_lse)  # a NaN partial still spoils w, hence the output
+                m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+                w = tl.exp2(part_lse - m_safe)
+                alpha = tl.exp2(m - m_safe)
+                acc = acc * alpha[:, None] + w[:, None] * part_o
+                weight = weight * alpha + w
+                m = m_new
         empty = weight == 0
         o = tl.where(empty[:, None], 0.0, acc / tl.where(empty, 1.0, weight)[:, None])
         lse2 = tl.where(empty, float("-inf"), m + tl.log2(tl.where(empty, 1.0, weight)))
