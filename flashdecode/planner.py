@@ -160,7 +160,7 @@ def plan(problem: Problem, profile: HardwareProfile, backend, num_splits: int = 
 
 def _merging(plan_: Plan, problem: Problem, tuning, backend) -> Plan:
     """``plan_`` with the merge in the split kernel where the backend has it and no sequence can get
-    more than ``tuning.max_splits_merged_in_split`` splits (one program merges them one at a time)."""
+    more than ``tuning.max_splits_merged_in_split`` splits (one program merges them, a few at a time)."""
     if (plan_.kernel == SPLIT and backend.merges_in_split(problem)
             and plan_.max_splits(problem) <= tuning.max_splits_merged_in_split):
         return dataclasses.replace(plan_, merge_in_split=True)

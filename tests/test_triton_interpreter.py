@@ -112,15 +112,15 @@ def through_backend(call: Call, num_splits=0, config=SMALL, problem=None, merge=
     """(out, lse, k_cache, v_cache) of ``TritonBackend.launch`` with a plan of ``config``; ``replaced``
     swaps index tensors after the call was validated (values the public call rejects). ``merge``: the
     split kernel merges the partials itself (``Plan.merge_in_split``), twice on the same counters,
-    which must be back at zero after each launch."""
+    which must be back at zero after each launch; otherwise a split plan runs the combine kernel."""
     if problem is None:
         problem = plan_for(call.q, call.k_cache, call.v_cache, **call.kwargs, num_splits=num_splits,
                            backend="triton").problem
     chosen = plan(problem, PROFILES["h200"], BACKEND, num_splits, config=config)
-    if merge:
-        if chosen.kernel != SPLIT:
-            pytest.skip("nothing to merge: the plan does not split")
-        chosen = dataclasses.replace(chosen, merge_in_split=True)
+    if merge and chosen.kernel != SPLIT:
+        pytest.skip("nothing to merge: the plan does not split")
+    if chosen.kernel == SPLIT:  # the combine kernel unless ``merge``, whatever the tuning allows
+        chosen = dataclasses.replace(chosen, merge_in_split=merge)
     tickets = torch.zeros(chosen.ticket_count(problem), dtype=torch.int32, device=DEVICE) if merge else None
     kwargs = dict(call.kwargs, **replaced)
     out = torch.empty_like(call.q)
@@ -358,7 +358,9 @@ def test_default_config():
     plain = Problem(4, 4096, 32, 8, 128, "float16")
     config = BACKEND.default_config(plain, h200, SPLIT)
     assert config == TritonConfig(block_n=64, block_m=16, num_warps=4, num_stages=2, combine_step=16,
-                                  max_registers=128)
+                                  merge_step=4, max_registers=128)
+    # a merging program loads 2 partials at a time for 32-row tiles (4 spill there)
+    assert BACKEND.default_config(Problem(4, 4096, 8, 1, 128, "float16", seqlen_q=4), h200, SPLIT).merge_step == 2
     wide = BACKEND.default_config(Problem(1, 4096, 32, 8, 256, "bfloat16"), h200, SINGLE_PASS)
     assert (wide.block_n, wide.num_warps, wide.num_stages, wide.combine_step) == (64, 4, 3, 64)
     assert BACKEND.default_config(Problem(2, 64, 8, 1, 59, "float16"), h200, SPLIT).block_n == 128
