@@ -1,13 +1,17 @@
 """Tuning sweep on the GPU machine: each case under every combination of the given tuning values
-and tile configs, timed from a CUDA graph (cold L2) and checked against the reference.
+and tile configs, timed from a CUDA graph (cold L2) and checked against the reference; each row
+logs the plan that ran.
 
 Variants are values given to a ``DecodeContext(tuning=..., config=...)``; nothing is reassigned.
 Usage: python benchmarks/sweep.py --backend tilelang,triton --ppsm 2,3,4 --block-n 32,64
-       [--tl-stages 2,3 --tl-rows 64,16 --tl-producer-regs 24,0 --warps 4,8 --max-registers 0,128] [--matrix wide] [--cases 7,12]
+       [--tl-stages 2,3 --tl-rows 64,16 --tl-producer-regs 24,0 --warps 4,8 --max-registers 0,128
+       --merge-splits 0,16 --merge-step 1,2] [--matrix wide] [--cases 7,12]
        [--shapes 64x4096x8x4x256:uniform,...] [--variant plain,paged256] [--log FILE]
 ``--tl-stages`` and ``--tl-rows`` set any backend's ``num_stages`` / ``block_m``; ``--warps`` Triton's
-``num_warps``; ``--max-registers`` Triton's register cap (0: none). ``--shapes`` adds cases of one's
-own: batch x seqlen_cache x nheads_k x group x headdim, then ``:`` and a length rule of
+``num_warps``; ``--max-registers`` Triton's register cap (0: none); ``--merge-splits`` the most
+splits a sequence may have for the split kernel to merge them itself (0: never), ``--merge-step``
+how many it merges at a time. ``--shapes`` adds
+cases of one's own: batch x seqlen_cache x nheads_k x group x headdim, then ``:`` and a length rule of
 ``cases.LENGTH_RULES`` (numbered S1, S2, ...).
 """
 import argparse
@@ -46,7 +50,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--backend", default="tilelang")
     for flag in ("--ppsm", "--min-chunk", "--short-max-blocks", "--block-n", "--tl-stages", "--tl-rows",
-                 "--tl-producer-regs", "--warps", "--max-registers"):
+                 "--tl-producer-regs", "--warps", "--max-registers", "--merge-splits", "--merge-step"):
         parser.add_argument(flag, default="", help="comma list (default: the measured value)")
     parser.add_argument("--matrix", default="cases", choices=sorted(MATRICES))
     parser.add_argument("--cases", default="", help="cases of the matrix, e.g. 7,12 or W9,W10 (default: all; none "
@@ -64,18 +68,18 @@ def main():
         inputs = make_call(case, VARIANTS[variant], device="cuda")
         expected = reference_attention(inputs.q, inputs.k_cache, inputs.v_cache, **inputs.kwargs())[0]
         nbytes = inputs.bytes_moved()
-        for backend, ppsm, min_chunk, short_max, block_n, stages, q_rows, producer, warps, registers in \
-                itertools.product(args.backend.split(","), *(values(getattr(args, name)) for name in (
+        for backend, ppsm, min_chunk, short_max, block_n, stages, q_rows, producer, warps, registers, merge, \
+                merge_step in itertools.product(args.backend.split(","), *(values(getattr(args, name)) for name in (
                     "ppsm", "min_chunk", "short_max_blocks", "block_n", "tl_stages", "tl_rows", "tl_producer_regs",
-                    "warps", "max_registers"))):
+                    "warps", "max_registers", "merge_splits", "merge_step"))):
             tuning = dataclasses.replace(base, **{name: value for name, value in (
                 ("programs_per_multiprocessor", ppsm), ("min_blocks_per_split", min_chunk),
-                ("short_cache_max_blocks", short_max)) if value is not None})
+                ("short_cache_max_blocks", short_max), ("max_splits_merged_in_split", merge)) if value is not None})
             default = plan_for(inputs.q, inputs.k_cache, inputs.v_cache, **inputs.kwargs(), backend=backend,
                                context=DecodeContext("cuda", tuning=tuning)).plan.config
             changes = {name: value for name, value in (("block_n", block_n), ("num_stages", stages),
                                                        ("block_m", q_rows), ("producer_registers", producer),
-                                                       ("num_warps", warps))
+                                                       ("num_warps", warps), ("merge_step", merge_step))
                        if value is not None and hasattr(default, name)}
             if registers is not None and isinstance(default, TritonConfig):  # 0: no cap
                 changes["max_registers"] = registers or None
@@ -87,6 +91,10 @@ def main():
                        tuning=dataclasses.asdict(tuning), config=changes, effective=dataclasses.asdict(config))
             try:  # a combination the compiler rejects is logged, the sweep goes on
                 context = DecodeContext("cuda", tuning=tuning, config=config)
+                chosen = plan_for(inputs.q, inputs.k_cache, inputs.v_cache, **inputs.kwargs(), backend=backend,
+                                  context=context).plan
+                row["plan"] = dict(kernel=chosen.kernel, programs_per_head=chosen.programs_per_head,
+                                   merge_in_split=chosen.merge_in_split)
 
                 def call():
                     return flash_attn_with_kvcache(inputs.q, inputs.k_cache, inputs.v_cache, **inputs.kwargs(),

@@ -1,8 +1,9 @@
 """DecodeContext: the state calls reuse, owned by one object instead of module globals.
 
 A context memoizes validation (metadata -> Problem) and routing (Problem -> backend and Plan), and
-owns the device memory calls reuse: the float32 partials of split sequences, the sink that takes
-the lse when the caller did not ask for it, and the lengths tensors of an int ``cache_seqlens``.
+owns the device memory calls reuse: the float32 partials of split sequences, the counters of a
+split kernel that merges them itself, the sink that takes the lse when the caller did not ask for
+it, and the lengths tensors of an int ``cache_seqlens``.
 It serves calls queued in order on one stream from one host thread: a call's split kernel writes the
 partials only after the previous call's combine read them, because the stream orders them. While a
 CUDA graph is being captured, every buffer is allocated fresh so the graph owns it and may replay
@@ -47,6 +48,8 @@ class DecodeContext:
         self._workspace_views: dict = {}
         self._sink = None
         self._sink_views: dict = {}
+        self._tickets = None
+        self._ticket_views: dict = {}
         self._uniform_lengths: dict = {}
         self._host = None  # HostPath: the compiled host path's records (``host_path``), made on first use
         self._host_tried = False
@@ -148,6 +151,26 @@ class DecodeContext:
             _remember(self._workspace_views, key, views)
         return views
 
+    def tickets(self, plan, problem, device, capturing=None) -> torch.Tensor | None:
+        """The int32 counters a merging split kernel takes tickets from (``Plan.ticket_count``), or
+        None. Zero when made; every kernel leaves its counters at zero (the merging program resets
+        them), so calls reuse them in stream order and a CUDA graph replays; under capture they are
+        fresh, the graph's own."""
+        count = plan.ticket_count(problem)
+        if count == 0:
+            return None
+        if _capturing(device) if capturing is None else capturing:
+            return torch.zeros(count, dtype=torch.int32, device=device)
+        view = self._ticket_views.get(count)
+        if view is None:
+            if self._tickets is None or self._tickets.numel() < count:
+                size = max(count, 2 * self._tickets.numel()) if self._tickets is not None else count
+                self._tickets = torch.zeros(size, dtype=torch.int32, device=device)
+                self._ticket_views.clear()
+            view = self._tickets[:count]
+            _remember(self._ticket_views, count, view)
+        return view
+
     def lse(self, problem, device, wanted: bool, capturing=None) -> torch.Tensor:
         """(B, Hq, Sq) float32 for the call's lse: fresh when asked for, else a view of the sink,
         which nothing reads."""
@@ -219,7 +242,7 @@ class DecodeContext:
         arguments = base.LaunchArgs(
             q, k_cache, v_cache, self.lengths(problem, cache_seqlens, device, capturing), result, lse, part_o, part_lse,
             scale, float(softcap), k, v, rotary_cos, rotary_sin, cache_batch_idx, cache_leftpad, block_table,
-            alibi_slopes)
+            alibi_slopes, self.tickets(plan, problem, device, capturing))
         chosen.launch(plan, problem, arguments)
         if host is not None and not host_checks:
             self._record(host, call, chosen.host_launches(plan, problem, arguments), problem, result,

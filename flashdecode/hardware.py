@@ -55,6 +55,11 @@ class Tuning:
     #: faster than the pipeline on case 5; 6 tiles: 9% slower on case 6; 4: paged caches of one
     #: 256-token page holding 1-141 tokens 1.4-2.2x faster, contiguous cases 1-6 unchanged).
     short_cache_max_blocks: int = 4
+    #: Split plans whose sequences get at most this many splits merge them in the split kernel
+    #: (``Plan.merge_in_split``: one launch) where the backend can. 16 on the H200 (Triton): cases 7-9
+    #: 1-9% less GPU time (plain, 4 query tokens, pages of 64), nothing slower by more than 1%;
+    #: 64 merged cases 10 and 13 too, 7-50% slower (one program merges ~50-100 splits).
+    max_splits_merged_in_split: int = 16
     #: ``auto``'s order (:class:`AutoRule`): the first rule whose limits hold and whose backend can
     #: take the call runs it. Measured on the H200 with both on the compiled host path
     #: (``docs/design.md``, "Measured choices"): TileLang below 32 MiB for contiguous caches without

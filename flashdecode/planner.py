@@ -60,6 +60,9 @@ class Plan:
     programs_per_head: int  # P: the grid is (P, nheads_k, row tiles)
     forced_splits: int = 0  # 0: the balanced rule; F > 0: every sequence split F ways
     min_chunk: int = 1  # fewest blocks per split under the balanced rule
+    #: SPLIT only: the last split program of each (sequence, KV head, row tile) to finish merges the
+    #: partials (one launch, no combine kernel; ``docs/design.md``, "The schedule")
+    merge_in_split: bool = False
 
     @property
     def block_n(self) -> int:
@@ -71,7 +74,21 @@ class Plan:
 
     @property
     def needs_combine(self) -> bool:
-        return self.kernel == SPLIT
+        return self.kernel == SPLIT and not self.merge_in_split
+
+    def max_splits(self, problem: Problem) -> int:
+        """Most splits one sequence can get from the device-side rule: F when forced, else at most
+        P - B (chunk >= sum_b nblk_b / (P - B)) and at most ceil(max blocks / min_chunk)."""
+        if self.forced_splits > 0:
+            return self.forced_splits
+        if not self.can_split:
+            return 1
+        max_blocks = math.ceil(problem.key_span() / self.block_n)
+        return max(1, min(self.programs_per_head - problem.batch, math.ceil(max_blocks / self.min_chunk)))
+
+    def ticket_count(self, problem: Problem) -> int:
+        """Counters a merging split kernel takes tickets from: one per (sequence, KV head, row tile)."""
+        return problem.batch * problem.nheads_k * self.row_tiles(problem) if self.merge_in_split else 0
 
     def row_tiles(self, problem: Problem) -> int:
         """Programs that share one KV head's rows: ceil(seqlen_q * group / block_m)."""
@@ -83,7 +100,7 @@ class Plan:
     @property
     def workspace_rows(self) -> int:
         """Rows of partial results the split kernel may write (one per program and KV head)."""
-        return self.programs_per_head if self.needs_combine else 0
+        return self.programs_per_head if self.kernel == SPLIT else 0
 
     def workspace_bytes(self, problem: Problem) -> int:
         """float32 partial outputs and their log-sum-exps: rows x Hk x q_rows x (D + 1)."""
@@ -126,7 +143,7 @@ def plan(problem: Problem, profile: HardwareProfile, backend, num_splits: int = 
     if num_splits > 0:
         splits = min(num_splits, max(1, max_blocks))  # no empty splits
         kernel = SPLIT if splits > 1 else SINGLE_PASS
-        return Plan(kernel, config_for(kernel), problem.batch * splits, splits)
+        return _merging(Plan(kernel, config_for(kernel), problem.batch * splits, splits), problem, tuning, backend)
     if max_blocks <= tuning.split_above_blocks:
         short = SHORT_CACHE in backend.kernels(problem) and math.ceil(
             problem.key_span() / config_for(SHORT_CACHE).block_n) <= tuning.short_cache_max_blocks  # its own tiles
@@ -137,7 +154,17 @@ def plan(problem: Problem, profile: HardwareProfile, backend, num_splits: int = 
         per_sm = min(per_sm, max(1, backend.resident_programs(problem, split_config, profile)))
     row_tiles = -(-problem.q_rows // split_config.block_m)
     extra = max(1, profile.multiprocessors * per_sm // (problem.nheads_k * row_tiles))  # never more than the target
-    return Plan(SPLIT, split_config, problem.batch + extra, min_chunk=tuning.min_blocks_per_split)
+    return _merging(Plan(SPLIT, split_config, problem.batch + extra, min_chunk=tuning.min_blocks_per_split),
+                    problem, tuning, backend)
+
+
+def _merging(plan_: Plan, problem: Problem, tuning, backend) -> Plan:
+    """``plan_`` with the merge in the split kernel where the backend has it and no sequence can get
+    more than ``tuning.max_splits_merged_in_split`` splits (one program merges them, a few at a time)."""
+    if (plan_.kernel == SPLIT and backend.merges_in_split(problem)
+            and plan_.max_splits(problem) <= tuning.max_splits_merged_in_split):
+        return dataclasses.replace(plan_, merge_in_split=True)
+    return plan_
 
 
 def key_range(problem: Problem, cache_seqlen: int, leftpad: int = 0) -> tuple[int, int]:

@@ -202,3 +202,34 @@ def test_calls_on_several_streams_at_once(backend):
     torch.cuda.synchronize()
     for x, out in zip(inputs, outs):
         assert relative_error(out, reference_decode(*x)[0]) < TOLERANCE
+
+
+@pytest.mark.parametrize("case", [CASES[6], CASES[7], CASES[9], CASES[11], CASES[13]],
+                         ids=lambda c: f"case{c.number}")
+def test_split_kernel_merging_its_partials(case):
+    """Triton's split kernel with the merge in it (``Plan.merge_in_split``): eager calls, then a
+    graph replayed with new lengths (its counters must be back at zero after every launch)."""
+    import dataclasses
+
+    from flashdecode import DecodeContext
+    from flashdecode.hardware import current
+
+    context = DecodeContext("cuda", tuning=dataclasses.replace(current().tuning, max_splits_merged_in_split=10_000))
+    q, k, v, seqlens = make_inputs(case, device="cuda", seed=1)
+
+    def call():
+        return flash_decode_with_kvcache(q, k, v, seqlens, backend="triton", context=context)
+
+    assert plan_for(q, k, v, cache_seqlens=seqlens, backend="triton", context=context).plan.merge_in_split
+    for _ in range(2):
+        assert relative_error(call(), reference_decode(q, k, v, seqlens)[0]) < TOLERANCE
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = call()
+    generator = torch.Generator("cpu").manual_seed(3)
+    for step in range(3):
+        seqlens.copy_(torch.randint(0, case.seqlen_cache + 1, (case.batch,), generator=generator).to(torch.int32))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert relative_error(out, reference_decode(q, k, v, seqlens)[0]) < TOLERANCE, f"replay {step}"
+    assert relative_error(call(), reference_decode(q, k, v, seqlens)[0]) < TOLERANCE  # eager after the graph

@@ -1,4 +1,5 @@
 """Planner properties on every hardware profile and backend: exact coverage, bounds, fill, no tail."""
+import dataclasses
 import itertools
 import math
 
@@ -48,9 +49,11 @@ def test_random_key_ranges_covered_exactly_once(backend, profile_name, data):
     starts = [data.draw(st.integers(0, length)) for length in lengths]
     nheads_k = data.draw(st.sampled_from([1, 2, 4, 8]))
     num_splits = data.draw(st.sampled_from([0, 0, 0, 1, 2, 7]))
-    p = plan(problem_for(lengths, seqlen_cache, nheads_k), PROFILES[profile_name], get_backend(backend), num_splits)
+    problem = problem_for(lengths, seqlen_cache, nheads_k)
+    p = plan(problem, PROFILES[profile_name], get_backend(backend), num_splits)
     assert 1 <= p.programs_per_head
     items = assert_covers_exactly_once(p, lengths, starts)
+    assert all(item.num_splits <= p.max_splits(problem) for item in items)  # the bound merging relies on
     if num_splits:
         capped = min(num_splits, max(1, math.ceil(seqlen_cache / p.block_n)))  # no split can be empty
         assert p.programs_per_head == len(lengths) * capped
@@ -178,3 +181,20 @@ def test_auto_takes_the_first_backend_whose_limits_hold(monkeypatch, batch, seql
     problem = Problem(batch, seqlen_cache, nheads_k * 4, nheads_k, headdim, "bfloat16", **features)
     chosen = base.select("auto", problem, torch.device("cuda", 0), PROFILES["h200"])
     assert chosen.name == expected
+
+
+@pytest.mark.parametrize("threshold", [0, 4, 64, 10_000])
+def test_split_plans_merge_in_the_kernel_up_to_the_tunings_splits(threshold):
+    """Triton's split plans merge in the split kernel exactly when no sequence can get more splits
+    than the tuning allows; TileLang's never (it has no such kernel); other kernels never."""
+    profile = dataclasses.replace(PROFILES["h200"], tuning=dataclasses.replace(
+        PROFILES["h200"].tuning, max_splits_merged_in_split=threshold))
+    for batch, seqlen_cache, num_splits in itertools.product([1, 4, 64], [100, 5000, 60000], [0, 3]):
+        problem = problem_for([seqlen_cache] * batch, seqlen_cache)
+        for backend in BACKENDS:
+            p = plan(problem, profile, get_backend(backend), num_splits)
+            merges = backend == "triton" and p.kernel == SPLIT and p.max_splits(problem) <= threshold
+            assert p.merge_in_split == merges
+            assert p.needs_combine == (p.kernel == SPLIT and not merges)
+            assert p.workspace_rows == (p.programs_per_head if p.kernel == SPLIT else 0)
+            assert p.ticket_count(problem) == (batch * problem.nheads_k * p.row_tiles(problem) if merges else 0)

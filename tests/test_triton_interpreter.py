@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from conftest import HAS_CUDA
-from flashdecode import flash_attn_with_kvcache, plan_for
+from flashdecode import DecodeContext, flash_attn_with_kvcache, plan_for
 from flashdecode.hardware import PROFILES, profile_for
 from flashdecode.kernels.base import LaunchArgs
 from flashdecode.kernels.triton.backend import TritonBackend, TritonConfig
@@ -108,25 +108,35 @@ def through_api(call: Call, num_splits=0, **extra):
     return out, lse, k_cache, v_cache
 
 
-def through_backend(call: Call, num_splits=0, config=SMALL, problem=None, **replaced):
+def through_backend(call: Call, num_splits=0, config=SMALL, problem=None, merge=False, **replaced):
     """(out, lse, k_cache, v_cache) of ``TritonBackend.launch`` with a plan of ``config``; ``replaced``
-    swaps index tensors after the call was validated (values the public call rejects)."""
+    swaps index tensors after the call was validated (values the public call rejects). ``merge``: the
+    split kernel merges the partials itself (``Plan.merge_in_split``), twice on the same counters,
+    which must be back at zero after each launch; otherwise a split plan runs the combine kernel."""
     if problem is None:
         problem = plan_for(call.q, call.k_cache, call.v_cache, **call.kwargs, num_splits=num_splits,
                            backend="triton").problem
     chosen = plan(problem, PROFILES["h200"], BACKEND, num_splits, config=config)
+    if merge and chosen.kernel != SPLIT:
+        pytest.skip("nothing to merge: the plan does not split")
+    if chosen.kernel == SPLIT:  # the combine kernel unless ``merge``, whatever the tuning allows
+        chosen = dataclasses.replace(chosen, merge_in_split=merge)
+    tickets = torch.zeros(chosen.ticket_count(problem), dtype=torch.int32, device=DEVICE) if merge else None
     kwargs = dict(call.kwargs, **replaced)
-    k_cache, v_cache = call.k_cache.clone(), call.v_cache.clone()
     out = torch.empty_like(call.q)
     lse = torch.empty(problem.batch, problem.nheads, problem.seqlen_q, device=DEVICE)
     rows = problem.nheads_k * problem.q_rows
     part_o = torch.empty(chosen.workspace_rows, rows, problem.headdim, device=DEVICE)
     part_lse = torch.empty(chosen.workspace_rows, rows, device=DEVICE)
-    BACKEND.launch(chosen, problem, LaunchArgs(
-        call.q, k_cache, v_cache, kwargs["cache_seqlens"], out, lse, part_o, part_lse, problem.headdim ** -0.5,
-        kwargs["softcap"], kwargs.get("k"), kwargs.get("v"), kwargs.get("rotary_cos"), kwargs.get("rotary_sin"),
-        kwargs.get("cache_batch_idx"), kwargs.get("cache_leftpad"), kwargs.get("block_table"),
-        kwargs.get("alibi_slopes")))
+    for _ in range(2 if merge else 1):
+        k_cache, v_cache = call.k_cache.clone(), call.v_cache.clone()
+        out.fill_(7.0)
+        BACKEND.launch(chosen, problem, LaunchArgs(
+            call.q, k_cache, v_cache, kwargs["cache_seqlens"], out, lse, part_o, part_lse, problem.headdim ** -0.5,
+            kwargs["softcap"], kwargs.get("k"), kwargs.get("v"), kwargs.get("rotary_cos"), kwargs.get("rotary_sin"),
+            kwargs.get("cache_batch_idx"), kwargs.get("cache_leftpad"), kwargs.get("block_table"),
+            kwargs.get("alibi_slopes"), tickets))
+        assert tickets is None or not tickets.any()
     return out, lse, k_cache, v_cache
 
 
@@ -201,10 +211,10 @@ FEATURES = {
 
 
 @pytest.mark.parametrize("feature", FEATURES)
-@pytest.mark.parametrize("num_splits", [0, 3])
-def test_feature(feature, num_splits):
+@pytest.mark.parametrize("num_splits, merge", [(0, False), (3, False), (3, True)], ids=["auto", "split", "merge"])
+def test_feature(feature, num_splits, merge):
     call = make_call(**FEATURES[feature])
-    got = through_backend(call, num_splits)
+    got = through_backend(call, num_splits, merge=merge)
     assert_matches(got, reference(call))
 
 
@@ -220,6 +230,32 @@ def test_features_through_the_public_call():
     call = make_call(capacity=200, page_size=16, seqlen_new=3, seqlen_q=3, rotary_dim=32, causal=True,
                      alibi="head", softcap=2.0, lengths=[197, 70])
     assert_matches(through_api(call, num_splits=2), reference(call))
+
+
+@pytest.mark.parametrize("merge_step", [1, 2, 4, 8])
+def test_merge_steps(merge_step):
+    """The merging program takes its partials merge_step at a time: sequence 0's 7 splits leave a
+    partial last step for every step but 1 (windows, where a split can hold no key of a row, are
+    in ``test_feature``)."""
+    call = make_call(capacity=120, seqlen_q=3, causal=True, lengths=[117, 70], seed=merge_step)
+    config = dataclasses.replace(SMALL, merge_step=merge_step)
+    problem = plan_for(call.q, call.k_cache, call.v_cache, **call.kwargs, num_splits=7, backend="triton").problem
+    assert plan(problem, PROFILES["h200"], BACKEND, 7, config=config).max_splits(problem) == 7
+    assert_matches(through_backend(call, num_splits=7, config=config, merge=True), reference(call))
+
+
+def test_merge_in_split_through_the_public_call():
+    """A context whose tuning lets the split kernel merge: its plan merges, repeated calls (new
+    lengths, on the context's counters) match the reference, and the counters end at zero."""
+    tuning = dataclasses.replace(profile_for(torch.device(DEVICE)).tuning, max_splits_merged_in_split=1000)
+    context = DecodeContext(DEVICE, tuning=tuning)
+    for seed, lengths in enumerate(([197, 70, 0], [1, 198, 129])):
+        call = make_call(batch=3, capacity=200, seqlen_new=2, seqlen_q=2, causal=True, lengths=lengths, seed=seed)
+        route = plan_for(call.q, call.k_cache, call.v_cache, **call.kwargs, num_splits=3, backend="triton",
+                         context=context)
+        assert route.plan.merge_in_split and not route.plan.needs_combine
+        assert_matches(through_api(call, num_splits=3, context=context), reference(call))
+        assert not context.tickets(route.plan, route.problem, torch.device(DEVICE)).any()
 
 
 def test_float32():
@@ -291,13 +327,13 @@ BAD_VALUES = {  # make_call arguments, the index tensor, sequence 0's bad value 
 
 
 @pytest.mark.parametrize("case", BAD_VALUES)
-@pytest.mark.parametrize("num_splits", [0, 3])
-def test_bad_value_makes_its_sequence_nan(case, num_splits):
+@pytest.mark.parametrize("num_splits, merge", [(0, False), (3, False), (3, True)], ids=["auto", "split", "merge"])
+def test_bad_value_makes_its_sequence_nan(case, num_splits, merge):
     arguments, name, value = BAD_VALUES[case]
     call = make_call(lengths=[50, 40], **arguments)
     bad = call.kwargs[name].clone()
     bad.view(2, -1)[0, 0] = value
-    got = through_backend(call, num_splits, **{name: bad})
+    got = through_backend(call, num_splits, merge=merge, **{name: bad})
     assert got[0][0].isnan().all()
     expected = reference(call)
     assert_matches(got[:2] + expected[2:], expected, sequences=slice(1, 2))
@@ -322,7 +358,9 @@ def test_default_config():
     plain = Problem(4, 4096, 32, 8, 128, "float16")
     config = BACKEND.default_config(plain, h200, SPLIT)
     assert config == TritonConfig(block_n=64, block_m=16, num_warps=4, num_stages=2, combine_step=16,
-                                  max_registers=128)
+                                  merge_step=4, max_registers=128)
+    # a merging program loads 2 partials at a time for 32-row tiles (4 spill there)
+    assert BACKEND.default_config(Problem(4, 4096, 8, 1, 128, "float16", seqlen_q=4), h200, SPLIT).merge_step == 2
     wide = BACKEND.default_config(Problem(1, 4096, 32, 8, 256, "bfloat16"), h200, SINGLE_PASS)
     assert (wide.block_n, wide.num_warps, wide.num_stages, wide.combine_step) == (64, 4, 3, 64)
     assert BACKEND.default_config(Problem(2, 64, 8, 1, 59, "float16"), h200, SPLIT).block_n == 128

@@ -45,6 +45,7 @@ class LaunchArgs:
     cache_leftpad: torch.Tensor | None = None
     block_table: torch.Tensor | None = None
     alibi_slopes: torch.Tensor | None = None
+    tickets: torch.Tensor | None = None  # int32 zeros, ``Plan.ticket_count`` of them (a merging split kernel)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -114,6 +115,10 @@ class Backend(abc.ABC):
     @abc.abstractmethod
     def resident_programs(self, problem: Problem, config, profile: HardwareProfile) -> int:
         """Split programs of this config one multiprocessor holds at once."""
+
+    def merges_in_split(self, problem: Problem) -> bool:
+        """Whether the split kernel can merge a sequence's partials itself (``Plan.merge_in_split``)."""
+        return False
 
     @abc.abstractmethod
     def launch(self, plan, problem: Problem, args: LaunchArgs) -> None:

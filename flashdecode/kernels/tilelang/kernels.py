@@ -154,12 +154,17 @@ def split_kernel(shape, config, can_split: bool, blocks_per_sm: int, register_sp
                        f.mask(kb * block_n, seqlen))
 
             if f.append:  # the tiles holding appended tokens, read from k/v
-                for t in T.serial(blk_hi - T.max(full_hi, blk_lo)):
-                    base = (T.max(full_hi, blk_lo) + t) * block_n
-                    load_tile(K, V, k_tail, v_tail, b, h, base, seqlen,
-                              f.source(KNew, VNew, BlockTable, f.cached_end(raw_len, seqlen)))
+                tail_lo = T.alloc_var(T.int32)
+                tail_lo = T.max(full_hi, blk_lo)
+                keys = T.alloc_var(T.int32)
+                keys = seqlen
+                cached = T.alloc_var(T.int32)
+                cached = f.cached_end(raw_len, seqlen)
+                for t in T.serial(blk_hi - tail_lo):
+                    base = (tail_lo + t) * block_n
+                    load_tile(K, V, k_tail, v_tail, b, h, base, keys, f.source(KNew, VNew, BlockTable, cached))
                     attend(q_s, k_tail, v_tail, s_f, p_f, o_f, m_f, l_f, m_prev, alpha, rsum, scale,
-                           seqlen - base, f.mask(base, seqlen))
+                           keys - base, f.mask(base, keys))
             elif full_hi < blk_hi:  # the sequence's last block, partially filled: only its valid rows
                 base = full_hi * block_n
                 load_tile(K, V, k_tail, v_tail, b, h, base, seqlen, f.source(KNew, VNew, BlockTable, seqlen))

@@ -46,6 +46,9 @@ class TritonConfig:
     num_warps: int
     num_stages: int  # software pipeline depth of the main loop's K/V loads
     combine_step: int  # partials the combine kernel loads at once
+    #: Partials a split kernel that merges (``Plan.merge_in_split``) has in flight at once; None: by
+    #: the row tile (``merge_step_for``).
+    merge_step: int | None = None
     #: Registers a thread may use: a kernel the compiler gives more is compiled again with this cap
     #: (Triton's ``maxnreg``, ``launch.register_options``); None: the compiler's choice.
     max_registers: int | None = None
@@ -79,13 +82,22 @@ def register_cap(config: TritonConfig, headdim: int, profile: HardwareProfile) -
     return cap
 
 
+def merge_step_for(block_m: int) -> int:
+    """Partials the merging program loads at once: 4 for row tiles of up to 16 rows, 2 above. On
+    Triton 3.6 the head-dim-64/128 kernels stay at their plain registers (96-110; 128 for 32 rows),
+    while 4 partials of 32 rows spill (head dim 128) or take 255 registers (head dim 256)."""
+    return 4 if block_m <= 16 else 2
+
+
 def retiled(config: TritonConfig, headdim: int, profile: HardwareProfile, **changes) -> TritonConfig:
-    """``config`` with ``changes`` (a sweep's tile), its register ceiling derived again for the new
-    tile unless ``changes`` names one (``headdim`` padded)."""
+    """``config`` with ``changes`` (a sweep's tile), its register ceiling and merge step derived
+    again for the new tile unless ``changes`` names them (``headdim`` padded)."""
     config = dataclasses.replace(config, **changes)
-    if "max_registers" in changes:
-        return config
-    return dataclasses.replace(config, max_registers=register_cap(config, headdim, profile))
+    if "max_registers" not in changes:
+        config = dataclasses.replace(config, max_registers=register_cap(config, headdim, profile))
+    if changes.get("merge_step") is None:
+        config = dataclasses.replace(config, merge_step=merge_step_for(config.block_m))
+    return config
 
 
 def padded_headdim(headdim: int) -> int:
@@ -161,6 +173,9 @@ class TritonBackend(Backend):
                 break
         return steer(problem, retiled(config, headdim, profile), headdim)  # a Triton miscompile (``workarounds``)
 
+    def merges_in_split(self, problem: Problem) -> bool:
+        return True
+
     def resident_programs(self, problem: Problem, config, profile: HardwareProfile) -> int:
         """From the profile's measured ``triton_resident_programs``, by padded head dim."""
         return resident_by_headdim(padded_headdim(problem.headdim), profile)
@@ -201,7 +216,8 @@ class TritonBackend(Backend):
             None if table is None else table.stride(0),
             alibi.stride(0) if alibi is not None and alibi.dim() == 2 else None)
         tensors = (q, k_cache, v_cache, args.cache_seqlens, out, args.lse, args.part_o, args.part_lse,
-                   k_new, v_new, args.cache_batch_idx, args.cache_leftpad, table, cos, args.rotary_sin, alibi)
+                   k_new, v_new, args.cache_batch_idx, args.cache_leftpad, table, cos, args.rotary_sin, alibi,
+                   args.tickets)
         launches = [(split_kernel, spec.split_grid, tensors, scalars, spec.split_constexprs, spec.split_options)]
         if spec.combine_grid is not None:
             launches.append((
@@ -237,7 +253,8 @@ def _make_spec(plan, problem: Problem) -> _LaunchSpec:
         PAGE_SIZE=problem.page_size, APPEND=append, ROTARY_DIM=problem.rotary_dim,
         ROTARY_INTERLEAVED=problem.rotary_interleaved, ROTARY_PER_ROW=problem.windowed, WINDOW_LEFT=window_left,
         WINDOW_RIGHT=window_right, SOFTCAP=problem.softcap, ALIBI=problem.alibi, LEFTPAD=leftpad,
-        BATCH_IDX=problem.batch_idx and not problem.paged)
+        BATCH_IDX=problem.batch_idx and not problem.paged, MERGE_IN_SPLIT=plan.merge_in_split,
+        MERGE_STEP=(config.merge_step or merge_step_for(config.block_m)) if plan.merge_in_split else 1)
     combine_constexprs = dict(
         GROUP=problem.group, SEQLEN_Q=problem.seqlen_q, HEAD_DIM=problem.headdim, HEAD_PAD=head_pad,
         BLOCK_N=config.block_n, BATCH_PAD=batch_pad, SPLITS_PER_STEP=config.combine_step, APPEND=append,

@@ -29,7 +29,7 @@ _RUNTIME_INTS = ["batch", "capacity", "num_programs", "forced_splits", "min_chun
 
 @triton.jit(do_not_specialize=_RUNTIME_INTS)
 def split_kernel(Q, K, V, Lens, Out, Lse, PartO, PartLse, KNew, VNew, BatchIdx, LeftPad, BlockTable, Cos, Sin, Alibi,
-                 scale_log2, softcap_in, softcap_out,
+                 Tickets, scale_log2, softcap_in, softcap_out,
                  batch, capacity, num_programs, forced_splits, min_chunk,
                  seqlen_new, window_left, window_right, cache_rows, rotary_rows,
                  stride_qb, stride_qi, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
@@ -40,7 +40,7 @@ def split_kernel(Q, K, V, Lens, Out, Lse, PartO, PartLse, KNew, VNew, BatchIdx, 
                  PAGE_SIZE: tl.constexpr, APPEND: tl.constexpr, ROTARY_DIM: tl.constexpr,
                  ROTARY_INTERLEAVED: tl.constexpr, ROTARY_PER_ROW: tl.constexpr, WINDOW_LEFT: tl.constexpr,
                  WINDOW_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, LEFTPAD: tl.constexpr,
-                 BATCH_IDX: tl.constexpr):
+                 BATCH_IDX: tl.constexpr, MERGE_IN_SPLIT: tl.constexpr, MERGE_STEP: tl.constexpr):
     pid = tl.program_id(0)
     head_k = tl.program_id(1)
     tile = tl.program_id(2)
@@ -169,17 +169,72 @@ def split_kernel(Q, K, V, Lens, Out, Lse, PartO, PartLse, KNew, VNew, BatchIdx, 
         lse2 = tl.where(empty, float("-inf"), m + tl.log2(tl.where(empty, 1.0, l)))
         stored = tile_mask(row_live, HEAD_DIM, HEAD_PAD)
         if num_splits == 1:
-            out_rows = seq * stride_ob + row_offsets(rows, head_k, stride_oi, stride_oh, GROUP, SEQLEN_Q)
-            tl.store(Out + out_rows[:, None] + d[None, :], o.to(Out.dtype.element_ty), mask=stored)
-            if SEQLEN_Q == 1:  # lse (B, Hq, Sq)
-                lse_rows = seq * tl.num_programs(1) * GROUP + head_k * GROUP + rows
-            else:
-                lse_rows = (seq * tl.num_programs(1) * GROUP + head_k * GROUP + rows % GROUP) * SEQLEN_Q + rows // GROUP
-            tl.store(Lse + lse_rows, lse2 * LN2, mask=row_live)
+            store_output(Out, Lse, o, lse2, seq, head_k, rows, row_live, d, stride_ob, stride_oi, stride_oh,
+                         GROUP, SEQLEN_Q, HEAD_DIM, HEAD_PAD)
         else:
             part = (pid * tl.num_programs(1) + head_k) * (GROUP * SEQLEN_Q) + rows
             tl.store(PartO + part[:, None] * HEAD_DIM + d[None, :], o, mask=stored)
             tl.store(PartLse + part, lse2, mask=row_live)
+            if MERGE_IN_SPLIT:
+                merge_if_last(Tickets, PartO, PartLse, Out, Lse, seq, head_k, tile, pid - split, num_splits, rows,
+                              row_live, d, stride_ob, stride_oi, stride_oh, GROUP, SEQLEN_Q, HEAD_DIM, HEAD_PAD,
+                              BLOCK_M, MERGE_STEP)
+
+
+@triton.jit
+def store_output(Out, Lse, o, lse2, seq, head_k, rows, row_live, d, stride_ob, stride_oi, stride_oh,
+                 GROUP: tl.constexpr, SEQLEN_Q: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr):
+    """A row tile's output (its real rows and head dims) and its lse (base 2 in, natural log out;
+    lse (B, Hq, Sq)). The grid's dimension 1 is the KV heads."""
+    out_rows = seq * stride_ob + row_offsets(rows, head_k, stride_oi, stride_oh, GROUP, SEQLEN_Q)
+    tl.store(Out + out_rows[:, None] + d[None, :], o.to(Out.dtype.element_ty),
+             mask=tile_mask(row_live, HEAD_DIM, HEAD_PAD))
+    if SEQLEN_Q == 1:
+        lse_rows = seq * tl.num_programs(1) * GROUP + head_k * GROUP + rows
+    else:
+        lse_rows = (seq * tl.num_programs(1) * GROUP + head_k * GROUP + rows % GROUP) * SEQLEN_Q + rows // GROUP
+    tl.store(Lse + lse_rows, lse2 * LN2, mask=row_live)
+
+
+@triton.jit
+def merge_if_last(Tickets, PartO, PartLse, Out, Lse, seq, head_k, tile, first, num_splits, rows, row_live, d,
+                  stride_ob, stride_oi, stride_oh, GROUP: tl.constexpr, SEQLEN_Q: tl.constexpr,
+                  HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr, BLOCK_M: tl.constexpr, MERGE_STEP: tl.constexpr):
+    """Take a ticket for (sequence, KV head, row tile); the program that draws the last one merges
+    the sequence's ``num_splits`` partials (programs ``first`` ...), MERGE_STEP at a time (unrolled,
+    so the step's loads are in flight together and a step costs one memory latency, not MERGE_STEP),
+    writes out/lse and resets the counter, so the next call (or a graph replay) starts from zero.
+    The barrier orders every thread's partial stores before the ticket's release (acq_rel, GPU
+    scope); the merger's loads skip L1 (``.cg``), which may hold lines read before the others'
+    stores. A row no split saw a key of (windows) comes out 0 with lse -inf, as from the combine
+    kernel."""
+    tl.debug_barrier()
+    ticket_ptr = Tickets + (seq * tl.num_programs(1) + head_k) * tl.num_programs(2) + tile
+    if tl.atomic_add(ticket_ptr, 1, sem="acq_rel", scope="gpu") == num_splits - 1:
+        tl.store(ticket_ptr, 0)
+        m = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        weight = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, HEAD_PAD], tl.float32)
+        row_dims = tile_mask(row_live, HEAD_DIM, HEAD_PAD)
+        for s0 in range(0, num_splits, MERGE_STEP):
+            for j in tl.static_range(MERGE_STEP):  # independent loads: all of a step in flight at once
+                live = tl.where(s0 + j < num_splits, row_live, False)
+                part = ((first + s0 + j) * tl.num_programs(1) + head_k) * (GROUP * SEQLEN_Q) + rows
+                part_lse = tl.load(PartLse + part, mask=live, other=float("-inf"), cache_modifier=".cg")
+                part_o = tl.load(PartO + part[:, None] * HEAD_DIM + d[None, :], mask=live[:, None] & row_dims,
+                                 other=0.0, cache_modifier=".cg")
+                m_new = tl.maximum(m, part_lse)  # a NaN partial still spoils w, hence the output
+                m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+                w = tl.exp2(part_lse - m_safe)
+                alpha = tl.exp2(m - m_safe)
+                acc = acc * alpha[:, None] + w[:, None] * part_o
+                weight = weight * alpha + w
+                m = m_new
+        empty = weight == 0
+        o = tl.where(empty[:, None], 0.0, acc / tl.where(empty, 1.0, weight)[:, None])
+        lse2 = tl.where(empty, float("-inf"), m + tl.log2(tl.where(empty, 1.0, weight)))
+        store_output(Out, Lse, o, lse2, seq, head_k, rows, row_live, d, stride_ob, stride_oi, stride_oh,
+                     GROUP, SEQLEN_Q, HEAD_DIM, HEAD_PAD)
 
 
 @triton.jit
