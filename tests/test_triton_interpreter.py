@@ -425,3 +425,15 @@ def test_plan_grid_has_row_tiles():
     problem = Problem(2, 64, 72, 8, 64, "float16", seqlen_q=9)  # 81 rows per KV head
     chosen = plan(problem, profile_for(torch.device(DEVICE)), BACKEND)
     assert chosen.grid(problem) == (2, 8, 2)
+
+
+def test_merging_plan_without_counters_is_refused():
+    """A plan that merges in the split kernel, launched without its ticket counters: a clear error
+    naming them, not a compile error deep in Triton."""
+    call = make_call(lengths=[117, 70])
+    problem = plan_for(call.q, call.k_cache, call.v_cache, **call.kwargs, backend="triton").problem
+    chosen = dataclasses.replace(plan(problem, PROFILES["h200"], BACKEND, 3, config=SMALL), merge_in_split=True)
+    args = LaunchArgs(call.q, call.k_cache, call.v_cache, call.kwargs["cache_seqlens"], torch.empty_like(call.q),
+                      None, None, None, 0.1)
+    with pytest.raises(ValueError, match="tickets: .* needs 4 zeroed int32 counters"):
+        BACKEND.launch(chosen, problem, args)

@@ -1,6 +1,7 @@
 """The Triton backend's direct launch (``flashdecode.kernels.triton.launch``): when it is used, what
 it passes, and, on a GPU, that it computes exactly what Triton's own launch path computes."""
 
+import dataclasses
 import types
 
 import pytest
@@ -206,15 +207,18 @@ def test_probe_passes_on_this_gpu():
 
 
 def route_args(route, q, k_cache, v_cache, kwargs) -> LaunchArgs:
-    """The launch arguments of ``route``: fresh out, lse and partials; the caches as given."""
+    """The launch arguments of ``route``: fresh out, lse, partials and ticket counters; the caches
+    as given."""
     problem, plan = route.problem, route.plan
     lse = torch.empty(q.shape[0], q.shape[2], q.shape[1], device=q.device)
     part_o = torch.empty(plan.workspace_rows, problem.nheads_k * problem.q_rows, q.shape[3], device=q.device)
     part_lse = torch.empty(plan.workspace_rows, problem.nheads_k * problem.q_rows, device=q.device)
+    tickets = torch.zeros(plan.ticket_count(problem), dtype=torch.int32, device=q.device)
     return LaunchArgs(
         q, k_cache, v_cache, kwargs["cache_seqlens"], torch.empty_like(q), lse, part_o, part_lse, q.shape[3] ** -0.5,
         0.0, kwargs.get("k"), kwargs.get("v"), kwargs.get("rotary_cos"), kwargs.get("rotary_sin"),
-        block_table=kwargs.get("block_table"), alibi_slopes=kwargs.get("alibi_slopes"))
+        block_table=kwargs.get("block_table"), alibi_slopes=kwargs.get("alibi_slopes"),
+        tickets=tickets if plan.merge_in_split else None)
 
 
 def launch_route(backend, route, q, k_cache, v_cache, kwargs):
@@ -250,9 +254,10 @@ def test_register_ceiling_holds_on_this_gpu():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("features", ["plain", "paged-append-rotary-alibi"])
-@pytest.mark.parametrize("num_splits", [1, 4])
-def test_direct_launch_matches_tritons_launch(features, num_splits):
-    """The backend's kernels launched directly write exactly what Triton's path writes."""
+@pytest.mark.parametrize("num_splits, merge", [(1, False), (4, False), (4, True)], ids=["one", "combine", "merge"])
+def test_direct_launch_matches_tritons_launch(features, num_splits, merge):
+    """The backend's kernels launched directly write exactly what Triton's path writes (4 splits:
+    merged by the combine kernel, or in the split kernel)."""
     generator = torch.Generator("cuda").manual_seed(0)
 
     def randn(*shape):
@@ -270,6 +275,8 @@ def test_direct_launch_matches_tritons_launch(features, num_splits):
                       rotary_sin=randn(704, 32),
                       alibi_slopes=torch.rand(8, device="cuda", generator=generator))
     route = plan_for(q, k_cache, v_cache, backend="triton", **kwargs)
+    if num_splits > 1:
+        route = dataclasses.replace(route, plan=dataclasses.replace(route.plan, merge_in_split=merge))
     public = TritonBackend()
     public.launcher = Launcher(unavailable="compared against")
     fast = TritonBackend()

@@ -197,8 +197,12 @@ class TritonBackend(Backend):
     def launches(self, plan, problem: Problem, args: LaunchArgs) -> list:
         """[(kernel, grid, tensors, scalars, constexprs, options)] of the plan, in launch order. Unused
         features pass None (Triton compiles None as a constant). lse, part_o and part_lse must be
-        contiguous, as ``DecodeContext`` allocates them; the other tensors need a contiguous last
-        dimension only."""
+        contiguous, as ``DecodeContext`` allocates them, and a merging plan needs its ticket counters;
+        the other tensors need a contiguous last dimension only."""
+        if plan.merge_in_split and (args.tickets is None or args.tickets.numel() < plan.ticket_count(problem)):
+            raise ValueError(f"tickets: a plan that merges in the split kernel needs {plan.ticket_count(problem)} "
+                             f"zeroed int32 counters (Plan.ticket_count), got "
+                             f"{'None' if args.tickets is None else args.tickets.numel()}")
         spec = self._spec(plan, problem)
         q, k_cache, v_cache, out = args.q, args.k_cache, args.v_cache, args.out
         k_new, v_new, cos, table, alibi = args.k_new, args.v_new, args.rotary_cos, args.block_table, args.alibi_slopes
