@@ -9,12 +9,20 @@ FLASHDECODE_FA_GRID="sample" (default: 2000 combos stratified over pairs of feat
 raises BackendError: that combo is skipped with its message. With FLASHDECODE_FA_GRID_REPORT=PATH,
 pass/fail/skip counts per tier, backend, dtype and feature are written there as JSON every few
 seconds and at the end (a file per pytest-xdist worker, merged by ``fa_grid.merge_reports``).
+Under pytest-xdist, combos with caches of 16k tokens or more run one at a time (a file lock), so
+parallel workers do not run one GPU out of memory.
 """
+import contextlib
 import dataclasses
+import fcntl
 import json
 import os
+import tempfile
+import threading
+import time
 
 import pytest
+import torch
 
 import fa_grid
 import flashdecode
@@ -64,8 +72,32 @@ def public_call(backend):
     return call
 
 
+#: Combos with caches of at least this many tokens run one at a time across pytest-xdist workers:
+#: their inputs and float32 references take up to ~20 GB, and 12 workers sharing one H200 ran it
+#: out of memory (session 13: 59 of 644 combos).
+LARGE_SEQLEN_K = 16384
+LARGE_COMBO_LOCK = os.path.join(tempfile.gettempdir(), "flashdecode-fa-grid-large.lock")
+
+
+@contextlib.contextmanager
+def one_large_combo_at_a_time(combo):
+    """Under pytest-xdist, a combo of LARGE_SEQLEN_K tokens or more holds a file lock while it runs
+    and gives its cached GPU memory back before releasing it; other combos run freely."""
+    if combo.seqlens[1] < LARGE_SEQLEN_K or "PYTEST_XDIST_WORKER" not in os.environ:
+        yield
+        return
+    with open(LARGE_COMBO_LOCK, "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            if HAS_CUDA:
+                torch.cuda.empty_cache()
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
 def run(tier, backend, combo):
-    with REPORT.recording(tier, backend, combo):
+    with one_large_combo_at_a_time(combo), REPORT.recording(tier, backend, combo):
         fa_grid.check_combo(combo, DEVICE, public_call(backend))
 
 
@@ -128,3 +160,29 @@ def test_report_is_written_after_every_combo_and_merges_across_workers(tmp_path)
     feature = next(iter(combos[0].features()))
     expected = sum(feature in combo.features() for combo in (combos[0], combos[1], combos[0]))
     assert sum(entry["features"][feature].values()) == expected
+
+
+def test_large_combos_run_one_at_a_time(monkeypatch):
+    """Two workers' large combos do not overlap; a small combo does not wait for a large one."""
+    monkeypatch.setenv("PYTEST_XDIST_WORKER", "gw0")
+    large = next(combo for combo in GPU_COMBOS if combo.seqlens[1] >= LARGE_SEQLEN_K)
+    small = next(combo for combo in GPU_COMBOS if combo.seqlens[1] < LARGE_SEQLEN_K)
+    spans = []
+
+    def work(combo, hold):
+        with one_large_combo_at_a_time(combo):
+            begin = time.monotonic()
+            time.sleep(hold)
+            spans.append((combo.seqlens[1], begin, time.monotonic()))
+
+    threads = [threading.Thread(target=work, args=(large, 0.3)) for _ in range(2)]
+    threads.append(threading.Thread(target=work, args=(small, 0.05)))
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    (_, _, first_end), (_, second_begin, _) = sorted(
+        (span for span in spans if span[0] >= LARGE_SEQLEN_K), key=lambda span: span[1])
+    assert second_begin >= first_end  # the second large combo waited for the first
+    _, _, small_end = next(span for span in spans if span[0] < LARGE_SEQLEN_K)
+    assert small_end < first_end  # the small one ran alongside
