@@ -50,7 +50,7 @@ def split_launch(problem: Problem, config):
     args = LaunchArgs(q=q, k_cache=cache, v_cache=cache, cache_seqlens=torch.empty(problem.batch, dtype=torch.int32),
                       out=torch.empty_like(q), lse=torch.empty(problem.batch, problem.nheads, 1),
                       part_o=torch.empty(1, 1, problem.headdim), part_lse=torch.empty(1, 1), softmax_scale=0.1,
-                      block_table=table)
+                      block_table=table, tickets=torch.zeros(the_plan.ticket_count(problem), dtype=torch.int32))
     kernel, _, tensors, scalars, constexprs, options = backend.launches(the_plan, problem, args)[0]
     return the_plan.config, kernel, tensors, scalars, constexprs, options
 

@@ -400,9 +400,11 @@ def test_register_cap_lets_the_planned_programs_fit(headdim, rows, profile):
         assert config.block_m * max(16, headdim) <= threads * config.max_registers // 4
     q = torch.empty(2, 1, rows, headdim, dtype=torch.bfloat16)
     cache = torch.empty(2, 4096, 1, headdim, dtype=torch.bfloat16)
+    chosen = plan(problem, hardware, BACKEND, num_splits=2)
     args = LaunchArgs(q, cache, cache, torch.empty(2, dtype=torch.int32), torch.empty_like(q),
-                      torch.empty(2, rows, 1), torch.empty(4, rows, headdim), torch.empty(4, rows), 0.1)
-    split_launch = BACKEND.launches(plan(problem, hardware, BACKEND, num_splits=2), problem, args)[0]
+                      torch.empty(2, rows, 1), torch.empty(4, rows, headdim), torch.empty(4, rows), 0.1,
+                      tickets=torch.zeros(chosen.ticket_count(problem), dtype=torch.int32))
+    split_launch = BACKEND.launches(chosen, problem, args)[0]
     assert split_launch[5].get(REGISTER_CEILING) == config.max_registers  # absent where there is none
 
 
