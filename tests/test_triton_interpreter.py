@@ -323,6 +323,9 @@ BAD_VALUES = {  # make_call arguments, the index tensor, sequence 0's bad value 
     "leftpad-negative": (dict(leftpad=[0, 3]), "cache_leftpad", -2),
     "batch-idx": (dict(batch_idx=True, seqlen_new=2), "cache_batch_idx", 4),
     "block-id": (dict(page_size=16, seqlen_new=2), "block_table", 2 * 7 + 3),  # first block: past the pages
+    # rows 0-34 of sequence 0 see no key (left pad 45 of 50, causal): NaN too, after a split's merge
+    "batch-idx-rows-without-keys": (dict(batch_idx=True, seqlen_q=40, causal=True, leftpad=[45, 0]),
+                                    "cache_batch_idx", 4),
 }
 
 

@@ -207,7 +207,7 @@ def merge_if_last(Tickets, PartO, PartLse, Out, Lse, seq, head_k, tile, first, n
     The barrier orders every thread's partial stores before the ticket's release (acq_rel, GPU
     scope); the merger's loads skip L1 (``.cg``), which may hold lines read before the others'
     stores. A row no split saw a key of (windows) comes out 0 with lse -inf, as from the combine
-    kernel."""
+    kernel, or NaN where a split flagged a bad value (as one split's rows do)."""
     tl.debug_barrier()
     ticket_ptr = Tickets + (seq * tl.num_programs(1) + head_k) * tl.num_programs(2) + tile
     if tl.atomic_add(ticket_ptr, 1, sem="acq_rel", scope="gpu") == num_splits - 1:
@@ -230,8 +230,8 @@ def merge_if_last(Tickets, PartO, PartLse, Out, Lse, seq, head_k, tile, first, n
                 acc = acc * alpha[:, None] + w[:, None] * part_o
                 weight = weight * alpha + w
                 m = m_new
-        empty = weight == 0
-        o = tl.where(empty[:, None], 0.0, acc / tl.where(empty, 1.0, weight)[:, None])
+        empty = weight == 0  # acc is 0 there, or NaN when a split flagged a bad value: kept
+        o = tl.where(empty[:, None], acc, acc / tl.where(empty, 1.0, weight)[:, None])
         lse2 = tl.where(empty, float("-inf"), m + tl.log2(tl.where(empty, 1.0, weight)))
         store_output(Out, Lse, o, lse2, seq, head_k, rows, row_live, d, stride_ob, stride_oi, stride_oh,
                      GROUP, SEQLEN_Q, HEAD_DIM, HEAD_PAD)
@@ -286,7 +286,7 @@ def combine_kernel(Lens, LeftPad, Out, Lse, PartO, PartLse,
             weight = weight * alpha + tl.sum(w, 0)
             m = m_new
         if EMPTY_ROWS:
-            o = tl.where(weight == 0, 0.0, acc / tl.where(weight == 0, 1.0, weight))
+            o = tl.where(weight == 0, acc, acc / tl.where(weight == 0, 1.0, weight))  # acc: 0, or NaN (a bad value)
             lse = tl.where(weight == 0, float("-inf"), (m + tl.log2(tl.where(weight == 0, 1.0, weight))) * LN2)
         else:
             o = acc / weight
