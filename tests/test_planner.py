@@ -183,6 +183,23 @@ def test_auto_takes_the_first_backend_whose_limits_hold(monkeypatch, batch, seql
     assert chosen.name == expected
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+@settings(max_examples=300, deadline=None)
+@given(data=st.data())
+def test_max_splits_bounds_every_sequence_under_a_left_window(backend, data):
+    """``Plan.max_splits`` (what merging in the split kernel is allowed by) is at least the splits
+    any sequence gets, with a left window whose keys start mid-block and several query rows."""
+    seqlen_cache = data.draw(st.integers(1, 20000))
+    window_left = data.draw(st.integers(0, 3000))
+    lengths = data.draw(st.lists(st.integers(min(window_left, seqlen_cache), seqlen_cache), min_size=1, max_size=3))
+    problem = problem_for(lengths, seqlen_cache, seqlen_q=data.draw(st.integers(1, 8)), window_left=window_left,
+                          window_right=0)
+    p = plan(problem, PROFILES["h200"], get_backend(backend), data.draw(st.sampled_from([0, 0, 3])))
+    ranges = [key_range(problem, length) for length in lengths]
+    items = work_list(p, [hi for _, hi in ranges], [lo for lo, _ in ranges])
+    assert all(item.num_splits <= p.max_splits(problem) for item in items)
+
+
 @pytest.mark.parametrize("threshold", [0, 4, 64, 10_000])
 def test_split_plans_merge_in_the_kernel_up_to_the_tunings_splits(threshold):
     """Triton's split plans merge in the split kernel exactly when no sequence can get more splits
