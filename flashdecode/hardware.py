@@ -56,10 +56,10 @@ class Tuning:
     #: 256-token page holding 1-141 tokens 1.4-2.2x faster, contiguous cases 1-6 unchanged).
     short_cache_max_blocks: int = 4
     #: Split plans whose sequences get at most this many splits merge them in the split kernel
-    #: (``Plan.merge_in_split``: one launch) where the backend can. 16 on the H200 (Triton): cases 7-9
-    #: 1-9% less GPU time (plain, 4 query tokens, pages of 64), nothing slower by more than 1%;
-    #: 64 merged cases 10 and 13 too, 7-50% slower (one program merges ~50-100 splits).
-    max_splits_merged_in_split: int = 16
+    #: (``Plan.merge_in_split``: one launch) where the backend can; 0: never, the default for devices
+    #: where it was not measured (its ordering of partials through a GPU-scope atomic is checked on
+    #: NVIDIA's only). Hopper: ``HOPPER_TUNING``.
+    max_splits_merged_in_split: int = 0
     #: ``auto``'s order (:class:`AutoRule`): the first rule whose limits hold and whose backend can
     #: take the call runs it. Measured on the H200 with both on the compiled host path
     #: (``docs/design.md``, "Measured choices"): TileLang below 32 MiB for contiguous caches without
@@ -81,6 +81,12 @@ class Tuning:
     triton_resident_programs: tuple = ((64, 4), (128, 4), (256, 1))
 
 
+#: Hopper's tuning: the merge in the split kernel up to 16 splits a sequence. On the H200 (Triton):
+#: cases 7-9 1-9% less GPU time (plain, 4 query tokens, pages of 64), nothing slower by more than 1%;
+#: 64 merged cases 10 and 13 too, 7-50% slower (one program merges ~50-100 splits).
+HOPPER_TUNING = Tuning(max_splits_merged_in_split=16)
+
+
 @dataclasses.dataclass(frozen=True)
 class HardwareProfile:
     """What a schedule needs to know about a device."""
@@ -92,15 +98,15 @@ class HardwareProfile:
     wave_width: int  # threads per warp / wavefront
     registers_per_multiprocessor: int  # 32-bit registers
     hbm_bandwidth: float  # bytes per second, vendor figure (the benchmark measures its own ceiling)
-    tuning: Tuning = Tuning()  # measured on the H200; other devices start from the same values
+    tuning: Tuning = Tuning()  # measured on the H200 except where a profile names its own
     #: Bytes of shared memory the driver reserves per program (CUDA programming guide, sm_90).
     driver_reserved_shared_per_program: int = 1 * KIB
     max_registers_per_thread: int = 255
 
 
 PROFILES: dict[str, HardwareProfile] = {
-    "h100": HardwareProfile("h100", 132, 228 * KIB, 50 * MIB, 32, 64 * KIB, 3.35e12),
-    "h200": HardwareProfile("h200", 132, 228 * KIB, 60 * MIB, 32, 64 * KIB, 4.8e12),
+    "h100": HardwareProfile("h100", 132, 228 * KIB, 50 * MIB, 32, 64 * KIB, 3.35e12, HOPPER_TUNING),
+    "h200": HardwareProfile("h200", 132, 228 * KIB, 60 * MIB, 32, 64 * KIB, 4.8e12, HOPPER_TUNING),
     "c500": HardwareProfile("c500", 104, 64 * KIB, 8 * MIB, 64, 64 * KIB, 1.8e12),
 }
 
@@ -118,7 +124,8 @@ def current(device_index: int | None = None) -> HardwareProfile:
     """The profile of a CUDA device, read from the driver.
 
     Bandwidth cannot be read from the driver; it comes from the named profile whose key appears in
-    the device name (e.g. "NVIDIA H200"), and is 0.0 for an unknown device.
+    the device name (e.g. "NVIDIA H200"), and is 0.0 for an unknown device; so does the tuning
+    (the defaults for an unknown device).
     """
     import torch
 
@@ -136,6 +143,7 @@ def current(device_index: int | None = None) -> HardwareProfile:
         registers_per_multiprocessor=getattr(
             props, "regs_per_multiprocessor", (named or PROFILES["h100"]).registers_per_multiprocessor),
         hbm_bandwidth=named.hbm_bandwidth if named else 0.0,
+        tuning=named.tuning if named else Tuning(),
     )
 
 
