@@ -258,6 +258,28 @@ def test_merge_in_split_through_the_public_call():
         assert not context.tickets(route.plan, route.problem, torch.device(DEVICE)).any()
 
 
+def test_counters_left_over_are_caught_by_the_value_checks():
+    """With value checks on, a merging call that leaves its ticket counters non-zero (here: left
+    over before it) fails with an error naming them and resets them; the next call is right."""
+    import flashdecode
+
+    tuning = dataclasses.replace(profile_for(torch.device(DEVICE)).tuning, max_splits_merged_in_split=1000)
+    context = DecodeContext(DEVICE, tuning=tuning)
+    call = make_call(batch=2, capacity=200, lengths=[197, 70])
+    route = plan_for(call.q, call.k_cache, call.v_cache, **call.kwargs, num_splits=3, backend="triton",
+                     context=context)
+    counters = context.tickets(route.plan, route.problem, torch.device(DEVICE))
+    counters.fill_(1)
+    flashdecode.set_value_checks(True)
+    try:
+        with pytest.raises(RuntimeError, match="tickets: the split kernel left its ticket counters non-zero"):
+            through_api(call, num_splits=3, context=context)
+        assert not counters.any()
+        assert_matches(through_api(call, num_splits=3, context=context), reference(call))
+    finally:
+        flashdecode.set_value_checks(False)
+
+
 def test_float32():
     call = make_call(seqlen_new=3, seqlen_q=2, causal=True, rotary_dim=16, lengths=[97, 20])
     problem = plan_for(call.q, call.k_cache, call.v_cache, **call.kwargs, backend="triton").problem
@@ -361,9 +383,7 @@ def test_default_config():
     plain = Problem(4, 4096, 32, 8, 128, "float16")
     config = BACKEND.default_config(plain, h200, SPLIT)
     assert config == TritonConfig(block_n=64, block_m=16, num_warps=4, num_stages=2, combine_step=16,
-                                  merge_step=4, max_registers=128)
-    # a merging program loads 2 partials at a time for 32-row tiles (4 spill there)
-    assert BACKEND.default_config(Problem(4, 4096, 8, 1, 128, "float16", seqlen_q=4), h200, SPLIT).merge_step == 2
+                                  max_registers=128)
     wide = BACKEND.default_config(Problem(1, 4096, 32, 8, 256, "bfloat16"), h200, SINGLE_PASS)
     assert (wide.block_n, wide.num_warps, wide.num_stages, wide.combine_step) == (64, 4, 3, 64)
     assert BACKEND.default_config(Problem(2, 64, 8, 1, 59, "float16"), h200, SPLIT).block_n == 128
@@ -430,6 +450,19 @@ def test_plan_grid_has_row_tiles():
     problem = Problem(2, 64, 72, 8, 64, "float16", seqlen_q=9)  # 81 rows per KV head
     chosen = plan(problem, profile_for(torch.device(DEVICE)), BACKEND)
     assert chosen.grid(problem) == (2, 8, 2)
+
+
+@pytest.mark.parametrize("seqlen_q, merge_step", [(1, 4), (4, 2)])
+def test_merge_step_by_row_tile(seqlen_q, merge_step):
+    """A merging program loads 4 partials at a time from tiles of 16 rows, 2 from 32 (4 spill there)."""
+    problem = Problem(4, 4096, 8, 1, 128, "float16", seqlen_q=seqlen_q)
+    chosen = plan(problem, PROFILES["h200"], BACKEND, 3)
+    assert chosen.merge_in_split and chosen.config.merge_step is None
+    q = torch.empty(4, seqlen_q, 8, 128, dtype=torch.float16)
+    cache = torch.empty(4, 4096, 1, 128, dtype=torch.float16)
+    args = LaunchArgs(q, cache, cache, torch.empty(4, dtype=torch.int32), torch.empty_like(q), None, None, None, 0.1,
+                      tickets=torch.zeros(chosen.ticket_count(problem), dtype=torch.int32))
+    assert BACKEND.launches(chosen, problem, args)[0][4]["MERGE_STEP"] == merge_step
 
 
 def test_merging_plan_without_counters_is_refused():

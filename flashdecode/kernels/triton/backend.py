@@ -39,7 +39,7 @@ INTERPRETED = not isinstance(split_kernel, JITFunction)
 
 @dataclasses.dataclass(frozen=True)
 class TritonConfig:
-    """Tile config of the split kernel (and the combine's step)."""
+    """Tile config of the split kernel (and the combine's and the merge's steps)."""
 
     block_n: int  # keys per KV block
     block_m: int  # packed query rows per program: the grid has ceil(seqlen_q * group / block_m) row tiles
@@ -90,14 +90,12 @@ def merge_step_for(block_m: int) -> int:
 
 
 def retiled(config: TritonConfig, headdim: int, profile: HardwareProfile, **changes) -> TritonConfig:
-    """``config`` with ``changes`` (a sweep's tile), its register ceiling and merge step derived
-    again for the new tile unless ``changes`` names them (``headdim`` padded)."""
+    """``config`` with ``changes`` (a sweep's tile), its register ceiling derived again for the new
+    tile unless ``changes`` names one (``headdim`` padded)."""
     config = dataclasses.replace(config, **changes)
-    if "max_registers" not in changes:
-        config = dataclasses.replace(config, max_registers=register_cap(config, headdim, profile))
-    if changes.get("merge_step") is None:
-        config = dataclasses.replace(config, merge_step=merge_step_for(config.block_m))
-    return config
+    if "max_registers" in changes:
+        return config
+    return dataclasses.replace(config, max_registers=register_cap(config, headdim, profile))
 
 
 def padded_headdim(headdim: int) -> int:
@@ -125,6 +123,7 @@ class _LaunchSpec:
     combine_options: dict
     schedule: tuple  # batch, capacity, programs per head, forced splits, min chunk
     features: tuple  # seqlen_new, window_left, window_right (None where unused)
+    tickets: int  # ticket counters a merging split kernel needs (``Plan.ticket_count``; 0: none)
 
 
 class TritonBackend(Backend):
@@ -174,6 +173,7 @@ class TritonBackend(Backend):
         return steer(problem, retiled(config, headdim, profile), headdim)  # a Triton miscompile (``workarounds``)
 
     def merges_in_split(self, problem: Problem) -> bool:
+        """Every problem: the split kernel can merge its partials itself (``merge_if_last``)."""
         return True
 
     def resident_programs(self, problem: Problem, config, profile: HardwareProfile) -> int:
@@ -199,11 +199,12 @@ class TritonBackend(Backend):
         features pass None (Triton compiles None as a constant). lse, part_o and part_lse must be
         contiguous, as ``DecodeContext`` allocates them, and a merging plan needs its ticket counters;
         the other tensors need a contiguous last dimension only."""
-        if plan.merge_in_split and (args.tickets is None or args.tickets.numel() < plan.ticket_count(problem)):
-            raise ValueError(f"tickets: a plan that merges in the split kernel needs {plan.ticket_count(problem)} "
-                             f"zeroed int32 counters (Plan.ticket_count), got "
-                             f"{'None' if args.tickets is None else args.tickets.numel()}")
         spec = self._spec(plan, problem)
+        if spec.tickets and (args.tickets is None or args.tickets.numel() < spec.tickets
+                             or args.tickets.dtype != torch.int32):
+            got = "None" if args.tickets is None else f"{args.tickets.numel()} {args.tickets.dtype}"
+            raise ValueError(f"tickets: a plan that merges in the split kernel needs {spec.tickets} zeroed int32 "
+                             f"counters (Plan.ticket_count), got {got}")
         q, k_cache, v_cache, out = args.q, args.k_cache, args.v_cache, args.out
         k_new, v_new, cos, table, alibi = args.k_new, args.v_new, args.rotary_cos, args.block_table, args.alibi_slopes
         softcap_in = softcap_out = None
@@ -269,4 +270,4 @@ def _make_spec(plan, problem: Problem) -> _LaunchSpec:
     return _LaunchSpec(
         plan.grid(problem), split_constexprs, split_options,
         (problem.batch, problem.nheads_k * problem.q_rows) if plan.needs_combine else None, combine_constexprs,
-        dict(num_warps=4), schedule, features)
+        dict(num_warps=4), schedule, features, plan.ticket_count(problem))
