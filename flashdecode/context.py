@@ -244,6 +244,8 @@ class DecodeContext:
             scale, float(softcap), k, v, rotary_cos, rotary_sin, cache_batch_idx, cache_leftpad, block_table,
             alibi_slopes, self.tickets(plan, problem, device, capturing))
         chosen.launch(plan, problem, arguments)
+        if arguments.tickets is not None and value_checks_enabled() and not capturing:
+            _check_counters_left_at_zero(arguments.tickets)
         if host is not None and not host_checks:
             self._record(host, call, chosen.host_launches(plan, problem, arguments), problem, result,
                          lse if return_softmax_lse else None)
@@ -334,3 +336,14 @@ def default_context(device: torch.device) -> DecodeContext:
         context = _defaults.table[key] = DecodeContext(device)
         context._bind(device)
     return context
+
+
+def _check_counters_left_at_zero(tickets: torch.Tensor) -> None:
+    """With value checks on: a merging split kernel leaves its ticket counters at zero. One left
+    over (cache_seqlens changed while the kernel ran, the counters shared by concurrent launches,
+    a fault) would make every later call on them skip its merge; they are reset and the call fails."""
+    if bool(tickets.any()):
+        tickets.zero_()
+        raise RuntimeError("tickets: the split kernel left its ticket counters non-zero (cache_seqlens changed "
+                           "while it ran, or the counters were shared by concurrent launches); they are reset "
+                           "and this call's output is not valid")
