@@ -207,8 +207,9 @@ def test_calls_on_several_streams_at_once(backend):
 @pytest.mark.parametrize("case", [CASES[6], CASES[7], CASES[9], CASES[11], CASES[13]],
                          ids=lambda c: f"case{c.number}")
 def test_split_kernel_merging_its_partials(case):
-    """Triton's split kernel with the merge in it (``Plan.merge_in_split``): eager calls, then a
-    graph replayed with new lengths (its counters must be back at zero after every launch)."""
+    """Triton's split kernel with the merge in it (``Plan.merge_in_split``): eager calls on the
+    context's counters (back at zero after every launch, or the second would not merge), then a
+    graph replayed with new lengths (its counters are its own, zeroed in every replay)."""
     import dataclasses
 
     from flashdecode import DecodeContext
@@ -233,3 +234,22 @@ def test_split_kernel_merging_its_partials(case):
         torch.cuda.synchronize()
         assert relative_error(out, reference_decode(q, k, v, seqlens)[0]) < TOLERANCE, f"replay {step}"
     assert relative_error(call(), reference_decode(q, k, v, seqlens)[0]) < TOLERANCE  # eager after the graph
+
+
+@pytest.mark.parametrize("batch, forced_splits", [(1, 16), (8, 16), (64, 3)])
+def test_merge_in_split_is_deterministic_over_many_calls(batch, forced_splits):
+    """The merge takes a sequence's partials in split order, so every call gives the same bits:
+    500 back-to-back calls (no sync between them) of a plan that merges, each equal to the first.
+    A merger that read a partial before its program stored it, or counters left over, would not."""
+    generator = torch.Generator("cuda").manual_seed(batch)
+    q = torch.randn(batch, 1, 32, 128, device="cuda", generator=generator).bfloat16()
+    k, v = (torch.randn(batch, 4096, 8, 128, device="cuda", generator=generator).bfloat16() for _ in range(2))
+    seqlens = torch.randint(1, 4097, (batch,), device="cuda", generator=generator, dtype=torch.int32)
+    route = plan_for(q, k, v, cache_seqlens=seqlens, num_splits=forced_splits, backend="triton")
+    assert route.plan.merge_in_split
+    first = flash_decode_with_kvcache(q, k, v, seqlens, num_splits=forced_splits, backend="triton").clone()
+    outs = [flash_decode_with_kvcache(q, k, v, seqlens, num_splits=forced_splits, backend="triton").clone()
+            for _ in range(500)]
+    torch.cuda.synchronize()
+    assert all(torch.equal(out, first) for out in outs)
+    assert relative_error(first, reference_decode(q, k, v, seqlens)[0]) < TOLERANCE

@@ -213,12 +213,13 @@ def route_args(route, q, k_cache, v_cache, kwargs) -> LaunchArgs:
     lse = torch.empty(q.shape[0], q.shape[2], q.shape[1], device=q.device)
     part_o = torch.empty(plan.workspace_rows, problem.nheads_k * problem.q_rows, q.shape[3], device=q.device)
     part_lse = torch.empty(plan.workspace_rows, problem.nheads_k * problem.q_rows, device=q.device)
-    tickets = torch.zeros(plan.ticket_count(problem), dtype=torch.int32, device=q.device)
+    tickets = torch.zeros(plan.ticket_count(problem), dtype=torch.int32, device=q.device) if plan.merge_in_split \
+        else None
     return LaunchArgs(
         q, k_cache, v_cache, kwargs["cache_seqlens"], torch.empty_like(q), lse, part_o, part_lse, q.shape[3] ** -0.5,
         0.0, kwargs.get("k"), kwargs.get("v"), kwargs.get("rotary_cos"), kwargs.get("rotary_sin"),
         block_table=kwargs.get("block_table"), alibi_slopes=kwargs.get("alibi_slopes"),
-        tickets=tickets if plan.merge_in_split else None)
+        tickets=tickets)
 
 
 def launch_route(backend, route, q, k_cache, v_cache, kwargs):
