@@ -179,6 +179,7 @@ class Variant:
     page_size: int = 0  # 0: the contiguous cache
     seqlen_q: int = 1  # > 1: causal
     seqlen_new: int = 0  # k/v tokens appended
+    pages_in_order: bool = False  # the block table in page order (a diagnostic: the shuffle's cost)
 
     @property
     def causal(self) -> bool:
@@ -198,6 +199,8 @@ VARIANTS = {variant.name: variant for variant in (
     Variant("plain", "decode over the contiguous cache"),
     *(Variant(f"paged{size}", f"the cache copied into pages of {size} tokens, block table in shuffled page order",
               page_size=size) for size in (16, 64, 256)),
+    Variant("paged16-ordered", "the cache copied into pages of 16 tokens, block table in page order (what "
+                               "paged16 costs beyond the shuffle)", page_size=16, pages_in_order=True),
     Variant("q4", "seqlen_q = 4, causal=True", seqlen_q=4),
     Variant("append", "k/v of 1 new token appended: cache_seqlens = lengths - 1 (idempotent: same token, "
                       "same slot)", seqlen_new=1),
@@ -259,7 +262,9 @@ def make_call(case: Case, variant: Variant, device="cpu", dtype=DTYPE, seed=1) -
         call.cache_seqlens = (seqlens - variant.seqlen_new).clamp(min=0)
     if variant.page_size:
         blocks = -(-case.seqlen_cache // variant.page_size)
-        order = torch.randperm(case.batch * blocks, generator=torch.Generator("cpu").manual_seed(0)).to(device)
+        order = torch.arange(case.batch * blocks) if variant.pages_in_order else \
+            torch.randperm(case.batch * blocks, generator=torch.Generator("cpu").manual_seed(0))
+        order = order.to(device)
         tail = (case.batch, blocks * variant.page_size - case.seqlen_cache, case.nheads_k, case.headdim)
         call.k_cache = _pages(k_cache, _randn(generator, device, dtype, *tail), variant.page_size, order)
         call.v_cache = _pages(v_cache, _randn(generator, device, dtype, *tail), variant.page_size, order)

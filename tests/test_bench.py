@@ -100,6 +100,9 @@ def test_variants_compute_what_the_plain_cache_defines():
         if blocks > 1:
             assert call.block_table.flatten().tolist() != list(range(SMALL.batch * blocks))  # shuffled
         assert relative_error(_reference(call), expected) == 0.0 and call.bytes_moved() == plain.bytes_moved()
+    ordered = cases.make_call(SMALL, cases.VARIANTS["paged16-ordered"], dtype=torch.float32)
+    assert ordered.block_table.flatten().tolist() == list(range(ordered.block_table.numel()))
+    assert relative_error(_reference(ordered), expected) == 0.0
     q4 = cases.make_call(SMALL, cases.VARIANTS["q4"], dtype=torch.float32)
     assert q4.q.shape == (3, 4, SMALL.nheads, 64) and q4.causal and torch.equal(q4.k_cache, plain.k_cache)
     out = _reference(q4)
