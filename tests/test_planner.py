@@ -215,3 +215,23 @@ def test_split_plans_merge_in_the_kernel_up_to_the_tunings_splits(threshold):
             assert p.needs_combine == (p.kernel == SPLIT and not merges)
             assert p.workspace_rows == (p.programs_per_head if p.kernel == SPLIT else 0)
             assert p.ticket_count(problem) == (batch * problem.nheads_k * p.row_tiles(problem) if merges else 0)
+
+
+@pytest.mark.parametrize("device_name, merges", [("NVIDIA H200", 16), ("NVIDIA H100 80GB HBM3", 16),
+                                                 ("NVIDIA A100-SXM4-80GB", 0), ("MetaX C500", 0)])
+def test_the_tuning_comes_from_the_named_profile(monkeypatch, device_name, merges):
+    """``hardware.current()`` takes a named profile's tuning (Hopper merges in the split kernel up to
+    16 splits); an unknown device the defaults, which never merge."""
+    from flashdecode import hardware
+
+    properties = type("Properties", (), dict(name=device_name, multi_processor_count=108,
+                                              shared_memory_per_multiprocessor=164 * 1024, L2_cache_size=40 << 20,
+                                              warp_size=32, regs_per_multiprocessor=65536))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index: properties)
+    hardware.current.cache_clear()
+    try:
+        assert hardware.current().tuning.max_splits_merged_in_split == merges
+    finally:
+        hardware.current.cache_clear()
