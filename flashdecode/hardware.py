@@ -82,8 +82,8 @@ class Tuning:
 
 
 #: Hopper's tuning: the merge in the split kernel up to 16 splits a sequence. On the H200 (Triton):
-#: cases 7-9 1-9% less GPU time (plain, 4 query tokens, pages of 64), nothing slower by more than 1%;
-#: 64 merged cases 10 and 13 too, 7-50% slower (one program merges ~50-100 splits).
+#: cases 7-9 1-9% less GPU time (plain, 4 query tokens, pages of 64), nothing else changed beyond
+#: noise; 64 merged single sequences of 32-50 splits too (cases 10, 13: 7-50% slower).
 HOPPER_TUNING = Tuning(max_splits_merged_in_split=16)
 
 
