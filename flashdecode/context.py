@@ -141,11 +141,11 @@ class DecodeContext:
                 views = _partial_views(torch.empty(0, dtype=torch.float32, device=device), 0, columns, headdim)
                 _remember(self._workspace_views, key, views)
                 return views
-            if self._workspace is None or self._workspace.numel() < need:
+            grown = _grown(self._workspace, need, lambda size: torch.empty(size, dtype=torch.float32, device=device))
+            if grown is not self._workspace:
                 # The old buffer goes back to the caching allocator, which reuses it on this stream
                 # only after the kernels already queued here.
-                size = max(need, 2 * self._workspace.numel()) if self._workspace is not None else need
-                self._workspace = torch.empty(size, dtype=torch.float32, device=device)
+                self._workspace = grown
                 self._workspace_views.clear()
             views = _partial_views(self._workspace, rows, columns, headdim)
             _remember(self._workspace_views, key, views)
@@ -163,9 +163,9 @@ class DecodeContext:
             return torch.zeros(count, dtype=torch.int32, device=device)
         view = self._ticket_views.get(count)
         if view is None:
-            if self._tickets is None or self._tickets.numel() < count:
-                size = max(count, 2 * self._tickets.numel()) if self._tickets is not None else count
-                self._tickets = torch.zeros(size, dtype=torch.int32, device=device)
+            grown = _grown(self._tickets, count, lambda size: torch.zeros(size, dtype=torch.int32, device=device))
+            if grown is not self._tickets:
+                self._tickets = grown
                 self._ticket_views.clear()
             view = self._tickets[:count]
             _remember(self._ticket_views, count, view)
@@ -287,6 +287,14 @@ def _fast_meta(tensor):
 
 def _index(device: torch.device) -> int:
     return device.index if device.index is not None else torch.cuda.current_device()
+
+
+def _grown(buffer: torch.Tensor | None, need: int, make) -> torch.Tensor:
+    """``buffer`` if it holds ``need`` elements, else ``make(size)`` of at least twice its size (a
+    context's buffers grow geometrically, so a few shapes do not reallocate call after call)."""
+    if buffer is not None and buffer.numel() >= need:
+        return buffer
+    return make(max(need, 2 * buffer.numel()) if buffer is not None else need)
 
 
 def _remember(table: dict, key, value) -> None:

@@ -78,16 +78,15 @@ class Plan:
 
     def max_splits(self, problem: Problem) -> int:
         """Most splits one sequence can get from the device-side rule: F when forced, else at most
-        P - B (chunk >= sum_b nblk_b / (P - B)) and at most ceil(max blocks / min_chunk). A span of
-        keys shorter than the capacity (a left window) may start mid-block: one block more."""
+        P - B (chunk >= sum_b nblk_b / (P - B)) and at most ceil(max blocks / min_chunk). The keys
+        one sequence sees span at most ceil((span - 1) / block_n) + 1 blocks wherever they start (a
+        left window's may start mid-block), and never more than the capacity holds."""
         if self.forced_splits > 0:
             return self.forced_splits
         if not self.can_split:
             return 1
-        span = problem.key_span()
-        max_blocks = math.ceil(problem.seqlen_cache / self.block_n)
-        if span < problem.seqlen_cache:
-            max_blocks = min(max_blocks, (span + self.block_n - 2) // self.block_n + 1)
+        block_n = self.block_n
+        max_blocks = min(math.ceil(problem.seqlen_cache / block_n), (problem.key_span() + block_n - 2) // block_n + 1)
         return max(1, min(self.programs_per_head - problem.batch, math.ceil(max_blocks / self.min_chunk)))
 
     def ticket_count(self, problem: Problem) -> int:
