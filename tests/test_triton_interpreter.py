@@ -337,7 +337,8 @@ def test_out_without_lse_matches_out_with_it():
 
 # -- values out of range: clamped (nothing read or written out of bounds), NaN rows ------------------
 
-BAD_VALUES = {  # make_call arguments, the index tensor, sequence 0's bad value in it (sequence 1 stays good)
+BAD_VALUES = {  # make_call arguments, the index tensor, sequence 0's bad value in it, at column 0 unless a
+    # fourth entry names another (sequence 1 stays good)
     "length-negative": (dict(), "cache_seqlens", -1),
     "length-past-capacity": (dict(), "cache_seqlens", 101),
     "append-past-capacity": (dict(seqlen_new=3), "cache_seqlens", 99),
@@ -345,6 +346,7 @@ BAD_VALUES = {  # make_call arguments, the index tensor, sequence 0's bad value 
     "leftpad-negative": (dict(leftpad=[0, 3]), "cache_leftpad", -2),
     "batch-idx": (dict(batch_idx=True, seqlen_new=2), "cache_batch_idx", 4),
     "block-id": (dict(page_size=16, seqlen_new=2), "block_table", 2 * 7 + 3),  # first block: past the pages
+    "block-id-later-block": (dict(page_size=16, lengths=[100, 40]), "block_table", -5, 5),  # tokens 80-95
     # rows 0-34 of sequence 0 see no key (left pad 45 of 50, causal): NaN too, after a split's merge
     "batch-idx-rows-without-keys": (dict(batch_idx=True, seqlen_q=40, causal=True, leftpad=[45, 0]),
                                     "cache_batch_idx", 4),
@@ -354,10 +356,10 @@ BAD_VALUES = {  # make_call arguments, the index tensor, sequence 0's bad value 
 @pytest.mark.parametrize("case", BAD_VALUES)
 @pytest.mark.parametrize("num_splits, merge", [(0, False), (3, False), (3, True)], ids=["auto", "split", "merge"])
 def test_bad_value_makes_its_sequence_nan(case, num_splits, merge):
-    arguments, name, value = BAD_VALUES[case]
-    call = make_call(lengths=[50, 40], **arguments)
+    arguments, name, value, *column = BAD_VALUES[case]
+    call = make_call(**{"lengths": [50, 40], **arguments})
     bad = call.kwargs[name].clone()
-    bad.view(2, -1)[0, 0] = value
+    bad.view(2, -1)[0, column[0] if column else 0] = value
     got = through_backend(call, num_splits, merge=merge, **{name: bad})
     assert got[0][0].isnan().all()
     expected = reference(call)
@@ -392,6 +394,10 @@ def test_default_config():
              for d in (64, 128, 256)]
     assert small == [128, 64, 16]
     assert BACKEND.default_config(Problem(1, 4096, 8, 8, 32, "float16"), h200, SPLIT).block_n == 64
+    # pages smaller than a block at head dim 128: a third stage for the table lookups
+    stages = [BACKEND.default_config(Problem(4, 4096, 32, 8, d, "bfloat16", page_size=p), h200, SPLIT).num_stages
+              for d, p in ((128, 16), (128, 32), (128, 64), (128, 256), (64, 16))]
+    assert stages == [3, 3, 2, 2, 2]
     # head dim 256: 4 warps up to 32 query rows, 8 for a 64-row tile (its fp32 output past 64 values a thread)
     warps = [BACKEND.default_config(Problem(1, 4096, rows, 1, 256, "bfloat16"), h200, SPLIT).num_warps
              for rows in (8, 32, 64)]

@@ -145,7 +145,8 @@ class TritonBackend(Backend):
         return frozenset((SINGLE_PASS, SPLIT))
 
     def default_config(self, problem: Problem, profile: HardwareProfile, kernel: str) -> TritonConfig:
-        """block_n, warps and stages from the profile's ``triton_tiles`` by padded head dim; block_m:
+        """block_n, warps and stages from the profile's ``triton_tiles`` by padded head dim (3 stages
+        for pages smaller than a block at head dim 128, where measured); block_m:
         the packed rows rounded up to a power of two, 16 to MAX_BLOCK_M; warps doubled while the fp32
         output tile holds more than MAX_OUTPUT_PER_THREAD values a thread; block_n halved (down to 16),
         then stages dropped (down to 2), then block_m halved (more row tiles), until ``shared_bytes``
@@ -160,6 +161,10 @@ class TritonBackend(Backend):
         while block_m * headdim > MAX_OUTPUT_PER_THREAD * profile.wave_width * num_warps and num_warps < 8:
             num_warps *= 2
         combine_step = COMBINE_STEP_ONE_SEQUENCE if problem.batch == 1 else COMBINE_STEP_BATCH
+        if 0 < problem.page_size < block_n and headdim == 128 and num_stages == 2:
+            # A third stage loads a block's table entries one block before its K/V copies, which
+            # otherwise wait on the lookup; the K/V tiles stay double-buffered (``docs/design.md``).
+            num_stages = 3
         config = TritonConfig(block_n, block_m, num_warps, num_stages, combine_step)
         while shared_bytes(config, headdim, problem.element_bytes, profile) > profile.shared_memory_per_multiprocessor:
             if config.block_n > 16:
