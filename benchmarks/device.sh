@@ -13,7 +13,7 @@
 #               from .fa2-build/ (or the carried .fa2-build.tar.xz) through FLASHDECODE_FA2_PATH
 #   bench ARGS  flashdecode bench with the given arguments (quote them as one word)
 #   sweep ARGS  benchmarks/sweep.py with the given arguments
-#   sanitize    compute-sanitizer memcheck + racecheck on a few cases (TileLang)
+#   sanitize    compute-sanitizer memcheck, racecheck, synccheck on a few cases (SANITIZE_BACKEND, default tilelang)
 #   profile N[:VARIANT]  flashdecode profile --case N [--variant VARIANT] for PROFILE_BACKENDS (default
 #               both) into $OUT/profiles.tar.gz
 #
@@ -123,7 +123,8 @@ json.dump(fa_grid.merge_reports([json.load(open(p)) for p in paths]), open('$OUT
       summary+=("sweep rc=${PIPESTATUS[0]}");;
     sanitize)
       for tool in memcheck racecheck synccheck; do
-        timeout "${STEP_TIMEOUT:-400}" compute-sanitizer --tool $tool python3 benchmarks/sanitize_target.py 2>&1 | tee "$OUT/sanitize_$tool.log" | tail -6
+        timeout "${STEP_TIMEOUT:-400}" compute-sanitizer --tool $tool python3 benchmarks/sanitize_target.py \
+          --backend "${SANITIZE_BACKEND:-tilelang}" 2>&1 | tee "$OUT/sanitize_$tool.log" | tail -6
         summary+=("sanitize $tool rc=${PIPESTATUS[0]}")
       done;;
     profile)

@@ -1,32 +1,39 @@
-"""A small workload for compute-sanitizer: TileLang on a few shapes that cover one program per
-sequence, balanced splits, forced splits, empty rows, lengths at block boundaries in the split
-kernel (case 6) and the short-cache kernel (cases 3, 4: one tile; case 5: three), and tiles
-gathered from pages of 16 by both."""
+"""A small workload for compute-sanitizer: one backend (``--backend``, default TileLang) on a few
+shapes that cover one program per sequence, balanced splits (Triton: case 10's combine as a
+dependent launch), forced splits (Triton: merged in the split kernel), empty rows, lengths at block
+boundaries in the split kernel (case 6) and the short-cache kernel (cases 3, 4: one tile; case 5:
+three), and tiles gathered from pages of 16 by both."""
+import argparse
+
 import torch
 
 from flashdecode import flash_attn_with_kvcache, flash_decode_with_kvcache
 from flashdecode.cases import CASES_BY_NUMBER, VARIANTS, make_call, make_inputs
 
+parser = argparse.ArgumentParser(description=__doc__)
+parser.add_argument("--backend", default="tilelang")
+backend = parser.parse_args().backend
+
 for number in (3, 4, 5, 10):
     q, k, v, seqlens = make_inputs(CASES_BY_NUMBER[number], device="cuda")
     for num_splits in (0, 3):
-        flash_decode_with_kvcache(q, k, v, seqlens, num_splits=num_splits, backend="tilelang")
+        flash_decode_with_kvcache(q, k, v, seqlens, num_splits=num_splits, backend=backend)
 q, k, v, _ = make_inputs(CASES_BY_NUMBER[5], device="cuda")
 seqlens = torch.tensor([0, 1, 63, 64, 65, 127, 128, 129, 141, 0, 2, 3, 4, 5, 6, 7], dtype=torch.int32, device="cuda")
-flash_decode_with_kvcache(q, k, v, seqlens, backend="tilelang")
+flash_decode_with_kvcache(q, k, v, seqlens, backend=backend)
 q, k, v, _ = make_inputs(CASES_BY_NUMBER[6], device="cuda")  # 16 x 362 tokens: split kernel, unsplit
 seqlens = torch.tensor([0, 1, 63, 64, 65, 127, 128, 129, 191, 192, 193, 255, 256, 257, 361, 362], dtype=torch.int32,
                        device="cuda")
-flash_decode_with_kvcache(q, k, v, seqlens, backend="tilelang")
+flash_decode_with_kvcache(q, k, v, seqlens, backend=backend)
 q, k, v, _ = make_inputs(CASES_BY_NUMBER[4], device="cuda")  # 64 x 64 tokens: one tile
 seqlens = torch.tensor([0, 1, 2, 17, 31, 32, 33, 63, 64] * 7 + [0], dtype=torch.int32, device="cuda")
-flash_decode_with_kvcache(q, k, v, seqlens, backend="tilelang")
+flash_decode_with_kvcache(q, k, v, seqlens, backend=backend)
 for number, lengths in ((6, [0, 1, 15, 16, 17, 63, 64, 65, 127, 128, 129, 255, 256, 257, 361, 362]),
                         (5, [0, 1, 15, 16, 17, 63, 64, 65, 127, 128, 129, 140, 141, 2, 3, 4])):
     call = make_call(CASES_BY_NUMBER[number], VARIANTS["paged16"], device="cuda")
     call.cache_seqlens = torch.tensor(lengths, dtype=torch.int32, device="cuda")
     for num_splits in (0, 3):
         flash_attn_with_kvcache(call.q, call.k_cache, call.v_cache, **call.kwargs(), num_splits=num_splits,
-                                backend="tilelang")
+                                backend=backend)
 torch.cuda.synchronize()
 print("sanitize target done")

@@ -10,7 +10,7 @@ Usage: python benchmarks/sweep.py --backend tilelang,triton --ppsm 2,3,4 --block
 ``--tl-stages`` and ``--tl-rows`` set any backend's ``num_stages`` / ``block_m``; ``--warps`` Triton's
 ``num_warps``; ``--max-registers`` Triton's register cap (0: none); ``--merge-splits`` the most
 splits a sequence may have for the split kernel to merge them itself (0: never), ``--merge-step``
-how many it merges at a time. ``--shapes`` adds
+how many it merges at a time; ``--dependent-combine 0,1`` the combine as a programmatic dependent launch. ``--shapes`` adds
 cases of one's own: batch x seqlen_cache x nheads_k x group x headdim, then ``:`` and a length rule of
 ``cases.LENGTH_RULES`` (numbered S1, S2, ...).
 """
@@ -50,7 +50,8 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--backend", default="tilelang")
     for flag in ("--ppsm", "--min-chunk", "--short-max-blocks", "--block-n", "--tl-stages", "--tl-rows",
-                 "--tl-producer-regs", "--warps", "--max-registers", "--merge-splits", "--merge-step"):
+                 "--tl-producer-regs", "--warps", "--max-registers", "--merge-splits", "--merge-step",
+                 "--dependent-combine"):
         parser.add_argument(flag, default="", help="comma list (default: the measured value)")
     parser.add_argument("--matrix", default="cases", choices=sorted(MATRICES))
     parser.add_argument("--cases", default="", help="cases of the matrix, e.g. 7,12 or W9,W10 (default: all; none "
@@ -69,12 +70,15 @@ def main():
         expected = reference_attention(inputs.q, inputs.k_cache, inputs.v_cache, **inputs.kwargs())[0]
         nbytes = inputs.bytes_moved()
         for backend, ppsm, min_chunk, short_max, block_n, stages, q_rows, producer, warps, registers, merge, \
-                merge_step in itertools.product(args.backend.split(","), *(values(getattr(args, name)) for name in (
-                    "ppsm", "min_chunk", "short_max_blocks", "block_n", "tl_stages", "tl_rows", "tl_producer_regs",
-                    "warps", "max_registers", "merge_splits", "merge_step"))):
+                merge_step, dependent in itertools.product(args.backend.split(","), *(
+                    values(getattr(args, name)) for name in (
+                        "ppsm", "min_chunk", "short_max_blocks", "block_n", "tl_stages", "tl_rows",
+                        "tl_producer_regs", "warps", "max_registers", "merge_splits", "merge_step",
+                        "dependent_combine"))):
             tuning = dataclasses.replace(base, **{name: value for name, value in (
                 ("programs_per_multiprocessor", ppsm), ("min_blocks_per_split", min_chunk),
-                ("short_cache_max_blocks", short_max), ("max_splits_merged_in_split", merge)) if value is not None})
+                ("short_cache_max_blocks", short_max), ("max_splits_merged_in_split", merge),
+                ("dependent_combine", None if dependent is None else bool(dependent))) if value is not None})
             default = plan_for(inputs.q, inputs.k_cache, inputs.v_cache, **inputs.kwargs(), backend=backend,
                                context=DecodeContext("cuda", tuning=tuning)).plan.config
             changes = {name: value for name, value in (("block_n", block_n), ("num_stages", stages),
@@ -94,7 +98,7 @@ def main():
                 chosen = plan_for(inputs.q, inputs.k_cache, inputs.v_cache, **inputs.kwargs(), backend=backend,
                                   context=context).plan
                 row["plan"] = dict(kernel=chosen.kernel, programs_per_head=chosen.programs_per_head,
-                                   merge_in_split=chosen.merge_in_split)
+                                   merge_in_split=chosen.merge_in_split, dependent_combine=chosen.dependent_combine)
 
                 def call():
                     return flash_attn_with_kvcache(inputs.q, inputs.k_cache, inputs.v_cache, **inputs.kwargs(),

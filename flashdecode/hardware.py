@@ -60,6 +60,10 @@ class Tuning:
     #: where it was not measured (its ordering of partials through a GPU-scope atomic is checked on
     #: NVIDIA's only). Hopper: ``HOPPER_TUNING``.
     max_splits_merged_in_split: int = 0
+    #: Split plans that keep a combine launch it as a programmatic dependent launch (Hopper and
+    #: later: it is scheduled while the split kernel drains and waits in the kernel for the
+    #: partials; ``Plan.dependent_combine``) where the backend can; off where not measured.
+    dependent_combine: bool = False
     #: ``auto``'s order (:class:`AutoRule`): the first rule whose limits hold and whose backend can
     #: take the call runs it. Measured on the H200 with both on the compiled host path
     #: (``docs/design.md``, "Measured choices"): TileLang below 32 MiB for contiguous caches without
@@ -84,7 +88,7 @@ class Tuning:
 #: Hopper's tuning: the merge in the split kernel up to 16 splits a sequence. On the H200 (Triton):
 #: cases 7-9 1-9% less GPU time (plain, 4 query tokens, pages of 64), nothing else changed beyond
 #: noise; 64 merged single sequences of 32-50 splits too (cases 10, 13: 7-50% slower).
-HOPPER_TUNING = Tuning(max_splits_merged_in_split=16)
+HOPPER_TUNING = Tuning(max_splits_merged_in_split=16, dependent_combine=True)
 
 
 @dataclasses.dataclass(frozen=True)

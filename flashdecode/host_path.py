@@ -94,6 +94,9 @@ def _build(verbose: bool):
     from torch.utils import cpp_extension
 
     includes = [*cpp_extension.include_paths(), sysconfig.get_paths()["include"]]
+    cuda_include = pathlib.Path(os.environ.get("CUDA_HOME", "/usr/local/cuda")) / "include"
+    if (cuda_include / "cuda.h").is_file():  # checks the launch structures the source copies from it
+        includes.append(str(cuda_include))
     ffi_defines, ffi_libraries = [], []
     package = _tvm_ffi_package()
     if package is not None:
@@ -200,7 +203,7 @@ class HostPath:
                 slots.append(slot)
             if isinstance(launch, CudaLaunch):
                 specs.append(("cuda", launch.function, launch.owner, launch.grid, launch.block, launch.shared,
-                              list(launch.arguments), slots, list(launch.kinds)))
+                              list(launch.arguments), slots, list(launch.kinds), launch.dependent))
             else:
                 specs.append(("ffi", launch.function, list(launch.arguments), slots))
         return bool(self._native.add(call, specs, list(lse_shape)))

@@ -63,6 +63,9 @@ class Plan:
     #: SPLIT only: the last split program of each (sequence, KV head, row tile) to finish merges the
     #: partials (one launch, no combine kernel; ``docs/design.md``, "The schedule")
     merge_in_split: bool = False
+    #: SPLIT with a combine only: the combine is a programmatic dependent launch (scheduled while the
+    #: split kernel drains; it waits in the kernel for the partials)
+    dependent_combine: bool = False
 
     @property
     def block_n(self) -> int:
@@ -163,10 +166,14 @@ def plan(problem: Problem, profile: HardwareProfile, backend, num_splits: int = 
 
 def _merging(plan_: Plan, problem: Problem, tuning, backend) -> Plan:
     """``plan_`` with the merge in the split kernel where the backend has it and no sequence can get
-    more than ``tuning.max_splits_merged_in_split`` splits (one program merges them, a few at a time)."""
-    if (plan_.kernel == SPLIT and backend.merges_in_split(problem)
-            and plan_.max_splits(problem) <= tuning.max_splits_merged_in_split):
+    more than ``tuning.max_splits_merged_in_split`` splits (one program merges them, a few at a time);
+    else, where the tuning and the backend allow, with its combine as a dependent launch."""
+    if plan_.kernel != SPLIT:
+        return plan_
+    if backend.merges_in_split(problem) and plan_.max_splits(problem) <= tuning.max_splits_merged_in_split:
         return dataclasses.replace(plan_, merge_in_split=True)
+    if tuning.dependent_combine and backend.launches_dependent_combine(problem):
+        return dataclasses.replace(plan_, dependent_combine=True)
     return plan_
 
 

@@ -143,7 +143,7 @@ def test_a_cuda_launch_packs_each_parameter_as_its_kind(module):
     split = CudaLaunch(0x1234, (3, 2, 1), 128, 4096,
                        (first[0], first[1], first[7], result, lse, workspace, None, 0.125, -7, 2 ** 40, 1),
                        (POINTER,) * 7 + (FLOAT32, INT32, INT64, INT8))
-    combine = CudaLaunch(0x5678, (2, 1, 1), 128, 0, (result, 9), (POINTER, INT32))
+    combine = CudaLaunch(0x5678, (2, 1, 1), 128, 0, (result, 9), (POINTER, INT32), dependent=True)
     assert path.add(first, [split, combine], result, lse, (2, 4, 1))
     out = torch.empty(2, 1, 4, 8)  # given: the words hold its pointer (an allocated out's is 0 here)
     second = make_call(out=out, return_lse=True)

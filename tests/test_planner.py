@@ -217,6 +217,27 @@ def test_split_plans_merge_in_the_kernel_up_to_the_tunings_splits(threshold):
             assert p.ticket_count(problem) == (batch * problem.nheads_k * p.row_tiles(problem) if merges else 0)
 
 
+@pytest.mark.parametrize("tuned", [False, True])
+def test_combines_are_dependent_launches_where_the_tuning_and_the_backend_allow(tuned):
+    """Plans that keep a combine launch it as a programmatic dependent launch exactly where the
+    tuning asks and the backend can (Triton under the interpreter cannot; TileLang never)."""
+    profile = dataclasses.replace(PROFILES["h200"], tuning=dataclasses.replace(
+        PROFILES["h200"].tuning, dependent_combine=tuned))
+    triton_backend = get_backend("triton")
+
+    class Dependent(type(triton_backend)):
+        def launches_dependent_combine(self, problem):
+            return True
+
+    assert not triton_backend.launches_dependent_combine(problem_for([100], 100))  # the interpreter
+    for batch, seqlen_cache, num_splits in itertools.product([1, 4, 64], [100, 5000, 60000], [0, 3, 40]):
+        problem = problem_for([seqlen_cache] * batch, seqlen_cache)
+        for backend in (Dependent(), triton_backend, get_backend("tilelang")):
+            p = plan(problem, profile, backend, num_splits)
+            assert p.dependent_combine == (tuned and p.needs_combine and isinstance(backend, Dependent))
+            assert not (p.dependent_combine and p.merge_in_split)
+
+
 @pytest.mark.parametrize("device_name, merges", [("NVIDIA H200", 16), ("NVIDIA H100 80GB HBM3", 16),
                                                  ("NVIDIA A100-SXM4-80GB", 0), ("MetaX C500", 0)])
 def test_the_tuning_comes_from_the_named_profile(monkeypatch, device_name, merges):
@@ -233,5 +254,6 @@ def test_the_tuning_comes_from_the_named_profile(monkeypatch, device_name, merge
     hardware.current.cache_clear()
     try:
         assert hardware.current().tuning.max_splits_merged_in_split == merges
+        assert hardware.current().tuning.dependent_combine == (merges > 0)
     finally:
         hardware.current.cache_clear()

@@ -255,10 +255,13 @@ def test_register_ceiling_holds_on_this_gpu():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("features", ["plain", "paged-append-rotary-alibi"])
-@pytest.mark.parametrize("num_splits, merge", [(1, False), (4, False), (4, True)], ids=["one", "combine", "merge"])
-def test_direct_launch_matches_tritons_launch(features, num_splits, merge):
+@pytest.mark.parametrize("num_splits, merge, dependent", [(1, False, False), (4, False, False), (4, False, True),
+                                                       (4, True, False)],
+                         ids=["one", "combine", "dependent-combine", "merge"])
+def test_direct_launch_matches_tritons_launch(features, num_splits, merge, dependent):
     """The backend's kernels launched directly write exactly what Triton's path writes (4 splits:
-    merged by the combine kernel, or in the split kernel)."""
+    merged by the combine kernel, launched after the split kernel or as a dependent launch, or in
+    the split kernel), and the dependent combine writes what the plain one does."""
     generator = torch.Generator("cuda").manual_seed(0)
 
     def randn(*shape):
@@ -277,7 +280,10 @@ def test_direct_launch_matches_tritons_launch(features, num_splits, merge):
                       alibi_slopes=torch.rand(8, device="cuda", generator=generator))
     route = plan_for(q, k_cache, v_cache, backend="triton", **kwargs)
     if num_splits > 1:
-        route = dataclasses.replace(route, plan=dataclasses.replace(route.plan, merge_in_split=merge))
+        route = dataclasses.replace(route, plan=dataclasses.replace(route.plan, merge_in_split=merge,
+                                                                    dependent_combine=dependent))
+    if dependent and launch.DEPENDENT_LAUNCH_UNAVAILABLE:
+        pytest.skip(launch.DEPENDENT_LAUNCH_UNAVAILABLE)
     public = TritonBackend()
     public.launcher = Launcher(unavailable="compared against")
     fast = TritonBackend()
@@ -287,6 +293,12 @@ def test_direct_launch_matches_tritons_launch(features, num_splits, merge):
     expected = launch_route(public, route, q, k_cache, v_cache, kwargs)
     for got, want in zip(direct, expected):
         assert torch.equal(got, want)
+    if dependent:
+        assert [described.dependent for described in fast.host_launches(route.plan, route.problem, route_args(
+            route, q, k_cache, v_cache, kwargs))] == [False, True]
+        plain = dataclasses.replace(route, plan=dataclasses.replace(route.plan, dependent_combine=False))
+        for got, want in zip(direct, launch_route(TritonBackend(), plain, q, k_cache, v_cache, kwargs)):
+            assert torch.equal(got, want)
 
 
 def test_describe_lists_the_parameters_triton_passes():
@@ -299,10 +311,13 @@ def test_describe_lists_the_parameters_triton_passes():
                                 (POINTER, POINTER, INT32, INT64, FLOAT32, POINTER, POINTER), owner=compiled)
     del compiled.metadata.profile_scratch_size  # a Triton with one scratch buffer
     assert describe(compiled, (5,), (x, y, 3, 2 ** 40, 0.5, 16, None)).kinds[-2:] == (FLOAT32, POINTER)
+    assert not describe(compiled, (5,), (x, y, 3, 2 ** 40, 0.5, 16, None)).dependent
+    compiled.metadata.launch_pdl = True  # compiled for a programmatic dependent launch
+    assert describe(compiled, (5,), (x, y, 3, 2 ** 40, 0.5, 16, None)).dependent
 
 
 @pytest.mark.parametrize("change", [
-    {"num_ctas": 2}, {"shared": 229 * 1024}, {"launch_pdl": True}, {"launch_cooperative_grid": True},
+    {"num_ctas": 2}, {"shared": 229 * 1024}, {"launch_cooperative_grid": True},
     {"global_scratch_size": 64},
     {"profile_scratch_size": 8}, {"tensordesc_meta": [{}]}, {"signature": {"X": "*fp16", "n": "fp16"}},
     {"signature": {"X": "*fp16"}}, {"values": (torch.zeros(1), 2.5)}, {"values": (3, 4)}, {"function": None},

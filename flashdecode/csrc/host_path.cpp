@@ -18,6 +18,15 @@
 
 #include <dlfcn.h>
 
+// CUDA's driver header, where the build finds it: only to check the launch structures copied below.
+#if __has_include(<cuda.h>)
+#include <cuda.h>
+#define FLASHDECODE_HAS_CUDA_H 1
+#else
+#define FLASHDECODE_HAS_CUDA_H 0
+#endif
+
+#include <cstddef>
 #include <cstring>
 #include <memory>
 #include <stdexcept>
@@ -112,14 +121,44 @@ bool make_key(PyObject* args, Key& key) {
   return true;
 }
 
+// cuLaunchKernelEx's configuration as cuda.h (CUDA 12.0+) lays it out, with the one attribute a
+// dependent launch sets; the library builds without CUDA headers, and checks these copies against
+// them where it finds them.
+struct LaunchAttribute {
+  int id;  // CUlaunchAttributeID
+  char pad[4];
+  union {
+    char bytes[64];
+    int programmatic_stream_serialization_allowed;
+  } value;
+};
+struct LaunchConfig {
+  unsigned grid_x, grid_y, grid_z, block_x, block_y, block_z, shared_bytes;
+  void* stream;
+  LaunchAttribute* attributes;
+  unsigned attribute_count;
+};
+constexpr int kProgrammaticStreamSerialization = 6;  // CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+#if FLASHDECODE_HAS_CUDA_H
+static_assert(sizeof(LaunchAttribute) == sizeof(::CUlaunchAttribute) &&
+              offsetof(LaunchAttribute, value) == offsetof(::CUlaunchAttribute, value));
+static_assert(sizeof(LaunchConfig) == sizeof(::CUlaunchConfig) &&
+              offsetof(LaunchConfig, stream) == offsetof(::CUlaunchConfig, hStream) &&
+              offsetof(LaunchConfig, attributes) == offsetof(::CUlaunchConfig, attrs) &&
+              offsetof(LaunchConfig, attribute_count) == offsetof(::CUlaunchConfig, numAttrs));
+static_assert(kProgrammaticStreamSerialization == ::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION);
+#endif
+
 // The CUDA driver functions a raw launch needs, looked up in libcuda at first use (the library
 // builds without CUDA headers; CPU machines have no libcuda, and never launch).
 struct Driver {
   using LaunchKernel = int (*)(void*, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, void*,
                                void**, void**);
+  using LaunchKernelEx = int (*)(const LaunchConfig*, void*, void**, void**);
   using CtxGetCurrent = int (*)(void**);
   using FuncGetParamInfo = int (*)(void*, size_t, size_t*, size_t*);
   LaunchKernel launch_kernel = nullptr;
+  LaunchKernelEx launch_kernel_ex = nullptr;  // CUDA 12.0+ drivers
   CtxGetCurrent ctx_get_current = nullptr;
   FuncGetParamInfo func_get_param_info = nullptr;  // CUDA 12.4+ drivers
 
@@ -130,12 +169,30 @@ struct Driver {
       if (library == nullptr) library = dlopen("libcuda.so.1", RTLD_NOW);
       if (library != nullptr) {
         found.launch_kernel = reinterpret_cast<LaunchKernel>(dlsym(library, "cuLaunchKernel"));
+        found.launch_kernel_ex = reinterpret_cast<LaunchKernelEx>(dlsym(library, "cuLaunchKernelEx"));
         found.ctx_get_current = reinterpret_cast<CtxGetCurrent>(dlsym(library, "cuCtxGetCurrent"));
         found.func_get_param_info = reinterpret_cast<FuncGetParamInfo>(dlsym(library, "cuFuncGetParamInfo"));
       }
       return found;
     }();
     return driver;
+  }
+
+  // A launch of ``function`` (cuLaunchKernel's arguments); ``dependent``: a programmatic dependent
+  // launch, which may be scheduled before the previous kernel on the stream completes (the kernel
+  // waits for it with griddepcontrol.wait). A CUresult, -1 where the driver lacks the function.
+  int launch(void* function, const unsigned grid[3], unsigned block, unsigned shared, void* stream,
+             void** parameters, bool dependent) const {
+    if (!dependent) {
+      if (launch_kernel == nullptr) return -1;
+      return launch_kernel(function, grid[0], grid[1], grid[2], block, 1, 1, shared, stream, parameters, nullptr);
+    }
+    if (launch_kernel_ex == nullptr) return -1;
+    LaunchAttribute attribute{};
+    attribute.id = kProgrammaticStreamSerialization;
+    attribute.value.programmatic_stream_serialization_allowed = 1;
+    LaunchConfig config{grid[0], grid[1], grid[2], block, 1, 1, shared, stream, &attribute, 1};
+    return launch_kernel_ex(&config, function, parameters, nullptr);
   }
 
   void* current_context() const {
@@ -184,6 +241,7 @@ struct CudaLaunch {
   unsigned grid[3] = {1, 1, 1};
   unsigned block = 1;
   unsigned shared = 0;
+  bool dependent = false;  // a programmatic dependent launch (Driver::launch)
   std::vector<uint64_t> words;
   std::vector<void*> parameters;  // points into words
   std::vector<at::Tensor> held;
@@ -258,7 +316,8 @@ class HostPath {
   }
 
   // launches: [("ffi", function, [argument...], [slot...])] or [("cuda", CUfunction as an int, its
-  // owner, (grid x, y, z), block x, shared bytes, [argument...], [slot...], [ParameterKind...])]: slot >= 0
+  // owner, (grid x, y, z), block x, shared bytes, [argument...], [slot...], [ParameterKind...],
+  // dependent)]: slot >= 0
   // names the call tensor an argument is (its data pointer changes per call), -1 a tensor the record
   // holds; scalars are ints/floats.
   bool add(py::tuple call, py::list launches, std::vector<int64_t> lse_shape) {
@@ -360,6 +419,7 @@ class HostPath {
     py::list values = spec[6].cast<py::list>();
     py::list slots = spec[7].cast<py::list>();
     py::list kinds = spec[8].cast<py::list>();
+    launch.dependent = spec[9].cast<bool>();
     if (values.size() != kinds.size() || values.size() != slots.size()) return false;
     launch.words.assign(values.size(), 0);
     for (size_t i = 0; i < values.size(); ++i) {
@@ -459,12 +519,12 @@ class HostPath {
       for (CudaLaunch& launch : record.cuda_launches) {
         for (auto& [slot, word] : launch.patched) launch.words[word] = reinterpret_cast<uintptr_t>(data[slot]);
         if (launch.grid[0] == 0 || launch.grid[1] == 0 || launch.grid[2] == 0) continue;
-        int status = driver.launch_kernel == nullptr ? -1 : driver.launch_kernel(
-            launch.function, launch.grid[0], launch.grid[1], launch.grid[2], launch.block, 1, 1, launch.shared,
-            stream, launch.parameters.data(), nullptr);
+        int status = driver.launch(launch.function, launch.grid, launch.block, launch.shared, stream,
+                                   launch.parameters.data(), launch.dependent);
         if (status != 0) {
           throw std::runtime_error(
-              "flashdecode's compiled host path: cuLaunchKernel failed (CUresult " + std::to_string(status) +
+              std::string("flashdecode's compiled host path: ") +
+              (launch.dependent ? "cuLaunchKernelEx" : "cuLaunchKernel") + " failed (CUresult " + std::to_string(status) +
               "); set FLASHDECODE_HOST_PATH=0 to see the error from the Python path");
         }
       }

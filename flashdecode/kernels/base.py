@@ -72,6 +72,7 @@ class CudaLaunch:
     arguments: tuple  # tensors (their data pointers), None (a null pointer), ints and floats
     kinds: tuple  # each argument's parameter kind: POINTER, INT32, INT64, FLOAT32 or INT8
     owner: object = None  # what keeps the function loaded (Triton's compiled kernel), held by the record
+    dependent: bool = False  # a programmatic dependent launch (``cuLaunchKernelEx``; ``Plan.dependent_combine``)
 
 
 #: KV tile sizes the shared-memory rule chooses from, largest first (16 is the smallest the matrix
@@ -118,6 +119,10 @@ class Backend(abc.ABC):
 
     def merges_in_split(self, problem: Problem) -> bool:
         """Whether the split kernel can merge a sequence's partials itself (``Plan.merge_in_split``)."""
+        return False
+
+    def launches_dependent_combine(self, problem: Problem) -> bool:
+        """Whether the combine can be a programmatic dependent launch (``Plan.dependent_combine``)."""
         return False
 
     @abc.abstractmethod

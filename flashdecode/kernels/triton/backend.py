@@ -19,7 +19,7 @@ from ...planner import SINGLE_PASS, SPLIT
 from ...problem import Problem
 from ..base import Backend, LaunchArgs
 from .kernels import combine_kernel, split_kernel
-from .launch import REGISTER_CEILING, Launcher
+from .launch import DEPENDENT_LAUNCH_UNAVAILABLE, REGISTER_CEILING, Launcher
 from .workarounds import steer
 
 LOG2E = 1.0 / math.log(2.0)
@@ -181,6 +181,10 @@ class TritonBackend(Backend):
         """Every problem: the split kernel can merge its partials itself (``merge_if_last``)."""
         return True
 
+    def launches_dependent_combine(self, problem: Problem) -> bool:
+        """Where Triton has grid-dependency control and compiles the kernels (``DEPENDENT_LAUNCH_UNAVAILABLE``)."""
+        return DEPENDENT_LAUNCH_UNAVAILABLE is None
+
     def resident_programs(self, problem: Problem, config, profile: HardwareProfile) -> int:
         """From the profile's measured ``triton_resident_programs``, by padded head dim."""
         return resident_by_headdim(padded_headdim(problem.headdim), profile)
@@ -264,15 +268,18 @@ def _make_spec(plan, problem: Problem) -> _LaunchSpec:
         ROTARY_INTERLEAVED=problem.rotary_interleaved, ROTARY_PER_ROW=problem.windowed, WINDOW_LEFT=window_left,
         WINDOW_RIGHT=window_right, SOFTCAP=problem.softcap, ALIBI=problem.alibi, LEFTPAD=leftpad,
         BATCH_IDX=problem.batch_idx and not problem.paged, MERGE_IN_SPLIT=plan.merge_in_split,
-        MERGE_STEP=(config.merge_step or merge_step_for(config.block_m)) if plan.merge_in_split else 1)
+        MERGE_STEP=(config.merge_step or merge_step_for(config.block_m)) if plan.merge_in_split else 1,
+        DEPENDENT_COMBINE=plan.dependent_combine)
     combine_constexprs = dict(
         GROUP=problem.group, SEQLEN_Q=problem.seqlen_q, HEAD_DIM=problem.headdim, HEAD_PAD=head_pad,
         BLOCK_N=config.block_n, BATCH_PAD=batch_pad, SPLITS_PER_STEP=config.combine_step, APPEND=append,
-        LEFTPAD=leftpad, WINDOW_LEFT=window_left, EMPTY_ROWS=problem.windowed and problem.seqlen_q > 1)
+        LEFTPAD=leftpad, WINDOW_LEFT=window_left, EMPTY_ROWS=problem.windowed and problem.seqlen_q > 1,
+        DEPENDENT=plan.dependent_combine)
     split_options = {"num_warps": config.num_warps, "num_stages": config.num_stages}
     if config.max_registers is not None:
         split_options[REGISTER_CEILING] = config.max_registers
     return _LaunchSpec(
         plan.grid(problem), split_constexprs, split_options,
         (problem.batch, problem.nheads_k * problem.q_rows) if plan.needs_combine else None, combine_constexprs,
-        dict(num_warps=4), schedule, features, plan.ticket_count(problem))
+        dict(num_warps=4, launch_pdl=True) if plan.dependent_combine else dict(num_warps=4), schedule, features,
+        plan.ticket_count(problem))

@@ -19,6 +19,11 @@ import triton.language as tl
 from .attend import LOG2E, append_tokens, attend_block, rotary_columns, rotate, row_offsets, tile_mask
 from .schedule import entry, key_range, locate, split_counts
 
+try:  # programmatic dependent launch; without it plans never ask for one (launch.DEPENDENT_LAUNCH_UNAVAILABLE)
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+except ImportError:
+    gdc_launch_dependents = gdc_wait = None
+
 LN2 = tl.constexpr(1.0 / LOG2E.value)
 
 #: Runtime ints whose values must not multiply compiled kernels (Triton would specialise 1 and
@@ -40,7 +45,10 @@ def split_kernel(Q, K, V, Lens, Out, Lse, PartO, PartLse, KNew, VNew, BatchIdx, 
                  PAGE_SIZE: tl.constexpr, APPEND: tl.constexpr, ROTARY_DIM: tl.constexpr,
                  ROTARY_INTERLEAVED: tl.constexpr, ROTARY_PER_ROW: tl.constexpr, WINDOW_LEFT: tl.constexpr,
                  WINDOW_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, LEFTPAD: tl.constexpr,
-                 BATCH_IDX: tl.constexpr, MERGE_IN_SPLIT: tl.constexpr, MERGE_STEP: tl.constexpr):
+                 BATCH_IDX: tl.constexpr, MERGE_IN_SPLIT: tl.constexpr, MERGE_STEP: tl.constexpr,
+                 DEPENDENT_COMBINE: tl.constexpr):
+    if DEPENDENT_COMBINE:  # the combine may be scheduled once every program has started
+        gdc_launch_dependents()
     pid = tl.program_id(0)
     head_k = tl.program_id(1)
     tile = tl.program_id(2)
@@ -252,11 +260,14 @@ def combine_kernel(Lens, LeftPad, Out, Lse, PartO, PartLse,
                    stride_ob, stride_oi, stride_oh,
                    GROUP: tl.constexpr, SEQLEN_Q: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr,
                    BLOCK_N: tl.constexpr, BATCH_PAD: tl.constexpr, SPLITS_PER_STEP: tl.constexpr,
-                   APPEND: tl.constexpr, LEFTPAD: tl.constexpr, WINDOW_LEFT: tl.constexpr, EMPTY_ROWS: tl.constexpr):
+                   APPEND: tl.constexpr, LEFTPAD: tl.constexpr, WINDOW_LEFT: tl.constexpr, EMPTY_ROWS: tl.constexpr,
+                   DEPENDENT: tl.constexpr):
     """Merge the partials of one (sequence, packed row h * Sq * G + r) if that sequence was split;
     grid (B, Hk * Sq * G). Partials are read SPLITS_PER_STEP at a time, all loads of a step in
     flight together, and merged with a running max so any number of splits works. EMPTY_ROWS:
-    a row may see no key in a split (windows with seqlen_q > 1), so a max of -inf is guarded."""
+    a row may see no key in a split (windows with seqlen_q > 1), so a max of -inf is guarded.
+    DEPENDENT: launched as a programmatic dependent launch; the partials are read after the split
+    kernel completes (``gdc_wait``), the lengths (which it does not write) before."""
     seq = tl.program_id(0)
     row = tl.program_id(1)
     offs, raw, splits, ends = split_counts(
@@ -265,6 +276,8 @@ def combine_kernel(Lens, LeftPad, Out, Lse, PartO, PartLse,
     num_splits = entry(offs, splits, seq)
     first = entry(offs, ends, seq) - num_splits
     if num_splits > 1:
+        if DEPENDENT:
+            gdc_wait()
         offs_s = tl.arange(0, SPLITS_PER_STEP)
         d = tl.arange(0, HEAD_PAD)
         m = float("-inf")

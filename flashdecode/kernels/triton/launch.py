@@ -94,6 +94,25 @@ def probe_direct_launch(device: torch.device, stream_handle) -> str | None:
 FAST_PATH_UNAVAILABLE = _fast_path_unavailable()
 
 
+def _dependent_launch_unavailable() -> str | None:
+    """What a programmatic dependent launch needs of Triton that is missing, or None: the
+    grid-dependency instructions (``triton.language.extra.cuda.gdc_wait``) and the ``launch_pdl``
+    compile option, on compiled kernels (the interpreter runs no inline PTX)."""
+    try:
+        from triton.backends.nvidia.compiler import CUDAOptions
+        from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait  # noqa: F401
+    except ImportError as error:
+        return f"Triton has no grid-dependency control ({error})"
+    if "launch_pdl" not in getattr(CUDAOptions, "__dataclass_fields__", {}):
+        return "Triton's CUDA options have no launch_pdl"
+    if not isinstance(_probe_kernel, triton.runtime.jit.JITFunction):
+        return "kernels are interpreted (TRITON_INTERPRET=1)"
+    return None
+
+
+DEPENDENT_LAUNCH_UNAVAILABLE = _dependent_launch_unavailable()
+
+
 def specialization(kernel, device_index: int, tensors: tuple, scalars: tuple, constexpr_values: tuple,
                    options: tuple) -> tuple:
     """The key under which a compiled kernel is reused (see the module docstring). None tensors and
@@ -239,8 +258,9 @@ def describe(compiled, grid: tuple, values: tuple) -> CudaLaunch | None:
     """A compiled kernel's launch with ``values`` (every parameter in signature order, constexprs
     included) as Triton's launcher makes it: the non-constexpr parameters, then a null pointer per
     scratch buffer. Reads Triton's private CompiledKernel fields; None where any is missing or the
-    launch needs more than cuLaunchKernel's plain parameters (clusters, cooperative or dependent
-    launches, scratch memory, tensor descriptors, oversized shared memory). Triton's launch hooks
+    launch needs more than cuLaunchKernel's plain parameters (clusters, cooperative launches,
+    scratch memory, tensor descriptors, oversized shared memory); a dependent launch (``launch_pdl``)
+    is described as one. Triton's launch hooks
     (a profiler's) are not called for launches from the record. The compiled host path checks the parameter list
     against the function's own where the driver can tell, and replays its first record against
     Triton's launch (``docs/design.md``, "Host path")."""
@@ -253,7 +273,7 @@ def describe(compiled, grid: tuple, values: tuple) -> CudaLaunch | None:
         return None
     plain = (getattr(metadata, "num_ctas", 1) == 1 and shared <= MAX_PLAIN_SHARED
              and not getattr(metadata, "launch_cooperative_grid", False)
-             and not getattr(metadata, "launch_pdl", False) and not getattr(metadata, "tensordesc_meta", None)
+             and not getattr(metadata, "tensordesc_meta", None)
              and not any(getattr(metadata, field, 0) for field in SCRATCH_FIELDS))
     types = list(signature.values()) if isinstance(signature, dict) else []
     if not plain or not isinstance(function, int) or not function or len(types) != len(values):
@@ -274,4 +294,5 @@ def describe(compiled, grid: tuple, values: tuple) -> CudaLaunch | None:
             arguments.append(None)
             kinds.append(POINTER)
     grid = tuple(grid) + (1,) * (3 - len(grid))
-    return CudaLaunch(function, grid, 32 * num_warps, shared, tuple(arguments), tuple(kinds), owner=compiled)
+    return CudaLaunch(function, grid, 32 * num_warps, shared, tuple(arguments), tuple(kinds), owner=compiled,
+                      dependent=bool(getattr(metadata, "launch_pdl", False)))
