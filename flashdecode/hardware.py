@@ -30,12 +30,14 @@ class AutoRule:
     backend: str
     max_cache_bytes: int | None = None  # K and V bytes at capacity, below this
     max_headdim: int | None = None  # at most this
+    max_seqlen_cache: int | None = None  # tokens one sequence's cache holds, at most this
     plain_cache_only: bool = False  # only calls that read a contiguous cache and append nothing
 
     def admits(self, problem) -> bool:
         """Whether this rule's limits hold for ``problem`` (a :class:`~flashdecode.problem.Problem`)."""
         return ((self.max_cache_bytes is None or problem.cache_bytes() < self.max_cache_bytes)
                 and (self.max_headdim is None or problem.headdim <= self.max_headdim)
+                and (self.max_seqlen_cache is None or problem.seqlen_cache <= self.max_seqlen_cache)
                 and not (self.plain_cache_only and (problem.paged or problem.seqlen_new > 0)))
 
 
@@ -66,14 +68,16 @@ class Tuning:
     dependent_combine: bool = False
     #: ``auto``'s order (:class:`AutoRule`): the first rule whose limits hold and whose backend can
     #: take the call runs it. Measured on the H200 with both on the compiled host path
-    #: (``docs/design.md``, "Measured choices"): TileLang below 32 MiB for contiguous caches without
-    #: appended tokens (cases 1-6, 32-token caches: its short-cache and 64-row kernels up to 8%
-    #: faster; case 10 the exception); Triton for paged caches and appended tokens there (4-49% less
+    #: (``docs/design.md``, "Measured choices"): TileLang below 32 MiB for contiguous caches of at
+    #: most 512 tokens a sequence without appended tokens (cases 1-6, 32-token caches: its
+    #: short-cache and 64-row kernels up to 8% faster); longer caches split, and there Triton's split
+    #: kernel was 2-17% faster (case 10, one or two sequences of 1k-33k tokens); Triton for paged
+    #: caches and appended tokens there (4-49% less
     #: GPU time on cases 5, 6 and 10 and case 4's append; case 4's pages and cases 1-3 within 1.3
     #: us); above 32 MiB Triton's split kernel at head dims 64-128 (plain calls: 1-28% less GPU time
     #: on cases 7-9 and 11-14, wide W1-W8, W11, W12, W14); at head dim 256 a tie, TileLang kept (2%
     #: faster on W9 and a shape of our own, 0-3% slower on W10 and two others in the sweep).
-    auto_order: tuple = (AutoRule("tilelang", max_cache_bytes=32 * MIB, plain_cache_only=True),
+    auto_order: tuple = (AutoRule("tilelang", max_cache_bytes=32 * MIB, max_seqlen_cache=512, plain_cache_only=True),
                          AutoRule("triton", max_headdim=128), AutoRule("tilelang"), AutoRule("triton"))
     #: Triton's split-kernel tile by padded head dim (at most): (head dim, block_n, num_warps,
     #: num_stages). Swept on the H200 (``docs/design.md``, "Measured choices"): 128 tokens at head dim

@@ -159,10 +159,11 @@ def test_a_context_made_for_cuda_takes_the_current_device():
 @pytest.mark.gpu
 @pytest.mark.parametrize("batch, seqlen_cache, nheads_k, headdim, expected", [
     (16, 362, 8, 128, "tilelang"),  # case 6: 22.6 MiB
+    (1, 8192, 4, 128, "triton"),  # case 10: 16 MiB, 8192 tokens a sequence
     (16, 4096, 4, 128, "triton"),  # case 8: 128 MiB
     (8, 32768, 1, 256, "tilelang"),  # wide W10: head dim 256
 ])
-def test_auto_routes_by_cache_size_and_head_dim(batch, seqlen_cache, nheads_k, headdim, expected):
+def test_auto_routes_by_cache_size_length_and_head_dim(batch, seqlen_cache, nheads_k, headdim, expected):
     """``Tuning.auto_order`` on a Hopper GPU with both backends (docs/design.md, "Measured choices")."""
     pytest.importorskip("tilelang")
     q = torch.empty(batch, 1, nheads_k * 4, headdim, dtype=torch.bfloat16, device="cuda")

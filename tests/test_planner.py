@@ -162,6 +162,8 @@ def test_one_program_fits_the_shared_memory_of_each_profile(backend):
 
 @pytest.mark.parametrize("batch, seqlen_cache, nheads_k, headdim, able, expected, features", [
     (16, 362, 8, 128, ("tilelang", "triton"), "tilelang", {}),  # 22.6 MiB: under 32
+    (1, 512, 8, 128, ("tilelang", "triton"), "tilelang", {}),  # 512 tokens a sequence: never split
+    (1, 8192, 4, 128, ("tilelang", "triton"), "triton", {}),  # case 10: 16 MiB, but a split cache
     (16, 4096, 4, 128, ("tilelang", "triton"), "triton", {}),  # 128 MiB at head dim 128
     (8, 32768, 1, 256, ("tilelang", "triton"), "tilelang", {}),  # head dim 256
     (8, 32768, 1, 256, ("triton",), "triton", {}),  # where TileLang cannot take it
