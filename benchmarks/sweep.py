@@ -10,7 +10,8 @@ Usage: python benchmarks/sweep.py --backend tilelang,triton --ppsm 2,3,4 --block
 ``--tl-stages`` and ``--tl-rows`` set any backend's ``num_stages`` / ``block_m``; ``--warps`` Triton's
 ``num_warps``; ``--max-registers`` Triton's register cap (0: none); ``--merge-splits`` the most
 splits a sequence may have for the split kernel to merge them itself (0: never), ``--merge-step``
-how many it merges at a time; ``--dependent-combine 0,1`` the combine as a programmatic dependent launch. ``--shapes`` adds
+how many it merges at a time; ``--dependent-combine 0,1`` the combine as a programmatic dependent
+launch. ``--shapes`` adds
 cases of one's own: batch x seqlen_cache x nheads_k x group x headdim, then ``:`` and a length rule of
 ``cases.LENGTH_RULES`` (numbered S1, S2, ...).
 """

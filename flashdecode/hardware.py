@@ -30,14 +30,14 @@ class AutoRule:
     backend: str
     max_cache_bytes: int | None = None  # K and V bytes at capacity, below this
     max_headdim: int | None = None  # at most this
-    max_seqlen_cache: int | None = None  # tokens one sequence's cache holds, at most this
+    max_key_span: int | None = None  # keys one sequence's rows can see (``Problem.key_span``), at most this
     plain_cache_only: bool = False  # only calls that read a contiguous cache and append nothing
 
     def admits(self, problem) -> bool:
         """Whether this rule's limits hold for ``problem`` (a :class:`~flashdecode.problem.Problem`)."""
         return ((self.max_cache_bytes is None or problem.cache_bytes() < self.max_cache_bytes)
                 and (self.max_headdim is None or problem.headdim <= self.max_headdim)
-                and (self.max_seqlen_cache is None or problem.seqlen_cache <= self.max_seqlen_cache)
+                and (self.max_key_span is None or problem.key_span() <= self.max_key_span)
                 and not (self.plain_cache_only and (problem.paged or problem.seqlen_new > 0)))
 
 
@@ -68,16 +68,16 @@ class Tuning:
     dependent_combine: bool = False
     #: ``auto``'s order (:class:`AutoRule`): the first rule whose limits hold and whose backend can
     #: take the call runs it. Measured on the H200 with both on the compiled host path
-    #: (``docs/design.md``, "Measured choices"): TileLang below 32 MiB for contiguous caches of at
-    #: most 512 tokens a sequence without appended tokens (cases 1-6, 32-token caches: its
-    #: short-cache and 64-row kernels up to 8% faster); longer caches split, and there Triton's split
-    #: kernel was 2-17% faster (case 10, one or two sequences of 1k-33k tokens); Triton for paged
-    #: caches and appended tokens there (4-49% less
+    #: (``docs/design.md``, "Measured choices"): TileLang below 32 MiB for contiguous caches whose
+    #: sequences see at most 512 keys (8 blocks of 64: the planner never splits them) without
+    #: appended tokens (cases 1-6, 32-token caches: its short-cache and 64-row kernels up to 8%
+    #: faster); longer spans split, and there Triton's split kernel was 2-17% faster (case 10, one or
+    #: two sequences of 1k-33k tokens); Triton for paged caches and appended tokens there (4-49% less
     #: GPU time on cases 5, 6 and 10 and case 4's append; case 4's pages and cases 1-3 within 1.3
     #: us); above 32 MiB Triton's split kernel at head dims 64-128 (plain calls: 1-28% less GPU time
     #: on cases 7-9 and 11-14, wide W1-W8, W11, W12, W14); at head dim 256 a tie, TileLang kept (2%
     #: faster on W9 and a shape of our own, 0-3% slower on W10 and two others in the sweep).
-    auto_order: tuple = (AutoRule("tilelang", max_cache_bytes=32 * MIB, max_seqlen_cache=512, plain_cache_only=True),
+    auto_order: tuple = (AutoRule("tilelang", max_cache_bytes=32 * MIB, max_key_span=512, plain_cache_only=True),
                          AutoRule("triton", max_headdim=128), AutoRule("tilelang"), AutoRule("triton"))
     #: Triton's split-kernel tile by padded head dim (at most): (head dim, block_n, num_warps,
     #: num_stages). Swept on the H200 (``docs/design.md``, "Measured choices"): 128 tokens at head dim
@@ -92,6 +92,8 @@ class Tuning:
 #: Hopper's tuning: the merge in the split kernel up to 16 splits a sequence. On the H200 (Triton):
 #: cases 7-9 1-9% less GPU time (plain, 4 query tokens, pages of 64), nothing else changed beyond
 #: noise; 64 merged single sequences of 32-50 splits too (cases 10, 13: 7-50% slower).
+#: Hopper's: the merge in the split kernel up to 16 splits a sequence, a dependent combine above
+#: (``docs/design.md``, "The schedule").
 HOPPER_TUNING = Tuning(max_splits_merged_in_split=16, dependent_combine=True)
 
 
@@ -110,11 +112,16 @@ class HardwareProfile:
     #: Bytes of shared memory the driver reserves per program (CUDA programming guide, sm_90).
     driver_reserved_shared_per_program: int = 1 * KIB
     max_registers_per_thread: int = 255
+    #: Programmatic dependent launch (griddepcontrol, compute capability 9.0 and later): what
+    #: ``Tuning.dependent_combine`` needs of the device, whatever tuning a context passes.
+    dependent_launch: bool = False
 
 
 PROFILES: dict[str, HardwareProfile] = {
-    "h100": HardwareProfile("h100", 132, 228 * KIB, 50 * MIB, 32, 64 * KIB, 3.35e12, HOPPER_TUNING),
-    "h200": HardwareProfile("h200", 132, 228 * KIB, 60 * MIB, 32, 64 * KIB, 4.8e12, HOPPER_TUNING),
+    "h100": HardwareProfile("h100", 132, 228 * KIB, 50 * MIB, 32, 64 * KIB, 3.35e12, HOPPER_TUNING,
+                            dependent_launch=True),
+    "h200": HardwareProfile("h200", 132, 228 * KIB, 60 * MIB, 32, 64 * KIB, 4.8e12, HOPPER_TUNING,
+                            dependent_launch=True),
     "c500": HardwareProfile("c500", 104, 64 * KIB, 8 * MIB, 64, 64 * KIB, 1.8e12),
 }
 
@@ -152,6 +159,7 @@ def current(device_index: int | None = None) -> HardwareProfile:
             props, "regs_per_multiprocessor", (named or PROFILES["h100"]).registers_per_multiprocessor),
         hbm_bandwidth=named.hbm_bandwidth if named else 0.0,
         tuning=named.tuning if named else Tuning(),
+        dependent_launch=getattr(props, "major", 0) >= 9,
     )
 
 

@@ -7,8 +7,8 @@ tensors for TVM-FFI) and 42-113 us with Triton (its launcher's Python per launch
 ``csrc/host_path.cpp`` keeps, per :class:`~flashdecode.DecodeContext`, a table from a call's
 metadata (every tensor's dtype, device, shape, strides and 16-byte alignment, every scalar, the
 stream) to a launch record: TileLang's TVM-FFI entry functions with DLTensor templates, or Triton's
-CUDA functions with their parameter words (``cuLaunchKernel``), whose data pointers it patches per
-call. The first call of a metadata takes the Python path, which validates, plans, launches and then
+CUDA functions with their parameter words (``cuLaunchKernel``; ``cuLaunchKernelEx`` for a dependent
+launch), whose data pointers it patches per call. The first call of a metadata takes the Python path, which validates, plans, launches and then
 adds the record; later calls hash their metadata in C++ and launch from there.
 
 The extension is built on first use (about a minute; cached across processes, see ``_build``), with
@@ -94,9 +94,8 @@ def _build(verbose: bool):
     from torch.utils import cpp_extension
 
     includes = [*cpp_extension.include_paths(), sysconfig.get_paths()["include"]]
-    cuda_include = pathlib.Path(os.environ.get("CUDA_HOME", "/usr/local/cuda")) / "include"
-    if (cuda_include / "cuda.h").is_file():  # checks the launch structures the source copies from it
-        includes.append(str(cuda_include))
+    if cpp_extension.CUDA_HOME and (pathlib.Path(cpp_extension.CUDA_HOME) / "include" / "cuda.h").is_file():
+        includes.append(str(pathlib.Path(cpp_extension.CUDA_HOME) / "include"))  # checks the launch structures
     ffi_defines, ffi_libraries = [], []
     package = _tvm_ffi_package()
     if package is not None:
@@ -213,7 +212,7 @@ class HostPath:
         return _kind(launches) not in self._verified
 
     def parameter_words(self, call: tuple) -> list:
-        """The 8-byte parameter words the record of ``call`` would pass to each ``cuLaunchKernel``,
+        """The 8-byte parameter words the record of ``call`` would pass to each CUDA launch,
         with ``call``'s data pointers patched in (an inspection for tests: out, unless the call
         gives it, and lse are allocated per launch, their words here 0)."""
         return self._native.parameter_words(call)

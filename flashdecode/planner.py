@@ -149,7 +149,7 @@ def plan(problem: Problem, profile: HardwareProfile, backend, num_splits: int = 
     if num_splits > 0:
         splits = min(num_splits, max(1, max_blocks))  # no empty splits
         kernel = SPLIT if splits > 1 else SINGLE_PASS
-        return _merging(Plan(kernel, config_for(kernel), problem.batch * splits, splits), problem, tuning, backend)
+        return _merge_mode(Plan(kernel, config_for(kernel), problem.batch * splits, splits), problem, profile, backend)
     if max_blocks <= tuning.split_above_blocks:
         short = SHORT_CACHE in backend.kernels(problem) and math.ceil(
             problem.key_span() / config_for(SHORT_CACHE).block_n) <= tuning.short_cache_max_blocks  # its own tiles
@@ -160,19 +160,21 @@ def plan(problem: Problem, profile: HardwareProfile, backend, num_splits: int = 
         per_sm = min(per_sm, max(1, backend.resident_programs(problem, split_config, profile)))
     row_tiles = -(-problem.q_rows // split_config.block_m)
     extra = max(1, profile.multiprocessors * per_sm // (problem.nheads_k * row_tiles))  # never more than the target
-    return _merging(Plan(SPLIT, split_config, problem.batch + extra, min_chunk=tuning.min_blocks_per_split),
-                    problem, tuning, backend)
+    return _merge_mode(Plan(SPLIT, split_config, problem.batch + extra, min_chunk=tuning.min_blocks_per_split),
+                       problem, profile, backend)
 
 
-def _merging(plan_: Plan, problem: Problem, tuning, backend) -> Plan:
-    """``plan_`` with the merge in the split kernel where the backend has it and no sequence can get
-    more than ``tuning.max_splits_merged_in_split`` splits (one program merges them, a few at a time);
-    else, where the tuning and the backend allow, with its combine as a dependent launch."""
+def _merge_mode(plan_: Plan, problem: Problem, profile: HardwareProfile, backend) -> Plan:
+    """``plan_`` with how its splits are merged: in the split kernel where the backend can and no
+    sequence can get more than ``max_splits_merged_in_split`` splits (one program merges them, a few
+    at a time); else by the combine, a dependent launch where the tuning asks and the device and the
+    backend can."""
+    tuning = profile.tuning
     if plan_.kernel != SPLIT:
         return plan_
     if backend.merges_in_split(problem) and plan_.max_splits(problem) <= tuning.max_splits_merged_in_split:
         return dataclasses.replace(plan_, merge_in_split=True)
-    if tuning.dependent_combine and backend.launches_dependent_combine(problem):
+    if tuning.dependent_combine and profile.dependent_launch and backend.launches_dependent_combine(problem):
         return dataclasses.replace(plan_, dependent_combine=True)
     return plan_
 

@@ -146,6 +146,36 @@ def _paged_copy(k_cache, v_cache, page_size, generator):
     return k_pages, v_pages, table
 
 
+def test_dependent_combine_replays_from_a_graph_with_new_lengths():
+    """Triton's split plan with a dependent combine (one sequence, 100 splits a head on Hopper),
+    captured once and replayed with lengths that split it (the combine waits for the partials) and
+    lengths that do not (its programs only wait), then called eagerly back to back."""
+    backend_or_skip("triton")
+    q, k, v, _ = make_inputs(CASES[9], device="cuda")  # case 10: b1 s8192 hk4 g8
+    lengths = torch.tensor([8192], dtype=torch.int32, device="cuda")
+    route = plan_for(q, k, v, cache_seqlens=lengths, backend="triton")
+    if not route.plan.dependent_combine:
+        pytest.skip(f"no dependent combine planned on this device: {route.plan}")
+
+    def call():
+        return flash_decode_with_kvcache(q, k, v, lengths, backend="triton")
+
+    call()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = call()
+    for length in (8192, 1, 65, 5000, 513, 8191):
+        lengths.fill_(length)
+        q.normal_()
+        expected = reference_decode(q, k, v, lengths)[0]
+        graph.replay()
+        torch.cuda.synchronize()
+        assert relative_error(out, expected) < TOLERANCE, f"replay at length {length}"
+        eager = [call() for _ in range(3)]  # queued back to back: each combine after its own split kernel
+        assert all(relative_error(result, expected) < TOLERANCE for result in eager), f"eager at length {length}"
+
+
 @pytest.mark.parametrize("backend", KERNEL_BACKENDS)
 def test_graph_replays_with_new_lengths_block_tables_and_tokens(backend):
     """One capture, several replays: new lengths, a new block table and new appended tokens are read

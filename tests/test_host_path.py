@@ -4,6 +4,8 @@ call's data pointers and the held tensors, a CUDA launch's parameter words are p
 say, a call whose metadata differs misses, and aliased call tensors get no record. A function
 registered with TVM-FFI stands in for TileLang's kernels; CUDA launches are only packed here. The
 GPU tier (``test_gpu_host_path.py``) compares the path with the Python path on real kernels."""
+import ctypes.util
+import dataclasses
 import shutil
 
 import pytest
@@ -143,7 +145,7 @@ def test_a_cuda_launch_packs_each_parameter_as_its_kind(module):
     split = CudaLaunch(0x1234, (3, 2, 1), 128, 4096,
                        (first[0], first[1], first[7], result, lse, workspace, None, 0.125, -7, 2 ** 40, 1),
                        (POINTER,) * 7 + (FLOAT32, INT32, INT64, INT8))
-    combine = CudaLaunch(0x5678, (2, 1, 1), 128, 0, (result, 9), (POINTER, INT32), dependent=True)
+    combine = CudaLaunch(0x5678, (2, 1, 1), 128, 0, (result, 9), (POINTER, INT32))
     assert path.add(first, [split, combine], result, lse, (2, 4, 1))
     out = torch.empty(2, 1, 4, 8)  # given: the words hold its pointer (an allocated out's is 0 here)
     second = make_call(out=out, return_lse=True)
@@ -155,6 +157,19 @@ def test_a_cuda_launch_packs_each_parameter_as_its_kind(module):
     assert split_words[5:] == words_of((POINTER, workspace.data_ptr()), (POINTER, 0), (FLOAT32, 0.125),
                                        (INT32, -7), (INT64, 2 ** 40), (INT8, 1))
     assert combine_words == words_of((POINTER, out.data_ptr()), (INT32, 9))
+
+
+@pytest.mark.skipif(ctypes.util.find_library("cuda") is not None, reason="this machine's driver has cuLaunchKernelEx")
+def test_a_dependent_launch_gets_no_record_without_the_drivers_launch_kernel_ex(module):
+    """A dependent launch needs ``cuLaunchKernelEx``: without a driver that has it the call keeps
+    the Python path (Triton's launcher), the same launches without the flag are recorded."""
+    path = host_path.HostPath(module, max_records=4, check_parameters=False)
+    result = torch.empty(2, 1, 4, 8)
+    call = make_call(out=result)
+    split = CudaLaunch(0x1234, (3, 2, 1), 128, 0, (call[0], result), (POINTER, POINTER))
+    combine = CudaLaunch(0x5678, (2, 1, 1), 128, 0, (result, 9), (POINTER, INT32), dependent=True)
+    assert not path.add(call, [split, combine], result, None, (2, 4, 1))
+    assert path.add(call, [split, dataclasses.replace(combine, dependent=False)], result, None, (2, 4, 1))
 
 
 @pytest.mark.parametrize("arguments, kinds", [

@@ -220,34 +220,53 @@ def test_split_plans_merge_in_the_kernel_up_to_the_tunings_splits(threshold):
 
 
 @pytest.mark.parametrize("tuned", [False, True])
-def test_combines_are_dependent_launches_where_the_tuning_and_the_backend_allow(tuned):
+@pytest.mark.parametrize("device", [True, False], ids=["hopper", "no-pdl"])
+def test_combines_are_dependent_launches_where_the_tuning_the_device_and_the_backend_allow(tuned, device):
     """Plans that keep a combine launch it as a programmatic dependent launch exactly where the
-    tuning asks and the backend can (Triton under the interpreter cannot; TileLang never)."""
-    profile = dataclasses.replace(PROFILES["h200"], tuning=dataclasses.replace(
-        PROFILES["h200"].tuning, dependent_combine=tuned))
-    triton_backend = get_backend("triton")
+    tuning asks, the device has it (a context's tuning cannot ask it of an older GPU) and the
+    backend can; TileLang never."""
+    h200 = PROFILES["h200"]
+    profile = dataclasses.replace(h200, tuning=dataclasses.replace(h200.tuning, dependent_combine=tuned),
+                                  dependent_launch=device)
+    triton_type = type(get_backend("triton"))
 
-    class Dependent(type(triton_backend)):
+    class Able(triton_type):
         def launches_dependent_combine(self, problem):
             return True
 
-    assert not triton_backend.launches_dependent_combine(problem_for([100], 100))  # the interpreter
+    class Unable(triton_type):
+        def launches_dependent_combine(self, problem):
+            return False
+
     for batch, seqlen_cache, num_splits in itertools.product([1, 4, 64], [100, 5000, 60000], [0, 3, 40]):
         problem = problem_for([seqlen_cache] * batch, seqlen_cache)
-        for backend in (Dependent(), triton_backend, get_backend("tilelang")):
+        for backend in (Able(), Unable(), get_backend("tilelang")):
             p = plan(problem, profile, backend, num_splits)
-            assert p.dependent_combine == (tuned and p.needs_combine and isinstance(backend, Dependent))
+            assert p.dependent_combine == (tuned and device and p.needs_combine and isinstance(backend, Able))
             assert not (p.dependent_combine and p.merge_in_split)
 
 
-@pytest.mark.parametrize("device_name, merges", [("NVIDIA H200", 16), ("NVIDIA H100 80GB HBM3", 16),
-                                                 ("NVIDIA A100-SXM4-80GB", 0), ("MetaX C500", 0)])
-def test_the_tuning_comes_from_the_named_profile(monkeypatch, device_name, merges):
+def test_tilelangs_auto_rule_admits_exactly_the_spans_its_planner_never_splits():
+    """``auto``'s first rule (TileLang for short contiguous caches) ends where TileLang's plan starts
+    to split at head dim 128: the 512-key limit is the planner's threshold, windows included."""
+    h200 = PROFILES["h200"]
+    rule = h200.tuning.auto_order[0]
+    assert rule.backend == "tilelang"
+    for seqlen_cache, window_left in itertools.product([1, 100, 511, 512, 513, 600, 8192], [-1, 100, 600]):
+        problem = Problem(1, seqlen_cache, 32, 4, 128, "bfloat16", window_left=window_left)
+        split = plan(problem, h200, get_backend("tilelang")).kernel == SPLIT
+        assert rule.admits(problem) == (not split), (seqlen_cache, window_left)
+
+
+@pytest.mark.parametrize("device_name, major, merges, dependent", [
+    ("NVIDIA H200", 9, 16, True), ("NVIDIA H100 80GB HBM3", 9, 16, True), ("NVIDIA A100-SXM4-80GB", 8, 0, False),
+    ("MetaX C500", 8, 0, False)])
+def test_the_tuning_comes_from_the_named_profile(monkeypatch, device_name, major, merges, dependent):
     """``hardware.current()`` takes a named profile's tuning (Hopper merges in the split kernel up to
     16 splits); an unknown device the defaults, which never merge."""
     from flashdecode import hardware
 
-    properties = type("Properties", (), dict(name=device_name, multi_processor_count=108,
+    properties = type("Properties", (), dict(name=device_name, major=major, multi_processor_count=108,
                                               shared_memory_per_multiprocessor=164 * 1024, L2_cache_size=40 << 20,
                                               warp_size=32, regs_per_multiprocessor=65536))
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
@@ -256,6 +275,7 @@ def test_the_tuning_comes_from_the_named_profile(monkeypatch, device_name, merge
     hardware.current.cache_clear()
     try:
         assert hardware.current().tuning.max_splits_merged_in_split == merges
-        assert hardware.current().tuning.dependent_combine == (merges > 0)
+        assert hardware.current().tuning.dependent_combine == dependent
+        assert hardware.current().dependent_launch == (major >= 9)
     finally:
         hardware.current.cache_clear()

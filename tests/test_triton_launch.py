@@ -2,6 +2,12 @@
 it passes, and, on a GPU, that it computes exactly what Triton's own launch path computes."""
 
 import dataclasses
+import json
+import os
+import pathlib
+import subprocess
+import sys
+import textwrap
 import types
 
 import pytest
@@ -299,6 +305,51 @@ def test_direct_launch_matches_tritons_launch(features, num_splits, merge, depen
         plain = dataclasses.replace(route, plan=dataclasses.replace(route.plan, dependent_combine=False))
         for got, want in zip(direct, launch_route(TritonBackend(), plain, q, k_cache, v_cache, kwargs)):
             assert torch.equal(got, want)
+
+
+#: Compiles the split and combine kernels of a plan with a dependent combine for sm_90a (no GPU needed:
+#: Triton's own ptxas) and prints, for each, the PTX lines that load or store global memory before
+#: the combine's griddepcontrol.wait, and whether the split kernel signals its dependents.
+DEPENDENT_PTX_SCRIPT = textwrap.dedent("""
+    import json, sys, torch
+    sys.path.insert(0, "benchmarks")
+    from triton_resources import compile_for_hopper
+    from flashdecode.hardware import PROFILES
+    from flashdecode.kernels import get_backend
+    from flashdecode.kernels.base import LaunchArgs
+    from flashdecode.kernels.triton.launch import _without_ceiling
+    from flashdecode.planner import plan
+    from flashdecode.problem import Problem
+    backend, problem = get_backend("triton"), Problem(1, 8192, 32, 4, 128, "bfloat16")
+    the_plan = plan(problem, PROFILES["h200"], backend)
+    q, cache = torch.empty(1, 1, 32, 128, dtype=torch.bfloat16), torch.empty(1, 8192, 4, 128, dtype=torch.bfloat16)
+    args = LaunchArgs(q=q, k_cache=cache, v_cache=cache, cache_seqlens=torch.empty(1, dtype=torch.int32),
+                      out=torch.empty_like(q), lse=torch.empty(1, 32, 1), part_o=torch.empty(100, 32, 128),
+                      part_lse=torch.empty(100, 32), softmax_scale=0.1)
+    ptx = [compile_for_hopper(kernel, tensors, scalars, constexprs, _without_ceiling(options)).asm["ptx"]
+           for kernel, _, tensors, scalars, constexprs, options in backend.launches(the_plan, problem, args)]
+    wait = ptx[1].index("griddepcontrol.wait")
+    print(json.dumps(dict(dependent=the_plan.dependent_combine,
+                          signals="griddepcontrol.launch_dependents" in ptx[0],
+                          before_wait=[line.strip() for line in ptx[1][:wait].splitlines()
+                                       if "ld.global" in line or "st.global" in line])))
+""")
+
+
+def test_dependent_combine_reads_only_the_lengths_before_it_waits():
+    """The compiled kernels of a dependent combine: the split kernel signals its dependents, and
+    the combine touches no partial and writes nothing before griddepcontrol.wait (one load: the
+    lengths, which the split kernel does not write)."""
+    if launch.gdc_wait is None:
+        pytest.skip(launch.DEPENDENT_LAUNCH_UNAVAILABLE)
+    environment = {name: value for name, value in os.environ.items() if name != "TRITON_INTERPRET"}
+    root = pathlib.Path(__file__).resolve().parents[1]
+    done = subprocess.run([sys.executable, "-c", DEPENDENT_PTX_SCRIPT], cwd=root, env=environment,
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    found = json.loads(done.stdout.strip().splitlines()[-1])
+    assert found["dependent"] and found["signals"]
+    assert len(found["before_wait"]) == 1 and "ld.global" in found["before_wait"][0], found["before_wait"]
 
 
 def test_describe_lists_the_parameters_triton_passes():

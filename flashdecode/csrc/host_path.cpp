@@ -1,7 +1,8 @@
 // The compiled host path (docs/design.md, "Host path"): a repeat call's metadata is hashed here,
 // its launch record found, out (and lse) allocated and its kernels launched with the call's data
 // pointers patched in place: TileLang's kernels through their TVM-FFI entry functions (DLTensor
-// templates), Triton's as CUDA functions through the driver's cuLaunchKernel (parameter words).
+// templates), Triton's as CUDA functions through the driver's cuLaunchKernel (parameter words;
+// cuLaunchKernelEx for a programmatic dependent launch).
 // Python builds each record once, on the first call of a metadata (flashdecode/host_path.py);
 // everything it cannot express there (graph capture, host-side checks, other argument types) stays
 // on the Python path.
@@ -124,10 +125,10 @@ bool make_key(PyObject* args, Key& key) {
 // cuLaunchKernelEx's configuration as cuda.h (CUDA 12.0+) lays it out, with the one attribute a
 // dependent launch sets; the library builds without CUDA headers, and checks these copies against
 // them where it finds them.
-struct LaunchAttribute {
+struct alignas(8) LaunchAttribute {
   int id;  // CUlaunchAttributeID
   char pad[4];
-  union {
+  union alignas(8) {
     char bytes[64];
     int programmatic_stream_serialization_allowed;
   } value;
@@ -139,10 +140,11 @@ struct LaunchConfig {
   unsigned attribute_count;
 };
 constexpr int kProgrammaticStreamSerialization = 6;  // CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
-#if FLASHDECODE_HAS_CUDA_H
+#if FLASHDECODE_HAS_CUDA_H && defined(CUDA_VERSION) && CUDA_VERSION >= 12000  // not an older system cuda.h
 static_assert(sizeof(LaunchAttribute) == sizeof(::CUlaunchAttribute) &&
+              alignof(LaunchAttribute) == alignof(::CUlaunchAttribute) &&
               offsetof(LaunchAttribute, value) == offsetof(::CUlaunchAttribute, value));
-static_assert(sizeof(LaunchConfig) == sizeof(::CUlaunchConfig) &&
+static_assert(sizeof(LaunchConfig) == sizeof(::CUlaunchConfig) && alignof(LaunchConfig) == alignof(::CUlaunchConfig) &&
               offsetof(LaunchConfig, stream) == offsetof(::CUlaunchConfig, hStream) &&
               offsetof(LaunchConfig, attributes) == offsetof(::CUlaunchConfig, attrs) &&
               offsetof(LaunchConfig, attribute_count) == offsetof(::CUlaunchConfig, numAttrs));
@@ -227,8 +229,8 @@ struct FfiLaunch {
 struct FfiLaunch {};
 #endif
 
-// A CUDA function launched with cuLaunchKernel: one 8-byte word per parameter, the call's data
-// pointers written into theirs before each launch.
+// A CUDA function launched with cuLaunchKernel (cuLaunchKernelEx where dependent): one 8-byte word
+// per parameter, the call's data pointers written into theirs before each launch.
 struct CudaLaunch {
   CudaLaunch() = default;
   CudaLaunch(const CudaLaunch&) = delete;  // parameters point into words: moved, never copied
@@ -317,9 +319,8 @@ class HostPath {
 
   // launches: [("ffi", function, [argument...], [slot...])] or [("cuda", CUfunction as an int, its
   // owner, (grid x, y, z), block x, shared bytes, [argument...], [slot...], [ParameterKind...],
-  // dependent)]: slot >= 0
-  // names the call tensor an argument is (its data pointer changes per call), -1 a tensor the record
-  // holds; scalars are ints/floats.
+  // dependent)]: slot >= 0 names the call tensor an argument is (its data pointer changes per call),
+  // -1 a tensor the record holds; scalars are ints/floats.
   bool add(py::tuple call, py::list launches, std::vector<int64_t> lse_shape) {
     Key key;
     if (!make_key(call.ptr(), key)) return false;
@@ -337,7 +338,7 @@ class HostPath {
   }
 
   // The parameter words of the record of ``call``'s raw launches, with ``call``'s data pointers
-  // patched in (what cuLaunchKernel would read): the CPU tests' view of a raw launch.
+  // patched in (what the driver's launch would read): the CPU tests' view of a raw launch.
   std::vector<std::vector<uint64_t>> parameter_words(py::tuple call) {
     Key key;
     if (!make_key(call.ptr(), key)) throw std::invalid_argument("host path: call not expressible");
@@ -421,6 +422,7 @@ class HostPath {
     py::list kinds = spec[8].cast<py::list>();
     launch.dependent = spec[9].cast<bool>();
     if (values.size() != kinds.size() || values.size() != slots.size()) return false;
+    if (launch.dependent && Driver::get().launch_kernel_ex == nullptr) return false;  // the Python path launches it
     launch.words.assign(values.size(), 0);
     for (size_t i = 0; i < values.size(); ++i) {
       PyObject* value = values[i].ptr();
@@ -522,10 +524,10 @@ class HostPath {
         int status = driver.launch(launch.function, launch.grid, launch.block, launch.shared, stream,
                                    launch.parameters.data(), launch.dependent);
         if (status != 0) {
+          const char* called = launch.dependent ? "cuLaunchKernelEx" : "cuLaunchKernel";
           throw std::runtime_error(
-              std::string("flashdecode's compiled host path: ") +
-              (launch.dependent ? "cuLaunchKernelEx" : "cuLaunchKernel") + " failed (CUresult " + std::to_string(status) +
-              "); set FLASHDECODE_HOST_PATH=0 to see the error from the Python path");
+              std::string("flashdecode's compiled host path: ") + called + " failed (CUresult " +
+              std::to_string(status) + "); set FLASHDECODE_HOST_PATH=0 to see the error from the Python path");
         }
       }
       if (want_lse && lse_given == nullptr) return py::make_tuple(out, lse);

@@ -63,7 +63,7 @@ POINTER, INT32, INT64, FLOAT32, INT8 = range(5)
 @dataclasses.dataclass(frozen=True)
 class CudaLaunch:
     """One launch as a CUDA function and its parameters (Triton's compiled kernels), for the
-    compiled host path's ``cuLaunchKernel``."""
+    compiled host path's ``cuLaunchKernel`` (``cuLaunchKernelEx`` where dependent)."""
 
     function: int  # CUfunction
     grid: tuple  # (x, y, z)

@@ -145,12 +145,12 @@ class TritonBackend(Backend):
         return frozenset((SINGLE_PASS, SPLIT))
 
     def default_config(self, problem: Problem, profile: HardwareProfile, kernel: str) -> TritonConfig:
-        """block_n, warps and stages from the profile's ``triton_tiles`` by padded head dim (3 stages
-        for pages smaller than a block at head dim 128, where measured); block_m:
+        """block_n, warps and stages from the profile's ``triton_tiles`` by padded head dim; block_m:
         the packed rows rounded up to a power of two, 16 to MAX_BLOCK_M; warps doubled while the fp32
         output tile holds more than MAX_OUTPUT_PER_THREAD values a thread; block_n halved (down to 16),
         then stages dropped (down to 2), then block_m halved (more row tiles), until ``shared_bytes``
-        fits a multiprocessor; then steered off a Triton miscompile (``workarounds``)."""
+        fits a multiprocessor; 3 stages for pages smaller than a block at head dim 128 where they fit
+        too; then steered off a Triton miscompile (``workarounds``)."""
         if kernel not in self.kernels(problem):
             raise ValueError(f"kernel must be one of {sorted(self.kernels(problem))} for backend 'triton', "
                              f"got {kernel!r}")
@@ -161,10 +161,6 @@ class TritonBackend(Backend):
         while block_m * headdim > MAX_OUTPUT_PER_THREAD * profile.wave_width * num_warps and num_warps < 8:
             num_warps *= 2
         combine_step = COMBINE_STEP_ONE_SEQUENCE if problem.batch == 1 else COMBINE_STEP_BATCH
-        if 0 < problem.page_size < block_n and headdim == 128 and num_stages == 2:
-            # A third stage loads a block's table entries one block before its K/V copies, which
-            # otherwise wait on the lookup; the K/V tiles stay double-buffered (``docs/design.md``).
-            num_stages = 3
         config = TritonConfig(block_n, block_m, num_warps, num_stages, combine_step)
         while shared_bytes(config, headdim, problem.element_bytes, profile) > profile.shared_memory_per_multiprocessor:
             if config.block_n > 16:
@@ -175,6 +171,14 @@ class TritonBackend(Backend):
                 config = dataclasses.replace(config, block_m=config.block_m // 2)
             else:
                 break
+        if 0 < problem.page_size < config.block_n and headdim == 128 and config.num_stages == 2:
+            # A third stage loads a block's table entries one block before its K/V copies, which
+            # otherwise wait on the lookup; the K/V tiles stay double-buffered (``docs/design.md``).
+            # Measured at pages of 16; smaller pages look up every token the same way.
+            tripled = dataclasses.replace(config, num_stages=3)
+            needed = shared_bytes(tripled, headdim, problem.element_bytes, profile)
+            if needed <= profile.shared_memory_per_multiprocessor:
+                config = tripled
         return steer(problem, retiled(config, headdim, profile), headdim)  # a Triton miscompile (``workarounds``)
 
     def merges_in_split(self, problem: Problem) -> bool:
@@ -274,7 +278,7 @@ def _make_spec(plan, problem: Problem) -> _LaunchSpec:
         GROUP=problem.group, SEQLEN_Q=problem.seqlen_q, HEAD_DIM=problem.headdim, HEAD_PAD=head_pad,
         BLOCK_N=config.block_n, BATCH_PAD=batch_pad, SPLITS_PER_STEP=config.combine_step, APPEND=append,
         LEFTPAD=leftpad, WINDOW_LEFT=window_left, EMPTY_ROWS=problem.windowed and problem.seqlen_q > 1,
-        DEPENDENT=plan.dependent_combine)
+        DEPENDENT_COMBINE=plan.dependent_combine)
     split_options = {"num_warps": config.num_warps, "num_stages": config.num_stages}
     if config.max_registers is not None:
         split_options[REGISTER_CEILING] = config.max_registers

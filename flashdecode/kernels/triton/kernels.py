@@ -17,12 +17,8 @@ import triton
 import triton.language as tl
 
 from .attend import LOG2E, append_tokens, attend_block, rotary_columns, rotate, row_offsets, tile_mask
+from .launch import gdc_launch_dependents, gdc_wait
 from .schedule import entry, key_range, locate, split_counts
-
-try:  # programmatic dependent launch; without it plans never ask for one (launch.DEPENDENT_LAUNCH_UNAVAILABLE)
-    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
-except ImportError:
-    gdc_launch_dependents = gdc_wait = None
 
 LN2 = tl.constexpr(1.0 / LOG2E.value)
 
@@ -261,13 +257,14 @@ def combine_kernel(Lens, LeftPad, Out, Lse, PartO, PartLse,
                    GROUP: tl.constexpr, SEQLEN_Q: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr,
                    BLOCK_N: tl.constexpr, BATCH_PAD: tl.constexpr, SPLITS_PER_STEP: tl.constexpr,
                    APPEND: tl.constexpr, LEFTPAD: tl.constexpr, WINDOW_LEFT: tl.constexpr, EMPTY_ROWS: tl.constexpr,
-                   DEPENDENT: tl.constexpr):
+                   DEPENDENT_COMBINE: tl.constexpr):
     """Merge the partials of one (sequence, packed row h * Sq * G + r) if that sequence was split;
     grid (B, Hk * Sq * G). Partials are read SPLITS_PER_STEP at a time, all loads of a step in
     flight together, and merged with a running max so any number of splits works. EMPTY_ROWS:
     a row may see no key in a split (windows with seqlen_q > 1), so a max of -inf is guarded.
-    DEPENDENT: launched as a programmatic dependent launch; the partials are read after the split
-    kernel completes (``gdc_wait``), the lengths (which it does not write) before."""
+    DEPENDENT_COMBINE: launched as a programmatic dependent launch; every program waits for the split
+    kernel to complete (``gdc_wait``) after reading the lengths, which that kernel does not write, so
+    the combine never completes before it (later launches wait on the combine alone)."""
     seq = tl.program_id(0)
     row = tl.program_id(1)
     offs, raw, splits, ends = split_counts(
@@ -275,9 +272,9 @@ def combine_kernel(Lens, LeftPad, Out, Lse, PartO, PartLse,
         SEQLEN_Q, APPEND, LEFTPAD, WINDOW_LEFT, BLOCK_N, BATCH_PAD)
     num_splits = entry(offs, splits, seq)
     first = entry(offs, ends, seq) - num_splits
+    if DEPENDENT_COMBINE:
+        gdc_wait()
     if num_splits > 1:
-        if DEPENDENT:
-            gdc_wait()
         offs_s = tl.arange(0, SPLITS_PER_STEP)
         d = tl.arange(0, HEAD_PAD)
         m = float("-inf")

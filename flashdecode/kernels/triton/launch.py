@@ -17,7 +17,8 @@ Triton's own: kernel, device, constexprs, options, each tensor's dtype and 16-by
 the exact value of every scalar.
 
 ``describe`` goes one step further for the compiled host path (``flashdecode.host_path``): a
-compiled kernel's CUDA function and parameter words, launched from C++ with ``cuLaunchKernel``.
+compiled kernel's CUDA function and parameter words, launched from C++ with ``cuLaunchKernel``
+(``cuLaunchKernelEx`` for a dependent launch).
 """
 from __future__ import annotations
 
@@ -46,6 +47,17 @@ REGISTER_CEILING = "register_ceiling"
 MAX_COMPILED = 4096
 
 
+try:  # grid-dependency control, for programmatic dependent launches (``DEPENDENT_LAUNCH_UNAVAILABLE``)
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+except ImportError:
+    gdc_launch_dependents = gdc_wait = None
+
+
+def _interpreted() -> bool:
+    """Whether Triton runs kernels in its interpreter (TRITON_INTERPRET=1): no CUDA launch at all."""
+    return not isinstance(_probe_kernel, triton.runtime.jit.JITFunction)
+
+
 def _fast_path_unavailable() -> str | None:
     """What the direct launch needs of Triton and this process that is missing, or None."""
     try:
@@ -57,7 +69,7 @@ def _fast_path_unavailable() -> str | None:
         return "CompiledKernel has no [grid] launcher"
     if not callable(getattr(JITFunction, "run", None)):
         return "JITFunction has no run()"
-    if not isinstance(_probe_kernel, JITFunction):
+    if _interpreted():
         return "kernels are interpreted (TRITON_INTERPRET=1)"
     if not hasattr(_probe_kernel, "arg_names"):
         return "JITFunction has no arg_names"
@@ -96,16 +108,17 @@ FAST_PATH_UNAVAILABLE = _fast_path_unavailable()
 
 def _dependent_launch_unavailable() -> str | None:
     """What a programmatic dependent launch needs of Triton that is missing, or None: the
-    grid-dependency instructions (``triton.language.extra.cuda.gdc_wait``) and the ``launch_pdl``
-    compile option, on compiled kernels (the interpreter runs no inline PTX)."""
+    grid-dependency instructions (``gdc_wait``) and the ``launch_pdl`` compile option, on compiled
+    kernels (the interpreter runs no inline PTX)."""
+    if gdc_wait is None:
+        return "Triton has no grid-dependency control (triton.language.extra.cuda.gdc_wait)"
     try:
         from triton.backends.nvidia.compiler import CUDAOptions
-        from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait  # noqa: F401
     except ImportError as error:
-        return f"Triton has no grid-dependency control ({error})"
+        return f"Triton's CUDA options do not import ({error})"
     if "launch_pdl" not in getattr(CUDAOptions, "__dataclass_fields__", {}):
         return "Triton's CUDA options have no launch_pdl"
-    if not isinstance(_probe_kernel, triton.runtime.jit.JITFunction):
+    if _interpreted():
         return "kernels are interpreted (TRITON_INTERPRET=1)"
     return None
 
