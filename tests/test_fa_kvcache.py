@@ -5,7 +5,8 @@ CPU tier (unmarked): a seeded sample of 32 float16 combos with seqlen_k <= 1024,
 "reference" backend and for "triton" (under its interpreter without CUDA; bfloat16 is wrong there).
 GPU tier (``gpu`` marker): "triton" and "tilelang", float16 and bfloat16, on
 FLASHDECODE_FA_GRID="sample" (default: 2000 combos stratified over pairs of features), N (that many) or "full"
-(all 506,880 combos per backend: about a million tests, hours). A backend that cannot take a combo
+(all 506,880 combos per backend: about a million tests, hours); FLASHDECODE_FA_GRID_SEED (default
+2025) draws another sample, so that runs cut by a time limit cover new combos, not the same first ones. A backend that cannot take a combo
 raises BackendError: that combo is skipped with its message. With FLASHDECODE_FA_GRID_REPORT=PATH,
 pass/fail/skip counts per tier, backend, dtype and feature are written there as JSON every few
 seconds and at the end (a file per pytest-xdist worker, merged by ``fa_grid.merge_reports``).
@@ -32,17 +33,18 @@ from flashdecode.kernels.base import BackendError
 DEVICE = "cuda" if HAS_CUDA else "cpu"
 CPU_COMBOS = fa_grid.sample(32, seed=2024, dtypes=("float16",), max_seqlen_k=1024)
 GRID_SIZE = os.environ.get("FLASHDECODE_FA_GRID", "sample")
+GRID_SEED = int(os.environ.get("FLASHDECODE_FA_GRID_SEED", "2025"))
 if GRID_SIZE not in ("sample", "full") and not GRID_SIZE.isdigit():
     raise ValueError(f"FLASHDECODE_FA_GRID must be 'sample', 'full' or a number of sampled combos, got {GRID_SIZE!r}")
 GPU_COMBOS = fa_grid.full_grid() if GRID_SIZE == "full" else \
-    fa_grid.sample(2000 if GRID_SIZE == "sample" else int(GRID_SIZE), seed=2025)
+    fa_grid.sample(2000 if GRID_SIZE == "sample" else int(GRID_SIZE), seed=GRID_SEED)
 #: The part of the grid the TileLang kernels implement (no rotary, ALiBi, cache_leftpad or
 #: cache_batch_idx; head dims 64, 128, 256); query rows over its q tile are still skipped. Its own
 #: sample (FLASHDECODE_FA_GRID_TILELANG combos, default 60), as the whole grid's sample holds few.
 TILELANG_AXES = {"d": (64, 128, 256), "alibi": (False,), "rotary_fraction": (0.0,), "rotary_interleaved": (False,),
                  "has_leftpad": (False,), "has_batch_idx": (False,),
                  "seqlens": tuple(pair for pair in fa_grid.SEQLEN_PAIRS if pair[0] <= 16)}
-TILELANG_COMBOS = fa_grid.sample(int(os.environ.get("FLASHDECODE_FA_GRID_TILELANG", "60")), seed=2026,
+TILELANG_COMBOS = fa_grid.sample(int(os.environ.get("FLASHDECODE_FA_GRID_TILELANG", "60")), seed=GRID_SEED + 1,
                                  restrict=TILELANG_AXES)
 
 
