@@ -3,13 +3,14 @@ says what is checked and where it departs from FlashAttention's list).
 
 CPU tier (unmarked): a seeded sample of 32 float16 combos with seqlen_k <= 1024, each for the
 "reference" backend and for "triton" (under its interpreter without CUDA; bfloat16 is wrong there).
-GPU tier (``gpu`` marker): "triton" and "tilelang", float16 and bfloat16, on
-FLASHDECODE_FA_GRID="sample" (default: 2000 combos stratified over pairs of features), N (that many) or "full"
-(all 506,880 combos per backend: about a million tests, hours); FLASHDECODE_FA_GRID_SEED (default
-2025) draws another sample, so that runs cut by a time limit cover new combos, not the same first
-ones. A backend that cannot take a combo raises BackendError: that combo is skipped with its message. With FLASHDECODE_FA_GRID_REPORT=PATH,
-pass/fail/skip counts per tier, backend, dtype and feature are written there as JSON every few
-seconds and at the end (a file per pytest-xdist worker, merged by ``fa_grid.merge_reports``).
+GPU tier (``gpu`` marker): "triton" and "tilelang", float16 and bfloat16, on FLASHDECODE_FA_GRID=
+"sample" (default: 2000 combos stratified over pairs of features), N (that many) or "full" (all
+506,880 combos per backend: about a million tests, hours). FLASHDECODE_FA_GRID_SEED (default 2025)
+draws another sample, so that runs cut by a time limit cover new combos, not the same first ones.
+A backend that cannot take a combo raises BackendError: that combo is skipped with its message.
+With FLASHDECODE_FA_GRID_REPORT=PATH, pass/fail/skip counts per tier, backend, dtype and feature
+are written there as JSON every few seconds and at the end (a file per pytest-xdist worker, merged
+by ``fa_grid.merge_reports``).
 Under pytest-xdist, combos with caches of 16k tokens or more run one at a time (a file lock), so
 parallel workers do not run one GPU out of memory.
 """
