@@ -33,11 +33,9 @@ from sweep import values  # benchmarks/sweep.py: a comma list of ints, [None] wh
 HOPPER = GPUTarget("cuda", 90, 32)
 
 
-def split_launch(problem: Problem, config):
-    """(config, kernel, tensors, scalars, constexprs, options) of the split kernel for ``problem``
-    (CPU tensors; a paged problem gets a page pool and block table of its capacity)."""
-    backend = get_backend("triton")
-    the_plan = plan(problem, PROFILES["h200"], backend, num_splits=2, config=config)
+def plan_launches(problem: Problem, the_plan) -> list:
+    """``backend.launches`` of ``the_plan`` for ``problem`` on CPU tensors (a paged problem gets a
+    page pool and block table of its capacity): what to compile, never to run."""
     dtype = getattr(torch, problem.dtype)
     q = torch.empty(problem.batch, 1, problem.nheads, problem.headdim, dtype=dtype)
     table = None
@@ -51,7 +49,13 @@ def split_launch(problem: Problem, config):
                       out=torch.empty_like(q), lse=torch.empty(problem.batch, problem.nheads, 1),
                       part_o=torch.empty(1, 1, problem.headdim), part_lse=torch.empty(1, 1), softmax_scale=0.1,
                       block_table=table, tickets=torch.zeros(the_plan.ticket_count(problem), dtype=torch.int32))
-    kernel, _, tensors, scalars, constexprs, options = backend.launches(the_plan, problem, args)[0]
+    return get_backend("triton").launches(the_plan, problem, args)
+
+
+def split_launch(problem: Problem, config):
+    """(config, kernel, tensors, scalars, constexprs, options) of the split kernel for ``problem``."""
+    the_plan = plan(problem, PROFILES["h200"], get_backend("triton"), num_splits=2, config=config)
+    kernel, _, tensors, scalars, constexprs, options = plan_launches(problem, the_plan)[0]
     return the_plan.config, kernel, tensors, scalars, constexprs, options
 
 

@@ -8,8 +8,9 @@ tensors for TVM-FFI) and 42-113 us with Triton (its launcher's Python per launch
 metadata (every tensor's dtype, device, shape, strides and 16-byte alignment, every scalar, the
 stream) to a launch record: TileLang's TVM-FFI entry functions with DLTensor templates, or Triton's
 CUDA functions with their parameter words (``cuLaunchKernel``; ``cuLaunchKernelEx`` for a dependent
-launch), whose data pointers it patches per call. The first call of a metadata takes the Python path, which validates, plans, launches and then
-adds the record; later calls hash their metadata in C++ and launch from there.
+launch), whose data pointers it patches per call. The first call of a metadata takes the Python
+path, which validates, plans, launches and then adds the record; later calls hash their metadata in
+C++ and launch from there.
 
 The extension is built on first use (about a minute; cached across processes, see ``_build``), with
 TVM-FFI where it is installed (else for CUDA launches only), and used only when

@@ -169,9 +169,9 @@ def _merge_mode(plan_: Plan, problem: Problem, profile: HardwareProfile, backend
     sequence can get more than ``max_splits_merged_in_split`` splits (one program merges them, a few
     at a time); else by the combine, a dependent launch where the tuning asks and the device and the
     backend can."""
-    tuning = profile.tuning
     if plan_.kernel != SPLIT:
         return plan_
+    tuning = profile.tuning
     if backend.merges_in_split(problem) and plan_.max_splits(problem) <= tuning.max_splits_merged_in_split:
         return dataclasses.replace(plan_, merge_in_split=True)
     if tuning.dependent_combine and profile.dependent_launch and backend.launches_dependent_combine(problem):

@@ -311,23 +311,18 @@ def test_direct_launch_matches_tritons_launch(features, num_splits, merge, depen
 #: Triton's own ptxas) and prints, for each, the PTX lines that load or store global memory before
 #: the combine's griddepcontrol.wait, and whether the split kernel signals its dependents.
 DEPENDENT_PTX_SCRIPT = textwrap.dedent("""
-    import json, sys, torch
+    import json, sys
     sys.path.insert(0, "benchmarks")
-    from triton_resources import compile_for_hopper
+    from triton_resources import compile_for_hopper, plan_launches
     from flashdecode.hardware import PROFILES
     from flashdecode.kernels import get_backend
-    from flashdecode.kernels.base import LaunchArgs
     from flashdecode.kernels.triton.launch import _without_ceiling
     from flashdecode.planner import plan
     from flashdecode.problem import Problem
-    backend, problem = get_backend("triton"), Problem(1, 8192, 32, 4, 128, "bfloat16")
-    the_plan = plan(problem, PROFILES["h200"], backend)
-    q, cache = torch.empty(1, 1, 32, 128, dtype=torch.bfloat16), torch.empty(1, 8192, 4, 128, dtype=torch.bfloat16)
-    args = LaunchArgs(q=q, k_cache=cache, v_cache=cache, cache_seqlens=torch.empty(1, dtype=torch.int32),
-                      out=torch.empty_like(q), lse=torch.empty(1, 32, 1), part_o=torch.empty(100, 32, 128),
-                      part_lse=torch.empty(100, 32), softmax_scale=0.1)
+    problem = Problem(1, 8192, 32, 4, 128, "bfloat16")
+    the_plan = plan(problem, PROFILES["h200"], get_backend("triton"))
     ptx = [compile_for_hopper(kernel, tensors, scalars, constexprs, _without_ceiling(options)).asm["ptx"]
-           for kernel, _, tensors, scalars, constexprs, options in backend.launches(the_plan, problem, args)]
+           for kernel, _, tensors, scalars, constexprs, options in plan_launches(problem, the_plan)]
     wait = ptx[1].index("griddepcontrol.wait")
     print(json.dumps(dict(dependent=the_plan.dependent_combine,
                           signals="griddepcontrol.launch_dependents" in ptx[0],

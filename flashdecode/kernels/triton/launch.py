@@ -273,10 +273,10 @@ def describe(compiled, grid: tuple, values: tuple) -> CudaLaunch | None:
     scratch buffer. Reads Triton's private CompiledKernel fields; None where any is missing or the
     launch needs more than cuLaunchKernel's plain parameters (clusters, cooperative launches,
     scratch memory, tensor descriptors, oversized shared memory); a dependent launch (``launch_pdl``)
-    is described as one. Triton's launch hooks
-    (a profiler's) are not called for launches from the record. The compiled host path checks the parameter list
-    against the function's own where the driver can tell, and replays its first record against
-    Triton's launch (``docs/design.md``, "Host path")."""
+    is described as one. Triton's launch hooks (a profiler's) are not called for launches from the
+    record. The compiled host path checks the parameter list against the function's own where the
+    driver can tell, and replays its first record against Triton's launch (``docs/design.md``,
+    "Host path")."""
     try:
         if getattr(compiled, "function", None) is None:
             compiled._init_handles()
