@@ -109,7 +109,7 @@ def main():
     for rows, warps, block_n, stages, registers in itertools.product(
             values(args.rows), values(args.warps), values(args.block_n), values(args.stages),
             values(args.max_registers)):
-        problem = Problem(4, 8192, rows, 1, args.headdim, args.dtype, page_size=args.page_size)
+        problem = Problem(4, 8192, rows, 1, args.headdim, args.dtype, page_size=args.page_size, offsets_32=True)
         default = backend.default_config(problem, PROFILES["h200"], SPLIT)
         changes = {name: value for name, value in (("num_warps", warps), ("block_n", block_n),
                                                    ("num_stages", stages)) if value is not None}

@@ -41,6 +41,7 @@ class Problem:
     leftpad: bool = False  # cache_leftpad given
     batch_idx: bool = False  # cache_batch_idx given
     dense: bool = True  # q, caches, new k/v, block_table and out contiguous and 16-byte aligned
+    offsets_32: bool = False  # every K/V element lies within 2**31 - 1 elements of its cache's start
 
     @property
     def group(self) -> int:

@@ -164,13 +164,14 @@ def problem_of(combo: Combo) -> Problem:
         right = 0
     if seqlen_q == 1:
         right = -1
+    rows = BATCH * pages * combo.paged_kv_block_size if pages else (2 if combo.has_batch_idx else 1) * BATCH * seqlen_k
     return Problem(BATCH, pages * combo.paged_kv_block_size if pages else seqlen_k, NHEADS, NHEADS_K[combo.mha_type],
                    combo.d, combo.dtype, seqlen_q=seqlen_q, page_size=combo.paged_kv_block_size or 0,
                    seqlen_new=int(combo.new_kv), rotary_dim=int(combo.rotary_fraction * combo.d) // 16 * 16
                    if combo.new_kv else 0, rotary_interleaved=combo.rotary_interleaved and combo.new_kv
                    and combo.rotary_fraction > 0, window_left=left, window_right=right,
                    alibi=ALIBI_PER_SEQUENCE if combo.alibi else 0, leftpad=combo.has_leftpad,
-                   batch_idx=combo.has_batch_idx)
+                   batch_idx=combo.has_batch_idx, offsets_32=rows * NHEADS_K[combo.mha_type] * combo.d <= 2 ** 31)
 
 
 def padding_mask(seqlen_k, ends, leftpads=None):

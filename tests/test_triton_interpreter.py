@@ -218,6 +218,17 @@ def test_feature(feature, num_splits, merge):
     assert_matches(got, reference(call))
 
 
+@pytest.mark.parametrize("feature", ["paged1", "paged4", "paged32", "everything"])
+def test_pages_addressed_in_64_bits(feature):
+    """Caches of more than 2^31 elements address pages in 64 bits (``Problem.offsets_32`` False):
+    the same results as the 32-bit addressing small caches take."""
+    call = make_call(**FEATURES[feature])
+    problem = plan_for(call.q, call.k_cache, call.v_cache, **call.kwargs, backend="triton").problem
+    assert problem.offsets_32
+    wide = dataclasses.replace(problem, offsets_32=False)
+    assert_matches(through_backend(call, num_splits=3, problem=wide), reference(call))
+
+
 @pytest.mark.parametrize("seqlen_q", [1, 2, 3, 4, 5])
 def test_query_rows(seqlen_q):
     """seqlen_q rows per head packed with the group (r = i * group + g), causal, split."""
@@ -347,6 +358,9 @@ BAD_VALUES = {  # make_call arguments, the index tensor, sequence 0's bad value 
     "batch-idx": (dict(batch_idx=True, seqlen_new=2), "cache_batch_idx", 4),
     "block-id": (dict(page_size=16, seqlen_new=2), "block_table", 2 * 7 + 3),  # first block: past the pages
     "block-id-later-block": (dict(page_size=16, lengths=[100, 40]), "block_table", -5, 5),  # tokens 80-95
+    # pages smaller than a block (16): every token looks its page up
+    "block-id-small-pages": (dict(page_size=4, lengths=[100, 40]), "block_table", 10 ** 6, 7),  # tokens 28-31
+    "block-id-large-pages": (dict(page_size=32, lengths=[100, 40]), "block_table", -1, 2),  # tokens 64-95
     # rows 0-34 of sequence 0 see no key (left pad 45 of 50, causal): NaN too, after a split's merge
     "batch-idx-rows-without-keys": (dict(batch_idx=True, seqlen_q=40, causal=True, leftpad=[45, 0]),
                                     "cache_batch_idx", 4),
@@ -378,6 +392,18 @@ def test_bad_value_makes_its_sequence_nan(case, num_splits, merge):
         assert torch.equal(k_cache, want) and torch.equal(got[3], expected[3])
 
 
+@pytest.mark.parametrize("page_size", [4, 16, 32])
+@pytest.mark.parametrize("num_splits", [0, 3])
+def test_block_table_entries_past_the_length_are_never_used(page_size, num_splits):
+    """Serving engines leave the table past a sequence's last page unset: bad ids there flag nothing."""
+    call = make_call(page_size=page_size, lengths=[50, 17])
+    table = call.kwargs["block_table"].clone()
+    for seq, length in enumerate(call.kwargs["cache_seqlens"].tolist()):
+        table[seq, -(-length // page_size):] = torch.tensor([-1, 10 ** 6], dtype=torch.int32).repeat(table.shape[1])[
+            :table.shape[1] - -(-length // page_size)]
+    assert_matches(through_backend(call, num_splits, block_table=table), reference(call))
+
+
 # -- the backend's answers to the planner ---------------------------------------------------------------
 
 def test_default_config():
@@ -394,10 +420,10 @@ def test_default_config():
              for d in (64, 128, 256)]
     assert small == [128, 64, 16]
     assert BACKEND.default_config(Problem(1, 4096, 8, 8, 32, "float16"), h200, SPLIT).block_n == 64
-    # pages smaller than a block at head dim 128: a third stage for the table lookups
-    stages = [BACKEND.default_config(Problem(4, 4096, 32, 8, d, "bfloat16", page_size=p), h200, SPLIT).num_stages
-              for d, p in ((128, 16), (128, 32), (128, 64), (128, 256), (64, 16))]
-    assert stages == [3, 3, 2, 2, 2]
+    # pages of any size take the contiguous cache's tile
+    tiles = {BACKEND.default_config(Problem(4, 4096, 32, 8, 128, "bfloat16", page_size=p), h200, SPLIT)
+             for p in (0, 1, 16, 64, 256)}
+    assert len(tiles) == 1
     # head dim 256: 4 warps up to 32 query rows, 8 for a 64-row tile (its fp32 output past 64 values a thread)
     warps = [BACKEND.default_config(Problem(1, 4096, rows, 1, 256, "bfloat16"), h200, SPLIT).num_warps
              for rows in (8, 32, 64)]

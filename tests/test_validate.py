@@ -177,3 +177,17 @@ def test_checks_see_new_metadata_and_new_values():
         call(q, k.float(), v, s, context=context)
     with pytest.raises(ValueError, match="cache_seqlens must be in"):
         call(q, k, v, s.clone().fill_(k.shape[1] + 1), context=context)
+
+
+@pytest.mark.parametrize("rows, paged", [(2 ** 17, True), (2 ** 17 + 1, True), (2 ** 21, False), (2 ** 21 + 1, False)])
+def test_caches_past_2_to_the_31_elements_are_addressed_in_64_bits(rows, paged):
+    """``Problem.offsets_32`` holds exactly while every cache element lies within 2^31 - 1 of the
+    cache's start (meta tensors: no memory)."""
+    meta = dict(dtype=torch.float16, device="meta")
+    q = torch.empty(1, 1, 8, 128, **meta)
+    k_cache = torch.empty(*((rows, 16) if paged else (1, rows)), 8, 128, **meta)  # pages of 16, or one sequence
+    lengths = torch.zeros(1, dtype=torch.int32, device="meta")
+    table = torch.zeros(1, 4, dtype=torch.int32, device="meta") if paged else None
+    problem = flashdecode.plan_for(q, k_cache, k_cache, cache_seqlens=lengths, block_table=table,
+                                   backend="reference").problem
+    assert problem.offsets_32 == (k_cache.numel() <= 2 ** 31)

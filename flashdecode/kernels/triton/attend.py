@@ -55,26 +55,47 @@ def rotate(x, x_partner, positions, Cos, Sin, rotary_rows, column, sign, rotatin
 
 @triton.jit
 def cache_offsets(tokens, block_start, in_range, table_row, num_pages, stride_kp, stride_kt, stride_vp, stride_vt,
-                  PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr):
-    """(K offsets, V offsets, bad block id seen) of the tokens of one block, relative to the KV
-    head's base. Paged: token t is row t % PAGE_SIZE of page block_table[b, t // PAGE_SIZE], one
-    lookup per block when a page holds whole blocks, else one per token in range; block ids are
-    clamped into [0, num_pages) and a bad one is reported."""
+                  PAGE_SIZE: tl.constexpr, OFFSETS_32: tl.constexpr, BLOCK_N: tl.constexpr):
+    """(K offsets, V offsets) of the tokens of one block, relative to the KV head's base. Paged:
+    token t is row t % PAGE_SIZE of page block_table[b, t // PAGE_SIZE], one lookup per block when a
+    page holds whole blocks, else one per token in range; block ids are clamped into [0, num_pages)
+    (``bad_block_ids`` reports them, once per program). With OFFSETS_32 (every element of the cache
+    within 2^31 - 1 of its start) the paged offsets are 32-bit: a third fewer instructions in the
+    loop of pages smaller than a block, where every token has its own address."""
     if PAGE_SIZE == 0:
         offsets = tokens.to(tl.int64)
-        return offsets * stride_kt, offsets * stride_vt, 0
+        return offsets * stride_kt, offsets * stride_vt
     elif PAGE_SIZE >= BLOCK_N:
         page = tl.load(table_row + block_start // PAGE_SIZE)
-        bad = ((page < 0) | (page >= num_pages)).to(tl.int32)
-        page = tl.minimum(tl.maximum(page, 0), num_pages - 1).to(tl.int64)
-        rows = (block_start % PAGE_SIZE + tl.arange(0, BLOCK_N)).to(tl.int64)
-        return page * stride_kp + rows * stride_kt, page * stride_vp + rows * stride_vt, bad
+        page = tl.minimum(tl.maximum(page, 0), num_pages - 1)
+        rows = block_start % PAGE_SIZE + tl.arange(0, BLOCK_N)
+        if not OFFSETS_32:
+            page, rows = page.to(tl.int64), rows.to(tl.int64)
+        return page * stride_kp + rows * stride_kt, page * stride_vp + rows * stride_vt
     else:
-        pages = tl.load(table_row + tokens // PAGE_SIZE, mask=in_range, other=0)
-        bad = tl.max(((pages < 0) | (pages >= num_pages)).to(tl.int32), 0)
-        pages = tl.minimum(tl.maximum(pages, 0), num_pages - 1).to(tl.int64)
-        rows = (tokens % PAGE_SIZE).to(tl.int64)
-        return pages * stride_kp + rows * stride_kt, pages * stride_vp + rows * stride_vt, bad
+        # tokens >= 0: unsigned, // and % are a shift and a mask
+        pages = tl.load(table_row + tokens.to(tl.uint32) // PAGE_SIZE, mask=in_range, other=0)
+        pages = tl.minimum(tl.maximum(pages, 0), num_pages - 1)
+        rows = tokens & (PAGE_SIZE - 1)
+        if not OFFSETS_32:
+            pages, rows = pages.to(tl.int64), rows.to(tl.int64)
+        return pages * stride_kp + rows * stride_kt, pages * stride_vp + rows * stride_vt
+
+
+@triton.jit
+def bad_block_ids(table_row, start, end, num_pages, PAGE_SIZE: tl.constexpr, SCAN: tl.constexpr):
+    """1 if a block id that the keys [start, end) use lies outside [0, num_pages), else 0. One pass
+    over the program's table entries before its loop, so that the loop only clamps: a check per
+    block costs pages smaller than a block a reduction across the program and its barriers in every
+    step (``docs/design.md``, "Paged caches")."""
+    first = start // PAGE_SIZE
+    last = tl.where(start < end, tl.cdiv(end, PAGE_SIZE), first)
+    bad = tl.zeros([SCAN], tl.int32)
+    for entry in tl.range(first, last, SCAN, num_stages=1):
+        entries = entry + tl.arange(0, SCAN)
+        ids = tl.load(table_row + entries, mask=entries < last, other=0)
+        bad |= ((ids < 0) | (ids >= num_pages)).to(tl.int32)
+    return tl.max(bad, 0)
 
 
 @triton.jit
@@ -87,14 +108,14 @@ def tile_mask(token_mask, HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr):
 
 
 @triton.jit
-def attend_block(acc, m, l, bad, q, block_start, start, end, new_from,
+def attend_block(acc, m, l, q, block_start, start, end, new_from,
                  k_head, v_head, table_row, num_pages, stride_kp, stride_kt, stride_vp, stride_vt,
                  k_new, v_new, stride_nkt, stride_nvt, Cos, Sin, rotary_rows,
                  row_pos, slopes, window_left, window_right, scale_log2, softcap_in, softcap_out,
-                 ROW_MASKS: tl.constexpr, PAGE_SIZE: tl.constexpr, APPEND: tl.constexpr, ROTARY_DIM: tl.constexpr,
-                 ROTARY_INTERLEAVED: tl.constexpr, WINDOW_LEFT: tl.constexpr, WINDOW_RIGHT: tl.constexpr,
-                 SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, LEFTPAD: tl.constexpr, HEAD_DIM: tl.constexpr,
-                 HEAD_PAD: tl.constexpr, BLOCK_N: tl.constexpr):
+                 ROW_MASKS: tl.constexpr, PAGE_SIZE: tl.constexpr, OFFSETS_32: tl.constexpr, APPEND: tl.constexpr,
+                 ROTARY_DIM: tl.constexpr, ROTARY_INTERLEAVED: tl.constexpr, WINDOW_LEFT: tl.constexpr,
+                 WINDOW_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, LEFTPAD: tl.constexpr,
+                 HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr, BLOCK_N: tl.constexpr):
     """One KV block folded into the online softmax (acc, m, l). Keys outside [start, end) are
     dropped (a column mask). Without ROW_MASKS (the main loop) every key is cached and seen by
     every row. With ROW_MASKS (the head and tail blocks) keys outside each row's window are dropped
@@ -110,10 +131,8 @@ def attend_block(acc, m, l, bad, q, block_start, start, end, new_from,
     in_range = tokens < end
     if LEFTPAD or ROW_MASKS:
         in_range = in_range & (tokens >= start)
-    k_offs, v_offs, block_bad = cache_offsets(tokens, block_start, in_range, table_row, num_pages,
-                                              stride_kp, stride_kt, stride_vp, stride_vt, PAGE_SIZE, BLOCK_N)
-    if PAGE_SIZE > 0:
-        bad = bad | block_bad
+    k_offs, v_offs = cache_offsets(tokens, block_start, in_range, table_row, num_pages,
+                                   stride_kp, stride_kt, stride_vp, stride_vt, PAGE_SIZE, OFFSETS_32, BLOCK_N)
     k_ptrs = k_head + k_offs[:, None] + d[None, :]
     v_ptrs = v_head + v_offs[:, None] + d[None, :]
     if ROW_MASKS and APPEND:  # appended tokens come from k_new/v_new: the cache rows are being written
@@ -154,7 +173,7 @@ def attend_block(acc, m, l, bad, q, block_start, start, end, new_from,
 
     v = tl.load(v_ptrs, mask=tile_mask(in_range, HEAD_DIM, HEAD_PAD), other=0.0)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-    return acc, m_new, l, bad
+    return acc, m_new, l
 
 
 @triton.jit

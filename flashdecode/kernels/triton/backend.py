@@ -149,8 +149,7 @@ class TritonBackend(Backend):
         the packed rows rounded up to a power of two, 16 to MAX_BLOCK_M; warps doubled while the fp32
         output tile holds more than MAX_OUTPUT_PER_THREAD values a thread; block_n halved (down to 16),
         then stages dropped (down to 2), then block_m halved (more row tiles), until ``shared_bytes``
-        fits a multiprocessor; 3 stages for pages smaller than a block at head dim 128 where they fit
-        too; then steered off a Triton miscompile (``workarounds``)."""
+        fits a multiprocessor; then steered off a Triton miscompile (``workarounds``)."""
         if kernel not in self.kernels(problem):
             raise ValueError(f"kernel must be one of {sorted(self.kernels(problem))} for backend 'triton', "
                              f"got {kernel!r}")
@@ -171,14 +170,6 @@ class TritonBackend(Backend):
                 config = dataclasses.replace(config, block_m=config.block_m // 2)
             else:
                 break
-        if 0 < problem.page_size < config.block_n and headdim == 128 and config.num_stages == 2:
-            # A third stage loads a block's table entries one block before its K/V copies, which
-            # otherwise wait on the lookup; the K/V tiles stay double-buffered (``docs/design.md``).
-            # Measured at pages of 16; smaller pages look up every token the same way.
-            tripled = dataclasses.replace(config, num_stages=3)
-            needed = shared_bytes(tripled, headdim, problem.element_bytes, profile)
-            if needed <= profile.shared_memory_per_multiprocessor:
-                config = tripled
         return steer(problem, retiled(config, headdim, profile), headdim)  # a Triton miscompile (``workarounds``)
 
     def merges_in_split(self, problem: Problem) -> bool:
@@ -268,7 +259,7 @@ def _make_spec(plan, problem: Problem) -> _LaunchSpec:
     split_constexprs = dict(
         GROUP=problem.group, SEQLEN_Q=problem.seqlen_q, HEAD_DIM=problem.headdim, HEAD_PAD=head_pad,
         BLOCK_N=config.block_n, BLOCK_M=config.block_m, BATCH_PAD=batch_pad, CAN_SPLIT=plan.can_split,
-        PAGE_SIZE=problem.page_size, APPEND=append, ROTARY_DIM=problem.rotary_dim,
+        PAGE_SIZE=problem.page_size, OFFSETS_32=problem.offsets_32, APPEND=append, ROTARY_DIM=problem.rotary_dim,
         ROTARY_INTERLEAVED=problem.rotary_interleaved, ROTARY_PER_ROW=problem.windowed, WINDOW_LEFT=window_left,
         WINDOW_RIGHT=window_right, SOFTCAP=problem.softcap, ALIBI=problem.alibi, LEFTPAD=leftpad,
         BATCH_IDX=problem.batch_idx and not problem.paged, MERGE_IN_SPLIT=plan.merge_in_split,

@@ -16,7 +16,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .attend import LOG2E, append_tokens, attend_block, rotary_columns, rotate, row_offsets, tile_mask
+from .attend import LOG2E, append_tokens, attend_block, bad_block_ids, rotary_columns, rotate, row_offsets, tile_mask
 from .launch import gdc_launch_dependents, gdc_wait
 from .schedule import entry, key_range, locate, split_counts
 
@@ -38,7 +38,7 @@ def split_kernel(Q, K, V, Lens, Out, Lse, PartO, PartLse, KNew, VNew, BatchIdx, 
                  stride_nvh, stride_table, stride_alibi,
                  GROUP: tl.constexpr, SEQLEN_Q: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr,
                  BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BATCH_PAD: tl.constexpr, CAN_SPLIT: tl.constexpr,
-                 PAGE_SIZE: tl.constexpr, APPEND: tl.constexpr, ROTARY_DIM: tl.constexpr,
+                 PAGE_SIZE: tl.constexpr, OFFSETS_32: tl.constexpr, APPEND: tl.constexpr, ROTARY_DIM: tl.constexpr,
                  ROTARY_INTERLEAVED: tl.constexpr, ROTARY_PER_ROW: tl.constexpr, WINDOW_LEFT: tl.constexpr,
                  WINDOW_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, LEFTPAD: tl.constexpr,
                  BATCH_IDX: tl.constexpr, MERGE_IN_SPLIT: tl.constexpr, MERGE_STEP: tl.constexpr,
@@ -143,28 +143,31 @@ def split_kernel(Q, K, V, Lens, Out, Lse, PartO, PartLse, KNew, VNew, BatchIdx, 
                 whole_to = tl.minimum(whole_to, hi - SEQLEN_Q + window_right + 1)
             main_hi = tl.maximum(whole_to // BLOCK_N * BLOCK_N, main_lo)
 
+        if PAGE_SIZE > 0:
+            bad = bad | bad_block_ids(table_row, start, end, cache_rows, PAGE_SIZE, 128)
+
         m = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, HEAD_PAD], tl.float32)
         for block_start in range(main_lo, main_hi, BLOCK_N):
-            acc, m, l, bad = attend_block(
-                acc, m, l, bad, q, block_start, start, end, new_from, k_head, v_head, table_row, cache_rows,
+            acc, m, l = attend_block(
+                acc, m, l, q, block_start, start, end, new_from, k_head, v_head, table_row, cache_rows,
                 stride_kb, stride_kt, stride_vb, stride_vt, k_new, v_new, stride_nkt, stride_nvt, Cos, Sin,
                 rotary_rows, row_pos, slopes, window_left, window_right, scale_log2, softcap_in, softcap_out,
-                False, PAGE_SIZE, APPEND, ROTARY_DIM, ROTARY_INTERLEAVED, WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP,
-                ALIBI, LEFTPAD, HEAD_DIM, HEAD_PAD, BLOCK_N)
+                False, PAGE_SIZE, OFFSETS_32, APPEND, ROTARY_DIM, ROTARY_INTERLEAVED, WINDOW_LEFT, WINDOW_RIGHT,
+                SOFTCAP, ALIBI, LEFTPAD, HEAD_DIM, HEAD_PAD, BLOCK_N)
         if WINDOW_LEFT or WINDOW_RIGHT or APPEND:  # the head [block_lo, main_lo), then the tail [main_hi, block_hi)
             head_blocks = (main_lo - block_lo) // BLOCK_N
             # Not pipelined: a second pipeline's buffers and registers cost the main loop occupancy
             # (on the H200, 186 against 233 us for case 12 with seqlen_q = 4).
             for i in tl.range(0, head_blocks + (block_hi - main_hi) // BLOCK_N, num_stages=1):
                 block_start = tl.where(i < head_blocks, block_lo + i * BLOCK_N, main_hi + (i - head_blocks) * BLOCK_N)
-                acc, m, l, bad = attend_block(
-                    acc, m, l, bad, q, block_start, start, end, new_from, k_head, v_head, table_row, cache_rows,
+                acc, m, l = attend_block(
+                    acc, m, l, q, block_start, start, end, new_from, k_head, v_head, table_row, cache_rows,
                     stride_kb, stride_kt, stride_vb, stride_vt, k_new, v_new, stride_nkt, stride_nvt, Cos, Sin,
                     rotary_rows, row_pos, slopes, window_left, window_right, scale_log2, softcap_in, softcap_out,
-                    True, PAGE_SIZE, APPEND, ROTARY_DIM, ROTARY_INTERLEAVED, WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP,
-                    ALIBI, LEFTPAD, HEAD_DIM, HEAD_PAD, BLOCK_N)
+                    True, PAGE_SIZE, OFFSETS_32, APPEND, ROTARY_DIM, ROTARY_INTERLEAVED, WINDOW_LEFT, WINDOW_RIGHT,
+                    SOFTCAP, ALIBI, LEFTPAD, HEAD_DIM, HEAD_PAD, BLOCK_N)
 
         # Only l == 0 means "no key": a NaN in the data makes l NaN, and NaN must come out.
         empty = l == 0
