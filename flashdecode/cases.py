@@ -192,15 +192,17 @@ class Variant:
         if self.page_size:
             capacity = -(-capacity // self.page_size) * self.page_size
         return Problem(case.batch, capacity, case.nheads, case.nheads_k, case.headdim, dtype, seqlen_q=self.seqlen_q,
-                       page_size=self.page_size, seqlen_new=self.seqlen_new, window_right=0 if self.causal else -1)
+                       page_size=self.page_size, seqlen_new=self.seqlen_new, window_right=0 if self.causal else -1,
+                       offsets_32=case.batch * capacity * case.nheads_k * case.headdim <= 2 ** 31)
 
 
 VARIANTS = {variant.name: variant for variant in (
     Variant("plain", "decode over the contiguous cache"),
     *(Variant(f"paged{size}", f"the cache copied into pages of {size} tokens, block table in shuffled page order",
               page_size=size) for size in (16, 64, 256)),
-    Variant("paged16-ordered", "the cache copied into pages of 16 tokens, block table in page order (what "
-                               "paged16 costs beyond the shuffle)", page_size=16, pages_in_order=True),
+    *(Variant(f"paged{size}-ordered", f"the cache copied into pages of {size} tokens, block table in page order "
+                                      f"(what paged{size} costs beyond the shuffle)", page_size=size,
+              pages_in_order=True) for size in (16, 64)),
     Variant("q4", "seqlen_q = 4, causal=True", seqlen_q=4),
     Variant("append", "k/v of 1 new token appended: cache_seqlens = lengths - 1 (idempotent: same token, "
                       "same slot)", seqlen_new=1),
