@@ -7,6 +7,7 @@ Usage: python benchmarks/sweep.py --backend tilelang,triton --ppsm 2,3,4 --block
        [--tl-stages 2,3 --tl-rows 64,16 --tl-producer-regs 24,0 --warps 4,8 --max-registers 0,128
        --merge-splits 0,16 --merge-step 1,2] [--matrix wide] [--cases 7,12]
        [--shapes 64x4096x8x4x256:uniform,...] [--variant plain,paged256] [--log FILE]
+``--min-chunk`` sets the fewest blocks per split, whatever merges the splits (both Tuning fields);
 ``--tl-stages`` and ``--tl-rows`` set any backend's ``num_stages`` / ``block_m``; ``--warps`` Triton's
 ``num_warps``; ``--max-registers`` Triton's register cap (0: none); ``--merge-splits`` the most
 splits a sequence may have for the split kernel to merge them itself (0: never), ``--merge-step``
@@ -78,6 +79,7 @@ def main():
                         "dependent_combine"))):
             tuning = dataclasses.replace(base, **{name: value for name, value in (
                 ("programs_per_multiprocessor", ppsm), ("min_blocks_per_split", min_chunk),
+                ("min_blocks_per_combined_split", None if min_chunk is None else ((backend, min_chunk),)),
                 ("short_cache_max_blocks", short_max), ("max_splits_merged_in_split", merge),
                 ("dependent_combine", None if dependent is None else bool(dependent))) if value is not None})
             default = plan_for(inputs.q, inputs.k_cache, inputs.v_cache, **inputs.kwargs(), backend=backend,
@@ -99,7 +101,8 @@ def main():
                 chosen = plan_for(inputs.q, inputs.k_cache, inputs.v_cache, **inputs.kwargs(), backend=backend,
                                   context=context).plan
                 row["plan"] = dict(kernel=chosen.kernel, programs_per_head=chosen.programs_per_head,
-                                   merge_in_split=chosen.merge_in_split, dependent_combine=chosen.dependent_combine)
+                                   merge_in_split=chosen.merge_in_split, dependent_combine=chosen.dependent_combine,
+                                   min_chunk=chosen.min_chunk)
 
                 def call():
                     return flash_attn_with_kvcache(inputs.q, inputs.k_cache, inputs.v_cache, **inputs.kwargs(),

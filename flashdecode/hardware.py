@@ -49,8 +49,15 @@ class Tuning:
     #: Programs aimed for per multiprocessor when a batch splits (3: one wave of finer programs
     #: balanced mixed lengths best on cases 7-14).
     programs_per_multiprocessor: int = 3
-    #: Fewest KV blocks a split carries (unless its sequence is shorter).
+    #: Fewest KV blocks a split carries (unless its sequence is shorter) where the split kernel merges
+    #: the splits: 2 would let a sequence get more than ``max_splits_merged_in_split`` and cost the
+    #: merge (H200, Triton: cases 8 and 9 1.5-8% slower).
     min_blocks_per_split: int = 4
+    #: The same where the combine merges them, by backend name (others: ``min_blocks_per_split``).
+    #: Triton 2: more, shorter programs where the keys are few for the grid (H200: case 10 128 -> 256
+    #: programs, 18.1 -> 16.1 us; one sequence of 4096 tokens 18.4 -> 14.3 us). TileLang keeps 4:
+    #: its programs cost more to start (case 10 20.0 -> 21.6 us at 2).
+    min_blocks_per_combined_split: tuple = (("triton", 2),)
     #: Caches of at most this many KV blocks are never split: a combine costs more than it saves.
     split_above_blocks: int = 8
     #: Unsplit caches of at most this many tiles take a backend's short-cache kernel (3 tiles: 16%

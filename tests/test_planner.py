@@ -205,7 +205,8 @@ def test_max_splits_bounds_every_sequence_under_a_left_window(backend, data):
 @pytest.mark.parametrize("threshold", [0, 4, 64, 10_000])
 def test_split_plans_merge_in_the_kernel_up_to_the_tunings_splits(threshold):
     """Triton's split plans merge in the split kernel exactly when no sequence can get more splits
-    than the tuning allows; TileLang's never (it has no such kernel); other kernels never."""
+    than the tuning allows; TileLang's never (it has no such kernel); other kernels never. Plans
+    that keep a combine split down to ``min_blocks_per_combined_split``."""
     profile = dataclasses.replace(PROFILES["h200"], tuning=dataclasses.replace(
         PROFILES["h200"].tuning, max_splits_merged_in_split=threshold))
     for batch, seqlen_cache, num_splits in itertools.product([1, 4, 64], [100, 5000, 60000], [0, 3]):
@@ -217,6 +218,10 @@ def test_split_plans_merge_in_the_kernel_up_to_the_tunings_splits(threshold):
             assert p.needs_combine == (p.kernel == SPLIT and not merges)
             assert p.workspace_rows == (p.programs_per_head if p.kernel == SPLIT else 0)
             assert p.ticket_count(problem) == (batch * problem.nheads_k * p.row_tiles(problem) if merges else 0)
+            if p.kernel == SPLIT and num_splits == 0:  # a combine takes shorter splits than the merge allows
+                tuning = profile.tuning
+                combined = dict(tuning.min_blocks_per_combined_split).get(backend, tuning.min_blocks_per_split)
+                assert p.min_chunk == (tuning.min_blocks_per_split if merges else combined)
 
 
 @pytest.mark.parametrize("tuned", [False, True])
