@@ -237,10 +237,12 @@ def launch_route(backend, route, q, k_cache, v_cache, kwargs):
 
 @pytest.mark.gpu
 def test_register_ceiling_holds_on_this_gpu():
-    """Pages of 64 at group 4, head dim 128: the split kernel keeps to the config's ceiling, so the
-    4 programs per SM the planner counts on fit (Triton 3.6 compiles it to 141 registers uncapped)."""
+    """Pages of 64 with 32 query rows a KV head (group 8, 4 query tokens), head dim 128: the split
+    kernel keeps to the config's ceiling, so the 4 programs per SM the planner counts on fit (Triton
+    3.6 compiles the plain-decode kernel of 32 rows to 138 registers uncapped; at group 4 and one
+    query token it fits without the cap since block ids are checked before the loop)."""
     generator = torch.Generator("cuda").manual_seed(0)
-    q = torch.randn(2, 1, 16, 128, device="cuda", generator=generator).half()
+    q = torch.randn(2, 4, 32, 128, device="cuda", generator=generator).half()
     k_cache, v_cache = (torch.randn(64, 64, 4, 128, device="cuda", generator=generator).half() for _ in range(2))
     kwargs = dict(cache_seqlens=torch.tensor([2000, 900], dtype=torch.int32, device="cuda"),
                   block_table=torch.randperm(64, device="cuda", generator=generator).view(2, 32).int())
