@@ -87,7 +87,7 @@ def bad_block_ids(table_row, start, end, num_pages, PAGE_SIZE: tl.constexpr, SCA
     """1 if a block id that the keys [start, end) use lies outside [0, num_pages), else 0. One pass
     over the program's table entries before its loop, so that the loop only clamps: a check per
     block costs pages smaller than a block a reduction across the program and its barriers in every
-    step (``docs/design.md``, "Paged caches")."""
+    step (``docs/design.md``, "Measured choices")."""
     first = start // PAGE_SIZE
     last = tl.where(start < end, tl.cdiv(end, PAGE_SIZE), first)
     bad = tl.zeros([SCAN], tl.int32)
