@@ -23,6 +23,7 @@ import json
 import math
 import os
 import random
+import re
 import time
 import zlib
 
@@ -95,6 +96,19 @@ class Combo:
     def features(self) -> list[str]:
         """``axis=value`` of every axis: the keys of the report."""
         return [f"{axis}={getattr(self, axis)}" for axis in AXES]
+
+    @classmethod
+    def from_id(cls, text: str) -> Combo:
+        """The combo an ``id`` names; axes the id leaves out because they do not apply (the rotary
+        layout without rotary, the appended length without new k/v) take their first value."""
+        dtype, lengths, d, mha_type, splits, *flags = text.split("-")
+        seqlen_q, seqlen_k = lengths.removeprefix("q").split("k")
+        rotary = next((flag for flag in flags if flag.startswith("rot")), None)
+        page = next((flag for flag in flags if flag.startswith("page")), None)
+        return cls(dtype, int(splits.removeprefix("splits")), mha_type, "newkv" in flags, "alibi" in flags,
+                   "local" in flags, "causal" in flags, "newlt" not in flags, rotary is not None and rotary[-1] == "i",
+                   float(rotary[3:-1]) if rotary else 0.0, int(page[4:]) if page else None, "leftpad" in flags,
+                   "bidx" in flags, int(d.removeprefix("d")), (int(seqlen_q), int(seqlen_k)))
 
 
 def skip_reason(combo: Combo) -> str | None:
@@ -391,6 +405,34 @@ class GridReport:
         with open(partial, "w") as file:
             json.dump(self.as_dict(), file, indent=1)
         os.replace(partial, path)
+
+
+#: A GPU-tier test and its outcome in a pytest log (-v, with or without pytest-xdist).
+_LOG_RESULT = re.compile(r"test_kvcache_grid(_tilelang_part)?_gpu\[([^\]]+)\].*?(PASSED|FAILED|SKIPPED|ERROR)"
+                         r"|(PASSED|FAILED|SKIPPED|ERROR) tests/test_fa_kvcache\.py::test_kvcache_grid(_tilelang_part)?"
+                         r"_gpu\[([^\]]+)\]")
+
+
+def log_outcomes(text: str, outcomes: dict | None = None) -> dict:
+    """{(backend, combo id): "pass" | "fail" | "skip"} of the GPU tier's tests in a pytest log,
+    added to ``outcomes``; a later line (or log) overrides an earlier one for the same test. Combos
+    that differ only in axes that do not apply share an id, and count once."""
+    outcomes = {} if outcomes is None else outcomes
+    words = {"PASSED": "pass", "FAILED": "fail", "ERROR": "fail", "SKIPPED": "skip"}
+    for match in _LOG_RESULT.finditer(text):
+        part, name, word = (match.group(1, 2, 3) if match.group(2) else match.group(5, 6, 4))
+        backend, combo_id = ("tilelang", name) if part else name.split("-", 1)
+        combo_id = re.sub(r"_\d+$", "", combo_id)  # pytest's suffix for combos whose ids coincide
+        outcomes[(backend, combo_id)] = words[word]
+    return outcomes
+
+
+def coverage(outcomes: dict) -> dict:
+    """A report (``GridReport.as_dict`` form, tier "gpu") of distinct combos from ``log_outcomes``."""
+    report = GridReport()
+    for (backend, combo_id), outcome in sorted(outcomes.items()):
+        report.record("gpu", backend, Combo.from_id(combo_id), outcome)
+    return report.as_dict()
 
 
 def merge_reports(reports: list) -> dict:

@@ -165,6 +165,28 @@ def test_report_is_written_after_every_combo_and_merges_across_workers(tmp_path)
     assert sum(entry["features"][feature].values()) == expected
 
 
+def test_a_combo_is_read_back_from_its_id():
+    """``Combo.from_id`` inverts ``Combo.id`` over a sample of the whole grid (every axis value)."""
+    for combo in fa_grid.sample(300, seed=7):
+        assert fa_grid.Combo.from_id(combo.id).id == combo.id
+
+
+def test_gpu_logs_give_each_combo_its_last_outcome():
+    """Both pytest log layouts (-v alone and with pytest-xdist), the TileLang tier, pytest's suffix
+    for coinciding ids; a later run's outcome replaces an earlier one's."""
+    first, second, third = (combo.id for combo in CPU_COMBOS[:3])
+    earlier = (f"tests/test_fa_kvcache.py::test_kvcache_grid_gpu[triton-{first}] FAILED [ 10%]\n"
+               f"[gw3] [ 20%] SKIPPED tests/test_fa_kvcache.py::test_kvcache_grid_gpu[tilelang-{second}_1] \n"
+               f"tests/test_fa_kvcache.py::test_kvcache_grid_tilelang_part_gpu[{third}] PASSED [ 30%]\n"
+               f"FAILED tests/test_fa_kvcache.py::test_kvcache_grid_gpu[triton-{first}] - torch.OutOfMemoryError\n")
+    later = f"[gw0] [ 50%] PASSED tests/test_fa_kvcache.py::test_kvcache_grid_gpu[triton-{first}] \n"
+    outcomes = fa_grid.log_outcomes(later, fa_grid.log_outcomes(earlier))
+    assert outcomes == {("triton", first): "pass", ("tilelang", second): "skip", ("tilelang", third): "pass"}
+    report = fa_grid.coverage(outcomes)["gpu"]
+    assert sum(sum(entry["total"].values()) for entry in report["tilelang"].values()) == 2
+    assert sum(entry["total"].get("pass", 0) for entry in report["triton"].values()) == 1
+
+
 def test_large_combos_run_one_at_a_time(monkeypatch):
     """Two workers' large combos do not overlap; a small combo does not wait for a large one."""
     monkeypatch.setenv("PYTEST_XDIST_WORKER", "gw0")
