@@ -16,7 +16,7 @@ import math
 
 import torch
 
-from .problem import Problem
+from .problem import Problem, offsets_fit_32
 
 NHEADS = 32
 HEADDIM = 128
@@ -193,7 +193,7 @@ class Variant:
             capacity = -(-capacity // self.page_size) * self.page_size
         return Problem(case.batch, capacity, case.nheads, case.nheads_k, case.headdim, dtype, seqlen_q=self.seqlen_q,
                        page_size=self.page_size, seqlen_new=self.seqlen_new, window_right=0 if self.causal else -1,
-                       offsets_32=case.batch * capacity * case.nheads_k * case.headdim <= 2 ** 31)
+                       offsets_32=offsets_fit_32((case.batch, capacity, case.nheads_k, case.headdim)))
 
 
 VARIANTS = {variant.name: variant for variant in (

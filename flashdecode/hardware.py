@@ -53,11 +53,9 @@ class Tuning:
     #: the splits: 2 would let a sequence get more than ``max_splits_merged_in_split`` and cost the
     #: merge (H200, Triton: cases 8 and 9 1.5-8% slower).
     min_blocks_per_split: int = 4
-    #: The same where the combine merges them, by backend name (others: ``min_blocks_per_split``).
-    #: Triton 2: more, shorter programs where the keys are few for the grid (H200: case 10 128 -> 256
-    #: programs, 18.1 -> 16.1 us; one sequence of 4096 tokens 18.4 -> 14.3 us). TileLang keeps 4:
-    #: its programs cost more to start (case 10 20.0 -> 21.6 us at 2).
-    min_blocks_per_combined_split: tuple = (("triton", 2),)
+    #: The same where the combine merges them, by backend name (others: ``min_blocks_per_split``);
+    #: none where not measured. Hopper: ``HOPPER_TUNING``.
+    min_blocks_per_combined_split: tuple[tuple[str, int], ...] = ()
     #: Caches of at most this many KV blocks are never split: a combine costs more than it saves.
     split_above_blocks: int = 8
     #: Unsplit caches of at most this many tiles take a backend's short-cache kernel (3 tiles: 16%
@@ -99,8 +97,12 @@ class Tuning:
 #: Hopper's tuning (``docs/design.md``, "The schedule"), on the H200 with Triton: the merge in the
 #: split kernel up to 16 splits a sequence (cases 7-9 1-9% less GPU time; 64 merged single sequences
 #: of 32-50 splits too, cases 10 and 13 7-50% slower), a dependent combine above (case 10's eager
-#: loop 21.0 -> 15.7 us a call).
-HOPPER_TUNING = Tuning(max_splits_merged_in_split=16, dependent_combine=True)
+#: loop 21.0 -> 15.7 us a call), and splits down to 2 blocks where Triton keeps a combine: more,
+#: shorter programs where the keys are few for the grid (case 10 128 -> 256 programs, 18.1 -> 16.1
+#: us; one sequence of 4096 tokens 18.4 -> 14.3 us). TileLang keeps 4 there: its programs cost more
+#: to start (case 10 20.0 -> 21.6 us at 2).
+HOPPER_TUNING = Tuning(max_splits_merged_in_split=16, dependent_combine=True,
+                       min_blocks_per_combined_split=(("triton", 2),))
 
 
 @dataclasses.dataclass(frozen=True)

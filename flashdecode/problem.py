@@ -12,6 +12,7 @@ sits at absolute position ``L_b - seqlen_q + i`` (causal alignment bottom-right,
 from __future__ import annotations
 
 import dataclasses
+import math
 
 DTYPE_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4}
 
@@ -41,7 +42,7 @@ class Problem:
     leftpad: bool = False  # cache_leftpad given
     batch_idx: bool = False  # cache_batch_idx given
     dense: bool = True  # q, caches, new k/v, block_table and out contiguous and 16-byte aligned
-    offsets_32: bool = False  # every K/V element lies within 2**31 - 1 elements of its cache's start
+    offsets_32: bool = False  # every K/V element lies within 2**31 - 1 elements of its cache's start (offsets_fit_32)
 
     @property
     def group(self) -> int:
@@ -92,3 +93,11 @@ class Problem:
             if used:
                 names.append(name)
         return tuple(names)
+
+
+def offsets_fit_32(shape, strides=None) -> bool:
+    """Whether every element of a tensor of ``shape`` (and ``strides``; contiguous when None) lies
+    within 2**31 - 1 elements of its start: the kernels may then address it in 32 bits."""
+    if strides is None:
+        strides = [math.prod(shape[i + 1:]) for i in range(len(shape))]
+    return sum((size - 1) * abs(stride) for size, stride in zip(shape, strides) if size > 0) < 2 ** 31

@@ -18,7 +18,7 @@ import os
 
 import torch
 
-from .problem import ALIBI_NONE, ALIBI_PER_HEAD, ALIBI_PER_SEQUENCE, Problem
+from .problem import ALIBI_NONE, ALIBI_PER_HEAD, ALIBI_PER_SEQUENCE, Problem, offsets_fit_32
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
 MAX_HEADDIM = 256
@@ -268,18 +268,13 @@ def check_call(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens,
         if out[2] != q[2]:
             _fail(ValueError, f"out must have q's shape {tuple(q[2])}, got {tuple(out[2])}")
         dense = dense and out[4] and out[3] == _contiguous_strides(out[2])
-    offsets_32 = all(_max_offset(meta[2], meta[3]) < 2 ** 31 for meta in (k_cache, v_cache))
+    offsets_32 = all(offsets_fit_32(meta[2], meta[3]) for meta in (k_cache, v_cache))
     return Problem(batch, capacity, nheads, nheads_k, headdim, str(q_dtype).removeprefix("torch."),
                    seqlen_q=seqlen_q, page_size=page_size, seqlen_new=seqlen_new, rotary_dim=rotary_dim,
                    rotary_interleaved=bool(rotary_interleaved[1]) and rotary_dim > 0,
                    window_left=window_left, window_right=window_right, softcap=softcap_value > 0, alibi=alibi,
                    leftpad=cache_leftpad is not None, batch_idx=cache_batch_idx is not None, dense=bool(dense),
                    offsets_32=offsets_32)
-
-
-def _max_offset(shape, strides):
-    """The largest element offset from a tensor's start (its storage offset aside)."""
-    return sum((size - 1) * abs(stride) for size, stride in zip(shape, strides) if size > 0)
 
 
 def _contiguous_strides(shape):

@@ -30,7 +30,7 @@ import zlib
 import pytest
 import torch
 
-from flashdecode.problem import ALIBI_PER_SEQUENCE, Problem
+from flashdecode.problem import ALIBI_PER_SEQUENCE, Problem, offsets_fit_32
 from flashdecode.reference import apply_rotary, attention_ref
 
 SEQLEN_PAIRS = ((1, 128), (1, 339), (3, 1024), (64, 800), (64, 256), (3, 799), (64, 2048), (16, 20000),
@@ -178,14 +178,16 @@ def problem_of(combo: Combo) -> Problem:
         right = 0
     if seqlen_q == 1:
         right = -1
-    rows = BATCH * pages * combo.paged_kv_block_size if pages else (2 if combo.has_batch_idx else 1) * BATCH * seqlen_k
+    rows = BATCH * (2 if combo.has_batch_idx else 1)
+    cache = (BATCH * pages, combo.paged_kv_block_size) if pages else (rows, seqlen_k)  # the call's k_cache
     return Problem(BATCH, pages * combo.paged_kv_block_size if pages else seqlen_k, NHEADS, NHEADS_K[combo.mha_type],
                    combo.d, combo.dtype, seqlen_q=seqlen_q, page_size=combo.paged_kv_block_size or 0,
                    seqlen_new=int(combo.new_kv), rotary_dim=int(combo.rotary_fraction * combo.d) // 16 * 16
                    if combo.new_kv else 0, rotary_interleaved=combo.rotary_interleaved and combo.new_kv
                    and combo.rotary_fraction > 0, window_left=left, window_right=right,
                    alibi=ALIBI_PER_SEQUENCE if combo.alibi else 0, leftpad=combo.has_leftpad,
-                   batch_idx=combo.has_batch_idx, offsets_32=rows * NHEADS_K[combo.mha_type] * combo.d <= 2 ** 31)
+                   batch_idx=combo.has_batch_idx,
+                   offsets_32=offsets_fit_32((*cache, NHEADS_K[combo.mha_type], combo.d)))
 
 
 def padding_mask(seqlen_k, ends, leftpads=None):

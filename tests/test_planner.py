@@ -224,6 +224,16 @@ def test_split_plans_merge_in_the_kernel_up_to_the_tunings_splits(threshold):
                 assert p.min_chunk == (tuning.min_blocks_per_split if merges else combined)
 
 
+def test_shorter_combined_splits_only_where_measured():
+    """The 2-block splits of plans that keep a combine are Hopper's (measured on the H200); a device
+    with the default tuning splits no shorter than ``min_blocks_per_split``."""
+    problem = problem_for([8192], 8192)
+    triton = get_backend("triton")
+    assert plan(problem, PROFILES["h200"], triton).min_chunk == 2
+    assert plan(problem, PROFILES["c500"], triton).min_chunk == PROFILES["c500"].tuning.min_blocks_per_split == 4
+    assert plan(problem, PROFILES["h200"], get_backend("tilelang")).min_chunk == 4
+
+
 @pytest.mark.parametrize("tuned", [False, True])
 @pytest.mark.parametrize("device", [True, False], ids=["hopper", "no-pdl"])
 def test_combines_are_dependent_launches_where_the_tuning_the_device_and_the_backend_allow(tuned, device):

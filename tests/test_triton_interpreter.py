@@ -24,7 +24,7 @@ from flashdecode.hardware import PROFILES, profile_for
 from flashdecode.kernels.base import LaunchArgs
 from flashdecode.kernels.triton.backend import TritonBackend, TritonConfig
 from flashdecode.kernels.triton.launch import REGISTER_CEILING
-from flashdecode.planner import SINGLE_PASS, SPLIT, plan
+from flashdecode.planner import SINGLE_PASS, SPLIT, key_range, plan
 from flashdecode.problem import Problem
 from flashdecode.reference import reference_attention, relative_error
 
@@ -361,6 +361,8 @@ BAD_VALUES = {  # make_call arguments, the index tensor, sequence 0's bad value 
     # pages smaller than a block (16): every token looks its page up
     "block-id-small-pages": (dict(page_size=4, lengths=[100, 40]), "block_table", 10 ** 6, 7),  # tokens 28-31
     "block-id-large-pages": (dict(page_size=32, lengths=[100, 40]), "block_table", -1, 2),  # tokens 64-95
+    "block-id-last-page": (dict(page_size=4, lengths=[50, 40]), "block_table", -1, 12),  # tokens 48-49 of 48-51
+    "block-id-last-large-page": (dict(page_size=32, lengths=[50, 40]), "block_table", -1, 1),  # tokens 32-49
     # rows 0-34 of sequence 0 see no key (left pad 45 of 50, causal): NaN too, after a split's merge
     "batch-idx-rows-without-keys": (dict(batch_idx=True, seqlen_q=40, causal=True, leftpad=[45, 0]),
                                     "cache_batch_idx", 4),
@@ -394,13 +396,21 @@ def test_bad_value_makes_its_sequence_nan(case, num_splits, merge):
 
 @pytest.mark.parametrize("page_size", [4, 16, 32])
 @pytest.mark.parametrize("num_splits", [0, 3])
-def test_block_table_entries_past_the_length_are_never_used(page_size, num_splits):
-    """Serving engines leave the table past a sequence's last page unset: bad ids there flag nothing."""
-    call = make_call(page_size=page_size, lengths=[50, 17])
+@pytest.mark.parametrize("keys", ["lengths", "leftpad", "window"])
+def test_block_table_entries_no_key_uses_are_never_read(page_size, num_splits, keys):
+    """Serving engines leave the table past a sequence's last page unset, and pages before a left
+    pad or a left window may be freed: bad ids there flag nothing."""
+    extra = {"lengths": {}, "leftpad": dict(leftpad=[37, 16]), "window": dict(window=(20, -1))}[keys]
+    call = make_call(page_size=page_size, lengths=[50, 17], **extra)
+    problem = plan_for(call.q, call.k_cache, call.v_cache, **call.kwargs, backend="triton").problem
     table = call.kwargs["block_table"].clone()
+    garbage = torch.tensor([-1, 10 ** 6], dtype=torch.int32).repeat(table.shape[1])
     for seq, length in enumerate(call.kwargs["cache_seqlens"].tolist()):
-        table[seq, -(-length // page_size):] = torch.tensor([-1, 10 ** 6], dtype=torch.int32).repeat(table.shape[1])[
-            :table.shape[1] - -(-length // page_size)]
+        leftpad = int(call.kwargs["cache_leftpad"][seq]) if "cache_leftpad" in call.kwargs else 0
+        lo, hi = key_range(problem, length, leftpad)
+        first, past = lo // page_size, -(-hi // page_size)  # the entries the keys [lo, hi) use
+        table[seq, :first] = garbage[:first]
+        table[seq, past:] = garbage[:table.shape[1] - past]
     assert_matches(through_backend(call, num_splits, block_table=table), reference(call))
 
 

@@ -239,8 +239,8 @@ def launch_route(backend, route, q, k_cache, v_cache, kwargs):
 def test_register_ceiling_holds_on_this_gpu():
     """Pages of 64 with 32 query rows a KV head (group 8, 4 query tokens), head dim 128: the split
     kernel keeps to the config's ceiling, so the 4 programs per SM the planner counts on fit (Triton
-    3.6 compiles the plain-decode kernel of 32 rows to 138 registers uncapped; at group 4 and one
-    query token it fits without the cap since block ids are checked before the loop)."""
+    3.6 on the CPU machine: 138 registers uncapped for 32 rows with pages of 64; group 4 with one
+    query token fits without the cap since block ids are checked before the loop)."""
     generator = torch.Generator("cuda").manual_seed(0)
     q = torch.randn(2, 4, 32, 128, device="cuda", generator=generator).half()
     k_cache, v_cache = (torch.randn(64, 64, 4, 128, device="cuda", generator=generator).half() for _ in range(2))

@@ -191,3 +191,20 @@ def test_caches_past_2_to_the_31_elements_are_addressed_in_64_bits(rows, paged):
     problem = flashdecode.plan_for(q, k_cache, k_cache, cache_seqlens=lengths, block_table=table,
                                    backend="reference").problem
     assert problem.offsets_32 == (k_cache.numel() <= 2 ** 31)
+
+
+def test_strided_caches_are_addressed_by_their_furthest_element():
+    """A view's strides, not its element count, decide ``Problem.offsets_32``, for k and v alike:
+    4 of 32 heads of a cache whose rows span 2^31 elements need 64 bits; the same heads alone do not."""
+    meta = dict(dtype=torch.float16, device="meta")
+    q = torch.empty(1, 1, 8, 128, **meta)
+    lengths = torch.zeros(1, dtype=torch.int32, device="meta")
+    wide = torch.empty(1, 2 ** 19 + 1, 32, 128, **meta)[:, :, :4]  # 2^28 + 512 elements, offsets past 2^31
+    narrow = torch.empty(1, 2 ** 19 + 1, 4, 128, **meta)
+
+    def offsets_32(k_cache, v_cache):
+        return flashdecode.plan_for(q, k_cache, v_cache, cache_seqlens=lengths, backend="reference").problem.offsets_32
+
+    assert offsets_32(narrow, narrow)
+    assert not offsets_32(wide, narrow) and not offsets_32(narrow, wide)
+

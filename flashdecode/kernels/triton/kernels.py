@@ -63,7 +63,8 @@ def split_kernel(Q, K, V, Lens, Out, Lse, PartO, PartLse, KNew, VNew, BatchIdx, 
             valid = valid & (leftpad >= 0) & (leftpad <= raw_len)
         lo, hi = key_range(raw_len, leftpad, seqlen_new, capacity, window_left, SEQLEN_Q, APPEND, LEFTPAD, WINDOW_LEFT)
         writable = True  # the cache row the appended tokens go to is this sequence's own
-        # 64-bit offsets: a cache can exceed 2^31 elements, and so can a strided view's offsets.
+        # 64-bit head and row offsets: a cache can exceed 2^31 elements, and so can a strided view's
+        # offsets (pages are addressed in 32 bits where OFFSETS_32 says they fit, ``cache_offsets``).
         if PAGE_SIZE > 0:
             table_row = BlockTable + seq * stride_table
             k_head = K + head_k.to(tl.int64) * stride_kh
@@ -144,7 +145,7 @@ def split_kernel(Q, K, V, Lens, Out, Lse, PartO, PartLse, KNew, VNew, BatchIdx, 
             main_hi = tl.maximum(whole_to // BLOCK_N * BLOCK_N, main_lo)
 
         if PAGE_SIZE > 0:
-            bad = bad | bad_block_ids(table_row, start, end, cache_rows, PAGE_SIZE, 128)
+            bad = bad | bad_block_ids(table_row, start, end, cache_rows, PAGE_SIZE)
 
         m = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l = tl.zeros([BLOCK_M], tl.float32)
