@@ -199,7 +199,7 @@ class Variant:
 VARIANTS = {variant.name: variant for variant in (
     Variant("plain", "decode over the contiguous cache"),
     *(Variant(f"paged{size}", f"the cache copied into pages of {size} tokens, block table in shuffled page order",
-              page_size=size) for size in (16, 64, 256)),
+              page_size=size) for size in (1, 4, 16, 64, 256)),
     *(Variant(f"paged{size}-ordered", f"the cache copied into pages of {size} tokens, block table in page order "
                                       f"(what paged{size} costs beyond the shuffle)", page_size=size,
               pages_in_order=True) for size in (16, 64)),

@@ -92,7 +92,7 @@ def test_variants_compute_what_the_plain_cache_defines():
     append change what the reference must compute, and bytes count what the call moves."""
     plain = cases.make_call(SMALL, cases.VARIANTS["plain"], dtype=torch.float32)
     expected = _reference(plain)
-    for size in (16, 64, 256):
+    for size in (1, 4, 16, 64, 256):
         call = cases.make_call(SMALL, cases.VARIANTS[f"paged{size}"], dtype=torch.float32)
         blocks = -(-SMALL.seqlen_cache // size)
         assert call.k_cache.shape == (SMALL.batch * blocks, size, SMALL.nheads_k, SMALL.headdim)

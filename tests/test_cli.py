@@ -46,8 +46,8 @@ def test_unknown_peer_backend_and_variant(capsys, interpret):
     cli_fails(capsys, ["bench", "--peers", "nope"], "unknown peer 'nope'")
     cli_fails(capsys, ["bench", "--backends", "cuda"], "unknown backends ['cuda']")
     cli_fails(capsys, ["bench", "--variant", "plain,paged32"],
-              "unknown variants ['paged32']; variants are plain, paged16, paged64, paged256, paged16-ordered, "
-              "paged64-ordered, q4, append")
+              "unknown variants ['paged32']; variants are plain, paged1, paged4, paged16, paged64, paged256, "
+              "paged16-ordered, paged64-ordered, q4, append")
 
 
 @pytest.mark.skipif(not NO_CUDA, reason="checks the errors of a machine without CUDA")
