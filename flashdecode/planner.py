@@ -34,8 +34,8 @@ The schedule is decided in two steps (``docs/design.md``, "The schedule").
 
    m = ``min_chunk`` keeps splits long enough that a program's fixed cost and the combine stay
    small next to its streaming (``Tuning.min_blocks_per_split``, or ``min_blocks_per_combined_split``
-   where a combine merges the splits). Since ceil(x) < x + 1, sum_b splits_b <= (P - B) + B = P. A forced
-   ``num_splits = F > 0`` gives splits_b = min(F, max(1, nblk_b)) and P = B * F.
+   where a combine merges the splits). Since ceil(x) < x + 1, sum_b splits_b <= (P - B) + B = P. A
+   forced ``num_splits = F > 0`` gives splits_b = min(F, max(1, nblk_b)) and P = B * F.
 """
 from __future__ import annotations
 
@@ -169,7 +169,8 @@ def _merge_mode(plan_: Plan, problem: Problem, profile: HardwareProfile, backend
     """``plan_`` with how its splits are merged: in the split kernel where the backend can and no
     sequence can get more than ``max_splits_merged_in_split`` splits (one program merges them, a few
     at a time); else by the combine, with splits as short as the backend's
-    ``min_blocks_per_combined_split``, a dependent launch where the tuning asks and the device and the backend can."""
+    ``min_blocks_per_combined_split``, a dependent launch where the tuning asks and the device and
+    the backend can."""
     if plan_.kernel != SPLIT:
         return plan_
     tuning = profile.tuning

@@ -259,10 +259,10 @@ def _make_spec(plan, problem: Problem) -> _LaunchSpec:
     split_constexprs = dict(
         GROUP=problem.group, SEQLEN_Q=problem.seqlen_q, HEAD_DIM=problem.headdim, HEAD_PAD=head_pad,
         BLOCK_N=config.block_n, BLOCK_M=config.block_m, BATCH_PAD=batch_pad, CAN_SPLIT=plan.can_split,
-        PAGE_SIZE=problem.page_size, OFFSETS_32=problem.paged and problem.offsets_32, APPEND=append, ROTARY_DIM=problem.rotary_dim,
-        ROTARY_INTERLEAVED=problem.rotary_interleaved, ROTARY_PER_ROW=problem.windowed, WINDOW_LEFT=window_left,
-        WINDOW_RIGHT=window_right, SOFTCAP=problem.softcap, ALIBI=problem.alibi, LEFTPAD=leftpad,
-        BATCH_IDX=problem.batch_idx and not problem.paged, MERGE_IN_SPLIT=plan.merge_in_split,
+        PAGE_SIZE=problem.page_size, OFFSETS_32=problem.paged and problem.offsets_32, APPEND=append,
+        ROTARY_DIM=problem.rotary_dim, ROTARY_INTERLEAVED=problem.rotary_interleaved, ROTARY_PER_ROW=problem.windowed,
+        WINDOW_LEFT=window_left, WINDOW_RIGHT=window_right, SOFTCAP=problem.softcap, ALIBI=problem.alibi,
+        LEFTPAD=leftpad, BATCH_IDX=problem.batch_idx and not problem.paged, MERGE_IN_SPLIT=plan.merge_in_split,
         MERGE_STEP=(config.merge_step or merge_step_for(config.block_m)) if plan.merge_in_split else 1,
         DEPENDENT_COMBINE=plan.dependent_combine)
     combine_constexprs = dict(
