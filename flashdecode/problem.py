@@ -12,7 +12,6 @@ sits at absolute position ``L_b - seqlen_q + i`` (causal alignment bottom-right,
 from __future__ import annotations
 
 import dataclasses
-import math
 
 DTYPE_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4}
 
@@ -95,9 +94,18 @@ class Problem:
         return tuple(names)
 
 
+def contiguous_strides(shape) -> tuple[int, ...]:
+    """The strides torch gives a contiguous tensor of ``shape`` (a size-0 dimension counts as 1)."""
+    strides, step = [], 1
+    for size in reversed(tuple(shape)):
+        strides.append(step)
+        step *= max(size, 1)
+    return tuple(reversed(strides))
+
+
 def offsets_fit_32(shape, strides=None) -> bool:
     """Whether every element of a tensor of ``shape`` (and ``strides``; contiguous when None) lies
     within 2**31 - 1 elements of its start: the kernels may then address it in 32 bits."""
     if strides is None:
-        strides = [math.prod(shape[i + 1:]) for i in range(len(shape))]
+        strides = contiguous_strides(shape)
     return sum((size - 1) * abs(stride) for size, stride in zip(shape, strides) if size > 0) < 2 ** 31

@@ -18,7 +18,7 @@ import os
 
 import torch
 
-from .problem import ALIBI_NONE, ALIBI_PER_HEAD, ALIBI_PER_SEQUENCE, Problem, offsets_fit_32
+from .problem import ALIBI_NONE, ALIBI_PER_HEAD, ALIBI_PER_SEQUENCE, Problem, contiguous_strides, offsets_fit_32
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
 MAX_HEADDIM = 256
@@ -258,16 +258,16 @@ def check_call(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens,
     if backend[1] not in BACKENDS:
         _fail(ValueError, f"backend must be one of {BACKENDS}, got {backend[1]!r}")
 
-    dense = q_aligned and q_stride == _contiguous_strides((batch, seqlen_q, nheads, headdim))
+    dense = q_aligned and q_stride == contiguous_strides((batch, seqlen_q, nheads, headdim))
     for meta in (k_cache, v_cache, k, v, block_table):
         if meta is not None:
-            dense = dense and meta[4] and meta[3] == _contiguous_strides(meta[2])
+            dense = dense and meta[4] and meta[3] == contiguous_strides(meta[2])
     if out is not None:
         _require_tensor("out", out, 4, _BSHD)
         _require_like_q("out", out, q_dtype, device)
         if out[2] != q[2]:
             _fail(ValueError, f"out must have q's shape {tuple(q[2])}, got {tuple(out[2])}")
-        dense = dense and out[4] and out[3] == _contiguous_strides(out[2])
+        dense = dense and out[4] and out[3] == contiguous_strides(out[2])
     offsets_32 = all(offsets_fit_32(meta[2], meta[3]) for meta in (k_cache, v_cache))
     return Problem(batch, capacity, nheads, nheads_k, headdim, str(q_dtype).removeprefix("torch."),
                    seqlen_q=seqlen_q, page_size=page_size, seqlen_new=seqlen_new, rotary_dim=rotary_dim,
@@ -275,14 +275,6 @@ def check_call(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens,
                    window_left=window_left, window_right=window_right, softcap=softcap_value > 0, alibi=alibi,
                    leftpad=cache_leftpad is not None, batch_idx=cache_batch_idx is not None, dense=bool(dense),
                    offsets_32=offsets_32)
-
-
-def _contiguous_strides(shape):
-    strides, step = [], 1
-    for size in reversed(tuple(shape)):
-        strides.append(step)
-        step *= max(size, 1)
-    return tuple(reversed(strides))
 
 
 def check_values(problem: Problem, k_cache, cache_seqlens, cache_batch_idx, cache_leftpad, block_table,
