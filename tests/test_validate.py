@@ -179,32 +179,30 @@ def test_checks_see_new_metadata_and_new_values():
         call(q, k, v, s.clone().fill_(k.shape[1] + 1), context=context)
 
 
+META = dict(dtype=torch.float16, device="meta")  # shapes and strides without memory
+
+
+def _offsets_32(k_cache, v_cache, block_table=None) -> bool:
+    """``Problem.offsets_32`` of a one-sequence call on these (meta) caches."""
+    q = torch.empty(1, 1, 8, 128, **META)
+    lengths = torch.zeros(1, dtype=torch.int32, device="meta")
+    return flashdecode.plan_for(q, k_cache, v_cache, cache_seqlens=lengths, block_table=block_table,
+                                backend="reference").problem.offsets_32
+
+
 @pytest.mark.parametrize("rows, paged", [(2 ** 17, True), (2 ** 17 + 1, True), (2 ** 21, False), (2 ** 21 + 1, False)])
 def test_caches_past_2_to_the_31_elements_are_addressed_in_64_bits(rows, paged):
     """``Problem.offsets_32`` holds exactly while every cache element lies within 2^31 - 1 of the
-    cache's start (meta tensors: no memory)."""
-    meta = dict(dtype=torch.float16, device="meta")
-    q = torch.empty(1, 1, 8, 128, **meta)
-    k_cache = torch.empty(*((rows, 16) if paged else (1, rows)), 8, 128, **meta)  # pages of 16, or one sequence
-    lengths = torch.zeros(1, dtype=torch.int32, device="meta")
+    cache's start."""
+    k_cache = torch.empty(*((rows, 16) if paged else (1, rows)), 8, 128, **META)  # pages of 16, or one sequence
     table = torch.zeros(1, 4, dtype=torch.int32, device="meta") if paged else None
-    problem = flashdecode.plan_for(q, k_cache, k_cache, cache_seqlens=lengths, block_table=table,
-                                   backend="reference").problem
-    assert problem.offsets_32 == (k_cache.numel() <= 2 ** 31)
+    assert _offsets_32(k_cache, k_cache, table) == (k_cache.numel() <= 2 ** 31)
 
 
 def test_strided_caches_are_addressed_by_their_furthest_element():
     """A view's strides, not its element count, decide ``Problem.offsets_32``, for k and v alike:
     4 of 32 heads of a cache whose rows span 2^31 elements need 64 bits; the same heads alone do not."""
-    meta = dict(dtype=torch.float16, device="meta")
-    q = torch.empty(1, 1, 8, 128, **meta)
-    lengths = torch.zeros(1, dtype=torch.int32, device="meta")
-    wide = torch.empty(1, 2 ** 19 + 1, 32, 128, **meta)[:, :, :4]  # 2^28 + 512 elements, offsets past 2^31
-    narrow = torch.empty(1, 2 ** 19 + 1, 4, 128, **meta)
-
-    def offsets_32(k_cache, v_cache):
-        return flashdecode.plan_for(q, k_cache, v_cache, cache_seqlens=lengths, backend="reference").problem.offsets_32
-
-    assert offsets_32(narrow, narrow)
-    assert not offsets_32(wide, narrow) and not offsets_32(narrow, wide)
-
+    wide = torch.empty(1, 2 ** 19 + 1, 32, 128, **META)[:, :, :4]  # 2^28 + 512 elements, offsets past 2^31
+    narrow = torch.empty(1, 2 ** 19 + 1, 4, 128, **META)
+    assert _offsets_32(narrow, narrow)
+    assert not _offsets_32(wide, narrow) and not _offsets_32(narrow, wide)
