@@ -82,9 +82,8 @@ def cache_offsets(tokens, block_start, in_range, table_row, num_pages, stride_kp
         return pages * stride_kp + rows * stride_kt, pages * stride_vp + rows * stride_vt
 
 
-#: Keys whose table entries one step of ``bad_block_ids`` reads (at least 128 entries a step): each
-#: step waits on its load, so small pages take wider steps.
-TABLE_SCAN_KEYS = tl.constexpr(2048)
+#: Table entries one step of ``bad_block_ids`` reads (each step waits on its load).
+SCAN = tl.constexpr(128)
 
 
 @triton.jit
@@ -93,10 +92,6 @@ def bad_block_ids(table_row, start, end, num_pages, PAGE_SIZE: tl.constexpr):
     over the program's table entries before its loop, so that the loop only clamps: a check per
     block costs pages smaller than a block a reduction across the program and its barriers in every
     step (``docs/design.md``, "Measured choices")."""
-    if PAGE_SIZE >= TABLE_SCAN_KEYS // 128:
-        SCAN: tl.constexpr = 128
-    else:
-        SCAN: tl.constexpr = TABLE_SCAN_KEYS // PAGE_SIZE
     first = start // PAGE_SIZE
     last = tl.where(start < end, tl.cdiv(end, PAGE_SIZE), first)
     bad = tl.zeros([SCAN], tl.int32)
