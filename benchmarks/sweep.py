@@ -12,7 +12,8 @@ Usage: python benchmarks/sweep.py --backend tilelang,triton --ppsm 2,3,4 --block
 ``num_warps``; ``--max-registers`` Triton's register cap (0: none); ``--merge-splits`` the most
 splits a sequence may have for the split kernel to merge them itself (0: never), ``--merge-step``
 how many it merges at a time; ``--dependent-combine 0,1`` the combine as a programmatic dependent
-launch. ``--shapes`` adds
+launch; ``--triton-resident`` the split programs Triton assumes an SM holds at the case's head dim
+(``Tuning.triton_resident_programs``: the grid's waves and the register cap follow). ``--shapes`` adds
 cases of one's own: batch x seqlen_cache x nheads_k x group x headdim, then ``:`` and a length rule of
 ``cases.LENGTH_RULES`` (numbered S1, S2, ...).
 """
@@ -53,7 +54,7 @@ def main():
     parser.add_argument("--backend", default="tilelang")
     for flag in ("--ppsm", "--min-chunk", "--short-max-blocks", "--block-n", "--tl-stages", "--tl-rows",
                  "--tl-producer-regs", "--warps", "--max-registers", "--merge-splits", "--merge-step",
-                 "--dependent-combine"):
+                 "--dependent-combine", "--triton-resident"):
         parser.add_argument(flag, default="", help="comma list (default: the measured value)")
     parser.add_argument("--matrix", default="cases", choices=sorted(MATRICES))
     parser.add_argument("--cases", default="", help="cases of the matrix, e.g. 7,12 or W9,W10 (default: all; none "
@@ -71,17 +72,21 @@ def main():
         inputs = make_call(case, VARIANTS[variant], device="cuda")
         expected = reference_attention(inputs.q, inputs.k_cache, inputs.v_cache, **inputs.kwargs())[0]
         nbytes = inputs.bytes_moved()
+        headdim = padded_headdim(inputs.q.shape[-1])
         for backend, ppsm, min_chunk, short_max, block_n, stages, q_rows, producer, warps, registers, merge, \
-                merge_step, dependent in itertools.product(args.backend.split(","), *(
+                merge_step, dependent, resident in itertools.product(args.backend.split(","), *(
                     values(getattr(args, name)) for name in (
                         "ppsm", "min_chunk", "short_max_blocks", "block_n", "tl_stages", "tl_rows",
                         "tl_producer_regs", "warps", "max_registers", "merge_splits", "merge_step",
-                        "dependent_combine"))):
+                        "dependent_combine", "triton_resident"))):
             tuning = dataclasses.replace(base, **{name: value for name, value in (
                 ("programs_per_multiprocessor", ppsm), ("min_blocks_per_split", min_chunk),
                 ("min_blocks_per_combined_split", None if min_chunk is None else ((backend, min_chunk),)),
                 ("short_cache_max_blocks", short_max), ("max_splits_merged_in_split", merge),
-                ("dependent_combine", None if dependent is None else bool(dependent))) if value is not None})
+                ("dependent_combine", None if dependent is None else bool(dependent)),
+                ("triton_resident_programs", None if resident is None else tuple(
+                    (dim, resident if dim == headdim else programs) for dim, programs in base.triton_resident_programs)))
+                if value is not None})
             default = plan_for(inputs.q, inputs.k_cache, inputs.v_cache, **inputs.kwargs(), backend=backend,
                                context=DecodeContext("cuda", tuning=tuning)).plan.config
             changes = {name: value for name, value in (("block_n", block_n), ("num_stages", stages),
@@ -91,7 +96,7 @@ def main():
             if registers is not None and isinstance(default, TritonConfig):  # 0: no cap
                 changes["max_registers"] = registers or None
             if isinstance(default, TritonConfig):  # the swept tile's register ceiling, not the default's
-                config = retiled(default, padded_headdim(inputs.q.shape[-1]), current(), **changes)
+                config = retiled(default, headdim, dataclasses.replace(current(), tuning=tuning), **changes)
             else:
                 config = dataclasses.replace(default, **changes)
             row = dict(case=case.label, shape=case.describe(), variant=variant, backend=backend,
