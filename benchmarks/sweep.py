@@ -96,7 +96,8 @@ def main():
             if registers is not None and isinstance(default, TritonConfig):  # 0: no cap
                 changes["max_registers"] = registers or None
             if isinstance(default, TritonConfig):  # the swept tile's register ceiling, not the default's
-                config = retiled(default, headdim, dataclasses.replace(current(), tuning=tuning), **changes)
+                config = retiled(default, headdim, dataclasses.replace(current(), tuning=tuning),
+                                 inputs.block_table is not None, **changes)
             else:
                 config = dataclasses.replace(default, **changes)
             row = dict(case=case.label, shape=case.describe(), variant=variant, backend=backend,

@@ -92,6 +92,9 @@ class Tuning:
     #: Split programs of Triton's kernel one SM holds, by head dim (ncu, head dim 128: 38 KB of shared
     #: memory, 107 registers x 128 threads; 256: its 3 stages of 64 tokens keep 128 KB of shared memory).
     triton_resident_programs: tuple = ((64, 4), (128, 4), (256, 1))
+    #: Split programs Triton's register cap aims at for paged caches, by padded head dim (exact),
+    #: where measured; other head dims take ``triton_resident_programs``. Hopper: ``HOPPER_TUNING``.
+    triton_paged_resident_programs: tuple = ()
 
 
 #: Hopper's tuning (``docs/design.md``, "The schedule"), on the H200 with Triton: the merge in the
@@ -100,9 +103,12 @@ class Tuning:
 #: loop 21.0 -> 15.7 us a call), and splits down to 2 blocks where Triton keeps a combine: more,
 #: shorter programs where the keys are few for the grid (case 10 128 -> 256 programs, 18.1 -> 16.1
 #: us; one sequence of 4096 tokens 18.4 -> 14.3 us). TileLang keeps 4 there: its programs cost more
-#: to start (case 10 20.0 -> 21.6 us at 2).
+#: to start (case 10 20.0 -> 21.6 us at 2). Triton's paged kernel at head dim 128 is capped at 96
+#: registers, so that 5 programs fit an SM as for the contiguous kernel (80 registers; shared memory
+#: allows 5), not 4 (its 104-112 registers): case 7 with pages of 16 122.9 -> 110.9 us, of 64 119.4
+#: -> 110.1; cases 8 and 9 lose 2-4% to the cap's spills (``docs/design.md``, "Measured choices").
 HOPPER_TUNING = Tuning(max_splits_merged_in_split=16, dependent_combine=True,
-                       min_blocks_per_combined_split=(("triton", 2),))
+                       min_blocks_per_combined_split=(("triton", 2),), triton_paged_resident_programs=((128, 5),))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -430,10 +430,18 @@ def test_default_config():
              for d in (64, 128, 256)]
     assert small == [128, 64, 16]
     assert BACKEND.default_config(Problem(1, 4096, 8, 8, 32, "float16"), h200, SPLIT).block_n == 64
-    # pages of any size take the contiguous cache's tile
-    tiles = {BACKEND.default_config(Problem(4, 4096, 32, 8, 128, "bfloat16", page_size=p), h200, SPLIT)
+    # pages of any size take the contiguous cache's tile; on Hopper at head dim 128 with a register
+    # cap that fits 5 programs an SM (96), unless the 32-row output tile needs the contiguous cap
+    tiles = {p: BACKEND.default_config(Problem(4, 4096, 32, 8, 128, "bfloat16", page_size=p), h200, SPLIT)
              for p in (0, 1, 16, 64, 256)}
-    assert len(tiles) == 1
+    assert {dataclasses.replace(tile, max_registers=None) for tile in tiles.values()} == {
+        dataclasses.replace(config, max_registers=None)}
+    assert [tiles[p].max_registers for p in (0, 1, 16, 64, 256)] == [128, 96, 96, 96, 96]
+    caps = [BACKEND.default_config(Problem(4, 4096, 32, heads_k, d, "bfloat16", page_size=16), profile,
+                                   SPLIT).max_registers
+            for heads_k, d, profile in ((1, 128, h200), (8, 64, h200), (8, 128, PROFILES["c500"]))]
+    assert caps == [128, 128, BACKEND.default_config(Problem(4, 4096, 32, 8, 128, "bfloat16"), PROFILES["c500"],
+                                                     SPLIT).max_registers]
     # head dim 256: 4 warps up to 32 query rows, 8 for a 64-row tile (its fp32 output past 64 values a thread)
     warps = [BACKEND.default_config(Problem(1, 4096, rows, 1, 256, "bfloat16"), h200, SPLIT).num_warps
              for rows in (8, 32, 64)]

@@ -61,24 +61,30 @@ def shared_bytes(config: TritonConfig, headdim: int, element_bytes: int, profile
     return tiles * headdim * element_bytes + profile.driver_reserved_shared_per_program
 
 
-def resident_by_headdim(headdim: int, profile: HardwareProfile) -> int:
-    """The profile's ``triton_resident_programs`` entry for a padded head dim."""
+def resident_by_headdim(headdim: int, profile: HardwareProfile, paged: bool = False) -> int:
+    """The profile's ``triton_resident_programs`` entry for a padded head dim; for a paged cache,
+    ``triton_paged_resident_programs``'s where it has one for that head dim."""
+    paged_entry = dict(profile.tuning.triton_paged_resident_programs).get(headdim) if paged else None
+    if paged_entry is not None:
+        return paged_entry
     table = profile.tuning.triton_resident_programs
     return next((programs for dim, programs in table if dim >= headdim), table[-1][1])
 
 
-def register_cap(config: TritonConfig, headdim: int, profile: HardwareProfile) -> int | None:
-    """Registers a thread may use so that ``triton_resident_programs`` programs fit a multiprocessor,
-    as the planner assumes when it sizes the grid; None where no cap is needed (the compiler's limit
-    already lets them fit) or where the fp32 output tile alone would take more than a quarter of it.
-    Features add registers: on Triton 3.6 the head-dim-128 kernel takes 107 plain, 141 with pages of
-    64 or an appended token, 168 with 32 query rows, i.e. 3 programs per SM instead of 4, and a
-    second wave (``docs/design.md``, "Measured choices")."""
-    resident = resident_by_headdim(headdim, profile)
+def register_cap(config: TritonConfig, headdim: int, profile: HardwareProfile, paged: bool = False) -> int | None:
+    """Registers a thread may use so that ``resident_by_headdim`` programs fit a multiprocessor;
+    None where no cap is needed (the compiler's limit already lets them fit) or where the fp32
+    output tile alone would take more than a quarter of it (a paged cache's tile then takes the
+    contiguous cache's cap). Features add registers: on Triton 3.6 the head-dim-128 kernel takes 107
+    plain, 141 with pages of 64 or an appended token, 168 with 32 query rows, i.e. 3 programs per SM
+    instead of 4, and a second wave (``docs/design.md``, "Measured choices")."""
+    resident = resident_by_headdim(headdim, profile, paged)
     threads = profile.wave_width * config.num_warps
     cap = profile.registers_per_multiprocessor // (resident * threads) // 8 * 8
-    if cap >= profile.max_registers_per_thread or config.block_m * headdim > threads * cap // 4:
+    if cap >= profile.max_registers_per_thread:
         return None
+    if config.block_m * headdim > threads * cap // 4:
+        return register_cap(config, headdim, profile) if paged else None
     return cap
 
 
@@ -89,13 +95,14 @@ def merge_step_for(block_m: int) -> int:
     return 4 if block_m <= 16 else 2
 
 
-def retiled(config: TritonConfig, headdim: int, profile: HardwareProfile, **changes) -> TritonConfig:
+def retiled(config: TritonConfig, headdim: int, profile: HardwareProfile, paged: bool = False,
+            **changes) -> TritonConfig:
     """``config`` with ``changes`` (a sweep's tile), its register ceiling derived again for the new
-    tile unless ``changes`` names one (``headdim`` padded)."""
+    tile (of a paged cache's kernel where ``paged``) unless ``changes`` names one (``headdim`` padded)."""
     config = dataclasses.replace(config, **changes)
     if "max_registers" in changes:
         return config
-    return dataclasses.replace(config, max_registers=register_cap(config, headdim, profile))
+    return dataclasses.replace(config, max_registers=register_cap(config, headdim, profile, paged))
 
 
 def padded_headdim(headdim: int) -> int:
@@ -170,7 +177,7 @@ class TritonBackend(Backend):
                 config = dataclasses.replace(config, block_m=config.block_m // 2)
             else:
                 break
-        return steer(problem, retiled(config, headdim, profile), headdim)  # a Triton miscompile (``workarounds``)
+        return steer(problem, retiled(config, headdim, profile, problem.paged), headdim)  # a Triton miscompile (``workarounds``)
 
     def merges_in_split(self, problem: Problem) -> bool:
         """Every problem: the split kernel can merge its partials itself (``merge_if_last``)."""
