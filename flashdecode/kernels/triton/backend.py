@@ -75,9 +75,9 @@ def register_cap(config: TritonConfig, headdim: int, profile: HardwareProfile, p
     """Registers a thread may use so that ``resident_by_headdim`` programs fit a multiprocessor;
     None where no cap is needed (the compiler's limit already lets them fit) or where the fp32
     output tile alone would take more than a quarter of it (a paged cache's tile then takes the
-    contiguous cache's cap). Features add registers: on Triton 3.6 the head-dim-128 kernel takes 107
-    plain, 141 with pages of 64 or an appended token, 168 with 32 query rows, i.e. 3 programs per SM
-    instead of 4, and a second wave (``docs/design.md``, "Measured choices")."""
+    contiguous cache's cap). Features add registers: on Triton 3.6 (ncu, case 7) the head-dim-128
+    kernel takes 80 contiguous, 104-112 with pages of 16-64, and 168 with 32 query rows (compiled
+    for sm_90a), i.e. fewer programs per SM and a second wave (``docs/design.md``, "Measured choices")."""
     resident = resident_by_headdim(headdim, profile, paged)
     threads = profile.wave_width * config.num_warps
     cap = profile.registers_per_multiprocessor // (resident * threads) // 8 * 8
