@@ -115,7 +115,7 @@ def main():
                                                    ("num_stages", stages)) if value is not None}
         if registers is not None:  # 0: no cap
             changes["max_registers"] = registers or None
-        config = retiled(default, padded_headdim(args.headdim), PROFILES["h200"], **changes)
+        config = retiled(default, padded_headdim(args.headdim), PROFILES["h200"], problem.paged, **changes)
         config, kernel, tensors, scalars, constexprs, options = split_launch(problem, config)
         # as the launcher does (``launch.register_options``): the ceiling only where the compiler exceeds it
         plain = {name: value for name, value in options.items() if name != REGISTER_CEILING}
