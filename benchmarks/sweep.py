@@ -13,7 +13,8 @@ Usage: python benchmarks/sweep.py --backend tilelang,triton --ppsm 2,3,4 --block
 splits a sequence may have for the split kernel to merge them itself (0: never), ``--merge-step``
 how many it merges at a time; ``--dependent-combine 0,1`` the combine as a programmatic dependent
 launch; ``--triton-resident`` the split programs Triton assumes an SM holds at the case's head dim
-(``Tuning.triton_resident_programs``: the grid's waves and the register cap follow). ``--shapes`` adds
+(the row of ``Tuning.triton_resident_programs`` it takes: single-sequence grids and the register
+cap follow). ``--shapes`` adds
 cases of one's own: batch x seqlen_cache x nheads_k x group x headdim, then ``:`` and a length rule of
 ``cases.LENGTH_RULES`` (numbered S1, S2, ...).
 """
@@ -73,6 +74,9 @@ def main():
         expected = reference_attention(inputs.q, inputs.k_cache, inputs.v_cache, **inputs.kwargs())[0]
         nbytes = inputs.bytes_moved()
         headdim = padded_headdim(inputs.q.shape[-1])
+        # the row of Tuning.triton_resident_programs the case's head dim takes (``--triton-resident``)
+        resident_row = next((dim for dim, _ in base.triton_resident_programs if dim >= headdim),
+                            base.triton_resident_programs[-1][0])
         for backend, ppsm, min_chunk, short_max, block_n, stages, q_rows, producer, warps, registers, merge, \
                 merge_step, dependent, resident in itertools.product(args.backend.split(","), *(
                     values(getattr(args, name)) for name in (
@@ -85,7 +89,8 @@ def main():
                 ("short_cache_max_blocks", short_max), ("max_splits_merged_in_split", merge),
                 ("dependent_combine", None if dependent is None else bool(dependent)),
                 ("triton_resident_programs", None if resident is None else tuple(
-                    (dim, resident if dim == headdim else programs) for dim, programs in base.triton_resident_programs)))
+                    (dim, resident if dim == resident_row else programs)
+                    for dim, programs in base.triton_resident_programs)))
                 if value is not None})
             default = plan_for(inputs.q, inputs.k_cache, inputs.v_cache, **inputs.kwargs(), backend=backend,
                                context=DecodeContext("cuda", tuning=tuning)).plan.config
