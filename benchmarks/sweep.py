@@ -13,8 +13,8 @@ Usage: python benchmarks/sweep.py --backend tilelang,triton --ppsm 2,3,4 --block
 splits a sequence may have for the split kernel to merge them itself (0: never), ``--merge-step``
 how many it merges at a time; ``--dependent-combine 0,1`` the combine as a programmatic dependent
 launch; ``--triton-resident`` the split programs Triton assumes an SM holds at the case's head dim
-(the row of ``Tuning.triton_resident_programs`` it takes: single-sequence grids and the register
-cap follow). ``--shapes`` adds
+(the row of ``Tuning.triton_resident_programs`` it takes, for paged caches too: single-sequence
+grids and the register cap follow). ``--shapes`` adds
 cases of one's own: batch x seqlen_cache x nheads_k x group x headdim, then ``:`` and a length rule of
 ``cases.LENGTH_RULES`` (numbered S1, S2, ...).
 """
@@ -90,7 +90,8 @@ def main():
                 ("dependent_combine", None if dependent is None else bool(dependent)),
                 ("triton_resident_programs", None if resident is None else tuple(
                     (dim, resident if dim == resident_row else programs)
-                    for dim, programs in base.triton_resident_programs)))
+                    for dim, programs in base.triton_resident_programs)),
+                ("triton_paged_resident_programs", None if resident is None else ()))
                 if value is not None})
             default = plan_for(inputs.q, inputs.k_cache, inputs.v_cache, **inputs.kwargs(), backend=backend,
                                context=DecodeContext("cuda", tuning=tuning)).plan.config
