@@ -92,8 +92,8 @@ class Tuning:
     #: Split programs of Triton's kernel one SM holds, by head dim (ncu, head dim 128: 38 KB of shared
     #: memory, 107 registers x 128 threads; 256: its 3 stages of 64 tokens keep 128 KB of shared memory).
     triton_resident_programs: tuple = ((64, 4), (128, 4), (256, 1))
-    #: Split programs Triton's register cap aims at for paged caches, by padded head dim (exact),
-    #: where measured; other head dims take ``triton_resident_programs``. Hopper: ``HOPPER_TUNING``.
+    #: The same table for paged caches, where measured (empty: ``triton_resident_programs``); the
+    #: register cap aims at it. Hopper: ``HOPPER_TUNING``.
     triton_paged_resident_programs: tuple = ()
 
 
@@ -108,7 +108,7 @@ class Tuning:
 #: allows 5), not 4 (its 104-112 registers): case 7 with pages of 16 122.9 -> 110.9 us, of 64 119.4
 #: -> 110.1; cases 8 and 9 lose 2-4% to the cap's spills (``docs/design.md``, "Measured choices").
 HOPPER_TUNING = Tuning(max_splits_merged_in_split=16, dependent_combine=True,
-                       min_blocks_per_combined_split=(("triton", 2),), triton_paged_resident_programs=((128, 5),))
+                       min_blocks_per_combined_split=(("triton", 2),), triton_paged_resident_programs=((64, 4), (128, 5), (256, 1)))
 
 
 @dataclasses.dataclass(frozen=True)

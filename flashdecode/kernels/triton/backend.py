@@ -62,12 +62,10 @@ def shared_bytes(config: TritonConfig, headdim: int, element_bytes: int, profile
 
 
 def resident_by_headdim(headdim: int, profile: HardwareProfile, paged: bool = False) -> int:
-    """The profile's ``triton_resident_programs`` entry for a padded head dim; for a paged cache,
-    ``triton_paged_resident_programs``'s where it has one for that head dim."""
-    paged_entry = dict(profile.tuning.triton_paged_resident_programs).get(headdim) if paged else None
-    if paged_entry is not None:
-        return paged_entry
-    table = profile.tuning.triton_resident_programs
+    """The profile's ``triton_resident_programs`` entry for a padded head dim
+    (``triton_paged_resident_programs``'s for a paged cache, where the tuning has that table)."""
+    tuning = profile.tuning
+    table = (paged and tuning.triton_paged_resident_programs) or tuning.triton_resident_programs
     return next((programs for dim, programs in table if dim >= headdim), table[-1][1])
 
 
