@@ -23,7 +23,7 @@ os.environ.setdefault("TILELANG_CACHE_DIR", str(pathlib.Path(__file__).resolve()
 import torch  # noqa: E402
 
 from flashdecode import DecodeContext, planner  # noqa: E402
-from flashdecode.cases import CASES, VARIANTS, WIDE_CASES  # noqa: E402
+from flashdecode.cases import CASES, MODEL_CASES, VARIANTS, WIDE_CASES  # noqa: E402
 from flashdecode.hardware import PROFILES  # noqa: E402
 from flashdecode.kernels.tilelang.backend import TileLangBackend, problem_limitation, q_tile_rows  # noqa: E402
 from flashdecode.kernels.tilelang.build import SM90A  # noqa: E402
@@ -34,11 +34,12 @@ H200 = PROFILES["h200"]
 
 
 def calls(backend, with_tests: bool):
-    """(problem, plan) for every call the benchmark (every variant; the wide matrix plain) and the sanitizer make,
+    """(problem, plan) for every call the benchmark (every variant; the wide and models matrices plain) and the
+    sanitizer make,
     forced splits too, and with ``with_tests`` the GPU tests' calls (the random shapes and the TileLang feature
     cases)."""
     problems = [variant.problem(case) for case in CASES for variant in VARIANTS.values()]
-    problems += [VARIANTS["plain"].problem(case) for case in WIDE_CASES]
+    problems += [VARIANTS["plain"].problem(case) for case in WIDE_CASES + MODEL_CASES]
     problems.append(Problem(3, 1, 8, 2, 128, "bfloat16"))  # empty-cache test's kernels (unsplit)
     if with_tests:  # the random-shape test's kernels (its KERNEL_SHAPES); needs pytest and hypothesis
         sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "tests"))

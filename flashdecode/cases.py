@@ -1,10 +1,12 @@
 """The benchmark's case matrices, their variants and the input generator, defined once for tests,
 bench and profile.
 
-Two matrices. ``cases`` (the default): the 14 cases 1-14, 32 query heads, head dim 128, bfloat16;
+Three matrices. ``cases`` (the default): the 14 cases 1-14, 32 query heads, head dim 128, bfloat16;
 ``../shared/anchors/h200-peers.json`` (copied into ``flashdecode/data``) was measured on exactly
 these inputs. ``wide``: W1-W14, shapes the 14 leave out: MHA, MQA, groups up to 32, head dims 64
-and 256, batch 1-256, caches of 32 to 256k tokens, equal, uniform and skewed lengths.
+and 256, batch 1-256, caches of 32 to 256k tokens, equal, uniform and skewed lengths. ``models``:
+M1-M16, the heads one GPU holds for public models' attention configs (groups of 2-71 including 3,
+5, 6, 7 and 12, head dims 64, 80, 96, 128 and 256) at batches and lengths a server meets.
 
 A variant changes how a case is called (``docs/design.md``, "Semantics"): ``plain`` decode, the
 cache in shuffled pages of 16/64/256 tokens, 4 causal query tokens, or one appended k/v token.
@@ -36,7 +38,7 @@ class Case:
     group: int
     headdim: int = HEADDIM
     lengths: str = "matrix"  # one of LENGTH_RULES
-    matrix: str = "cases"  # "cases" or "wide"
+    matrix: str = "cases"  # a key of MATRICES
 
     @property
     def nheads(self) -> int:
@@ -44,7 +46,7 @@ class Case:
 
     @property
     def label(self) -> str:
-        """The case's name on the command line and in reports: "7" or "W3"."""
+        """The case's name on the command line and in reports: "7", "W3" or "M5"."""
         return f"{MATRIX_PREFIX[self.matrix]}{self.number}"
 
     def describe(self) -> str:
@@ -92,13 +94,41 @@ WIDE_CASES: tuple[Case, ...] = tuple(
         start=1,
     )
 )
-MATRICES = {"cases": CASES, "wide": WIDE_CASES}
-MATRIX_PREFIX = {"cases": "", "wide": "W"}
+#: (batch, seqlen_cache, nheads_k, group, headdim, lengths): the heads of one GPU (tensor parallel
+#: degree in brackets) of public models' configs (num_attention_heads, num_key_value_heads,
+#: head_dim), bfloat16.
+MODEL_CASES: tuple[Case, ...] = tuple(
+    Case(number, *shape, matrix="models")
+    for number, shape in enumerate(
+        [
+            (64, 4096, 8, 4, 128, "uniform"),  # Llama-3.1-8B (TP1): 32 / 8 heads
+            (32, 8192, 1, 8, 128, "uniform"),  # Llama-3.1-70B (TP8): 64 / 8
+            (1, 131072, 2, 8, 128, "equal"),  # Llama-3.1-70B (TP4), one long request
+            (32, 4096, 8, 3, 128, "uniform"),  # Llama-3.2-3B: 24 / 8, group 3
+            (16, 16384, 4, 7, 128, "uniform"),  # Qwen2.5-7B: 28 / 4, group 7
+            (64, 2048, 8, 5, 128, "uniform"),  # Qwen2.5-14B: 40 / 8, group 5
+            (128, 1024, 2, 6, 128, "uniform"),  # Qwen2.5-1.5B: 12 / 2, group 6
+            (256, 512, 2, 7, 64, "uniform"),  # Qwen2.5-0.5B: 14 / 2, head dim 64
+            (16, 8192, 8, 2, 256, "uniform"),  # Gemma-2-9B: 16 / 8, head dim 256
+            (32, 4096, 16, 2, 128, "uniform"),  # Gemma-2-27B: 32 / 16
+            (16, 4096, 32, 1, 96, "uniform"),  # Phi-3-mini: MHA, head dim 96
+            (8, 2048, 32, 1, 80, "equal"),  # Phi-2: MHA, head dim 80
+            (8, 16384, 4, 12, 128, "skewed"),  # StarCoder2-15B: 48 / 4, group 12
+            (16, 2048, 1, 71, 64, "uniform"),  # Falcon-7B: 71 / 1 (MQA)
+            (64, 8192, 1, 8, 64, "uniform"),  # gpt-oss-120b (TP8): 64 / 8, head dim 64
+            (1, 1024, 8, 4, 128, "equal"),  # Llama-3.1-8B, one short request (latency)
+        ],
+        start=1,
+    )
+)
+MATRICES = {"cases": CASES, "wide": WIDE_CASES, "models": MODEL_CASES}
+MATRIX_PREFIX = {"cases": "", "wide": "W", "models": "M"}
 
 
 def select(matrix: str, text: str = "all") -> tuple[Case, ...]:
     """The cases of ``matrix`` that ``text`` names: "all", or labels and ranges such as "1,3,7-9"
-    (matrix "cases") or "W1,W3-W5" (matrix "wide"), in the order given, duplicates dropped.
+    (matrix "cases"), "W1,W3-W5" (matrix "wide") or "M2,M5-M7" (matrix "models"), in the order given,
+    duplicates dropped.
     ValueError naming the offending part otherwise."""
     if matrix not in MATRICES:
         raise ValueError(f"unknown matrix {matrix!r}; matrices are {', '.join(MATRICES)}")
@@ -106,7 +136,7 @@ def select(matrix: str, text: str = "all") -> tuple[Case, ...]:
     if text.strip().lower() == "all":
         return MATRICES[matrix]
     prefix = MATRIX_PREFIX[matrix]
-    example = "1,3,7-9" if not prefix else "W1,W3-W5"
+    example = "1,3,7-9" if not prefix else f"{prefix}1,{prefix}3-{prefix}5"
     chosen = {}
     for part in text.split(","):
         ends = [end.strip() for end in part.split("-")]

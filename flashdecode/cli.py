@@ -30,9 +30,11 @@ def _add_bench(subparsers) -> None:
                     "against an in-run ceiling. Without CUDA: scaled-down cases under Triton's interpreter, "
                     "CPU timings.")
     parser.add_argument("--matrix", choices=tuple(cases.MATRICES), default="cases",
-                        help="cases: the 14 cases 1-14 (default); wide: W1-W14 (MHA, MQA, head dims 64/256, ...)")
+                        help="cases: the 14 cases 1-14 (default); wide: W1-W14 (MHA, MQA, head dims 64/256, ...); "
+                             "models: M1-M16 (public models' heads per GPU: groups 2-71, head dims 64-256)")
     parser.add_argument("--cases", default="all",
-                        help="cases of the matrix, e.g. 10 or 1,3,7-9 (wide: W2 or W1,W3-W5) (default: all)")
+                        help="cases of the matrix, e.g. 10 or 1,3,7-9 (wide: W2 or W1,W3-W5; models: M1,M5-M7) "
+                             "(default: all)")
     parser.add_argument("--variant", type=_names, default=("plain",),
                         help=f"comma list of {', '.join(cases.VARIANTS)} (default: plain)")
     parser.add_argument("--backends", type=_names, default=None,

@@ -42,6 +42,7 @@ def _reference(call):
     ("cases", "1,3,7-9", ["1", "3", "7", "8", "9"]), ("cases", " 2 , 2,1 ", ["2", "1"]),
     ("cases", "all", [str(n) for n in range(1, 15)]), ("wide", "W2", ["W2"]),
     ("wide", "W1,W3-W5", ["W1", "W3", "W4", "W5"]), ("wide", "all", [f"W{n}" for n in range(1, 15)]),
+    ("models", "M16,M2-M3", ["M16", "M2", "M3"]), ("models", "all", [f"M{n}" for n in range(1, 17)]),
 ])
 def test_select_cases_of_either_matrix(matrix, text, labels):
     assert [case.label for case in cases.select(matrix, text)] == labels
@@ -51,6 +52,7 @@ def test_select_cases_of_either_matrix(matrix, text, labels):
     ("cases", "0", "unknown case 0"), ("cases", "15", "unknown case 15"), ("cases", "x", "invalid case list"),
     ("cases", "3-1", "invalid case range"), ("cases", "1,", "invalid case list"), ("cases", "W1", "invalid case list"),
     ("wide", "3", "invalid case list"), ("wide", "W3-5", "invalid case list"), ("wide", "W15", "unknown case W15"),
+    ("models", "W1", "like M1,M3-M5"), ("models", "M17", "unknown case M17"),
     ("tall", "all", "unknown matrix"),
 ])
 def test_select_rejects(matrix, text, message):
@@ -70,6 +72,17 @@ def test_wide_matrix_covers_what_the_14_cases_leave_out():
     assert min(case.seqlen_cache for case in wide) == 32 and max(case.seqlen_cache for case in wide) == 256 * 1024
     assert {"equal", "uniform", "skewed"} <= {case.lengths for case in wide}
     assert all(case.nheads <= 64 for case in wide)  # TileLang's q tile holds a group of at most 64
+
+
+def test_models_matrix_covers_groups_and_head_dims_of_served_models():
+    models = cases.MODEL_CASES
+    labels = {case.label for case in models}
+    assert len(labels) == len(models) and not labels & {case.label for matrix in (cases.CASES, cases.WIDE_CASES)
+                                                        for case in matrix}
+    assert {2, 3, 5, 6, 7, 12} <= {case.group for case in models}  # groups off the powers of two
+    assert {1, 71} <= {case.group for case in models}  # MHA, and Falcon's 71 heads on one KV head
+    assert {64, 80, 96, 128, 256} <= {case.headdim for case in models}
+    assert min(case.batch for case in models) == 1 and max(case.batch for case in models) == 256
 
 
 @pytest.mark.parametrize("rule", cases.LENGTH_RULES)
@@ -259,6 +272,11 @@ def test_fa2_peer_imports_the_built_folder_and_passes_every_argument(monkeypatch
         call = cases.make_call(SMALL, cases.VARIANTS[variant], dtype=torch.float32)
         expected = _reference(cases.make_call(SMALL, cases.VARIANTS[variant], dtype=torch.float32))
         assert relative_error(peers.PEERS["fa2"].setup([call])[0](), expected) == 0.0
+    for headdim, kernel in ((80, 96), (96, 96), (32, 32)):  # FA2 runs a head dim on the next kernel's
+        call = cases.make_call(dataclasses.replace(SMALL, headdim=headdim), cases.VARIANTS["plain"])
+        assert f"head dims [64, 128, 256]; head dim {headdim} takes {kernel}'s" in peers.PEERS["fa2"].limitation(call)
+    assert peers.PEERS["fa2"].limitation(cases.make_call(dataclasses.replace(SMALL, headdim=120),
+                                                         cases.VARIANTS["plain"])) is None
 
 
 def test_sdpa_peer_masks_each_layers_lengths():

@@ -31,6 +31,9 @@ from . import BenchError
 WORKSPACE_BYTES = 128 * 1024 * 1024  # FlashInfer's documented workspace size
 FLASHINFER_PAGE = 16  # the page FlashInfer views a contiguous cache in (h200-flashinfer.json)
 FA2_PATH_VARIABLE = "FLASHDECODE_FA2_PATH"
+#: The kernel head dims FlashAttention 2.8 dispatches a head dim to: the first at least as large
+#: (HEADDIM_SWITCH in csrc/flash_attn/src/static_switch.h).
+FA2_KERNEL_HEADDIMS = (32, 64, 96, 128, 192, 256)
 FA2_PAGE_MULTIPLE = 256
 
 
@@ -77,10 +80,23 @@ def _probe_fa2() -> str:
     return version
 
 
+@functools.lru_cache(maxsize=None)
+def _fa2_built_headdims(folder: str | None) -> tuple[int, ...] | None:
+    """Head dims whose kernels a ``benchmarks/build_fa2.py`` build in ``folder`` has (its BUILD.json);
+    None for any other install (all of them)."""
+    record = pathlib.Path(folder or "", "BUILD.json")
+    return tuple(json.loads(record.read_text())["headdims"]) if folder and record.is_file() else None
+
+
 def _fa2_limitation(call) -> str | None:
     page = _variant_parts(call)[0]
     if page % FA2_PAGE_MULTIPLE:
         return f"FlashAttention 2 takes pages of a multiple of {FA2_PAGE_MULTIPLE} tokens, got {page}"
+    headdim = call.q.shape[-1]
+    kernel = next((d for d in FA2_KERNEL_HEADDIMS if d >= headdim), None)
+    built = _fa2_built_headdims(os.environ.get(FA2_PATH_VARIABLE))
+    if kernel is not None and built is not None and kernel not in built:
+        return f"this FlashAttention 2 build has kernels for head dims {list(built)}; head dim {headdim} takes {kernel}'s"
     return None
 
 
