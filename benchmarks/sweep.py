@@ -8,6 +8,8 @@ Usage: python benchmarks/sweep.py --backend tilelang,triton --ppsm 2,3,4 --block
        --merge-splits 0,16 --merge-step 1,2] [--matrix wide] [--cases 7,12]
        [--shapes 64x4096x8x4x256:uniform,...] [--variant plain,paged256] [--log FILE]
 ``--min-chunk`` sets the fewest blocks per split, whatever merges the splits (both Tuning fields);
+``--one-sequence-min-blocks`` the same for one sequence (``min_blocks_per_one_sequence_split``; 0:
+none, the batch rules apply); ``--split-above`` the most blocks a cache has unsplit;
 ``--tl-stages`` and ``--tl-rows`` set any backend's ``num_stages`` / ``block_m``; ``--warps`` Triton's
 ``num_warps``; ``--max-registers`` Triton's register cap (0: none); ``--merge-splits`` the most
 splits a sequence may have for the split kernel to merge them itself (0: never), ``--merge-step``
@@ -55,7 +57,7 @@ def main():
     parser.add_argument("--backend", default="tilelang")
     for flag in ("--ppsm", "--min-chunk", "--short-max-blocks", "--block-n", "--tl-stages", "--tl-rows",
                  "--tl-producer-regs", "--warps", "--max-registers", "--merge-splits", "--merge-step",
-                 "--dependent-combine", "--triton-resident"):
+                 "--dependent-combine", "--triton-resident", "--one-sequence-min-blocks", "--split-above"):
         parser.add_argument(flag, default="", help="comma list (default: the measured value)")
     parser.add_argument("--matrix", default="cases", choices=sorted(MATRICES))
     parser.add_argument("--cases", default="", help="cases of the matrix, e.g. 7,12 or W9,W10 (default: all; none "
@@ -78,11 +80,11 @@ def main():
         resident_row = next((dim for dim, _ in base.triton_resident_programs if dim >= headdim),
                             base.triton_resident_programs[-1][0])
         for backend, ppsm, min_chunk, short_max, block_n, stages, q_rows, producer, warps, registers, merge, \
-                merge_step, dependent, resident in itertools.product(args.backend.split(","), *(
-                    values(getattr(args, name)) for name in (
+                merge_step, dependent, resident, one_sequence, split_above in itertools.product(
+                    args.backend.split(","), *(values(getattr(args, name)) for name in (
                         "ppsm", "min_chunk", "short_max_blocks", "block_n", "tl_stages", "tl_rows",
                         "tl_producer_regs", "warps", "max_registers", "merge_splits", "merge_step",
-                        "dependent_combine", "triton_resident"))):
+                        "dependent_combine", "triton_resident", "one_sequence_min_blocks", "split_above"))):
             tuning = dataclasses.replace(base, **{name: value for name, value in (
                 ("programs_per_multiprocessor", ppsm), ("min_blocks_per_split", min_chunk),
                 ("min_blocks_per_combined_split", None if min_chunk is None else ((backend, min_chunk),)),
@@ -91,7 +93,10 @@ def main():
                 ("triton_resident_programs", None if resident is None else tuple(
                     (dim, resident if dim == resident_row else programs)
                     for dim, programs in base.triton_resident_programs)),
-                ("triton_paged_resident_programs", None if resident is None else ()))
+                ("triton_paged_resident_programs", None if resident is None else ()),
+                ("min_blocks_per_one_sequence_split",
+                 None if one_sequence is None else ((backend, one_sequence),) if one_sequence else ()),
+                ("split_above_blocks", split_above))
                 if value is not None})
             default = plan_for(inputs.q, inputs.k_cache, inputs.v_cache, **inputs.kwargs(), backend=backend,
                                context=DecodeContext("cuda", tuning=tuning)).plan.config

@@ -15,7 +15,9 @@ The schedule is decided in two steps (``docs/design.md``, "The schedule").
 
    * A backend's short-cache kernel when the keys a sequence can see fit in
      ``short_cache_max_blocks`` tiles; one program per sequence (single pass, no combine) up to
-     ``split_above_blocks`` tiles.
+     ``split_above_blocks`` tiles, except that a backend named in ``underfilled_split_above_blocks``
+     splits caches above its count into 1-block programs where B * Hk * row tiles programs would
+     leave multiprocessors idle.
    * Otherwise P = B + floor(target / (Hk * row tiles)): one program per sequence plus enough extra to fill,
      without exceeding, target = multiprocessors * ``programs_per_multiprocessor``. One sequence
      splits into programs of equal work that run in whole waves of the backend's resident programs,
@@ -34,7 +36,7 @@ The schedule is decided in two steps (``docs/design.md``, "The schedule").
 
    m = ``min_chunk`` keeps splits long enough that a program's fixed cost and the combine stay
    small next to its streaming (``Tuning.min_blocks_per_split``, or ``min_blocks_per_combined_split``
-   where a combine merges the splits). Since ceil(x) < x + 1, sum_b splits_b <= (P - B) + B = P. A
+   where a combine merges the splits, or ``min_blocks_per_one_sequence_split`` for one sequence). Since ceil(x) < x + 1, sum_b splits_b <= (P - B) + B = P. A
    forced ``num_splits = F > 0`` gives splits_b = min(F, max(1, nblk_b)) and P = B * F.
 """
 from __future__ import annotations
@@ -151,32 +153,40 @@ def plan(problem: Problem, profile: HardwareProfile, backend, num_splits: int = 
         splits = min(num_splits, max(1, max_blocks))  # no empty splits
         kernel = SPLIT if splits > 1 else SINGLE_PASS
         return _merge_mode(Plan(kernel, config_for(kernel), problem.batch * splits, splits), problem, profile, backend)
+    row_tiles = -(-problem.q_rows // split_config.block_m)
+    min_chunk = tuning.min_blocks_per_split
     if max_blocks <= tuning.split_above_blocks:
-        short = SHORT_CACHE in backend.kernels(problem) and math.ceil(
-            problem.key_span() / config_for(SHORT_CACHE).block_n) <= tuning.short_cache_max_blocks  # its own tiles
-        kernel = SHORT_CACHE if short else SINGLE_PASS
-        return Plan(kernel, config_for(kernel), problem.batch)
+        underfilled = dict(tuning.underfilled_split_above_blocks).get(backend.name)
+        if (underfilled is None or max_blocks <= underfilled
+                or problem.batch * problem.nheads_k * row_tiles >= profile.multiprocessors):
+            short = SHORT_CACHE in backend.kernels(problem) and math.ceil(
+                problem.key_span() / config_for(SHORT_CACHE).block_n) <= tuning.short_cache_max_blocks  # its own tiles
+            kernel = SHORT_CACHE if short else SINGLE_PASS
+            return Plan(kernel, config_for(kernel), problem.batch)
+        min_chunk = 1
     per_sm = tuning.programs_per_multiprocessor
     if problem.batch == 1:
         per_sm = min(per_sm, max(1, backend.resident_programs(problem, split_config, profile)))
-    row_tiles = -(-problem.q_rows // split_config.block_m)
     extra = max(1, profile.multiprocessors * per_sm // (problem.nheads_k * row_tiles))  # never more than the target
-    return _merge_mode(Plan(SPLIT, split_config, problem.batch + extra, min_chunk=tuning.min_blocks_per_split),
-                       problem, profile, backend)
+    return _merge_mode(Plan(SPLIT, split_config, problem.batch + extra, min_chunk=min_chunk), problem, profile, backend)
 
 
 def _merge_mode(plan_: Plan, problem: Problem, profile: HardwareProfile, backend) -> Plan:
-    """``plan_`` with how its splits are merged: in the split kernel where the backend can and no
-    sequence can get more than ``max_splits_merged_in_split`` splits (one program merges them, a few
-    at a time); else by the combine, with splits as short as the backend's
-    ``min_blocks_per_combined_split``, a dependent launch where the tuning asks and the device and
-    the backend can."""
+    """``plan_`` with how its splits are merged: for one sequence where the tuning names the
+    backend in ``min_blocks_per_one_sequence_split``, by the combine, with splits that short; else
+    in the split kernel where the backend can and no sequence can get more than
+    ``max_splits_merged_in_split`` splits (one program merges them, a few at a time); else by the
+    combine, with splits as short as the backend's ``min_blocks_per_combined_split``. A combine is a
+    dependent launch where the tuning asks and the device and the backend can."""
     if plan_.kernel != SPLIT:
         return plan_
     tuning = profile.tuning
-    if backend.merges_in_split(problem) and plan_.max_splits(problem) <= tuning.max_splits_merged_in_split:
+    one_sequence = dict(tuning.min_blocks_per_one_sequence_split).get(backend.name)
+    if problem.batch == 1 and plan_.forced_splits == 0 and one_sequence is not None:
+        plan_ = dataclasses.replace(plan_, min_chunk=one_sequence)
+    elif backend.merges_in_split(problem) and plan_.max_splits(problem) <= tuning.max_splits_merged_in_split:
         return dataclasses.replace(plan_, merge_in_split=True)
-    if plan_.forced_splits == 0:
+    elif plan_.forced_splits == 0:
         shortest = dict(tuning.min_blocks_per_combined_split).get(backend.name, tuning.min_blocks_per_split)
         plan_ = dataclasses.replace(plan_, min_chunk=shortest)
     if tuning.dependent_combine and profile.dependent_launch and backend.launches_dependent_combine(problem):

@@ -8,7 +8,7 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 from flashdecode.cases import CASES, case_seqlens
-from flashdecode.hardware import PROFILES
+from flashdecode.hardware import PROFILES, Tuning
 from flashdecode.kernels import get_backend
 from flashdecode.planner import SHORT_CACHE, SINGLE_PASS, SPLIT, Problem, key_range, plan, work_list
 
@@ -161,8 +161,10 @@ def test_one_program_fits_the_shared_memory_of_each_profile(backend):
 
 
 @pytest.mark.parametrize("batch, seqlen_cache, nheads_k, headdim, able, expected, features", [
-    (16, 362, 8, 128, ("tilelang", "triton"), "tilelang", {}),  # 22.6 MiB: under 32
-    (1, 512, 8, 128, ("tilelang", "triton"), "tilelang", {}),  # 512 tokens a sequence: never split
+    (16, 200, 8, 128, ("tilelang", "triton"), "tilelang", {}),  # 12.5 MiB: under 32
+    (1, 256, 8, 128, ("tilelang", "triton"), "tilelang", {}),  # 256 tokens a sequence: never split
+    (16, 362, 8, 128, ("tilelang", "triton"), "triton", {}),  # 6 blocks, 128 programs: Triton splits
+    (17, 300, 8, 128, ("tilelang", "triton"), "tilelang", {}),  # 5 blocks, 136 programs: no split
     (1, 8192, 4, 128, ("tilelang", "triton"), "triton", {}),  # case 10: 16 MiB, but a split cache
     (16, 4096, 4, 128, ("tilelang", "triton"), "triton", {}),  # 128 MiB at head dim 128
     (8, 32768, 1, 256, ("tilelang", "triton"), "tilelang", {}),  # head dim 256
@@ -171,7 +173,7 @@ def test_one_program_fits_the_shared_memory_of_each_profile(backend):
     (16, 362, 8, 128, (), "reference", {}),
     (16, 362, 8, 128, ("tilelang", "triton"), "triton", dict(page_size=16)),  # paged, under 32 MiB
     (16, 362, 8, 128, ("tilelang", "triton"), "triton", dict(seqlen_new=1)),  # appended tokens
-    (16, 362, 8, 128, ("tilelang", "triton"), "tilelang", dict(seqlen_q=4)),  # several query tokens
+    (16, 200, 8, 128, ("tilelang", "triton"), "tilelang", dict(seqlen_q=4)),  # several query tokens
     (16, 362, 8, 256, ("tilelang", "triton"), "tilelang", dict(page_size=64)),  # paged at head dim 256
 ])
 def test_auto_takes_the_first_backend_whose_limits_hold(monkeypatch, batch, seqlen_cache, nheads_k, headdim, able,
@@ -213,7 +215,8 @@ def test_split_plans_merge_in_the_kernel_up_to_the_tunings_splits(threshold):
         problem = problem_for([seqlen_cache] * batch, seqlen_cache)
         for backend in BACKENDS:
             p = plan(problem, profile, get_backend(backend), num_splits)
-            merges = backend == "triton" and p.kernel == SPLIT and p.max_splits(problem) <= threshold
+            one_sequence = backend == "triton" and batch == 1 and num_splits == 0  # always the combine
+            merges = backend == "triton" and p.kernel == SPLIT and p.max_splits(problem) <= threshold and not one_sequence
             assert p.merge_in_split == merges
             assert p.needs_combine == (p.kernel == SPLIT and not merges)
             assert p.workspace_rows == (p.programs_per_head if p.kernel == SPLIT else 0)
@@ -221,17 +224,60 @@ def test_split_plans_merge_in_the_kernel_up_to_the_tunings_splits(threshold):
             if p.kernel == SPLIT and num_splits == 0:  # a combine takes shorter splits than the merge allows
                 tuning = profile.tuning
                 combined = dict(tuning.min_blocks_per_combined_split).get(backend, tuning.min_blocks_per_split)
-                assert p.min_chunk == (tuning.min_blocks_per_split if merges else combined)
+                assert p.min_chunk == (1 if one_sequence else tuning.min_blocks_per_split if merges else combined)
 
 
 def test_shorter_combined_splits_only_where_measured():
     """The 2-block splits of plans that keep a combine are Hopper's (measured on the H200); a device
     with the default tuning splits no shorter than ``min_blocks_per_split``."""
-    problem = problem_for([8192], 8192)
+    problem = problem_for([8192, 8192], 8192)
     triton = get_backend("triton")
     assert plan(problem, PROFILES["h200"], triton).min_chunk == 2
     assert plan(problem, PROFILES["c500"], triton).min_chunk == PROFILES["c500"].tuning.min_blocks_per_split == 4
     assert plan(problem, PROFILES["h200"], get_backend("tilelang")).min_chunk == 4
+
+
+@pytest.mark.parametrize("batch, seqlen_cache, nheads_k, group, splits", [
+    (16, 362, 8, 4, True),  # 6 blocks, 128 programs unsplit: fewer than the 132 multiprocessors
+    (1, 320, 32, 1, True),  # 5 blocks
+    (1, 512, 2, 8, True),
+    (17, 362, 8, 4, False),  # 136 programs
+    (4, 256, 8, 4, False),  # 4 blocks: at most the underfilled count
+    (16, 512, 1, 64, True),  # 64 rows, one row tile
+])
+def test_short_caches_split_into_single_blocks_where_the_device_would_idle(batch, seqlen_cache, nheads_k, group,
+                                                                          splits):
+    """On Hopper Triton splits caches of 5-8 blocks into 1-block programs where the unsplit grid
+    (batch * KV heads * row tiles) is smaller than the multiprocessor count; TileLang and a device
+    without the tuning never split them."""
+    problem = problem_for([seqlen_cache] * batch, seqlen_cache, nheads_k, group)
+    triton, tilelang = get_backend("triton"), get_backend("tilelang")
+    p = plan(problem, PROFILES["h200"], triton)
+    assert (p.kernel == SPLIT) == splits
+    if splits:
+        assert p.min_chunk == 1 and p.max_splits(problem) == math.ceil(seqlen_cache / p.block_n)
+        assert_covers_exactly_once(p, [seqlen_cache] * batch)
+    assert plan(problem, PROFILES["h200"], tilelang).kernel != SPLIT
+    untuned = dataclasses.replace(PROFILES["h200"], tuning=Tuning())
+    assert plan(problem, untuned, triton).kernel != SPLIT
+
+
+@pytest.mark.parametrize("seqlen_cache", [1024, 4096, 8192, 60000])
+def test_one_sequence_splits_into_single_blocks_merged_by_the_combine_where_measured(seqlen_cache):
+    """On Hopper one sequence takes Triton's 1-block splits and the combine, never the
+    merge in the split kernel, whatever its length; a forced split count, TileLang, a batch of two
+    and a device without the tuning keep their rules."""
+    one, two = problem_for([seqlen_cache], seqlen_cache), problem_for([seqlen_cache] * 2, seqlen_cache)
+    triton, tilelang = get_backend("triton"), get_backend("tilelang")
+    p = plan(one, PROFILES["h200"], triton)
+    assert (p.kernel, p.min_chunk, p.merge_in_split, p.needs_combine) == (SPLIT, 1, False, True)
+    assert plan(one, PROFILES["h200"], triton, num_splits=4).merge_in_split  # forced: 4 splits merge
+    assert plan(one, PROFILES["h200"], tilelang).min_chunk == 4
+    assert plan(two, PROFILES["h200"], triton).min_chunk in (2, 4)
+    assert plan(one, PROFILES["c500"], triton).min_chunk == 4
+    lengths = [seqlen_cache - 1]
+    items = work_list(p, lengths)
+    assert sum(item.tokens for item in items) == seqlen_cache - 1 and len(items) <= p.programs_per_head
 
 
 @pytest.mark.parametrize("tuned", [False, True])
@@ -261,16 +307,19 @@ def test_combines_are_dependent_launches_where_the_tuning_the_device_and_the_bac
             assert not (p.dependent_combine and p.merge_in_split)
 
 
-def test_tilelangs_auto_rule_admits_exactly_the_spans_its_planner_never_splits():
-    """``auto``'s first rule (TileLang for short contiguous caches) ends where TileLang's plan starts
-    to split at head dim 128: the 512-key limit is the planner's threshold, windows included."""
+def test_tilelangs_auto_rules_admit_exactly_the_short_caches_no_plan_splits():
+    """``auto``'s TileLang rules (short contiguous caches under 32 MiB) end where TileLang's plan
+    starts to split, and leave Triton the short caches its plan splits so that no multiprocessor
+    idles: at head dim 128, one sequence on 4 KV heads and 40 on 4 (160 programs), windows included."""
     h200 = PROFILES["h200"]
-    rule = h200.tuning.auto_order[0]
-    assert rule.backend == "tilelang"
-    for seqlen_cache, window_left in itertools.product([1, 100, 511, 512, 513, 600, 8192], [-1, 100, 600]):
-        problem = Problem(1, seqlen_cache, 32, 4, 128, "bfloat16", window_left=window_left)
-        split = plan(problem, h200, get_backend("tilelang")).kernel == SPLIT
-        assert rule.admits(problem) == (not split), (seqlen_cache, window_left)
+    tilelang, triton = get_backend("tilelang"), get_backend("triton")
+    rules = [rule for rule in h200.tuning.auto_order if rule.backend == "tilelang" and rule.max_key_span is not None]
+    for batch, seqlen_cache, window_left in itertools.product([1, 40], [1, 100, 256, 257, 300, 511, 512, 513, 600, 8192],
+                                                              [-1, 100, 600]):
+        problem = Problem(batch, seqlen_cache, 32, 4, 128, "bfloat16", window_left=window_left)
+        unsplit = SPLIT not in (plan(problem, h200, tilelang).kernel, plan(problem, h200, triton).kernel)
+        admitted = any(rule.admits(problem) for rule in rules)
+        assert admitted == (unsplit and problem.cache_bytes() < 32 * 2**20), (batch, seqlen_cache, window_left)
 
 
 @pytest.mark.parametrize("device_name, major, merges, dependent", [
