@@ -34,10 +34,9 @@ H200 = PROFILES["h200"]
 
 
 def calls(backend, with_tests: bool):
-    """(problem, plan) for every call the benchmark (every variant; the wide and models matrices plain) and the
-    sanitizer make,
-    forced splits too, and with ``with_tests`` the GPU tests' calls (the random shapes and the TileLang feature
-    cases)."""
+    """(problem, plan) for every call the benchmark (every variant; the wide and models matrices plain) and
+    the sanitizer make, forced splits too, and with ``with_tests`` the GPU tests' calls (the random shapes
+    and the TileLang feature cases)."""
     problems = [variant.problem(case) for case in CASES for variant in VARIANTS.values()]
     problems += [VARIANTS["plain"].problem(case) for case in WIDE_CASES + MODEL_CASES]
     problems.append(Problem(3, 1, 8, 2, 128, "bfloat16"))  # empty-cache test's kernels (unsplit)

@@ -7,9 +7,11 @@ Usage: python benchmarks/sweep.py --backend tilelang,triton --ppsm 2,3,4 --block
        [--tl-stages 2,3 --tl-rows 64,16 --tl-producer-regs 24,0 --warps 4,8 --max-registers 0,128
        --merge-splits 0,16 --merge-step 1,2] [--matrix wide] [--cases 7,12]
        [--shapes 64x4096x8x4x256:uniform,...] [--variant plain,paged256] [--log FILE]
-``--min-chunk`` sets the fewest blocks per split, whatever merges the splits (both Tuning fields);
-``--one-sequence-min-blocks`` the same for one sequence (``min_blocks_per_one_sequence_split``; 0:
-none, the batch rules apply); ``--split-above`` the most blocks a cache has unsplit;
+``--min-chunk`` sets the fewest blocks per split, whatever merges the splits (both Tuning fields; one
+sequence on a backend with ``min_blocks_per_one_sequence_split`` and the short caches split for idle
+multiprocessors take their own, shorter ones); ``--one-sequence-min-blocks`` sets one sequence's
+(0: none, the batch rules apply); ``--split-above`` ``split_above_blocks`` (the most blocks a cache
+has unsplit, unless ``underfilled_split_above_blocks`` splits it: at or below its count, that rule is off);
 ``--tl-stages`` and ``--tl-rows`` set any backend's ``num_stages`` / ``block_m``; ``--warps`` Triton's
 ``num_warps``; ``--max-registers`` Triton's register cap (0: none); ``--merge-splits`` the most
 splits a sequence may have for the split kernel to merge them itself (0: never), ``--merge-step``

@@ -6,8 +6,8 @@ numbers are that Triton's; the GPU machine's may differ by version. Shapes are p
 (contiguous cache, one query position) of ``--rows`` query rows per KV head.
 
 Usage: python benchmarks/triton_resources.py --headdim 256 --rows 16,64 [--warps 4,8 --block-n 32,64
-       --stages 2,3 --max-registers 0,128 --page-size 16 --batch 32 --kv-heads 8 --dump DIR]   (each list crossed with the
-       others; empty: the default config's value)
+       --stages 2,3 --max-registers 0,128 --page-size 16 --batch 32 --kv-heads 8 --dump DIR]
+       (each list crossed with the others; empty: the default config's value)
 """
 import argparse
 import itertools
@@ -100,7 +100,7 @@ def main():
     parser.add_argument("--headdim", type=int, default=128)
     parser.add_argument("--rows", default="16", help="query rows per KV head (group), comma list")
     # the batch pads into the kernel's specialisation: at batch 4 on 1 KV head the contiguous
-    # kernel compiled to 107 registers, at case 7's shape to 80, as ncu reads on the H200
+    # kernel compiled to 107 registers, at 32 on 8 KV heads to 80, as ncu read case 7 on the H200
     parser.add_argument("--batch", type=int, default=32, help="sequences (default 32, as case 9)")
     parser.add_argument("--kv-heads", type=int, default=8, help="KV heads (default 8, as case 9)")
     parser.add_argument("--dtype", default="bfloat16")

@@ -5,8 +5,8 @@ Three matrices. ``cases`` (the default): the 14 cases 1-14, 32 query heads, head
 ``../shared/anchors/h200-peers.json`` (copied into ``flashdecode/data``) was measured on exactly
 these inputs. ``wide``: W1-W14, shapes the 14 leave out: MHA, MQA, groups up to 32, head dims 64
 and 256, batch 1-256, caches of 32 to 256k tokens, equal, uniform and skewed lengths. ``models``:
-M1-M16, the heads one GPU holds for public models' attention configs (groups of 2-71 including 3,
-5, 6, 7 and 12, head dims 64, 80, 96, 128 and 256) at batches and lengths a server meets.
+M1-M16, the heads one GPU holds for public models' attention configs (MHA, groups of 2-71 including
+3, 5, 6, 7 and 12, head dims 64, 80, 96, 128 and 256) at batches and lengths a server meets.
 
 A variant changes how a case is called (``docs/design.md``, "Semantics"): ``plain`` decode, the
 cache in shuffled pages of 16/64/256 tokens, 4 causal query tokens, or one appended k/v token.

@@ -31,7 +31,7 @@ def _add_bench(subparsers) -> None:
                     "CPU timings.")
     parser.add_argument("--matrix", choices=tuple(cases.MATRICES), default="cases",
                         help="cases: the 14 cases 1-14 (default); wide: W1-W14 (MHA, MQA, head dims 64/256, ...); "
-                             "models: M1-M16 (public models' heads per GPU: groups 2-71, head dims 64-256)")
+                             "models: M1-M16 (public models' heads per GPU: groups 1-71, head dims 64-256)")
     parser.add_argument("--cases", default="all",
                         help="cases of the matrix, e.g. 10 or 1,3,7-9 (wide: W2 or W1,W3-W5; models: M1,M5-M7) "
                              "(default: all)")

@@ -32,15 +32,15 @@ class AutoRule:
     max_headdim: int | None = None  # at most this
     max_key_span: int | None = None  # keys one sequence's rows can see (``Problem.key_span``), at most this
     plain_cache_only: bool = False  # only calls that read a contiguous cache and append nothing
-    min_sequence_heads: int | None = None  # (sequence, KV head) pairs, batch * nheads_k, at least this
+    #: only calls that none of these backends' plans split (``kernels.base.select`` asks the planner)
+    unsplit_by: tuple[str, ...] = ()
 
     def admits(self, problem) -> bool:
         """Whether this rule's limits hold for ``problem`` (a :class:`~flashdecode.problem.Problem`)."""
         return ((self.max_cache_bytes is None or problem.cache_bytes() < self.max_cache_bytes)
                 and (self.max_headdim is None or problem.headdim <= self.max_headdim)
                 and (self.max_key_span is None or problem.key_span() <= self.max_key_span)
-                and not (self.plain_cache_only and (problem.paged or problem.seqlen_new > 0))
-                and (self.min_sequence_heads is None or problem.batch * problem.nheads_k >= self.min_sequence_heads))
+                and not (self.plain_cache_only and (problem.paged or problem.seqlen_new > 0)))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,12 +58,12 @@ class Tuning:
     #: The same where the combine merges them, by backend name (others: ``min_blocks_per_split``);
     #: none where not measured. Hopper: ``HOPPER_TUNING``.
     min_blocks_per_combined_split: tuple[tuple[str, int], ...] = ()
-    #: The same for a batch of one sequence, by backend name (none: the rules above), where such a
-    #: plan merges with the combine and never in the split kernel: with nothing else running, the
-    #: merging program's serial reads of the partials are the call's critical path, and every
-    #: shorter split adds programs that run at once. Hopper: ``HOPPER_TUNING``.
+    #: The same for a batch of one sequence, by backend name (none: the rules above), however its
+    #: splits are merged: with nothing else running, a program's serial blocks are the call's
+    #: latency, and every shorter split adds programs that run at once. Hopper: ``HOPPER_TUNING``.
     min_blocks_per_one_sequence_split: tuple[tuple[str, int], ...] = ()
-    #: Caches of at most this many KV blocks are never split: a combine costs more than it saves.
+    #: Caches of at most this many KV blocks are not split (but see the next field): a combine
+    #: costs more than it saves.
     split_above_blocks: int = 8
     #: By backend name (none: ``split_above_blocks`` alone): caches of more than this many blocks
     #: (and at most ``split_above_blocks``) split into 1-block programs where unsplit they would
@@ -119,20 +119,21 @@ class Tuning:
 #: to start (case 10 20.0 -> 21.6 us at 2). Triton's paged kernel at head dim 128 is capped at 96
 #: registers, so that 5 programs fit an SM as for the contiguous kernel (80 registers; shared memory
 #: allows 5), not 4 (its 104-112 registers): case 7 with pages of 16 122.9 -> 110.9 us, of 64 119.4
-#: -> 110.1; cases 8 and 9 lose 2-4% to the cap's spills. One sequence in Triton's splits of 1 block
-#: merged by the combine: 1024 tokens on 8 KV heads 16.6 -> 11.6 us, on 2 KV heads 15.6 -> 10.5.
-#: Triton splits caches of 5-8 blocks where they would leave multiprocessors idle, and ``auto``
-#: gives TileLang only the others: 512 tokens on 8 KV heads took 11.3 us in 1-block splits against
-#: 19.2 in Triton's single pass and 15.3 in TileLang's, two such sequences 12.6 against 20.0 and
-#: 15.8, sixteen of 362 tokens (128 programs) 18.7 against 20.0 and 18.9; TileLang's own splits
-#: lost (18.3-27.1 against 15.8-18.9), and so did Triton's where 2048 programs fill the device
-#: (W14 +3.4%) (``docs/design.md``, "Measured choices").
+#: -> 110.1; cases 8 and 9 lose 2-4% to the cap's spills. One sequence in Triton's splits of 1
+#: block: 1024 tokens on 8 KV heads 16.2 -> 12.6 us graph, 11.9 -> 9.8 an eager call (merged in the
+#: kernel; the combine's second launch gave 11.2 graph but 14.2 eager). Triton splits caches of 5-8
+#: blocks where they would leave multiprocessors idle, and ``auto`` gives TileLang only the short
+#: caches no plan splits: 512 tokens on 8 KV heads took 11.3 us in 1-block splits against 19.2 in
+#: Triton's single pass and 15.3 in TileLang's, two such sequences 12.6 against 20.0 and 15.3,
+#: sixteen of 362 tokens (128 programs) 18.7 against 20.0 and 18.7; TileLang's own splits lost on
+#: six of those eight shapes (by up to 44%), and Triton's where 2048 programs fill the device (W14
+#: +3.4%) (``docs/design.md``, "Measured choices").
 HOPPER_TUNING = Tuning(max_splits_merged_in_split=16, dependent_combine=True,
-                       min_blocks_per_combined_split=(("triton", 2),), min_blocks_per_one_sequence_split=(("triton", 1),),
+                       min_blocks_per_combined_split=(("triton", 2),),
+                       min_blocks_per_one_sequence_split=(("triton", 1),),
                        underfilled_split_above_blocks=(("triton", 4),),
-                       auto_order=(AutoRule("tilelang", max_cache_bytes=32 * MIB, max_key_span=256, plain_cache_only=True),
-                                   AutoRule("tilelang", max_cache_bytes=32 * MIB, max_key_span=512, plain_cache_only=True,
-                                            min_sequence_heads=132),
+                       auto_order=(AutoRule("tilelang", max_cache_bytes=32 * MIB, plain_cache_only=True,
+                                            unsplit_by=("tilelang", "triton")),
                                    AutoRule("triton", max_headdim=128), AutoRule("tilelang"), AutoRule("triton")),
                        triton_paged_resident_programs=((64, 4), (128, 5), (256, 1)))
 

@@ -35,9 +35,10 @@ The schedule is decided in two steps (``docs/design.md``, "The schedule").
      the blocks first_b + [s * nblk_b // splits_b, (s + 1) * nblk_b // splits_b), s = p - start_b.
 
    m = ``min_chunk`` keeps splits long enough that a program's fixed cost and the combine stay
-   small next to its streaming (``Tuning.min_blocks_per_split``, or ``min_blocks_per_combined_split``
-   where a combine merges the splits, or ``min_blocks_per_one_sequence_split`` for one sequence). Since ceil(x) < x + 1, sum_b splits_b <= (P - B) + B = P. A
-   forced ``num_splits = F > 0`` gives splits_b = min(F, max(1, nblk_b)) and P = B * F.
+   small next to its streaming (``Tuning.min_blocks_per_split``; shorter where a combine merges the
+   splits, ``min_blocks_per_combined_split``, or for one sequence, ``min_blocks_per_one_sequence_split``;
+   1 for the short caches split for idle multiprocessors). Since ceil(x) < x + 1, sum_b splits_b <=
+   (P - B) + B = P. A forced ``num_splits = F > 0`` gives splits_b = min(F, max(1, nblk_b)) and P = B * F.
 """
 from __future__ import annotations
 
@@ -172,23 +173,23 @@ def plan(problem: Problem, profile: HardwareProfile, backend, num_splits: int = 
 
 
 def _merge_mode(plan_: Plan, problem: Problem, profile: HardwareProfile, backend) -> Plan:
-    """``plan_`` with how its splits are merged: for one sequence where the tuning names the
-    backend in ``min_blocks_per_one_sequence_split``, by the combine, with splits that short; else
-    in the split kernel where the backend can and no sequence can get more than
-    ``max_splits_merged_in_split`` splits (one program merges them, a few at a time); else by the
-    combine, with splits as short as the backend's ``min_blocks_per_combined_split``. A combine is a
-    dependent launch where the tuning asks and the device and the backend can."""
+    """``plan_`` with how its splits are merged: in the split kernel where the backend can and no
+    sequence can get more than ``max_splits_merged_in_split`` splits (one program merges them, a few
+    at a time), else by the combine, a dependent launch where the tuning asks and the device and the
+    backend can. Splits only ever get shorter here: one sequence's to the backend's
+    ``min_blocks_per_one_sequence_split`` (before the merge is decided), a combine's to its
+    ``min_blocks_per_combined_split``."""
     if plan_.kernel != SPLIT:
         return plan_
     tuning = profile.tuning
-    one_sequence = dict(tuning.min_blocks_per_one_sequence_split).get(backend.name)
-    if problem.batch == 1 and plan_.forced_splits == 0 and one_sequence is not None:
-        plan_ = dataclasses.replace(plan_, min_chunk=one_sequence)
-    elif backend.merges_in_split(problem) and plan_.max_splits(problem) <= tuning.max_splits_merged_in_split:
+    if plan_.forced_splits == 0 and problem.batch == 1:
+        one_sequence = dict(tuning.min_blocks_per_one_sequence_split).get(backend.name, plan_.min_chunk)
+        plan_ = dataclasses.replace(plan_, min_chunk=min(plan_.min_chunk, one_sequence))
+    if backend.merges_in_split(problem) and plan_.max_splits(problem) <= tuning.max_splits_merged_in_split:
         return dataclasses.replace(plan_, merge_in_split=True)
-    elif plan_.forced_splits == 0:
-        shortest = dict(tuning.min_blocks_per_combined_split).get(backend.name, tuning.min_blocks_per_split)
-        plan_ = dataclasses.replace(plan_, min_chunk=shortest)
+    if plan_.forced_splits == 0:
+        combined = dict(tuning.min_blocks_per_combined_split).get(backend.name, tuning.min_blocks_per_split)
+        plan_ = dataclasses.replace(plan_, min_chunk=min(plan_.min_chunk, combined))
     if tuning.dependent_combine and profile.dependent_launch and backend.launches_dependent_combine(problem):
         return dataclasses.replace(plan_, dependent_combine=True)
     return plan_

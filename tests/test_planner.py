@@ -215,8 +215,8 @@ def test_split_plans_merge_in_the_kernel_up_to_the_tunings_splits(threshold):
         problem = problem_for([seqlen_cache] * batch, seqlen_cache)
         for backend in BACKENDS:
             p = plan(problem, profile, get_backend(backend), num_splits)
-            one_sequence = backend == "triton" and batch == 1 and num_splits == 0  # always the combine
-            merges = backend == "triton" and p.kernel == SPLIT and p.max_splits(problem) <= threshold and not one_sequence
+            one_sequence = backend == "triton" and batch == 1 and num_splits == 0  # 1-block splits
+            merges = backend == "triton" and p.kernel == SPLIT and p.max_splits(problem) <= threshold
             assert p.merge_in_split == merges
             assert p.needs_combine == (p.kernel == SPLIT and not merges)
             assert p.workspace_rows == (p.programs_per_head if p.kernel == SPLIT else 0)
@@ -262,18 +262,18 @@ def test_short_caches_split_into_single_blocks_where_the_device_would_idle(batch
     assert plan(problem, untuned, triton).kernel != SPLIT
 
 
-@pytest.mark.parametrize("seqlen_cache", [1024, 4096, 8192, 60000])
-def test_one_sequence_splits_into_single_blocks_merged_by_the_combine_where_measured(seqlen_cache):
-    """On Hopper one sequence takes Triton's 1-block splits and the combine, never the
-    merge in the split kernel, whatever its length; a forced split count, TileLang, a batch of two
-    and a device without the tuning keep their rules."""
+@pytest.mark.parametrize("seqlen_cache, merges", [(1024, True), (4096, False), (8192, False), (60000, False)])
+def test_one_sequence_splits_into_single_blocks_where_measured(seqlen_cache, merges):
+    """On Hopper one sequence takes Triton's 1-block splits, merged in the split kernel where it
+    gets at most 16 (1024 tokens: 16 blocks), else by the combine; a forced split count, TileLang,
+    a batch of two and a device without the tuning keep their rules."""
     one, two = problem_for([seqlen_cache], seqlen_cache), problem_for([seqlen_cache] * 2, seqlen_cache)
     triton, tilelang = get_backend("triton"), get_backend("tilelang")
     p = plan(one, PROFILES["h200"], triton)
-    assert (p.kernel, p.min_chunk, p.merge_in_split, p.needs_combine) == (SPLIT, 1, False, True)
+    assert (p.kernel, p.min_chunk, p.merge_in_split, p.needs_combine) == (SPLIT, 1, merges, not merges)
     assert plan(one, PROFILES["h200"], triton, num_splits=4).merge_in_split  # forced: 4 splits merge
     assert plan(one, PROFILES["h200"], tilelang).min_chunk == 4
-    assert plan(two, PROFILES["h200"], triton).min_chunk in (2, 4)
+    assert plan(two, PROFILES["h200"], triton).min_chunk == (4 if seqlen_cache <= 4096 else 2)  # merge: 4, combine: 2
     assert plan(one, PROFILES["c500"], triton).min_chunk == 4
     lengths = [seqlen_cache - 1]
     items = work_list(p, lengths)
@@ -307,19 +307,24 @@ def test_combines_are_dependent_launches_where_the_tuning_the_device_and_the_bac
             assert not (p.dependent_combine and p.merge_in_split)
 
 
-def test_tilelangs_auto_rules_admit_exactly_the_short_caches_no_plan_splits():
-    """``auto``'s TileLang rules (short contiguous caches under 32 MiB) end where TileLang's plan
-    starts to split, and leave Triton the short caches its plan splits so that no multiprocessor
-    idles: at head dim 128, one sequence on 4 KV heads and 40 on 4 (160 programs), windows included."""
-    h200 = PROFILES["h200"]
+@pytest.mark.parametrize("profile_name", ["h200", "h100-pcie"])
+def test_auto_gives_tilelang_exactly_the_short_caches_no_plan_splits(monkeypatch, profile_name):
+    """``auto``'s first Hopper rule (TileLang for contiguous caches under 32 MiB) asks the planner:
+    TileLang runs a call only where neither its plan nor Triton's splits it, whatever the head dim,
+    row tiles, window or SM count (the H100 PCIe has 114, the H200 132)."""
+    from flashdecode.kernels import base
+
+    monkeypatch.setattr(base, "why_not", lambda name, problem, device: None)
+    profile = PROFILES["h200"] if profile_name == "h200" else dataclasses.replace(PROFILES["h200"], multiprocessors=114)
     tilelang, triton = get_backend("tilelang"), get_backend("triton")
-    rules = [rule for rule in h200.tuning.auto_order if rule.backend == "tilelang" and rule.max_key_span is not None]
-    for batch, seqlen_cache, window_left in itertools.product([1, 40], [1, 100, 256, 257, 300, 511, 512, 513, 600, 8192],
-                                                              [-1, 100, 600]):
-        problem = Problem(batch, seqlen_cache, 32, 4, 128, "bfloat16", window_left=window_left)
-        unsplit = SPLIT not in (plan(problem, h200, tilelang).kernel, plan(problem, h200, triton).kernel)
-        admitted = any(rule.admits(problem) for rule in rules)
-        assert admitted == (unsplit and problem.cache_bytes() < 32 * 2**20), (batch, seqlen_cache, window_left)
+    shapes = itertools.product([1, 16, 40], [1, 100, 256, 257, 300, 362, 512, 513, 600, 8192], [-1, 100], [(4, 8, 128),
+                               (8, 4, 128), (4, 8, 64), (2, 71, 64), (1, 8, 256)])
+    for batch, seqlen_cache, window_left, (nheads_k, group, headdim) in shapes:
+        problem = Problem(batch, seqlen_cache, nheads_k * group, nheads_k, headdim, "bfloat16", window_left=window_left)
+        split = SPLIT in (plan(problem, profile, tilelang).kernel, plan(problem, profile, triton).kernel)
+        chosen = base.select("auto", problem, torch.device("cuda", 0), profile).name
+        if problem.cache_bytes() < 32 * 2**20:
+            assert (chosen == "tilelang") == (not split or headdim > 128), (batch, seqlen_cache, nheads_k, group)
 
 
 @pytest.mark.parametrize("device_name, major, merges, dependent", [

@@ -96,7 +96,8 @@ def _fa2_limitation(call) -> str | None:
     kernel = next((d for d in FA2_KERNEL_HEADDIMS if d >= headdim), None)
     built = _fa2_built_headdims(os.environ.get(FA2_PATH_VARIABLE))
     if kernel is not None and built is not None and kernel not in built:
-        return f"this FlashAttention 2 build has kernels for head dims {list(built)}; head dim {headdim} takes {kernel}'s"
+        return (f"this FlashAttention 2 build has kernels for head dims {list(built)}; "
+                f"head dim {headdim} takes {kernel}'s")
     return None
 
 

@@ -14,6 +14,7 @@ import importlib
 import torch
 
 from ..hardware import HardwareProfile
+from .. import planner
 from ..problem import Problem
 
 
@@ -208,6 +209,13 @@ def select(requested: str, problem: Problem, device: torch.device, profile: Hard
     if device.type != "cuda":
         return get_backend("reference")
     for rule in profile.tuning.auto_order:
-        if rule.admits(problem) and why_not(rule.backend, problem, device) is None:
+        if (rule.admits(problem) and why_not(rule.backend, problem, device) is None
+                and not any(_splits(name, problem, device, profile) for name in rule.unsplit_by)):
             return get_backend(rule.backend)
     return get_backend("reference")
+
+
+def _splits(name: str, problem: Problem, device: torch.device, profile: HardwareProfile) -> bool:
+    """Whether backend ``name``'s plan splits this call (False where it cannot take the call)."""
+    return (why_not(name, problem, device) is None
+            and planner.plan(problem, profile, get_backend(name)).kernel == planner.SPLIT)
