@@ -58,7 +58,7 @@ KERNEL_SHAPES = [
     (torch.bfloat16, 128, 8, 16), (torch.bfloat16, 128, 1, 2), (torch.float16, 256, 2, 8),
     (torch.bfloat16, 256, 1, 4),
 ]
-RANDOM_CAPACITIES = [1, 2, 63, 64, 65, 127, 128, 129, 1000, 5000]
+RANDOM_CAPACITIES = [1, 2, 63, 64, 65, 127, 128, 129, 300, 511, 1000, 5000]  # 300, 511: short caches Hopper splits
 
 
 @pytest.mark.parametrize("backend", KERNEL_BACKENDS)
