@@ -13,8 +13,8 @@ import importlib
 
 import torch
 
-from ..hardware import HardwareProfile
 from .. import planner
+from ..hardware import HardwareProfile
 from ..problem import Problem
 
 
