@@ -30,7 +30,6 @@ class AutoRule:
     backend: str
     max_cache_bytes: int | None = None  # K and V bytes at capacity, below this
     max_headdim: int | None = None  # at most this
-    max_key_span: int | None = None  # keys one sequence's rows can see (``Problem.key_span``), at most this
     plain_cache_only: bool = False  # only calls that read a contiguous cache and append nothing
     #: only calls that none of these backends' plans split (``kernels.base.select`` asks the planner)
     unsplit_by: tuple[str, ...] = ()
@@ -39,7 +38,6 @@ class AutoRule:
         """Whether this rule's limits hold for ``problem`` (a :class:`~flashdecode.problem.Problem`)."""
         return ((self.max_cache_bytes is None or problem.cache_bytes() < self.max_cache_bytes)
                 and (self.max_headdim is None or problem.headdim <= self.max_headdim)
-                and (self.max_key_span is None or problem.key_span() <= self.max_key_span)
                 and not (self.plain_cache_only and (problem.paged or problem.seqlen_new > 0)))
 
 
@@ -86,16 +84,17 @@ class Tuning:
     dependent_combine: bool = False
     #: ``auto``'s order (:class:`AutoRule`): the first rule whose limits hold and whose backend can
     #: take the call runs it. Measured on the H200 with both on the compiled host path
-    #: (``docs/design.md``, "Measured choices"): TileLang below 32 MiB for contiguous caches whose
-    #: sequences see at most 512 keys (8 blocks of 64: the planner never splits them) without
-    #: appended tokens (cases 1-6, 32-token caches: its short-cache and 64-row kernels up to 8%
-    #: faster); longer spans split, and there Triton's split kernel was 2-17% faster (case 10, one or
+    #: (``docs/design.md``, "Measured choices"): TileLang below 32 MiB for contiguous caches that
+    #: neither backend's plan splits, without appended tokens (cases 1-6, 32-token caches: its
+    #: short-cache and 64-row kernels up to 8% faster; with the default tuning, at most 512 keys a
+    #: sequence at head dim 128); split caches go to Triton's split kernel, 2-17% faster (case 10, one or
     #: two sequences of 1k-33k tokens); Triton for paged caches and appended tokens there (4-49% less
     #: GPU time on cases 5, 6 and 10 and case 4's append; case 4's pages and cases 1-3 within 1.3
     #: us); above 32 MiB Triton's split kernel at head dims 64-128 (plain calls: 1-28% less GPU time
     #: on cases 7-9 and 11-14, wide W1-W8, W11, W12, W14); at head dim 256 a tie, TileLang kept (2%
     #: faster on W9 and a shape of our own, 0-3% slower on W10 and two others in the sweep).
-    auto_order: tuple = (AutoRule("tilelang", max_cache_bytes=32 * MIB, max_key_span=512, plain_cache_only=True),
+    auto_order: tuple = (AutoRule("tilelang", max_cache_bytes=32 * MIB, plain_cache_only=True,
+                                  unsplit_by=("tilelang", "triton")),
                          AutoRule("triton", max_headdim=128), AutoRule("tilelang"), AutoRule("triton"))
     #: Triton's split-kernel tile by padded head dim (at most): (head dim, block_n, num_warps,
     #: num_stages). Swept on the H200 (``docs/design.md``, "Measured choices"): 128 tokens at head dim
@@ -122,8 +121,8 @@ class Tuning:
 #: -> 110.1; cases 8 and 9 lose 2-4% to the cap's spills. One sequence in Triton's splits of 1
 #: block: 1024 tokens on 8 KV heads 16.2 -> 12.6 us graph, 11.9 -> 9.8 an eager call (merged in the
 #: kernel; the combine's second launch gave 11.2 graph but 14.2 eager). Triton splits caches of 5-8
-#: blocks where they would leave multiprocessors idle, and ``auto`` gives TileLang only the short
-#: caches no plan splits: 512 tokens on 8 KV heads took 11.3 us in 1-block splits against 19.2 in
+#: blocks where they would leave multiprocessors idle, and so ``auto`` (which gives TileLang only the
+#: short caches no plan splits) runs them on Triton: 512 tokens on 8 KV heads took 11.3 us in 1-block splits against 19.2 in
 #: Triton's single pass and 15.3 in TileLang's, two such sequences 12.6 against 20.0 and 15.3,
 #: sixteen of 362 tokens (128 programs) 18.7 against 20.0 and 18.7; TileLang's own splits lost on
 #: six of those eight shapes (by up to 44%), and Triton's where 2048 programs fill the device (W14
@@ -132,9 +131,6 @@ HOPPER_TUNING = Tuning(max_splits_merged_in_split=16, dependent_combine=True,
                        min_blocks_per_combined_split=(("triton", 2),),
                        min_blocks_per_one_sequence_split=(("triton", 1),),
                        underfilled_split_above_blocks=(("triton", 4),),
-                       auto_order=(AutoRule("tilelang", max_cache_bytes=32 * MIB, plain_cache_only=True,
-                                            unsplit_by=("tilelang", "triton")),
-                                   AutoRule("triton", max_headdim=128), AutoRule("tilelang"), AutoRule("triton")),
                        triton_paged_resident_programs=((64, 4), (128, 5), (256, 1)))
 
 

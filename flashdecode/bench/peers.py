@@ -72,20 +72,19 @@ def _probe_fa2() -> str:
     import flash_attn
 
     version = f"flash_attn {flash_attn.__version__}"
-    record = pathlib.Path(folder or "", "BUILD.json")
-    if folder and record.is_file():
-        build = json.loads(record.read_text())
+    build = _fa2_build(folder)
+    if build is not None:
         version += (f" (benchmarks/build_fa2.py: {build['arch']}, head dims {build['headdims']}, "
                     f"without {', '.join(build['disabled']).lower()})")
     return version
 
 
 @functools.lru_cache(maxsize=None)
-def _fa2_built_headdims(folder: str | None) -> tuple[int, ...] | None:
-    """Head dims whose kernels a ``benchmarks/build_fa2.py`` build in ``folder`` has (its BUILD.json);
-    None for any other install (all of them)."""
+def _fa2_build(folder: str | None) -> dict | None:
+    """The BUILD.json of a ``benchmarks/build_fa2.py`` build in ``folder``; None for any other
+    install (every head dim's kernels)."""
     record = pathlib.Path(folder or "", "BUILD.json")
-    return tuple(json.loads(record.read_text())["headdims"]) if folder and record.is_file() else None
+    return json.loads(record.read_text()) if folder and record.is_file() else None
 
 
 def _fa2_limitation(call) -> str | None:
@@ -94,9 +93,9 @@ def _fa2_limitation(call) -> str | None:
         return f"FlashAttention 2 takes pages of a multiple of {FA2_PAGE_MULTIPLE} tokens, got {page}"
     headdim = call.q.shape[-1]
     kernel = next((d for d in FA2_KERNEL_HEADDIMS if d >= headdim), None)
-    built = _fa2_built_headdims(os.environ.get(FA2_PATH_VARIABLE))
-    if kernel is not None and built is not None and kernel not in built:
-        return (f"this FlashAttention 2 build has kernels for head dims {list(built)}; "
+    build = _fa2_build(os.environ.get(FA2_PATH_VARIABLE))
+    if kernel is not None and build is not None and kernel not in build["headdims"]:
+        return (f"this FlashAttention 2 build has kernels for head dims {list(build['headdims'])}; "
                 f"head dim {headdim} takes {kernel}'s")
     return None
 
