@@ -68,11 +68,11 @@ def calls(backend, with_tests: bool):
             continue
         for num_splits in (0, 2, 3):
             yield problem, planner.plan(problem, H200, backend, num_splits)
-    if with_tests:  # the TileLang part of FlashAttention's grid (test_fa_kvcache's sample of it)
+    if with_tests:  # FlashAttention's grid: test_fa_kvcache's samples of TileLang's part (named and auto)
         import fa_grid
         import test_fa_kvcache
 
-        for combo in test_fa_kvcache.TILELANG_COMBOS:
+        for combo in test_fa_kvcache.TILELANG_COMBOS + test_fa_kvcache.AUTO_COMBOS:
             problem = fa_grid.problem_of(combo)
             if problem_limitation(problem) is None:
                 yield problem, planner.plan(problem, H200, backend, combo.num_splits)

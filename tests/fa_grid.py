@@ -410,8 +410,8 @@ class GridReport:
 
 
 #: A GPU-tier test and its outcome in a pytest log (-v, with or without pytest-xdist).
-_LOG_RESULT = re.compile(r"test_kvcache_grid(_tilelang_part)?_gpu\[([^\]]+)\].*?(PASSED|FAILED|SKIPPED|ERROR)"
-                         r"|(PASSED|FAILED|SKIPPED|ERROR) tests/test_fa_kvcache\.py::test_kvcache_grid(_tilelang_part)?"
+_LOG_RESULT = re.compile(r"test_kvcache_grid(_tilelang_part|_auto)?_gpu\[([^\]]+)\].*?(PASSED|FAILED|SKIPPED|ERROR)"
+                         r"|(PASSED|FAILED|SKIPPED|ERROR) tests/test_fa_kvcache\.py::test_kvcache_grid(_tilelang_part|_auto)?"
                          r"_gpu\[([^\]]+)\]")
 
 
@@ -423,7 +423,7 @@ def log_outcomes(text: str, outcomes: dict | None = None) -> dict:
     words = {"PASSED": "pass", "FAILED": "fail", "ERROR": "fail", "SKIPPED": "skip"}
     for match in _LOG_RESULT.finditer(text):
         part, name, word = (match.group(1, 2, 3) if match.group(2) else match.group(5, 6, 4))
-        backend, combo_id = ("tilelang", name) if part else name.split("-", 1)
+        backend, combo_id = (part.removeprefix("_").removesuffix("_part"), name) if part else name.split("-", 1)
         combo_id = re.sub(r"_\d+$", "", combo_id)  # pytest's suffix for combos whose ids coincide
         outcomes[(backend, combo_id)] = words[word]
     return outcomes

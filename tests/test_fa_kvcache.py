@@ -7,7 +7,10 @@ GPU tier (``gpu`` marker): "triton" and "tilelang", float16 and bfloat16, on FLA
 "sample" (default: 2000 combos stratified over pairs of features), N (that many) or "full" (all
 506,880 combos per backend: about a million tests, hours). FLASHDECODE_FA_GRID_SEED (default 2025)
 draws another sample, so that runs cut by a time limit cover new combos, not the same first ones.
-A backend that cannot take a combo raises BackendError: that combo is skipped with its message.
+Two more GPU tiers on the part of the grid TileLang implements: "tilelang" on its own sample
+(FLASHDECODE_FA_GRID_TILELANG combos) and ``backend="auto"`` on another (FLASHDECODE_FA_GRID_AUTO),
+what a user's call runs. A backend that cannot take a combo raises BackendError: that combo is
+skipped with its message.
 With FLASHDECODE_FA_GRID_REPORT=PATH, pass/fail/skip counts per tier, backend, dtype and feature
 are written there as JSON every few seconds and at the end (a file per pytest-xdist worker, merged
 by ``fa_grid.merge_reports``).
@@ -47,6 +50,11 @@ TILELANG_AXES = {"d": (64, 128, 256), "alibi": (False,), "rotary_fraction": (0.0
                  "seqlens": tuple(pair for pair in fa_grid.SEQLEN_PAIRS if pair[0] <= 16)}
 TILELANG_COMBOS = fa_grid.sample(int(os.environ.get("FLASHDECODE_FA_GRID_TILELANG", "60")), seed=GRID_SEED + 1,
                                  restrict=TILELANG_AXES)
+#: What a user gets: the same part of the grid through ``backend="auto"`` (FLASHDECODE_FA_GRID_AUTO
+#: combos, default 60). On Hopper it sends head dim 256 and small plain caches to TileLang and the
+#: rest to Triton, so this tier checks the route as well as the kernels.
+AUTO_COMBOS = fa_grid.sample(int(os.environ.get("FLASHDECODE_FA_GRID_AUTO", "60")), seed=GRID_SEED + 2,
+                             restrict=TILELANG_AXES)
 
 
 def _report_path():
@@ -123,6 +131,12 @@ def test_kvcache_grid_tilelang_part_gpu(combo):
     run("gpu-tilelang-part", "tilelang", combo)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("combo", AUTO_COMBOS, ids=lambda combo: combo.id)
+def test_kvcache_grid_auto_gpu(combo):
+    run("gpu-auto", "auto", combo)
+
+
 @pytest.mark.parametrize("combo", CPU_COMBOS[:12], ids=lambda combo: combo.id)
 def test_problem_of_a_combo_is_what_the_call_validates(combo):
     """``fa_grid.problem_of`` (the prebuild script's view of a combo) matches the validated call."""
@@ -172,16 +186,18 @@ def test_a_combo_is_read_back_from_its_id():
 
 
 def test_gpu_logs_give_each_combo_its_last_outcome():
-    """Both pytest log layouts (-v alone and with pytest-xdist), the TileLang tier, pytest's suffix
-    for coinciding ids; a later run's outcome replaces an earlier one's."""
-    first, second, third = (combo.id for combo in CPU_COMBOS[:3])
+    """Both pytest log layouts (-v alone and with pytest-xdist), the TileLang and auto tiers, pytest's
+    suffix for coinciding ids; a later run's outcome replaces an earlier one's."""
+    first, second, third, fourth = (combo.id for combo in CPU_COMBOS[:4])
     earlier = (f"tests/test_fa_kvcache.py::test_kvcache_grid_gpu[triton-{first}] FAILED [ 10%]\n"
                f"[gw3] [ 20%] SKIPPED tests/test_fa_kvcache.py::test_kvcache_grid_gpu[tilelang-{second}_1] \n"
                f"tests/test_fa_kvcache.py::test_kvcache_grid_tilelang_part_gpu[{third}] PASSED [ 30%]\n"
+               f"[gw1] [ 40%] FAILED tests/test_fa_kvcache.py::test_kvcache_grid_auto_gpu[{fourth}] \n"
                f"FAILED tests/test_fa_kvcache.py::test_kvcache_grid_gpu[triton-{first}] - torch.OutOfMemoryError\n")
     later = f"[gw0] [ 50%] PASSED tests/test_fa_kvcache.py::test_kvcache_grid_gpu[triton-{first}] \n"
     outcomes = fa_grid.log_outcomes(later, fa_grid.log_outcomes(earlier))
-    assert outcomes == {("triton", first): "pass", ("tilelang", second): "skip", ("tilelang", third): "pass"}
+    assert outcomes == {("triton", first): "pass", ("tilelang", second): "skip", ("tilelang", third): "pass",
+                        ("auto", fourth): "fail"}
     report = fa_grid.coverage(outcomes)["gpu"]
     assert sum(sum(entry["total"].values()) for entry in report["tilelang"].values()) == 2
     assert sum(entry["total"].get("pass", 0) for entry in report["triton"].values()) == 1
