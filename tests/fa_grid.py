@@ -130,11 +130,17 @@ def _axes(dtypes, max_seqlen_k):
     return axes
 
 
-def full_grid(dtypes=AXES["dtype"], max_seqlen_k=None) -> list[Combo]:
-    """Every combo FlashAttention runs (its skips removed), for these dtypes and sizes."""
-    axes = _axes(dtypes, max_seqlen_k)
+def full_grid(dtypes=AXES["dtype"], max_seqlen_k=None, restrict=None) -> list[Combo]:
+    """Every combo FlashAttention runs (its skips removed), for these dtypes and sizes; ``restrict``
+    as for ``sample``."""
+    axes = {**_axes(dtypes, max_seqlen_k), **(restrict or {})}
     combos = (Combo(*values) for values in itertools.product(*axes.values()))
     return [combo for combo in combos if skip_reason(combo) is None]
+
+
+def distinct(combos) -> list[Combo]:
+    """``combos`` without repeats of an id (combos that differ only in axes that do not apply)."""
+    return list({combo.id: combo for combo in combos}.values())
 
 
 def sample(count, seed, dtypes=AXES["dtype"], max_seqlen_k=None, pool=16, restrict=None) -> list[Combo]:

@@ -8,8 +8,8 @@ GPU tier (``gpu`` marker): "triton" and "tilelang", float16 and bfloat16, on FLA
 506,880 combos per backend: about a million tests, hours). FLASHDECODE_FA_GRID_SEED (default 2025)
 draws another sample, so that runs cut by a time limit cover new combos, not the same first ones.
 Two more GPU tiers on the part of the grid TileLang implements: "tilelang" on its own sample
-(FLASHDECODE_FA_GRID_TILELANG combos) and ``backend="auto"`` on another (FLASHDECODE_FA_GRID_AUTO),
-what a user's call runs. A backend that cannot take a combo raises BackendError: that combo is
+(FLASHDECODE_FA_GRID_TILELANG combos, or "full") and ``backend="auto"`` on another
+(FLASHDECODE_FA_GRID_AUTO), what a user's call runs. A backend that cannot take a combo raises BackendError: that combo is
 skipped with its message.
 With FLASHDECODE_FA_GRID_REPORT=PATH, pass/fail/skip counts per tier, backend, dtype and feature
 are written there as JSON every few seconds and at the end (a file per pytest-xdist worker, merged
@@ -48,13 +48,24 @@ GPU_COMBOS = fa_grid.full_grid() if GRID_SIZE == "full" else \
 TILELANG_AXES = {"d": (64, 128, 256), "alibi": (False,), "rotary_fraction": (0.0,), "rotary_interleaved": (False,),
                  "has_leftpad": (False,), "has_batch_idx": (False,),
                  "seqlens": tuple(pair for pair in fa_grid.SEQLEN_PAIRS if pair[0] <= 16)}
-TILELANG_COMBOS = fa_grid.sample(int(os.environ.get("FLASHDECODE_FA_GRID_TILELANG", "60")), seed=GRID_SEED + 1,
-                                 restrict=TILELANG_AXES)
+
+
+def part_combos(variable, default, seed):
+    """TileLang's part of the grid: a sample of ``variable`` combos (default ``default``), or all
+    of its distinct combos for "full" (6,048, 5,472 within its query rows: runs pick theirs by test id)."""
+    size = os.environ.get(variable, default)
+    if size == "full":
+        return fa_grid.distinct(fa_grid.full_grid(restrict=TILELANG_AXES))
+    if not size.isdigit():
+        raise ValueError(f"{variable} must be 'full' or a number of sampled combos, got {size!r}")
+    return fa_grid.sample(int(size), seed=seed, restrict=TILELANG_AXES)
+
+
+TILELANG_COMBOS = part_combos("FLASHDECODE_FA_GRID_TILELANG", "60", GRID_SEED + 1)
 #: What a user gets: the same part of the grid through ``backend="auto"`` (FLASHDECODE_FA_GRID_AUTO
 #: combos, default 60). On Hopper it sends head dim 256 and small plain caches to TileLang and the
 #: rest to Triton, so this tier checks the route as well as the kernels.
-AUTO_COMBOS = fa_grid.sample(int(os.environ.get("FLASHDECODE_FA_GRID_AUTO", "60")), seed=GRID_SEED + 2,
-                             restrict=TILELANG_AXES)
+AUTO_COMBOS = part_combos("FLASHDECODE_FA_GRID_AUTO", "60", GRID_SEED + 2)
 
 
 def _report_path():
@@ -227,3 +238,14 @@ def test_large_combos_run_one_at_a_time(monkeypatch):
     assert second_begin >= first_end  # the second large combo waited for the first
     _, _, small_end = next(span for span in spans if span[0] < LARGE_SEQLEN_K)
     assert small_end < first_end  # the small one ran alongside
+
+
+def test_full_part_is_every_distinct_combo_of_tilelangs_part(monkeypatch):
+    """FLASHDECODE_FA_GRID_TILELANG=full: each id of TileLang's part once, every one within its axes."""
+    monkeypatch.setenv("FLASHDECODE_FA_GRID_TILELANG", "full")
+    combos = part_combos("FLASHDECODE_FA_GRID_TILELANG", "60", 0)
+    assert len({combo.id for combo in combos}) == len(combos) == 6048
+    assert all(getattr(combo, axis) in values for combo in combos for axis, values in TILELANG_AXES.items())
+    monkeypatch.setenv("FLASHDECODE_FA_GRID_TILELANG", "many")
+    with pytest.raises(ValueError, match="FLASHDECODE_FA_GRID_TILELANG"):
+        part_combos("FLASHDECODE_FA_GRID_TILELANG", "60", 0)
