@@ -180,11 +180,14 @@ class DecodeContext:
         view = self._sink_views.get(shape)
         if view is None:
             need = shape[0] * shape[1] * shape[2]
-            if self._sink is None or self._sink.numel() < need:
-                size = max(need, 2 * self._sink.numel()) if self._sink is not None else need
-                self._sink = torch.empty(size, dtype=torch.float32, device=device)
-                self._sink_views.clear()
-            view = self._sink[:need].view(shape)
+            # never an inference tensor: a sink made in a call under torch.inference_mode would refuse
+            # the in-place writes of later calls outside it (the reference backend's copy_)
+            with torch.inference_mode(False):
+                if self._sink is None or self._sink.numel() < need:
+                    size = max(need, 2 * self._sink.numel()) if self._sink is not None else need
+                    self._sink = torch.empty(size, dtype=torch.float32, device=device)
+                    self._sink_views.clear()
+                view = self._sink[:need].view(shape)
             _remember(self._sink_views, shape, view)
         return view
 
@@ -229,10 +232,20 @@ class DecodeContext:
             found = host.run(call)
             if found is not None:
                 return found
-        problem, chosen, plan, host_checks = self.resolve(
-            q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad,
-            block_table, softmax_scale, causal, window_size, softcap, rotary_interleaved, alibi_slopes, num_splits,
-            backend, out)
+        try:
+            problem, chosen, plan, host_checks = self.resolve(
+                q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad,
+                block_table, softmax_scale, causal, window_size, softcap, rotary_interleaved, alibi_slopes,
+                num_splits, backend, out)
+        except ValueError:
+            copies = contiguous_copies(q, k, v, cache_seqlens, cache_batch_idx, cache_leftpad, block_table)
+            if copies is None:
+                raise
+            q, k, v, cache_seqlens, cache_batch_idx, cache_leftpad, block_table = copies
+            problem, chosen, plan, host_checks = self.resolve(
+                q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad,
+                block_table, softmax_scale, causal, window_size, softcap, rotary_interleaved, alibi_slopes,
+                num_splits, backend, out)
         if host_checks or value_checks_enabled():
             check_values(problem, k_cache, cache_seqlens, cache_batch_idx, cache_leftpad, block_table, force=True)
         result = torch.empty_like(q) if out is None else out
@@ -301,6 +314,20 @@ def _remember(table: dict, key, value) -> None:
     if len(table) >= MAX_MEMO_ENTRIES:
         table.clear()
     table[key] = value
+
+
+def contiguous_copies(q, k, v, cache_seqlens, cache_batch_idx, cache_leftpad, block_table):
+    """As FlashAttention's wrapper does: q, the appended k and v, and the index tensors copied where
+    their last dimension is not contiguous (the caches never: they are written in place). The call's
+    arguments with those copies, or None where none needs one. Taken only after the checks refused
+    the call, so calls that need no copy pay nothing for it."""
+    arguments = [q, k, v, cache_seqlens, cache_batch_idx, cache_leftpad, block_table]
+    copied = False
+    for index, tensor in enumerate(arguments):
+        if isinstance(tensor, torch.Tensor) and tensor.dim() and tensor.stride(-1) != 1:
+            arguments[index] = tensor.clone(memory_format=torch.contiguous_format)
+            copied = True
+    return arguments if copied else None
 
 
 def _capturing(device: torch.device) -> bool:

@@ -40,7 +40,8 @@ class Problem:
     alibi: int = ALIBI_NONE
     leftpad: bool = False  # cache_leftpad given
     batch_idx: bool = False  # cache_batch_idx given
-    dense: bool = True  # q, caches, new k/v, block_table and out contiguous and 16-byte aligned
+    #: q, caches, new k/v, block_table and out contiguous and 16-byte aligned, a contiguous cache of batch rows
+    dense: bool = True
     offsets_32: bool = False  # every K/V element lies within 2**31 - 1 elements of its cache's start (offsets_fit_32)
 
     @property

@@ -79,6 +79,16 @@ def _fail(kind, message):
     raise kind(message)
 
 
+def _numpy_bool(kind) -> bool:
+    """numpy's bool scalar type, which FlashAttention's bindings take as a bool too."""
+    return kind.__module__ == "numpy" and kind.__name__ in ("bool_", "bool")
+
+
+def _type_name(kind) -> str:
+    """A type as an error message names it: "int", "numpy.float64", "torch.Tensor"."""
+    return kind.__name__ if kind.__module__ == "builtins" else f"{kind.__module__}.{kind.__qualname__}"
+
+
 def _require_tensor(name, meta, rank, layout):
     if meta is None or isinstance(meta[0], type):
         got = "None" if meta is None else meta[0].__name__
@@ -112,7 +122,7 @@ def _require_like_q(name, meta, q_dtype, device):
 def _int_value(name, meta, low=None):
     kind, value = meta
     if kind is bool or not issubclass(kind, numbers.Integral):
-        _fail(TypeError, f"{name} must be an int, got {kind.__name__} {value!r}")
+        _fail(TypeError, f"{name} must be an int, got {_type_name(kind)} {value!r}")
     value = int(value)
     if low is not None and value < low:
         _fail(ValueError, f"{name} must be >= {low}, got {value}")
@@ -123,7 +133,7 @@ def _window(meta, causal, seqlen_q, capacity):
     """(window_left, window_right) in the Problem's normal form (docs/design.md, "Semantics")."""
     kind, items = meta
     if not issubclass(kind, (tuple, list)) or len(items) != 2:
-        _fail(TypeError, f"window_size must be a pair (left, right) of ints, got {kind.__name__} {items!r}")
+        _fail(TypeError, f"window_size must be a pair (left, right) of ints, got {_type_name(kind)} {items!r}")
     left, right = (_int_value(f"window_size[{i}]", item, low=-1) for i, item in enumerate(items))
     if causal:
         right = 0  # FlashAttention's rule: causal is a right window of 0, whatever window_size[1] says
@@ -176,14 +186,14 @@ def check_call(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens,
         page_size, capacity = slots, slots * block_table[2][1]
     elif cache_batch_idx is not None:
         _require_index("cache_batch_idx", cache_batch_idx, (batch,), device)
-    elif rows != batch:
-        _fail(ValueError, f"k_cache must have q's batch {batch} in dimension 0 (or pass cache_batch_idx), "
-                          f"got shape {tuple(k_cache[2])}")
+    elif rows < batch:  # more rows: sequence b reads row b, as in FlashAttention (a cache sized for a larger batch)
+        _fail(ValueError, f"k_cache must have at least q's batch {batch} rows in dimension 0 (or pass "
+                          f"cache_batch_idx), got shape {tuple(k_cache[2])}")
     if cache_leftpad is not None:
         _require_index("cache_leftpad", cache_leftpad, (batch,), device)
     for name, (kind, value) in (("causal", causal), ("rotary_interleaved", rotary_interleaved)):
-        if kind is not bool:
-            _fail(TypeError, f"{name} must be a bool, got {kind.__name__} {value!r}")
+        if kind is not bool and not _numpy_bool(kind):
+            _fail(TypeError, f"{name} must be a bool, got {_type_name(kind)} {value!r}")
     window_left, window_right = _window(window_size, causal[1], seqlen_q, capacity)
 
     seqlen_new = 0
@@ -204,6 +214,9 @@ def check_call(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens,
             _fail(ValueError, "cache_seqlens is required with k and v: it says where the new tokens go")
 
     if cache_seqlens is not None and isinstance(cache_seqlens[0], type):
+        if issubclass(cache_seqlens[0], (list, tuple)):
+            _fail(TypeError, f"cache_seqlens must be an int32 tensor of shape ({batch},), an int or None, got "
+                             f"{_type_name(cache_seqlens[0])} {[item[1] for item in cache_seqlens[1]]}")
         value = _int_value("cache_seqlens", cache_seqlens)
         if not 0 <= value <= capacity - seqlen_new:
             _fail(ValueError, f"cache_seqlens must be in [0, {capacity - seqlen_new}] (capacity {capacity} minus "
@@ -258,7 +271,8 @@ def check_call(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens,
     if backend[1] not in BACKENDS:
         _fail(ValueError, f"backend must be one of {BACKENDS}, got {backend[1]!r}")
 
-    dense = q_aligned and q_stride == contiguous_strides((batch, seqlen_q, nheads, headdim))
+    dense = (q_aligned and q_stride == contiguous_strides((batch, seqlen_q, nheads, headdim))
+             and (paged or rows == batch))
     for meta in (k_cache, v_cache, k, v, block_table):
         if meta is not None:
             dense = dense and meta[4] and meta[3] == contiguous_strides(meta[2])
@@ -291,14 +305,24 @@ def check_values(problem: Problem, k_cache, cache_seqlens, cache_batch_idx, cach
     if needed(cache_batch_idx):
         _in_range("cache_batch_idx", cache_batch_idx, 0, k_cache.shape[0] - 1, " (rows of k_cache)")
     if needed(block_table):
+        # Only the pages of keys a sequence's rows can see are read (planner.key_range), and those
+        # the appended tokens are written to: entries before or after them may hold anything.
+        device = block_table.device
         lengths = cache_seqlens if cache_seqlens is not None else limit
         if not isinstance(lengths, torch.Tensor):
             lengths = torch.full((problem.batch,), int(lengths), dtype=torch.int64)
-        used_blocks = -(-(lengths.to(block_table.device) + problem.seqlen_new) // problem.page_size)  # only these are read
-        columns = torch.arange(block_table.shape[1], device=block_table.device)
-        used = columns[None, :] < used_blocks[:, None]
-        _in_range("block_table", block_table[used], 0, k_cache.shape[0] - 1, " (pages of k_cache, for the blocks "
-                  "a sequence's length uses)")
+        hi = (lengths.to(device).long() + problem.seqlen_new).clamp(0, problem.seqlen_cache)
+        lo = torch.zeros_like(hi) if cache_leftpad is None else cache_leftpad.to(device).long().clamp(min=0)
+        if problem.window_left >= 0:
+            lo = torch.maximum(lo, hi - problem.seqlen_q - problem.window_left)
+        lo = torch.minimum(lo, hi)
+        if problem.seqlen_new:
+            lo = torch.minimum(lo, lengths.to(device).long().clamp(min=0))
+        columns = torch.arange(block_table.shape[1], device=device)
+        used = (columns[None, :] >= (lo // problem.page_size)[:, None]) & (
+            columns[None, :] < (-(-hi // problem.page_size))[:, None])
+        _in_range("block_table", block_table[used], 0, k_cache.shape[0] - 1, " (pages of k_cache, for the keys "
+                  "a sequence's rows can see)")
     if needed(cache_leftpad):
         if isinstance(cache_seqlens, torch.Tensor):
             bad = (cache_leftpad < 0) | (cache_leftpad > cache_seqlens.to(cache_leftpad.device))

@@ -45,7 +45,7 @@ BAD_INPUTS = {
     "seqlen_q 0": (lambda q, k, v, s: call(q[:, :0], k, v, s), ValueError, "seqlen_q and nheads >= 1"),
     "head dim 512": (lambda q, k, v, s: call(q.repeat(1, 1, 1, 8), k.repeat(1, 1, 1, 8), v.repeat(1, 1, 1, 8), s),
                      ValueError, r"head dim must be in \[1, 256\]"),
-    "k batch": (lambda q, k, v, s: call(q, k[:1], v[:1], s), ValueError, "k_cache must have q's batch"),
+    "k batch": (lambda q, k, v, s: call(q, k[:1], v[:1], s), ValueError, "k_cache must have at least q's batch"),
     "k headdim": (lambda q, k, v, s: call(q, torch.cat([k, k], -1), torch.cat([v, v], -1), s), ValueError,
                   "k_cache must have q's head dim"),
     "v shape": (lambda q, k, v, s: call(q, k, v[:, :8], s), ValueError, "v_cache must have k_cache's shape"),
@@ -54,7 +54,9 @@ BAD_INPUTS = {
                            ValueError, "k_cache must be contiguous in its last dimension"),
     "seqlens dtype": (lambda q, k, v, s: call(q, k, v, s.long()), TypeError, "cache_seqlens must be int32"),
     "seqlens shape": (lambda q, k, v, s: call(q, k, v, s[:1]), ValueError, r"cache_seqlens must have shape \(2,\)"),
-    "seqlens type": (lambda q, k, v, s: call(q, k, v, [16, 16]), TypeError, "cache_seqlens must be an int"),
+    "seqlens type": (lambda q, k, v, s: call(q, k, v, 16.0), TypeError, "cache_seqlens must be an int"),
+    "seqlens list": (lambda q, k, v, s: call(q, k, v, [16, 16]), TypeError,
+                     r"cache_seqlens must be an int32 tensor of shape \(2,\), an int or None, got list \[16, 16\]"),
     "seqlens above": (lambda q, k, v, s: call(q, k, v, s + 1), ValueError, r"cache_seqlens must be in \[0, 16\]"),
     "seqlens below": (lambda q, k, v, s: call(q, k, v, s - 17), ValueError, "cache_seqlens must be in"),
     "seqlens int above": (lambda q, k, v, s: call(q, k, v, 17), ValueError, "cache_seqlens must be in"),
@@ -108,7 +110,9 @@ BAD_INPUTS = {
                     "alibi_slopes must be float32"),
     "alibi shape": (lambda q, k, v, s: call(q, k, v, s, alibi_slopes=torch.rand(3)), ValueError,
                     r"alibi_slopes must have shape \(8,\) or \(2, 8\)"),
-    "causal not bool": (lambda q, k, v, s: call(q, k, v, s, causal="yes"), TypeError, "causal must be a bool"),
+    "causal not bool": (lambda q, k, v, s: call(q, k, v, s, causal="yes"), TypeError, "causal must be a bool, got str"),
+    "window of floats": (lambda q, k, v, s: call(q, k, v, s, window_size=(np.float64(2), 0)), TypeError,
+                         r"window_size\[0\] must be an int, got numpy.float64"),
 }
 
 
@@ -206,3 +210,80 @@ def test_strided_caches_are_addressed_by_their_furthest_element():
     narrow = torch.empty(1, 2 ** 19 + 1, 4, 128, **META)
     assert _offsets_32(narrow, narrow)
     assert not _offsets_32(wide, narrow) and not _offsets_32(narrow, wide)
+
+
+def test_numpy_bools_accepted_as_flashattention_takes_them():
+    q, k, v, s = good(seqlen_q=3)
+    torch.testing.assert_close(call(q, k, v, s, causal=np.bool_(True)), call(q, k, v, s, causal=True))
+
+
+def test_cache_with_more_rows_than_the_batch_reads_row_b():
+    """FlashAttention sizes a contiguous cache by its own rows: sequence b reads (and appends to)
+    row b of a cache made for a larger batch. The kernels that need exactly q's batch rows decline."""
+    q, k, v, s = good(batch=2)
+    spare_k, spare_v = torch.randn(5, *k.shape[1:], dtype=k.dtype), torch.randn(5, *v.shape[1:], dtype=v.dtype)
+    spare_k[:2], spare_v[:2] = k, v
+    untouched = spare_k[2:].clone()
+    new_k, new_v = new_tokens(q, k)
+    expected = call(q, k, v, s - 1, k=new_k, v=new_v)
+    torch.testing.assert_close(call(q, spare_k, spare_v, s - 1, k=new_k, v=new_v), expected)
+    torch.testing.assert_close(spare_k[:2], k)  # the same tokens appended in place, rows 0 and 1
+    assert torch.equal(spare_k[2:], untouched)
+    assert not flashdecode.plan_for(q, spare_k, spare_v, cache_seqlens=s, backend="reference").problem.dense
+
+
+def test_strided_q_new_tokens_and_index_tensors_are_copied_as_flashattention_does():
+    """FlashAttention's wrapper makes q, k, v and the index tensors contiguous in their last
+    dimension; the caches must be so already (they are written in place)."""
+    q, k, v, s = good()
+    new_k, new_v = new_tokens(q, k)
+    k_copy, v_copy = k.clone(), v.clone()
+    expected = call(q, k_copy, v_copy, s - 1, k=new_k, v=new_v, cache_batch_idx=torch.tensor([1, 0], dtype=torch.int32))
+
+    def strided(tensor):  # the same values, last dimension of stride 2
+        return torch.stack([tensor, torch.zeros_like(tensor)], -1)[..., 0]
+
+    index = torch.tensor([1, 9, 0, 9], dtype=torch.int32)[::2]
+    got = call(strided(q), k, v, strided(s - 1), k=strided(new_k), v=strided(new_v), cache_batch_idx=index)
+    torch.testing.assert_close(got, expected)
+    torch.testing.assert_close(k, k_copy)
+    assert flashdecode.plan_for(strided(q), k, v, cache_seqlens=s, backend="reference").problem.batch == 2
+
+
+def test_block_table_entries_no_visible_key_uses_may_hold_anything():
+    """The host check reads the pages of the keys each sequence's rows can see (after its left pad
+    or window, up to its length) and of its appended tokens: entries outside may hold anything."""
+    q, k, v, s = good()
+    pages, table = paged(k)
+    v_pages = paged(v)[0]
+    expected = call(q, pages, v_pages, s, block_table=table, window_size=(5, 0))
+    garbage = table.clone()
+    garbage[:, :2] = -1  # keys 0-7: before every row's window of 6 keys ending at key 15
+    torch.testing.assert_close(call(q, pages, v_pages, s, block_table=garbage, window_size=(5, 0)), expected)
+    leftpad = torch.tensor([8, 4], dtype=torch.int32)
+    garbage = table.clone()
+    garbage[0, :2], garbage[1, 0] = 99, -7
+    torch.testing.assert_close(call(q, pages, v_pages, s, block_table=garbage, cache_leftpad=leftpad),
+                               call(q, pages, v_pages, s, block_table=table, cache_leftpad=leftpad))
+    garbage[1, 1] = 99  # keys 4-7, after sequence 1's left pad: read
+    with pytest.raises(ValueError, match=r"block_table must be in \[0, 7\]"):
+        call(q, pages, v_pages, s, block_table=garbage, cache_leftpad=leftpad)
+    new_k, new_v = new_tokens(q, k, count=8)
+    garbage = table.clone()
+    garbage[:, 2] = 99  # keys 8-11: appended to (tokens 8-15), though a window of 0 sees only key 15
+    with pytest.raises(ValueError, match="block_table must be in"):
+        call(q, pages, v_pages, s - 8, k=new_k, v=new_v, block_table=garbage, window_size=(0, 0))
+
+
+def test_a_call_under_inference_mode_leaves_later_calls_working():
+    """The context's reused lse buffer is never an inference tensor: a first call under
+    torch.inference_mode must not make later ordinary calls fail to write into it."""
+    context = flashdecode.DecodeContext()
+    with torch.inference_mode():
+        q, k, v, s = good()
+        first = call(q, k, v, s, context=context)
+    q, k, v, s = good()
+    call(q, k, v, s, context=context)
+    with torch.inference_mode():
+        call(q, k, v, s, context=context)
+    assert first.is_inference()

@@ -55,7 +55,8 @@ def q_tile_rows(q_rows: int, minimum: int) -> int:
 def problem_limitation(problem) -> str | None:
     """What of this problem the kernels cannot take, as the phrase after "needs", or None."""
     if not problem.dense:
-        return "contiguous, 16-byte aligned q, k_cache, v_cache, k, v and out"
+        return ("contiguous, 16-byte aligned q, k_cache, v_cache, k, v and out, and a contiguous cache of "
+                "q's batch rows")
     if problem.headdim not in HEAD_DIMS:
         return f"a head dim of 64, 128 or 256 (got {problem.headdim})"
     if problem.seqlen_q > MAX_SEQLEN_Q:
