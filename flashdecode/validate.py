@@ -272,7 +272,7 @@ def check_call(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens,
         _fail(ValueError, f"backend must be one of {BACKENDS}, got {backend[1]!r}")
 
     dense = (q_aligned and q_stride == contiguous_strides((batch, seqlen_q, nheads, headdim))
-             and (paged or rows == batch))
+             and (paged or cache_batch_idx is not None or rows == batch))
     for meta in (k_cache, v_cache, k, v, block_table):
         if meta is not None:
             dense = dense and meta[4] and meta[3] == contiguous_strides(meta[2])

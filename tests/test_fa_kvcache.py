@@ -9,8 +9,8 @@ GPU tier (``gpu`` marker): "triton" and "tilelang", float16 and bfloat16, on FLA
 draws another sample, so that runs cut by a time limit cover new combos, not the same first ones.
 Two more GPU tiers on the part of the grid TileLang implements: "tilelang" on its own sample
 (FLASHDECODE_FA_GRID_TILELANG combos, or "full") and ``backend="auto"`` on another
-(FLASHDECODE_FA_GRID_AUTO), what a user's call runs. A backend that cannot take a combo raises BackendError: that combo is
-skipped with its message.
+(FLASHDECODE_FA_GRID_AUTO), what a user's call runs. A backend that cannot take a combo raises
+BackendError: that combo is skipped with its message.
 With FLASHDECODE_FA_GRID_REPORT=PATH, pass/fail/skip counts per tier, backend, dtype and feature
 are written there as JSON every few seconds and at the end (a file per pytest-xdist worker, merged
 by ``fa_grid.merge_reports``).
