@@ -7,7 +7,7 @@ import dataclasses
 import torch
 
 from . import compat
-from .context import DecodeContext, contiguous_copies, default_context
+from .context import DecodeContext, default_context
 from .planner import Plan
 from .problem import Problem
 
@@ -76,18 +76,8 @@ def plan_for(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=No
     if not isinstance(q, torch.Tensor):
         raise TypeError(f"q must be a torch.Tensor, got {type(q).__name__}")
     ctx = context if context is not None else DecodeContext(q.device)
-
-    def resolve(q, k, v, cache_seqlens, cache_batch_idx, cache_leftpad, block_table):
-        return ctx.resolve(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
-                           cache_leftpad, block_table, softmax_scale, causal, window_size, softcap,
-                           rotary_interleaved, alibi_slopes, num_splits, backend, out)
-
-    indexed = (q, k, v, cache_seqlens, cache_batch_idx, cache_leftpad, block_table)
-    try:
-        problem, chosen, plan, _ = resolve(*indexed)
-    except ValueError:  # the call copies these where their last dimension is not contiguous
-        copies = contiguous_copies(*indexed)
-        if copies is None:
-            raise
-        problem, chosen, plan, _ = resolve(*copies)
+    problem, chosen, plan, _, _ = ctx.resolve(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens,
+                                              cache_batch_idx, cache_leftpad, block_table, softmax_scale, causal,
+                                              window_size, softcap, rotary_interleaved, alibi_slopes, num_splits,
+                                              backend, out)
     return Route(chosen.name, problem, plan)

@@ -26,6 +26,7 @@ import torch
 from . import compat, hardware, host_path
 from .kernels import base
 from .planner import plan as make_plan
+from .problem import contiguous_strides
 from .validate import check_call, check_values, scalar_meta, tensor_meta, value_checks_enabled
 
 #: Entries a context's memo tables hold before they are cleared (each distinct shape is one).
@@ -58,9 +59,10 @@ class DecodeContext:
     def resolve(self, q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
                 cache_leftpad, block_table, softmax_scale, causal, window_size, softcap, rotary_interleaved,
                 alibi_slopes, num_splits, backend, out):
-        """(Problem, backend, Plan, whether index values are checked on the host) of a call: the
-        checks, ``kernels.select`` and ``planner.plan``, memoized per call metadata (one dict lookup
-        on a repeat: host time is what small calls cost). Raises naming the bad argument."""
+        """(Problem, backend, Plan, whether index values are checked on the host, whether the call
+        runs on ``contiguous_copies``) of a call: the checks, ``kernels.select`` and
+        ``planner.plan``, memoized per call metadata (one dict lookup on a repeat: host time is what
+        small calls cost). Raises naming the bad argument."""
         meta = _fast_meta
         key = (meta(q), meta(k_cache), meta(v_cache),
                None if k is None else meta(k), None if v is None else meta(v),
@@ -79,14 +81,15 @@ class DecodeContext:
         except TypeError:  # an unhashable argument (a list, ...): checked, and rejected, unmemoized
             entry, key = None, None
         if entry is None:
+            copies = any(_needs_copy(t) for t in (q, k, v, cache_seqlens, cache_batch_idx, cache_leftpad, block_table))
             problem = check_call(
-                tensor_meta("q", q), tensor_meta("k_cache", k_cache), tensor_meta("v_cache", v_cache),
-                tensor_meta("k", k), tensor_meta("v", v), tensor_meta("rotary_cos", rotary_cos),
+                _copied_meta("q", q), tensor_meta("k_cache", k_cache), tensor_meta("v_cache", v_cache),
+                _copied_meta("k", k), _copied_meta("v", v), tensor_meta("rotary_cos", rotary_cos),
                 tensor_meta("rotary_sin", rotary_sin),
-                tensor_meta("cache_seqlens", cache_seqlens) if isinstance(cache_seqlens, torch.Tensor)
+                _copied_meta("cache_seqlens", cache_seqlens) if isinstance(cache_seqlens, torch.Tensor)
                 else (None if cache_seqlens is None else scalar_meta(cache_seqlens)),
-                tensor_meta("cache_batch_idx", cache_batch_idx), tensor_meta("cache_leftpad", cache_leftpad),
-                tensor_meta("block_table", block_table), scalar_meta(softmax_scale), scalar_meta(causal),
+                _copied_meta("cache_batch_idx", cache_batch_idx), _copied_meta("cache_leftpad", cache_leftpad),
+                _copied_meta("block_table", block_table), scalar_meta(softmax_scale), scalar_meta(causal),
                 scalar_meta(window_size), scalar_meta(softcap), scalar_meta(rotary_interleaved),
                 tensor_meta("alibi_slopes", alibi_slopes), scalar_meta(num_splits), scalar_meta(backend),
                 tensor_meta("out", out))
@@ -94,7 +97,8 @@ class DecodeContext:
             on_host = [t for t in (cache_seqlens, cache_batch_idx, cache_leftpad, block_table)
                        if isinstance(t, torch.Tensor) and t.device.type == "cpu"]
             # the reference indexes on the host: its values are always checked (never out of bounds)
-            entry = (problem, chosen, plan, bool(on_host) or (chosen.name == "reference" and q.device.type != "cpu"))
+            entry = (problem, chosen, plan, bool(on_host) or (chosen.name == "reference" and q.device.type != "cpu"),
+                     copies)
             if key is not None:
                 _remember(self._calls, key, entry)
         return entry
@@ -232,22 +236,16 @@ class DecodeContext:
             found = host.run(call)
             if found is not None:
                 return found
-        try:
-            problem, chosen, plan, host_checks = self.resolve(
-                q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad,
-                block_table, softmax_scale, causal, window_size, softcap, rotary_interleaved, alibi_slopes,
-                num_splits, backend, out)
-        except ValueError:
-            copies = contiguous_copies(q, k, v, cache_seqlens, cache_batch_idx, cache_leftpad, block_table)
-            if copies is None:
-                raise
-            q, k, v, cache_seqlens, cache_batch_idx, cache_leftpad, block_table = copies
-            problem, chosen, plan, host_checks = self.resolve(
-                q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad,
-                block_table, softmax_scale, causal, window_size, softcap, rotary_interleaved, alibi_slopes,
-                num_splits, backend, out)
+        problem, chosen, plan, host_checks, copies = self.resolve(
+            q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad,
+            block_table, softmax_scale, causal, window_size, softcap, rotary_interleaved, alibi_slopes, num_splits,
+            backend, out)
+        if copies:
+            q, k, v, cache_seqlens, cache_batch_idx, cache_leftpad, block_table = contiguous_copies(
+                q, k, v, cache_seqlens, cache_batch_idx, cache_leftpad, block_table)
         if host_checks or value_checks_enabled():
-            check_values(problem, k_cache, cache_seqlens, cache_batch_idx, cache_leftpad, block_table, force=True)
+            check_values(problem, k_cache, cache_seqlens, cache_batch_idx, cache_leftpad, block_table, force=True,
+                         block_ids_from=chosen.block_ids_read_from(plan))
         result = torch.empty_like(q) if out is None else out
         lse = self.lse(problem, device, return_softmax_lse, capturing)
         part_o, part_lse = self.partials(plan, problem, device, capturing)
@@ -259,7 +257,7 @@ class DecodeContext:
         chosen.launch(plan, problem, arguments)
         if arguments.tickets is not None and value_checks_enabled() and not capturing:
             _check_counters_left_at_zero(arguments.tickets)
-        if host is not None and not host_checks:
+        if host is not None and not host_checks and not copies:  # a record would replay this call's copies
             self._record(host, call, chosen.host_launches(plan, problem, arguments), problem, result,
                          lse if return_softmax_lse else None)
         return (result, lse) if return_softmax_lse else result
@@ -316,18 +314,24 @@ def _remember(table: dict, key, value) -> None:
     table[key] = value
 
 
-def contiguous_copies(q, k, v, cache_seqlens, cache_batch_idx, cache_leftpad, block_table):
+def _needs_copy(tensor) -> bool:
+    return isinstance(tensor, torch.Tensor) and tensor.dim() > 0 and tensor.stride(-1) != 1
+
+
+def _copied_meta(name, tensor):
+    """``tensor_meta`` of the tensor the call runs on: its contiguous copy where it needs one."""
+    meta = tensor_meta(name, tensor)
+    if _needs_copy(tensor):
+        return meta[0], meta[1], meta[2], contiguous_strides(meta[2]), True
+    return meta
+
+
+def contiguous_copies(q, k, v, cache_seqlens, cache_batch_idx, cache_leftpad, block_table) -> tuple:
     """As FlashAttention's wrapper does: q, the appended k and v, and the index tensors copied where
-    their last dimension is not contiguous (the caches never: they are written in place). The call's
-    arguments with those copies, or None where none needs one. Taken only after the checks refused
-    the call, so calls that need no copy pay nothing for it."""
-    arguments = [q, k, v, cache_seqlens, cache_batch_idx, cache_leftpad, block_table]
-    copied = False
-    for index, tensor in enumerate(arguments):
-        if isinstance(tensor, torch.Tensor) and tensor.dim() and tensor.stride(-1) != 1:
-            arguments[index] = tensor.clone(memory_format=torch.contiguous_format)
-            copied = True
-    return arguments if copied else None
+    their last dimension is not contiguous (the caches never: they are written in place). Such a
+    call takes the Python path every time: the compiled host path cannot make the copies."""
+    return tuple(tensor.clone(memory_format=torch.contiguous_format) if _needs_copy(tensor) else tensor
+                 for tensor in (q, k, v, cache_seqlens, cache_batch_idx, cache_leftpad, block_table))
 
 
 def _capturing(device: torch.device) -> bool:

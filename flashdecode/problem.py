@@ -40,7 +40,8 @@ class Problem:
     alibi: int = ALIBI_NONE
     leftpad: bool = False  # cache_leftpad given
     batch_idx: bool = False  # cache_batch_idx given
-    #: q, caches, new k/v, block_table and out contiguous and 16-byte aligned, a contiguous cache of batch rows
+    #: q, caches, new k/v, block_table and out contiguous and 16-byte aligned (and, without
+    #: cache_batch_idx or block_table, a cache of exactly batch rows)
     dense: bool = True
     offsets_32: bool = False  # every K/V element lies within 2**31 - 1 elements of its cache's start (offsets_fit_32)
 

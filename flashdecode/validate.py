@@ -91,7 +91,7 @@ def _type_name(kind) -> str:
 
 def _require_tensor(name, meta, rank, layout):
     if meta is None or isinstance(meta[0], type):
-        got = "None" if meta is None else meta[0].__name__
+        got = "None" if meta is None else _type_name(meta[0])
         _fail(TypeError, f"{name} must be a torch.Tensor, got {got}")
     if len(meta[2]) != rank:
         _fail(ValueError, f"{name} must have {rank} dimensions {layout}, got shape {tuple(meta[2])}")
@@ -292,9 +292,10 @@ def check_call(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens,
 
 
 def check_values(problem: Problem, k_cache, cache_seqlens, cache_batch_idx, cache_leftpad, block_table,
-                 force: bool = False) -> None:
+                 force: bool = False, block_ids_from: int = 1) -> None:
     """Range checks of index tensors' values: always for CPU tensors (and with ``force``), for CUDA
-    ones when enabled. Raises ValueError naming the argument and the offending range."""
+    ones when enabled. ``block_ids_from``: the backend's ``block_ids_read_from``. Raises ValueError
+    naming the argument and the offending range."""
     def needed(tensor):
         return isinstance(tensor, torch.Tensor) and (force or tensor.device.type == "cpu" or _ValueChecks.enabled)
 
@@ -309,15 +310,17 @@ def check_values(problem: Problem, k_cache, cache_seqlens, cache_batch_idx, cach
         # the appended tokens are written to: entries before or after them may hold anything.
         device = block_table.device
         lengths = cache_seqlens if cache_seqlens is not None else limit
-        if not isinstance(lengths, torch.Tensor):
-            lengths = torch.full((problem.batch,), int(lengths), dtype=torch.int64)
-        hi = (lengths.to(device).long() + problem.seqlen_new).clamp(0, problem.seqlen_cache)
+        if isinstance(lengths, torch.Tensor):
+            lengths = lengths.to(device).long()
+        else:
+            lengths = torch.full((problem.batch,), int(lengths), dtype=torch.int64, device=device)
+        hi = (lengths + problem.seqlen_new).clamp(0, problem.seqlen_cache)
         lo = torch.zeros_like(hi) if cache_leftpad is None else cache_leftpad.to(device).long().clamp(min=0)
         if problem.window_left >= 0:
             lo = torch.maximum(lo, hi - problem.seqlen_q - problem.window_left)
-        lo = torch.minimum(lo, hi)
+        lo = torch.minimum(lo, hi) // block_ids_from * block_ids_from
         if problem.seqlen_new:
-            lo = torch.minimum(lo, lengths.to(device).long().clamp(min=0))
+            lo = torch.minimum(lo, lengths.clamp(min=0))
         columns = torch.arange(block_table.shape[1], device=device)
         used = (columns[None, :] >= (lo // problem.page_size)[:, None]) & (
             columns[None, :] < (-(-hi // problem.page_size))[:, None])

@@ -216,3 +216,32 @@ def test_a_record_needs_launches_of_one_kind(module):
     if module.TVM_FFI:
         assert not path.add(call, [cuda, FfiLaunch(Kernel(module).function, (result,))], result, None, (2, 4, 1))
     assert len(path) == 0
+
+
+def test_a_call_run_on_copies_gets_no_record(module, monkeypatch):
+    """A call whose q (or k, v, an index tensor) the context copies to make its last dimension
+    contiguous takes the Python path every time: a record would launch later calls on the first
+    call's copies. The reference backend stands in, describing its launch as one TVM-FFI call."""
+    from flashdecode.context import DecodeContext
+    from flashdecode.kernels.reference import ReferenceBackend
+    from flashdecode.reference import reference_attention
+
+    kernel = Kernel(module)
+    monkeypatch.setattr(ReferenceBackend, "host_launches", lambda self, plan, problem, args: [
+        FfiLaunch(kernel.function, (args.q, args.out))], raising=False)
+    context = DecodeContext("cpu")
+    context._host_tried, context._host = True, host_path.HostPath(module, max_records=4)
+    context._host._verified.add("ffi")  # the stand-in's output is nothing to compare
+    k_cache, v_cache = torch.randn(2, 16, 2, 8).half(), torch.randn(2, 16, 2, 8).half()
+
+    def call(q):
+        return context.run(q, k_cache, v_cache, cache_seqlens=5, backend="reference")  # no index tensor on the host
+
+    call(torch.randn(2, 1, 4, 8).half())
+    assert len(context.host_path) == 1  # a contiguous q: recorded
+    strided = [torch.stack([q, torch.zeros_like(q)], -1)[..., 0] for q in torch.randn(2, 2, 1, 4, 8).half()]
+    outputs = [call(q) for q in strided]
+    assert len(context.host_path) == 1 and context.host_path.hits == 0
+    for q, out in zip(strided, outputs):  # each call's own q, not the first call's copy
+        expected, _ = reference_attention(q, k_cache, v_cache, cache_seqlens=5)
+        torch.testing.assert_close(out, expected)

@@ -247,7 +247,8 @@ def test_strided_q_new_tokens_and_index_tensors_are_copied_as_flashattention_doe
     got = call(strided(q), k, v, strided(s - 1), k=strided(new_k), v=strided(new_v), cache_batch_idx=index)
     torch.testing.assert_close(got, expected)
     torch.testing.assert_close(k, k_copy)
-    assert flashdecode.plan_for(strided(q), k, v, cache_seqlens=s, backend="reference").problem.batch == 2
+    route = flashdecode.plan_for(strided(q), k, v, cache_seqlens=strided(s), backend="reference")
+    assert route.problem == flashdecode.plan_for(q, k, v, cache_seqlens=s, backend="reference").problem
 
 
 def test_block_table_entries_no_visible_key_uses_may_hold_anything():
@@ -287,3 +288,19 @@ def test_a_call_under_inference_mode_leaves_later_calls_working():
     with torch.inference_mode():
         call(q, k, v, s, context=context)
     assert first.is_inference()
+
+
+def test_the_block_id_check_reads_the_entries_the_backend_reads():
+    """TileLang scans the block ids of whole tiles (``Backend.block_ids_read_from``): with its tile
+    of 64 keys the host check also refuses a bad id below the window in the first visible tile."""
+    from flashdecode.validate import check_values
+
+    q, k, v, s = good(seqlen=128)
+    pages, table = paged(k)  # pages of 4 keys
+    problem = flashdecode.plan_for(q, pages, paged(v)[0], cache_seqlens=s, block_table=table, window_size=(5, 0),
+                                   backend="reference").problem
+    garbage = table.clone()
+    garbage[:, 27] = -1  # keys 108-111: below every row's window (keys 122-127), in the tile of keys 64-127
+    check_values(problem, pages, s, None, None, garbage, force=True)
+    with pytest.raises(ValueError, match="block_table must be in"):
+        check_values(problem, pages, s, None, None, garbage, force=True, block_ids_from=64)

@@ -126,6 +126,12 @@ class Backend(abc.ABC):
         """Whether the combine can be a programmatic dependent launch (``Plan.dependent_combine``)."""
         return False
 
+    def block_ids_read_from(self, plan) -> int:
+        """The kernels read a paged sequence's block ids from its first visible key rounded down to
+        a multiple of this many keys (1: from that key's own page); the host check of the values
+        reads the same entries (``validate.check_values``)."""
+        return 1
+
     @abc.abstractmethod
     def launch(self, plan, problem: Problem, args: LaunchArgs) -> None:
         """Queue the plan's kernels on the current stream of q's device."""

@@ -99,6 +99,10 @@ class TileLangBackend(Backend):
             return "a Hopper GPU (compute capability 9.x)"
         return problem_limitation(problem)
 
+    def block_ids_read_from(self, plan) -> int:
+        """Its kernels scan the block ids of whole tiles: from the tile holding the first visible key."""
+        return plan.block_n
+
     def kernels(self, problem) -> frozenset[str]:
         return PLAN_KERNELS
 
