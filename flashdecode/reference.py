@@ -145,12 +145,12 @@ def apply_rotary(x, cos, sin, offsets, interleaved):
     return torch.cat((rotated.to(x.dtype), x[..., 2 * half:]), dim=-1)
 
 
-def _per_sequence(value, batch, default):
-    """A per-sequence int list from None (``default``), an int, or a (B,) tensor."""
+def per_sequence(value, batch, default):
+    """A per-sequence int list from None (``default``), an int (numpy's too), or a (B,) tensor."""
     if value is None:
         return [default] * batch
-    if isinstance(value, int):
-        return [value] * batch
+    if not isinstance(value, torch.Tensor):
+        return [int(value)] * batch
     return [int(item) for item in value.tolist()]
 
 
@@ -180,9 +180,9 @@ def reference_attention(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, ro
     page_size = k_cache.shape[1] if block_table is not None else 0
     capacity = block_table.shape[1] * page_size if block_table is not None else k_cache.shape[1]
     seqlen_new = 0 if k is None else k.shape[1]
-    lengths = _per_sequence(cache_seqlens, batch, capacity)
-    leftpads = _per_sequence(cache_leftpad, batch, 0)
-    cache_rows = list(range(batch)) if cache_batch_idx is None else _per_sequence(cache_batch_idx, batch, 0)
+    lengths = per_sequence(cache_seqlens, batch, capacity)
+    leftpads = per_sequence(cache_leftpad, batch, 0)
+    cache_rows = list(range(batch)) if cache_batch_idx is None else per_sequence(cache_batch_idx, batch, 0)
     window_left, window_right = (int(side) for side in window_size)
     if causal:
         window_right = 0

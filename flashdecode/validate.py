@@ -18,7 +18,9 @@ import os
 
 import torch
 
+from .planner import key_range
 from .problem import ALIBI_NONE, ALIBI_PER_HEAD, ALIBI_PER_SEQUENCE, Problem, contiguous_strides, offsets_fit_32
+from .reference import per_sequence
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
 MAX_HEADDIM = 256
@@ -306,24 +308,17 @@ def check_values(problem: Problem, k_cache, cache_seqlens, cache_batch_idx, cach
     if needed(cache_batch_idx):
         _in_range("cache_batch_idx", cache_batch_idx, 0, k_cache.shape[0] - 1, " (rows of k_cache)")
     if needed(block_table):
-        # Only the pages of keys a sequence's rows can see are read (planner.key_range), and those
-        # the appended tokens are written to: entries before or after them may hold anything.
-        device = block_table.device
-        lengths = cache_seqlens if cache_seqlens is not None else limit
-        if isinstance(lengths, torch.Tensor):
-            lengths = lengths.to(device).long()
-        else:
-            lengths = torch.full((problem.batch,), int(lengths), dtype=torch.int64, device=device)
-        hi = (lengths + problem.seqlen_new).clamp(0, problem.seqlen_cache)
-        lo = torch.zeros_like(hi) if cache_leftpad is None else cache_leftpad.to(device).long().clamp(min=0)
-        if problem.window_left >= 0:
-            lo = torch.maximum(lo, hi - problem.seqlen_q - problem.window_left)
-        lo = torch.minimum(lo, hi) // block_ids_from * block_ids_from
-        if problem.seqlen_new:
-            lo = torch.minimum(lo, lengths.clamp(min=0))
-        columns = torch.arange(block_table.shape[1], device=device)
-        used = (columns[None, :] >= (lo // problem.page_size)[:, None]) & (
-            columns[None, :] < (-(-hi // problem.page_size))[:, None])
+        # Only the block ids of the keys a sequence's rows can see (planner.key_range, its first key
+        # rounded down as the backend reads) and of its appended tokens are read: others may hold anything.
+        used = torch.zeros(block_table.shape, dtype=torch.bool)
+        for b, (length, leftpad) in enumerate(zip(per_sequence(cache_seqlens, problem.batch, limit),
+                                                  per_sequence(cache_leftpad, problem.batch, 0))):
+            lo, hi = key_range(problem, length, leftpad)
+            lo = lo // block_ids_from * block_ids_from
+            if problem.seqlen_new:
+                lo = min(lo, max(length, 0))
+            used[b, lo // problem.page_size:-(-hi // problem.page_size)] = True
+        used = used.to(block_table.device)
         _in_range("block_table", block_table[used], 0, k_cache.shape[0] - 1, " (pages of k_cache, for the keys "
                   "a sequence's rows can see)")
     if needed(cache_leftpad):

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import flashdecode
+from conftest import last_dim_strided
 from flashdecode import DecodeContext, flash_attn_with_kvcache, flash_decode_with_kvcache, plan_for
 from flashdecode.reference import reference_attention
 
@@ -186,16 +187,13 @@ def test_flashattention_layouts_on_the_gpu(backend):
     spare_k[:3], spare_v[:3] = k_cache, v_cache
     untouched = spare_k[3:].clone()
 
-    def strided(tensor):
-        return torch.stack([tensor, torch.zeros_like(tensor)], -1)[..., 0]
-
     lengths = lengths.clamp(max=190)
     for step in range(3):  # two tokens appended a step
         q = torch.randn_like(q)
         new_k, new_v = (torch.randn(3, 2, 2, 128, dtype=q.dtype, device="cuda") for _ in range(2))
         expected, _ = reference_attention(q, k_cache, v_cache, new_k, new_v, cache_seqlens=lengths)
-        out = flash_attn_with_kvcache(strided(q), spare_k, spare_v, strided(new_k), strided(new_v),
-                                      cache_seqlens=strided(lengths), backend=backend)
+        out = flash_attn_with_kvcache(last_dim_strided(q), spare_k, spare_v, last_dim_strided(new_k),
+                                      last_dim_strided(new_v), cache_seqlens=last_dim_strided(lengths), backend=backend)
         torch.testing.assert_close(out.float(), expected.float(), atol=2e-2, rtol=2e-2)
         torch.testing.assert_close(spare_k[:3], k_cache)  # the reference appended the same tokens
         lengths = lengths + 2

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 import flashdecode
+from conftest import last_dim_strided
 from flashdecode import flash_attn_with_kvcache, flash_decode_with_kvcache
 
 
@@ -240,14 +241,12 @@ def test_strided_q_new_tokens_and_index_tensors_are_copied_as_flashattention_doe
     k_copy, v_copy = k.clone(), v.clone()
     expected = call(q, k_copy, v_copy, s - 1, k=new_k, v=new_v, cache_batch_idx=torch.tensor([1, 0], dtype=torch.int32))
 
-    def strided(tensor):  # the same values, last dimension of stride 2
-        return torch.stack([tensor, torch.zeros_like(tensor)], -1)[..., 0]
-
     index = torch.tensor([1, 9, 0, 9], dtype=torch.int32)[::2]
-    got = call(strided(q), k, v, strided(s - 1), k=strided(new_k), v=strided(new_v), cache_batch_idx=index)
+    got = call(last_dim_strided(q), k, v, last_dim_strided(s - 1), k=last_dim_strided(new_k),
+               v=last_dim_strided(new_v), cache_batch_idx=index)
     torch.testing.assert_close(got, expected)
     torch.testing.assert_close(k, k_copy)
-    route = flashdecode.plan_for(strided(q), k, v, cache_seqlens=strided(s), backend="reference")
+    route = flashdecode.plan_for(last_dim_strided(q), k, v, cache_seqlens=last_dim_strided(s), backend="reference")
     assert route.problem == flashdecode.plan_for(q, k, v, cache_seqlens=s, backend="reference").problem
 
 
