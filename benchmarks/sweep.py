@@ -20,7 +20,7 @@ launch; ``--triton-resident`` the split programs Triton assumes an SM holds at t
 (the row of ``Tuning.triton_resident_programs`` it takes, for paged caches too: single-sequence
 grids and the register cap follow). ``--shapes`` adds
 cases of one's own: batch x seqlen_cache x nheads_k x group x headdim, then ``:`` and a length rule of
-``cases.LENGTH_RULES`` (numbered S1, S2, ...).
+``cases.LENGTH_RULES`` (``cases.parse_shapes``: S1, S2, ...).
 """
 import argparse
 import dataclasses
@@ -31,7 +31,7 @@ import torch
 
 from flashdecode import DecodeContext, flash_attn_with_kvcache, plan_for
 from flashdecode.bench.timing import Timer
-from flashdecode.cases import LENGTH_RULES, MATRICES, VARIANTS, Case, make_call, select
+from flashdecode.cases import MATRICES, VARIANTS, make_call, parse_shapes, select
 from flashdecode.hardware import current
 from flashdecode.kernels.triton.backend import TritonConfig, padded_headdim, retiled
 from flashdecode.reference import reference_attention, relative_error
@@ -39,19 +39,6 @@ from flashdecode.reference import reference_attention, relative_error
 
 def values(text):
     return [int(item) for item in text.split(",")] if text else [None]
-
-
-def own_shapes(text):
-    """Cases S1, S2, ... of ``--shapes``."""
-    cases = []
-    for number, item in enumerate(filter(None, text.split(",")), start=1):
-        sizes, _, rule = item.partition(":")
-        fields = sizes.split("x")
-        if rule not in LENGTH_RULES[1:] or len(fields) != 5 or not all(field.isdigit() for field in fields):
-            raise SystemExit(f"--shapes: each shape is batch x seqlen_cache x nheads_k x group x headdim, ':' and "
-                             f"a length rule of {LENGTH_RULES[1:]}, e.g. 64x4096x8x4x256:uniform; got {item!r}")
-        cases.append(Case(f"S{number}", *map(int, fields), lengths=rule))
-    return cases
 
 
 def main():
@@ -69,7 +56,10 @@ def main():
     parser.add_argument("--log", default=None)
     args = parser.parse_args()
     chosen = select(args.matrix, args.cases) if args.cases else () if args.shapes else MATRICES[args.matrix]
-    cases = list(chosen) + own_shapes(args.shapes)
+    try:
+        cases = list(chosen) + list(parse_shapes(args.shapes))
+    except ValueError as error:
+        parser.error(f"--shapes: {error}")
     timer = Timer(torch.device("cuda"), iters=50, warmup=5)
     base = current().tuning
     rows = []

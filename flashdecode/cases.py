@@ -122,7 +122,25 @@ MODEL_CASES: tuple[Case, ...] = tuple(
     )
 )
 MATRICES = {"cases": CASES, "wide": WIDE_CASES, "models": MODEL_CASES}
-MATRIX_PREFIX = {"cases": "", "wide": "W", "models": "M"}
+#: Label prefixes; "shapes" holds the cases a command line gives (``parse_shapes``), S1, S2, ...
+MATRIX_PREFIX = {"cases": "", "wide": "W", "models": "M", "shapes": "S"}
+
+
+def parse_shapes(text: str) -> tuple[Case, ...]:
+    """Cases S1, S2, ... of a comma list of ``batch x seqlen_cache x nheads_k x group x headdim:rule``
+    (``rule`` one of LENGTH_RULES but "matrix"), e.g. ``16x2048x1x71x64:uniform``; ValueError naming
+    the bad item otherwise."""
+    shapes = []
+    for number, item in enumerate(filter(None, (part.strip() for part in text.split(","))), start=1):
+        sizes, _, rule = item.partition(":")
+        fields = sizes.split("x")
+        if rule not in LENGTH_RULES[1:] or len(fields) != 5 or not all(field.isdigit() and int(field) > 0
+                                                                       for field in fields):
+            raise ValueError(f"each shape is batch x seqlen_cache x nheads_k x group x headdim (positive), ':' and "
+                             f"a length rule of {', '.join(LENGTH_RULES[1:])}, e.g. 64x4096x8x4x256:uniform; "
+                             f"got {item!r}")
+        shapes.append(Case(number, *map(int, fields), lengths=rule, matrix="shapes"))
+    return tuple(shapes)
 
 
 def select(matrix: str, text: str = "all") -> tuple[Case, ...]:

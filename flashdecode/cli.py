@@ -34,7 +34,11 @@ def _add_bench(subparsers) -> None:
                              "models: M1-M16 (public models' heads per GPU: groups 1-71, head dims 64-256)")
     parser.add_argument("--cases", default="all",
                         help="cases of the matrix, e.g. 10 or 1,3,7-9 (wide: W2 or W1,W3-W5; models: M1,M5-M7) "
-                             "(default: all)")
+                             "(default: all; none with --shapes)")
+    parser.add_argument("--shapes", default="",
+                        help="cases of one's own, S1, S2, ...: a comma list of batch x seqlen_cache x nheads_k x "
+                             "group x headdim, ':' and a length rule (equal, uniform, skewed), e.g. "
+                             "16x2048x1x71x64:uniform")
     parser.add_argument("--variant", type=_names, default=("plain",),
                         help=f"comma list of {', '.join(cases.VARIANTS)} (default: plain)")
     parser.add_argument("--backends", type=_names, default=None,
@@ -61,9 +65,14 @@ def _run_bench(args) -> int:
 
     parser = args.command_parser
     try:
-        selected = cases.select(args.matrix, args.cases)
+        shapes = cases.parse_shapes(args.shapes)
+    except ValueError as error:
+        parser.error(f"--shapes: {error}")
+    try:
+        selected = () if shapes and args.cases == "all" else cases.select(args.matrix, args.cases)
     except ValueError as error:
         parser.error(f"--cases: {error}")
+    selected = tuple(selected) + shapes
     if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
         # Must precede the first import of Triton (flashdecode.kernels, bench.runner).
         if "triton" in sys.modules:

@@ -351,7 +351,22 @@ def test_layer_count_on_cpu(runner):
 
 
 def test_torch_launch_is_timed(runner):
-    assert 0 < runner.torch_launch_us(Timer(torch.device("cpu"), iters=1, warmup=0), 5) < 1e5
+    timer = Timer(torch.device("cpu"), iters=1, warmup=0)
+    assert 0 < runner.torch_launch_us(timer, 5) < 1e5
+    assert runner.torch_launch_gpu_us(timer) is None  # a graph figure needs CUDA
+
+
+def test_shapes_of_ones_own_are_cases_s1_s2():
+    shapes = cases.parse_shapes("16x2048x1x71x64:uniform, 1x8x32x1x128:equal,")
+    assert [case.label for case in shapes] == ["S1", "S2"]
+    assert (shapes[0].batch, shapes[0].seqlen_cache, shapes[0].nheads_k, shapes[0].group, shapes[0].headdim,
+            shapes[0].lengths) == (16, 2048, 1, 71, 64, "uniform")
+    assert shapes[1].nheads == 32 and shapes[1].describe() == "b1 s8 hk32 g1 equal"
+    assert cases.parse_shapes("") == ()
+    for bad in ("16x2048x1x71:uniform", "16x2048x1x71x64", "16x2048x1x71x64:matrix", "0x8x1x1x64:equal",
+                "16x2k x1x1x64:equal"):
+        with pytest.raises(ValueError, match="batch x seqlen_cache x nheads_k x group x headdim"):
+            cases.parse_shapes(bad)
 
 
 def test_baseline_is_fa2_of_this_run_else_the_anchor_file_else_none(runner):

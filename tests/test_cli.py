@@ -34,6 +34,7 @@ def interpret(monkeypatch):
     (["bench", "--matrix", "wide", "--cases", "W15"], "unknown case W15"),
     (["bench", "--matrix", "tall"], "invalid choice: 'tall'"),
     (["bench", "--iters", "0"], "positive integer"),
+    (["bench", "--shapes", "16x2048x1x71:uniform"], "--shapes: each shape is batch x seqlen_cache"),
     (["bench", "--no-record"], "unrecognized arguments"),
     (["bench", "--bogus"], "unrecognized arguments"),
     ([], "required"),
@@ -123,3 +124,9 @@ def test_end_to_end_variants_and_wide_matrix(tmp_path):
     wide = json.loads((tmp_path / "wide.json").read_text())["cases"][0]
     assert (wide["case"], wide["matrix"], wide["matrix_shape"]["batch"]) == ("W13", "wide", 128)
     assert wide["results"]["triton"]["correct"] and "W13 plain" in stdout
+
+    stdout = _bench(tmp_path, "--shapes", "2x40x1x3x64:uniform", "--backends", "triton", "--peers", "none",
+                    "--json", tmp_path / "shapes.json")
+    own = json.loads((tmp_path / "shapes.json").read_text())["cases"]
+    assert [(case["case"], case["matrix"]) for case in own] == [("S1", "shapes")]
+    assert own[0]["results"]["triton"]["correct"] and "S1 plain" in stdout

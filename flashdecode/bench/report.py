@@ -237,7 +237,8 @@ def format_table(run) -> str:
     lines += [f"system {s.name} [{s.version}]: {s.description}" for s in run.systems]
     lines += [f"ceiling: {run.ceiling.what}: {run.ceiling.gbps:.0f} GB/s"]
     launch = run.settings.get("torch_launch_us")
-    lines += [f"host time of one plain torch launch (q.add_(0)): {_number(launch, '.1f')} us per call"]
+    lines += [f"host time of one plain torch launch (q.add_(0)): {_number(launch, '.1f')} us per call; its GPU "
+              f"time (graph, cold L2): {_number(run.settings.get('torch_launch_gpu_us'), '.2f')} us"]
     lines += [f"skipped: {reason}" for reason in run.skipped]
     lines += [f"note: {note}" for note in run.notes]
     header = (f"{'case':>4} {'variant':<8} {'shape':<28} {'system':<17} {'median us':>10} {'min us':>10} "

@@ -182,12 +182,14 @@ def run(selection: Selection, advance: Callable[[str], None] = lambda label: Non
     timer = Timer(device, selection.iters, selection.warmup, cold_l2=selection.cold_l2)
     ceiling = measure_ceiling(timer)
     launch_us = torch_launch_us(timer, selection.host_calls)
+    launch_gpu_us = torch_launch_gpu_us(timer)
     advance("ceiling")
     anchor = json.loads(ANCHOR_PATH.read_text())
     case_runs = [_run_case(case, variant, selection, timer, ceiling, anchor, advance)
                  for case in selection.cases for variant in selection.variants]
     peer_versions = {s.name: s.version for s in selection.systems if s.kind == "peer"}
-    return BenchRun(environment(selection.cuda, peer_versions), _settings(selection, timer, launch_us), ceiling,
+    return BenchRun(environment(selection.cuda, peer_versions), _settings(selection, timer, launch_us, launch_gpu_us),
+                    ceiling,
                     selection.systems, selection.skipped, _notes(selection, launch_us), case_runs)
 
 
@@ -198,6 +200,15 @@ def torch_launch_us(timer: Timer, calls: int) -> float:
     for _ in range(CUDA_WARMUP):
         q.add_(0)
     return timer.host_overhead_us(lambda: q.add_(0), calls)
+
+
+def torch_launch_gpu_us(timer: Timer) -> float | None:
+    """GPU time of the same launch replayed from a CUDA graph after the cold-L2 flush, as every graph
+    figure is timed: what any one-kernel call that reads its input from memory takes at least (None
+    without CUDA)."""
+    q = torch.randn(1, 1, cases.NHEADS, cases.HEADDIM, device=timer.device)
+    graph = timer.time_graph(lambda: q.add_(0))
+    return None if graph is None else graph[0].median_us
 
 
 def _as_run(case: cases.Case, cuda: bool) -> tuple[cases.Case, torch.dtype]:
@@ -293,10 +304,11 @@ def baseline(case, variant, results, cuda, anchor) -> tuple[float | None, str, s
     return None, "none: fa2 did not run correctly here, and the anchor file holds the 14 plain cases only", None
 
 
-def _settings(selection: Selection, timer: Timer, launch_us: float) -> dict:
+def _settings(selection: Selection, timer: Timer, launch_us: float, launch_gpu_us: float | None = None) -> dict:
     return {"iters": selection.iters, "warmup": selection.warmup,
             "cold_l2": timer.flush_bytes > 0, "flush_bytes": timer.flush_bytes,
             "host_overhead_calls": selection.host_calls, "torch_launch_us": launch_us,
+            "torch_launch_gpu_us": launch_gpu_us,
             "eager_layers": selection.eager_layers, "eager_repeats": selection.eager_repeats,
             "eager_memory_share": EAGER_MEMORY_SHARE if selection.cuda else None,
             "variants": [variant.name for variant in selection.variants],
