@@ -12,7 +12,7 @@ Values: ints, or 0/1 for a bool field; for a field that maps backends to values
 
 Usage (on the GPU machine):
   python benchmarks/host_ab.py --field dependent_combine --values 0,1 --cases 10,13,14
-  python benchmarks/host_ab.py --field max_merge_steps_in_split --values 0,4 --cases 4,7,8,9,10,12
+  python benchmarks/host_ab.py --field max_splits_merged_in_split --values 0,16 --cases 4,7,8,9,10,12
   [--backend triton] [--variant plain] [--rounds 9]
 """
 import argparse

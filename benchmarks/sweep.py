@@ -5,7 +5,7 @@ logs the plan that ran.
 Variants are values given to a ``DecodeContext(tuning=..., config=...)``; nothing is reassigned.
 Usage: python benchmarks/sweep.py --backend tilelang,triton --ppsm 2,3,4 --block-n 32,64
        [--tl-stages 2,3 --tl-rows 64,16 --tl-producer-regs 24,0 --warps 4,8 --max-registers 0,128
-       --merge-steps 0,4 --merge-step 1,2] [--matrix wide] [--cases 7,12]
+       --merge-splits 0,16 --merge-step 1,2] [--matrix wide] [--cases 7,12]
        [--shapes 64x4096x8x4x256:uniform,...] [--variant plain,paged256] [--log FILE]
 ``--min-chunk`` sets the fewest blocks per split, whatever merges the splits (both Tuning fields; one
 sequence on a backend with ``min_blocks_per_one_sequence_split`` and the short caches split for idle
@@ -13,9 +13,9 @@ multiprocessors take their own, shorter ones); ``--one-sequence-min-blocks`` set
 (0: none, the batch rules apply); ``--split-above`` ``split_above_blocks`` (the most blocks a cache
 has unsplit, unless ``underfilled_split_above_blocks`` splits it: at or below its count, that rule is off);
 ``--tl-stages`` and ``--tl-rows`` set any backend's ``num_stages`` / ``block_m``; ``--warps`` Triton's
-``num_warps``; ``--max-registers`` Triton's register cap (0: none); ``--merge-steps`` the most
-steps the split kernel's merging program may take for a sequence's splits (0: never merge there),
-``--merge-step`` how many partials it merges a step; ``--dependent-combine 0,1`` the combine as a programmatic dependent
+``num_warps``; ``--max-registers`` Triton's register cap (0: none); ``--merge-splits`` the most
+splits a sequence may have for the split kernel to merge them itself (0: never), ``--merge-step``
+how many it merges at a time; ``--dependent-combine 0,1`` the combine as a programmatic dependent
 launch; ``--triton-resident`` the split programs Triton assumes an SM holds at the case's head dim
 (the row of ``Tuning.triton_resident_programs`` it takes, for paged caches too: single-sequence
 grids and the register cap follow). ``--shapes`` adds
@@ -45,7 +45,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--backend", default="tilelang")
     for flag in ("--ppsm", "--min-chunk", "--short-max-blocks", "--block-n", "--tl-stages", "--tl-rows",
-                 "--tl-producer-regs", "--warps", "--max-registers", "--merge-steps", "--merge-step",
+                 "--tl-producer-regs", "--warps", "--max-registers", "--merge-splits", "--merge-step",
                  "--dependent-combine", "--triton-resident", "--one-sequence-min-blocks", "--split-above"):
         parser.add_argument(flag, default="", help="comma list (default: the measured value)")
     parser.add_argument("--matrix", default="cases", choices=sorted(MATRICES))
@@ -75,12 +75,12 @@ def main():
                 merge_step, dependent, resident, one_sequence, split_above in itertools.product(
                     args.backend.split(","), *(values(getattr(args, name)) for name in (
                         "ppsm", "min_chunk", "short_max_blocks", "block_n", "tl_stages", "tl_rows",
-                        "tl_producer_regs", "warps", "max_registers", "merge_steps", "merge_step",
+                        "tl_producer_regs", "warps", "max_registers", "merge_splits", "merge_step",
                         "dependent_combine", "triton_resident", "one_sequence_min_blocks", "split_above"))):
             tuning = dataclasses.replace(base, **{name: value for name, value in (
                 ("programs_per_multiprocessor", ppsm), ("min_blocks_per_split", min_chunk),
                 ("min_blocks_per_combined_split", None if min_chunk is None else ((backend, min_chunk),)),
-                ("short_cache_max_blocks", short_max), ("max_merge_steps_in_split", merge),
+                ("short_cache_max_blocks", short_max), ("max_splits_merged_in_split", merge),
                 ("dependent_combine", None if dependent is None else bool(dependent)),
                 ("triton_resident_programs", None if resident is None else tuple(
                     (dim, resident if dim == resident_row else programs)

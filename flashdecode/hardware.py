@@ -50,8 +50,8 @@ class Tuning:
     #: balanced mixed lengths best on cases 7-14).
     programs_per_multiprocessor: int = 3
     #: Fewest KV blocks a split carries (unless its sequence is shorter) where the split kernel merges
-    #: the splits: 2 would give a sequence more splits than ``max_merge_steps_in_split`` allows and
-    #: cost the merge (H200, Triton: cases 8 and 9 1.5-8% slower).
+    #: the splits: 2 would let a sequence get more than ``max_splits_merged_in_split`` and cost the
+    #: merge (H200, Triton: cases 8 and 9 1.5-8% slower).
     min_blocks_per_split: int = 4
     #: The same where the combine merges them, by backend name (others: ``min_blocks_per_split``);
     #: none where not measured. Hopper: ``HOPPER_TUNING``.
@@ -73,13 +73,11 @@ class Tuning:
     #: faster than the pipeline on case 5; 6 tiles: 9% slower on case 6; 4: paged caches of one
     #: 256-token page holding 1-141 tokens 1.4-2.2x faster, contiguous cases 1-6 unchanged).
     short_cache_max_blocks: int = 4
-    #: Split plans merge a sequence's splits in the split kernel (``Plan.merge_in_split``: one launch)
-    #: where the backend can and its merging program needs at most this many steps for the most
-    #: splits a sequence can get (a step loads ``Backend.merge_step`` partials at once, so its
-    #: cost grows with the row tile); 0: never, the default for devices where it was not measured
-    #: (its ordering of partials through a GPU-scope atomic is checked on NVIDIA's only). Hopper:
-    #: ``HOPPER_TUNING``.
-    max_merge_steps_in_split: int = 0
+    #: Split plans whose sequences get at most this many splits merge them in the split kernel
+    #: (``Plan.merge_in_split``: one launch) where the backend can; 0: never, the default for devices
+    #: where it was not measured (its ordering of partials through a GPU-scope atomic is checked on
+    #: NVIDIA's only). Hopper: ``HOPPER_TUNING``.
+    max_splits_merged_in_split: int = 0
     #: Split plans that keep a combine launch it as a programmatic dependent launch (Hopper and
     #: later: it is scheduled while the split kernel drains and waits in the kernel for the
     #: partials; ``Plan.dependent_combine``) where the backend can; off where not measured.
@@ -129,7 +127,7 @@ class Tuning:
 #: sixteen of 362 tokens (128 programs) 18.7 against 20.0 and 18.7; TileLang's own splits lost on
 #: six of those eight shapes (by up to 44%), and Triton's where 2048 programs fill the device (W14
 #: +3.4%) (``docs/design.md``, "Measured choices").
-HOPPER_TUNING = Tuning(max_merge_steps_in_split=4, dependent_combine=True,
+HOPPER_TUNING = Tuning(max_splits_merged_in_split=16, dependent_combine=True,
                        min_blocks_per_combined_split=(("triton", 2),),
                        min_blocks_per_one_sequence_split=(("triton", 1),),
                        underfilled_split_above_blocks=(("triton", 4),),

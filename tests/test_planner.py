@@ -204,21 +204,19 @@ def test_max_splits_bounds_every_sequence_under_a_left_window(backend, data):
     assert all(item.num_splits <= p.max_splits(problem) for item in items)
 
 
-@pytest.mark.parametrize("threshold", [0, 1, 4, 10_000])
-def test_split_plans_merge_in_the_kernel_up_to_the_tunings_steps(threshold):
-    """Triton's split plans merge in the split kernel exactly when the merging program needs no more
-    steps than the tuning allows for the most splits a sequence can get (4 partials a step from row
-    tiles of up to 16 rows, 2 from larger ones); TileLang's never (it has no such kernel); other
-    kernels never. Plans that keep a combine split down to ``min_blocks_per_combined_split``."""
+@pytest.mark.parametrize("threshold", [0, 4, 64, 10_000])
+def test_split_plans_merge_in_the_kernel_up_to_the_tunings_splits(threshold):
+    """Triton's split plans merge in the split kernel exactly when no sequence can get more splits
+    than the tuning allows; TileLang's never (it has no such kernel); other kernels never. Plans
+    that keep a combine split down to ``min_blocks_per_combined_split``."""
     profile = dataclasses.replace(PROFILES["h200"], tuning=dataclasses.replace(
-        PROFILES["h200"].tuning, max_merge_steps_in_split=threshold))
-    for batch, seqlen_cache, num_splits, group in itertools.product([1, 4, 64], [100, 5000, 60000], [0, 3], [4, 40]):
-        problem = problem_for([seqlen_cache] * batch, seqlen_cache, nheads_k=2, group=group)
+        PROFILES["h200"].tuning, max_splits_merged_in_split=threshold))
+    for batch, seqlen_cache, num_splits in itertools.product([1, 4, 64], [100, 5000, 60000], [0, 3]):
+        problem = problem_for([seqlen_cache] * batch, seqlen_cache)
         for backend in BACKENDS:
             p = plan(problem, profile, get_backend(backend), num_splits)
             one_sequence = backend == "triton" and batch == 1 and num_splits == 0  # 1-block splits
-            step = 4 if p.config.block_m <= 16 else 2
-            merges = backend == "triton" and p.kernel == SPLIT and math.ceil(p.max_splits(problem) / step) <= threshold
+            merges = backend == "triton" and p.kernel == SPLIT and p.max_splits(problem) <= threshold
             assert p.merge_in_split == merges
             assert p.needs_combine == (p.kernel == SPLIT and not merges)
             assert p.workspace_rows == (p.programs_per_head if p.kernel == SPLIT else 0)
@@ -330,11 +328,11 @@ def test_auto_gives_tilelang_exactly_the_short_caches_no_plan_splits(monkeypatch
 
 
 @pytest.mark.parametrize("device_name, major, merges, dependent", [
-    ("NVIDIA H200", 9, 4, True), ("NVIDIA H100 80GB HBM3", 9, 4, True), ("NVIDIA A100-SXM4-80GB", 8, 0, False),
+    ("NVIDIA H200", 9, 16, True), ("NVIDIA H100 80GB HBM3", 9, 16, True), ("NVIDIA A100-SXM4-80GB", 8, 0, False),
     ("MetaX C500", 8, 0, False)])
 def test_the_tuning_comes_from_the_named_profile(monkeypatch, device_name, major, merges, dependent):
-    """``hardware.current()`` takes a named profile's tuning (Hopper merges in the split kernel in up
-    to 4 steps); an unknown device the defaults, which never merge."""
+    """``hardware.current()`` takes a named profile's tuning (Hopper merges in the split kernel up to
+    16 splits); an unknown device the defaults, which never merge."""
     from flashdecode import hardware
 
     properties = type("Properties", (), dict(name=device_name, major=major, multi_processor_count=108,
@@ -345,7 +343,7 @@ def test_the_tuning_comes_from_the_named_profile(monkeypatch, device_name, major
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index: properties)
     hardware.current.cache_clear()
     try:
-        assert hardware.current().tuning.max_merge_steps_in_split == merges
+        assert hardware.current().tuning.max_splits_merged_in_split == merges
         assert hardware.current().tuning.dependent_combine == dependent
         assert hardware.current().dependent_launch == (major >= 9)
     finally:

@@ -258,7 +258,7 @@ def test_merge_steps(merge_step):
 def test_merge_in_split_through_the_public_call():
     """A context whose tuning lets the split kernel merge: its plan merges, repeated calls (new
     lengths, on the context's counters) match the reference, and the counters end at zero."""
-    tuning = dataclasses.replace(profile_for(torch.device(DEVICE)).tuning, max_merge_steps_in_split=1000)
+    tuning = dataclasses.replace(profile_for(torch.device(DEVICE)).tuning, max_splits_merged_in_split=1000)
     context = DecodeContext(DEVICE, tuning=tuning)
     for seed, lengths in enumerate(([197, 70, 0], [1, 198, 129])):
         call = make_call(batch=3, capacity=200, seqlen_new=2, seqlen_q=2, causal=True, lengths=lengths, seed=seed)
@@ -274,7 +274,7 @@ def test_counters_left_over_are_caught_by_the_value_checks():
     over before it) fails with an error naming them and resets them; the next call is right."""
     import flashdecode
 
-    tuning = dataclasses.replace(profile_for(torch.device(DEVICE)).tuning, max_merge_steps_in_split=1000)
+    tuning = dataclasses.replace(profile_for(torch.device(DEVICE)).tuning, max_splits_merged_in_split=1000)
     context = DecodeContext(DEVICE, tuning=tuning)
     call = make_call(batch=2, capacity=200, lengths=[197, 70])
     route = plan_for(call.q, call.k_cache, call.v_cache, **call.kwargs, num_splits=3, backend="triton",

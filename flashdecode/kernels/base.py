@@ -118,10 +118,9 @@ class Backend(abc.ABC):
     def resident_programs(self, problem: Problem, config, profile: HardwareProfile) -> int:
         """Split programs of this config one multiprocessor holds at once."""
 
-    def merge_step(self, problem: Problem, config) -> int:
-        """Partials the split kernel's merging program (``Plan.merge_in_split``) loads at once with
-        this tile config; 0: the split kernel cannot merge a sequence's partials itself."""
-        return 0
+    def merges_in_split(self, problem: Problem) -> bool:
+        """Whether the split kernel can merge a sequence's partials itself (``Plan.merge_in_split``)."""
+        return False
 
     def launches_dependent_combine(self, problem: Problem) -> bool:
         """Whether the combine can be a programmatic dependent launch (``Plan.dependent_combine``)."""

@@ -93,12 +93,6 @@ def merge_step_for(block_m: int) -> int:
     return 4 if block_m <= 16 else 2
 
 
-def merged_at_once(config: TritonConfig) -> int:
-    """Partials the merging program loads at once: the config's ``merge_step``, else ``merge_step_for``
-    its row tile."""
-    return config.merge_step or merge_step_for(config.block_m)
-
-
 def retiled(config: TritonConfig, headdim: int, profile: HardwareProfile, paged: bool = False,
             **changes) -> TritonConfig:
     """``config`` with ``changes`` (a sweep's tile), its register ceiling derived again for the new
@@ -183,9 +177,9 @@ class TritonBackend(Backend):
                 break
         return steer(problem, retiled(config, headdim, profile, problem.paged), headdim)  # a Triton miscompile (``workarounds``)
 
-    def merge_step(self, problem: Problem, config: TritonConfig) -> int:
-        """Every problem merges (``merge_if_last``), ``merged_at_once(config)`` partials a step."""
-        return merged_at_once(config)
+    def merges_in_split(self, problem: Problem) -> bool:
+        """Every problem: the split kernel can merge its partials itself (``merge_if_last``)."""
+        return True
 
     def launches_dependent_combine(self, problem: Problem) -> bool:
         """Where Triton has grid-dependency control and compiles the kernels (``DEPENDENT_LAUNCH_UNAVAILABLE``)."""
@@ -274,7 +268,7 @@ def _make_spec(plan, problem: Problem) -> _LaunchSpec:
         ROTARY_DIM=problem.rotary_dim, ROTARY_INTERLEAVED=problem.rotary_interleaved, ROTARY_PER_ROW=problem.windowed,
         WINDOW_LEFT=window_left, WINDOW_RIGHT=window_right, SOFTCAP=problem.softcap, ALIBI=problem.alibi,
         LEFTPAD=leftpad, BATCH_IDX=problem.batch_idx and not problem.paged, MERGE_IN_SPLIT=plan.merge_in_split,
-        MERGE_STEP=merged_at_once(config) if plan.merge_in_split else 1,
+        MERGE_STEP=(config.merge_step or merge_step_for(config.block_m)) if plan.merge_in_split else 1,
         DEPENDENT_COMBINE=plan.dependent_combine)
     combine_constexprs = dict(
         GROUP=problem.group, SEQLEN_Q=problem.seqlen_q, HEAD_DIM=problem.headdim, HEAD_PAD=head_pad,
