@@ -174,8 +174,9 @@ def plan(problem: Problem, profile: HardwareProfile, backend, num_splits: int = 
 
 def _merge_mode(plan_: Plan, problem: Problem, profile: HardwareProfile, backend) -> Plan:
     """``plan_`` with how its splits are merged: in the split kernel where the backend can and no
-    sequence can get more than ``max_splits_merged_in_split`` splits (one program merges them, a few
-    at a time), else by the combine, a dependent launch where the tuning asks and the device and the
+    sequence can get more than ``max_splits_merged_in_split`` splits, nor so many that they times the
+    row tile pass ``max_rows_merged_in_split`` (one program merges them, a few at a time), else by
+    the combine, a dependent launch where the tuning asks and the device and the
     backend can. Splits only ever get shorter here: one sequence's to the backend's
     ``min_blocks_per_one_sequence_split`` (before the merge is decided), a combine's to its
     ``min_blocks_per_combined_split``."""
@@ -185,7 +186,10 @@ def _merge_mode(plan_: Plan, problem: Problem, profile: HardwareProfile, backend
     if plan_.forced_splits == 0 and problem.batch == 1:
         one_sequence = dict(tuning.min_blocks_per_one_sequence_split).get(backend.name, plan_.min_chunk)
         plan_ = dataclasses.replace(plan_, min_chunk=min(plan_.min_chunk, one_sequence))
-    if backend.merges_in_split(problem) and plan_.max_splits(problem) <= tuning.max_splits_merged_in_split:
+    most = plan_.max_splits(problem)
+    rows_cap = tuning.max_rows_merged_in_split
+    if backend.merges_in_split(problem) and most <= tuning.max_splits_merged_in_split and (
+            not rows_cap or most * plan_.config.block_m <= rows_cap):
         return dataclasses.replace(plan_, merge_in_split=True)
     if plan_.forced_splits == 0:
         combined = dict(tuning.min_blocks_per_combined_split).get(backend.name, tuning.min_blocks_per_split)

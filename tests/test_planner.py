@@ -216,7 +216,8 @@ def test_split_plans_merge_in_the_kernel_up_to_the_tunings_splits(threshold):
         for backend in BACKENDS:
             p = plan(problem, profile, get_backend(backend), num_splits)
             one_sequence = backend == "triton" and batch == 1 and num_splits == 0  # 1-block splits
-            merges = backend == "triton" and p.kernel == SPLIT and p.max_splits(problem) <= threshold
+            merges = backend == "triton" and p.kernel == SPLIT and p.max_splits(problem) <= threshold \
+                and p.max_splits(problem) * p.config.block_m <= profile.tuning.max_rows_merged_in_split
             assert p.merge_in_split == merges
             assert p.needs_combine == (p.kernel == SPLIT and not merges)
             assert p.workspace_rows == (p.programs_per_head if p.kernel == SPLIT else 0)
@@ -225,6 +226,23 @@ def test_split_plans_merge_in_the_kernel_up_to_the_tunings_splits(threshold):
                 tuning = profile.tuning
                 combined = dict(tuning.min_blocks_per_combined_split).get(backend, tuning.min_blocks_per_split)
                 assert p.min_chunk == (1 if one_sequence else tuning.min_blocks_per_split if merges else combined)
+
+
+@pytest.mark.parametrize("seqlen_q, group, capacity, merges", [
+    (1, 71, 8192, False),  # 64-row tiles: at most 8 splits merged (16 here)
+    (1, 71, 2048, True),  # 4 splits of 64 rows
+    (4, 16, 4096, False),  # 64 rows from 4 query tokens
+    (4, 8, 4096, True),  # 32-row tiles merge up to 16 splits
+    (1, 8, 4096, True)])
+def test_large_row_tiles_merge_fewer_splits(seqlen_q, group, capacity, merges):
+    """Hopper's ``max_rows_merged_in_split``: a merging program reads splits x row tile partial rows,
+    at most 512 (measured on the H200, ``hardware.Tuning``)."""
+    problem = problem_for([capacity] * 4, capacity, nheads_k=1, group=group, headdim=64 if group == 71 else 128,
+                          seqlen_q=seqlen_q)
+    p = plan(problem, PROFILES["h200"], get_backend("triton"))
+    assert p.kernel == SPLIT and p.merge_in_split == merges
+    assert not merges or p.max_splits(problem) * p.config.block_m <= 512
+    assert plan(problem, PROFILES["c500"], get_backend("triton")).merge_in_split is False  # never measured there
 
 
 def test_shorter_combined_splits_only_where_measured():
