@@ -159,12 +159,14 @@ class DecodeContext:
         """The int32 counters a merging split kernel takes tickets from (``Plan.ticket_count``), or
         None. Zero when made; every kernel leaves its counters at zero (the merging program resets
         them), so calls reuse them in stream order and a CUDA graph replays; under capture they are
-        fresh, the graph's own."""
+        the graph's own (``CAPTURED_COUNTERS``)."""
         count = plan.ticket_count(problem)
         if count == 0:
             return None
         if _capturing(device) if capturing is None else capturing:
-            return torch.zeros(count, dtype=torch.int32, device=device)
+            return CAPTURED_COUNTERS.take(device, count)
+        if device.type == "cuda":  # before any capture needs them
+            CAPTURED_COUNTERS.prepare(device)
         view = self._ticket_views.get(count)
         if view is None:
             grown = _grown(self._tickets, count, lambda size: torch.zeros(size, dtype=torch.int32, device=device))
@@ -300,6 +302,11 @@ def _index(device: torch.device) -> int:
     return device.index if device.index is not None else torch.cuda.current_device()
 
 
+def _with_index(device: torch.device) -> torch.device:
+    """``device`` with its index (a plain "cuda" means the current device)."""
+    return device if device.type != "cuda" or device.index is not None else torch.device("cuda", _index(device))
+
+
 def _grown(buffer: torch.Tensor | None, need: int, make) -> torch.Tensor:
     """``buffer`` if it holds ``need`` elements, else ``make(size)`` of at least twice its size (a
     context's buffers grow geometrically, so a few shapes do not reallocate call after call)."""
@@ -350,6 +357,51 @@ def _partial_views(buffer: torch.Tensor, rows: int, columns: int, headdim: int):
     body = rows * columns * headdim
     return (buffer.as_strided((rows, columns, headdim), (columns * headdim, headdim, 1)),
             buffer.as_strided((rows, columns), (columns, 1), body))
+
+
+class CapturedCounters:
+    """Zeroed int32 ticket counters for merging split kernels captured in CUDA graphs, per device.
+
+    A captured call needs counters of its own (its graph may replay on any stream), zero at the first
+    replay; each kernel leaves them at zero, so every later replay finds them so. Made fresh with
+    ``torch.zeros`` under capture, they cost the graph a memset node before the kernel in every
+    replay: 1.7 us of GPU time on a 16 us call (H200, session 19; ``docs/design.md``, "The
+    schedule"). So one buffer of ``size`` counters is zeroed per device outside any capture (by the
+    first eager call that merges; ``torch.cuda.graph`` synchronizes the device before it captures),
+    and each captured call takes counters no other call or graph uses. When it is used up, captured
+    calls get ``torch.zeros`` again: correct, with the memset."""
+
+    def __init__(self, size: int):
+        self.size = size
+        self._lock = threading.Lock()
+        self._buffers: dict = {}  # device -> [buffer, counters handed out]
+
+    def prepare(self, device: torch.device) -> None:
+        """Zero the device's buffer if it has none yet (outside capture)."""
+        device = _with_index(device)
+        if device not in self._buffers:
+            with self._lock:
+                if device not in self._buffers:
+                    self._buffers[device] = [torch.zeros(self.size, dtype=torch.int32, device=device), 0]
+
+    def take(self, device: torch.device, count: int) -> torch.Tensor:
+        """``count`` zeroed counters for a call being captured: the buffer's next unused ones, or fresh."""
+        entry = self._buffers.get(_with_index(device))
+        with self._lock:
+            if entry is not None and entry[1] + count <= self.size:
+                view = entry[0][entry[1]:entry[1] + count]
+                entry[1] += count
+                return view
+        return torch.zeros(count, dtype=torch.int32, device=device)
+
+    def handed_out(self, device: torch.device) -> int:
+        """Counters of the device's buffer that captured calls hold (0 before it is made)."""
+        entry = self._buffers.get(_with_index(device))
+        return 0 if entry is None else entry[1]
+
+
+#: 2^21 counters (8 MiB a device): a captured call takes batch x KV heads x row tiles of them.
+CAPTURED_COUNTERS = CapturedCounters(1 << 21)
 
 
 class _DefaultContexts(threading.local):

@@ -112,6 +112,26 @@ def test_each_thread_has_its_own_default_context():
     assert other[0] is not mine
 
 
+def test_captured_calls_take_counters_no_other_call_uses():
+    """``CapturedCounters``: zeroed once outside capture, then disjoint runs of it for captured calls
+    until it is used up, then fresh zeroed counters."""
+    from flashdecode.context import CapturedCounters
+
+    counters = CapturedCounters(8)
+    device = torch.device("cpu")
+    assert counters.handed_out(device) == 0
+    assert not counters.take(device, 2).any()  # before the buffer is made: fresh zeros
+    counters.prepare(device)
+    first, second = counters.take(device, 3), counters.take(device, 5)
+    assert counters.handed_out(device) == 8 and not first.any() and not second.any()
+    first.fill_(7)
+    assert not second.any()  # disjoint
+    fresh = counters.take(device, 1)  # used up
+    assert not fresh.any() and counters.handed_out(device) == 8
+    counters.prepare(device)  # made once
+    assert counters.handed_out(device) == 8 and (first == 7).all()
+
+
 def test_lse_sink_and_workspace_are_reused_within_a_context():
     context = DecodeContext("cpu")
     route = plan_for(*inputs()[:3], cache_seqlens=16, num_splits=3, backend="triton", context=context)

@@ -238,11 +238,13 @@ def test_calls_on_several_streams_at_once(backend):
                          ids=lambda c: f"case{c.number}")
 def test_split_kernel_merging_its_partials(case):
     """Triton's split kernel with the merge in it (``Plan.merge_in_split``): eager calls on the
-    context's counters (back at zero after every launch, or the second would not merge), then a
-    graph replayed with new lengths (its counters are its own, zeroed in every replay)."""
+    context's counters (back at zero after every launch, or the second would not merge), then two
+    graphs replayed in turn with new lengths: each captured call takes counters of its own from the
+    zeroed ``CAPTURED_COUNTERS`` (no memset in its graph), which every replay leaves at zero."""
     import dataclasses
 
     from flashdecode import DecodeContext
+    from flashdecode.context import CAPTURED_COUNTERS
     from flashdecode.hardware import current
 
     context = DecodeContext("cuda", tuning=dataclasses.replace(current().tuning, max_splits_merged_in_split=10_000))
@@ -251,18 +253,24 @@ def test_split_kernel_merging_its_partials(case):
     def call():
         return flash_decode_with_kvcache(q, k, v, seqlens, backend="triton", context=context)
 
-    assert plan_for(q, k, v, cache_seqlens=seqlens, backend="triton", context=context).plan.merge_in_split
+    route = plan_for(q, k, v, cache_seqlens=seqlens, backend="triton", context=context)
+    assert route.plan.merge_in_split
     for _ in range(2):
         assert relative_error(call(), reference_decode(q, k, v, seqlens)[0]) < TOLERANCE
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = call()
+    handed_out = CAPTURED_COUNTERS.handed_out(q.device)
+    graphs, outs = [torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()], []
+    for graph in graphs:
+        with torch.cuda.graph(graph):
+            outs.append(call())
+    assert CAPTURED_COUNTERS.handed_out(q.device) == handed_out + 2 * route.plan.ticket_count(route.problem)
     generator = torch.Generator("cpu").manual_seed(3)
     for step in range(3):
         seqlens.copy_(torch.randint(0, case.seqlen_cache + 1, (case.batch,), generator=generator).to(torch.int32))
-        graph.replay()
+        for graph in graphs:
+            graph.replay()
         torch.cuda.synchronize()
-        assert relative_error(out, reference_decode(q, k, v, seqlens)[0]) < TOLERANCE, f"replay {step}"
+        for out in outs:
+            assert relative_error(out, reference_decode(q, k, v, seqlens)[0]) < TOLERANCE, f"replay {step}"
     assert relative_error(call(), reference_decode(q, k, v, seqlens)[0]) < TOLERANCE  # eager after the graph
 
 
