@@ -1,0 +1,46 @@
+"""Graph replay against the cold eager median of one backend, on the bench's own inputs (GPU machine).
+
+The bench times each system's cold median and then its graph replay; a graph figure above the cold
+median is an extra cost in the captured call (session 19: the memset of a merging call's counters,
+perf log §47) or noise. This measures one backend three times in a row on a case's inputs and the
+other layers' (as ``runner._run_case`` sets them up), then its graph alone, so the two can be told
+apart. Usage: python benchmarks/graph_probe.py [--backend triton] --shapes 4x1024x8x4x128:uniform,...
+"""
+import argparse
+
+import torch
+
+from flashdecode import cases
+from flashdecode.bench import runner
+from flashdecode.bench.timing import Timer
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--backend", default="triton")
+    parser.add_argument("--shapes", required=True, help="as bench --shapes")
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args()
+    selection = runner.select(runner.Options(cases=cases.parse_shapes(args.shapes), backends=(args.backend,), peers=(),
+                                             iters=50))
+    timer = Timer(torch.device("cuda"), selection.iters, selection.warmup)
+    system = selection.systems[0]
+    plain = cases.VARIANTS["plain"]
+    for case in selection.cases:
+        call = cases.make_call(case, plain, timer.device, cases.DTYPE)
+        fresh = cases.make_call(case, plain, timer.device, cases.DTYPE, seed=runner.FRESH_SEED)
+        references = runner._reference(call), runner._reference(fresh)
+        layers = [call] + [cases.make_call(case, plain, timer.device, cases.DTYPE, seed=runner.LAYER_SEED + index)
+                           for index in range(1, runner.layer_count(call, selection))]
+        rows = []
+        for _ in range(args.repeats):
+            result = runner.measure(system, layers, fresh, references, timer, selection)
+            rows.append(f"{result.timing.median_us:.2f}/{result.graph.median_us:.2f}")
+        alone = timer.time_graph(system.setup([call])[0])[0]
+        print(case.label, case.describe(), "layers", len(layers), f"cold/graph x{args.repeats}:", " ".join(rows),
+              "graph only", f"{alone.median_us:.2f}")
+        del layers
+
+
+if __name__ == "__main__":
+    main()
