@@ -10,6 +10,7 @@ from . import compat
 from .context import DecodeContext, default_context
 from .planner import Plan
 from .problem import Problem
+from .validate import tensor_scalars
 
 
 def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None,
@@ -76,6 +77,7 @@ def plan_for(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=No
     if not isinstance(q, torch.Tensor):
         raise TypeError(f"q must be a torch.Tensor, got {type(q).__name__}")
     ctx = context if context is not None else DecodeContext(q.device)
+    softmax_scale, causal, softcap = tensor_scalars(softmax_scale, causal, softcap)
     problem, chosen, plan, _, _ = ctx.resolve(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens,
                                               cache_batch_idx, cache_leftpad, block_table, softmax_scale, causal,
                                               window_size, softcap, rotary_interleaved, alibi_slopes, num_splits,

@@ -27,7 +27,7 @@ from . import compat, hardware, host_path
 from .kernels import base
 from .planner import plan as make_plan
 from .problem import contiguous_strides
-from .validate import check_call, check_values, scalar_meta, tensor_meta, value_checks_enabled
+from .validate import check_call, check_values, scalar_meta, tensor_meta, tensor_scalars, value_checks_enabled
 
 #: Entries a context's memo tables hold before they are cleared (each distinct shape is one).
 MAX_MEMO_ENTRIES = 1024
@@ -228,6 +228,8 @@ class DecodeContext:
              return_softmax_lse, backend, out):
         """``run`` on a context already bound to q's device and current stream (``default_context``
         returns it so)."""
+        if isinstance(softmax_scale, torch.Tensor) or isinstance(causal, torch.Tensor) or isinstance(softcap, torch.Tensor):
+            softmax_scale, causal, softcap = tensor_scalars(softmax_scale, causal, softcap)
         device = q.device
         capturing = _capturing(device)  # buffers a graph records must be its own (fresh)
         host = None if capturing or value_checks_enabled() else self._host_path(device)

@@ -218,6 +218,33 @@ def test_numpy_bools_accepted_as_flashattention_takes_them():
     torch.testing.assert_close(call(q, k, v, s, causal=np.bool_(True)), call(q, k, v, s, causal=True))
 
 
+def test_scalars_converted_as_flashattentions_bindings_convert_them():
+    """What converts to the C++ bool and float of FlashAttention's bindings: ints and None for the
+    flags, one-element tensors for the scale, causal and softcap. A tensor's value is read, so a
+    later call with another value of the same tensor metadata gets that value (a context repeats
+    calls by metadata)."""
+    q, k, v, s = good(seqlen_q=3)
+    context = flashdecode.DecodeContext()
+    causal = call(q, k, v, s, causal=True, context=context)
+    for flag in (1, torch.tensor(True), torch.tensor([1])):
+        torch.testing.assert_close(call(q, k, v, s, causal=flag, context=context), causal)
+    plain = call(q, k, v, s, causal=False, context=context)
+    for flag in (0, None, torch.tensor(False)):
+        torch.testing.assert_close(call(q, k, v, s, causal=flag, context=context), plain)
+    for scale in (0.3, 0.05):
+        torch.testing.assert_close(call(q, k, v, s, softmax_scale=torch.tensor(scale), context=context),
+                                   call(q, k, v, s, softmax_scale=scale, context=context))
+    torch.testing.assert_close(call(q, k, v, s, softcap=torch.tensor(2.0), context=context),
+                               call(q, k, v, s, softcap=2.0, context=context))
+    route = flashdecode.plan_for(q, k, v, cache_seqlens=s, causal=torch.tensor(True), backend="reference")
+    assert route.problem.window_right == 0
+    with pytest.raises(TypeError, match=r"softmax_scale must be a number or a one-element tensor, got a tensor of "
+                                        r"shape \(2,\)"):
+        call(q, k, v, s, softmax_scale=torch.tensor([0.1, 0.2]))
+    with pytest.raises(TypeError, match="rotary_interleaved must be a bool, got str"):
+        call(q, k, v, s, rotary_interleaved="no")
+
+
 def test_cache_with_more_rows_than_the_batch_reads_row_b():
     """FlashAttention sizes a contiguous cache by its own rows: sequence b reads (and appends to)
     row b of a cache made for a larger batch. The kernels that need exactly q's batch rows decline."""
