@@ -3,8 +3,8 @@
 The bench times each system's cold median and then its graph replay; a graph figure above the cold
 median is an extra cost in the captured call (session 19: the memset of a merging call's counters,
 perf log §47) or noise. This measures one backend three times in a row on a case's inputs and the
-other layers' (as ``runner._run_case`` sets them up), then its graph alone, so the two can be told
-apart. Usage: python benchmarks/graph_probe.py [--backend triton] --shapes 4x1024x8x4x128:uniform,...
+other layers' (``runner.case_inputs``, as the bench sets them up), then its graph alone, so the
+two can be told apart. Usage: python benchmarks/graph_probe.py [--backend triton] --shapes 4x1024x8x4x128:uniform,...
 """
 import argparse
 
@@ -23,22 +23,20 @@ def main():
     args = parser.parse_args()
     selection = runner.select(runner.Options(cases=cases.parse_shapes(args.shapes), backends=(args.backend,), peers=(),
                                              iters=50))
-    timer = Timer(torch.device("cuda"), selection.iters, selection.warmup)
+    timer = Timer(torch.device("cuda"), selection.iters, selection.warmup, cold_l2=selection.cold_l2)
     system = selection.systems[0]
-    plain = cases.VARIANTS["plain"]
     for case in selection.cases:
-        call = cases.make_call(case, plain, timer.device, cases.DTYPE)
-        fresh = cases.make_call(case, plain, timer.device, cases.DTYPE, seed=runner.FRESH_SEED)
-        references = runner._reference(call), runner._reference(fresh)
-        layers = [call] + [cases.make_call(case, plain, timer.device, cases.DTYPE, seed=runner.LAYER_SEED + index)
-                           for index in range(1, runner.layer_count(call, selection))]
+        _, layers, fresh, references = runner.case_inputs(case, cases.VARIANTS["plain"], selection, timer.device)
         rows = []
         for _ in range(args.repeats):
             result = runner.measure(system, layers, fresh, references, timer, selection)
+            if result.graph is None:
+                rows.append(result.error or result.skipped or "no graph")
+                break
             rows.append(f"{result.timing.median_us:.2f}/{result.graph.median_us:.2f}")
-        alone = timer.time_graph(system.setup([call])[0])[0]
+        alone = timer.time_graph(system.setup(layers[:1])[0])
         print(case.label, case.describe(), "layers", len(layers), f"cold/graph x{args.repeats}:", " ".join(rows),
-              "graph only", f"{alone.median_us:.2f}")
+              "graph only", "-" if alone is None else f"{alone[0].median_us:.2f}")
         del layers
 
 

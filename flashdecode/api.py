@@ -77,7 +77,8 @@ def plan_for(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=No
     if not isinstance(q, torch.Tensor):
         raise TypeError(f"q must be a torch.Tensor, got {type(q).__name__}")
     ctx = context if context is not None else DecodeContext(q.device)
-    softmax_scale, causal, softcap = tensor_scalars(softmax_scale, causal, softcap)
+    softmax_scale, causal, softcap, rotary_interleaved, num_splits = tensor_scalars(
+        softmax_scale, causal, softcap, rotary_interleaved, num_splits)
     problem, chosen, plan, _, _ = ctx.resolve(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens,
                                               cache_batch_idx, cache_leftpad, block_table, softmax_scale, causal,
                                               window_size, softcap, rotary_interleaved, alibi_slopes, num_splits,

@@ -38,7 +38,7 @@ class Case:
     group: int
     headdim: int = HEADDIM
     lengths: str = "matrix"  # one of LENGTH_RULES
-    matrix: str = "cases"  # a key of MATRICES
+    matrix: str = "cases"  # a key of MATRIX_PREFIX
 
     @property
     def nheads(self) -> int:

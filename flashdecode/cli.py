@@ -37,7 +37,7 @@ def _add_bench(subparsers) -> None:
                              "(default: all; none with --shapes)")
     parser.add_argument("--shapes", default="",
                         help="cases of one's own, S1, S2, ...: a comma list of batch x seqlen_cache x nheads_k x "
-                             "group x headdim, ':' and a length rule (equal, uniform, skewed), e.g. "
+                             f"group x headdim, ':' and a length rule ({', '.join(cases.LENGTH_RULES[1:])}), e.g. "
                              "16x2048x1x71x64:uniform")
     parser.add_argument("--variant", type=_names, default=("plain",),
                         help=f"comma list of {', '.join(cases.VARIANTS)} (default: plain)")
@@ -69,7 +69,7 @@ def _run_bench(args) -> int:
     except ValueError as error:
         parser.error(f"--shapes: {error}")
     try:
-        selected = () if shapes and args.cases == "all" else cases.select(args.matrix, args.cases)
+        selected = () if shapes and args.cases.strip().lower() == "all" else cases.select(args.matrix, args.cases)
     except ValueError as error:
         parser.error(f"--cases: {error}")
     selected = tuple(selected) + shapes

@@ -6,8 +6,8 @@ split kernel that merges them itself, the sink that takes the lse when the calle
 it, and the lengths tensors of an int ``cache_seqlens``.
 It serves calls queued in order on one stream from one host thread: a call's split kernel writes the
 partials only after the previous call's combine read them, because the stream orders them. While a
-CUDA graph is being captured, every buffer is allocated fresh so the graph owns it and may replay
-on any stream. It also holds the compiled host path's launch records (``host_path``): a repeat of a
+CUDA graph is being captured, every buffer is the graph's own, so it may replay on any stream:
+allocated fresh, or for a merging kernel's counters taken from ``CAPTURED_COUNTERS``. It also holds the compiled host path's launch records (``host_path``): a repeat of a
 call's metadata is launched from C++ without entering the Python path. Dropping the context frees
 its memory.
 
@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import threading
+import warnings
 
 import torch
 
@@ -230,9 +231,11 @@ class DecodeContext:
              return_softmax_lse, backend, out):
         """``run`` on a context already bound to q's device and current stream (``default_context``
         returns it so)."""
-        if not (type(softmax_scale) in _PLAIN_SCALARS and type(causal) in _PLAIN_SCALARS
-                and type(softcap) in _PLAIN_SCALARS):  # 50 ns where an isinstance of each took 250
-            softmax_scale, causal, softcap = tensor_scalars(softmax_scale, causal, softcap)
+        if not (type(softmax_scale) in _PLAIN_SCALARS and type(causal) in _PLAIN_SCALARS and type(softcap) in
+                _PLAIN_SCALARS and type(rotary_interleaved) in _PLAIN_SCALARS and type(num_splits) in _PLAIN_SCALARS):
+            # (type membership: 74 ns on the CPU machine, where an isinstance of each took 307)
+            softmax_scale, causal, softcap, rotary_interleaved, num_splits = tensor_scalars(
+                softmax_scale, causal, softcap, rotary_interleaved, num_splits)
         device = q.device
         capturing = _capturing(device)  # buffers a graph records must be its own (fresh)
         host = None if capturing or value_checks_enabled() else self._host_path(device)
@@ -370,42 +373,71 @@ class CapturedCounters:
     A captured call needs counters of its own (its graph may replay on any stream), zero at the first
     replay; each kernel leaves them at zero, so every later replay finds them so. Made fresh with
     ``torch.zeros`` under capture, they cost the graph a memset node before the kernel in every
-    replay: 1.7 us of GPU time on a 16 us call (H200, session 19; ``docs/design.md``, "The
-    schedule"). So one buffer of ``size`` counters is zeroed per device outside any capture (by the
-    first eager call that merges; ``torch.cuda.graph`` synchronizes the device before it captures),
-    and each captured call takes counters no other call or graph uses. When it is used up, captured
-    calls get ``torch.zeros`` again: correct, with the memset."""
+    replay (1.2-1.6 us of GPU time on the H200, session 19; ``docs/design.md``, "The schedule"). So
+    the first eager call that merges zeroes a buffer of ``size`` counters per device outside any
+    capture (``torch.cuda.graph`` synchronizes the device before it captures), and each captured call
+    takes counters no other call or graph uses. An eager merging call also starts a new buffer once
+    less than a quarter of the current one is left (the old stays, as graphs hold its counters); a
+    capture that finds too few gets ``torch.zeros`` again (correct, with the memset; warned once).
+
+    What the memset did beside: every replay started from zero. A replay whose programs disagree on
+    a sequence's splits (``cache_seqlens`` written while the kernel ran) leaves a counter non-zero,
+    and later replays of that graph skip that merge; ``reset`` zeroes every buffer again (call it
+    with no graph replaying on the device)."""
 
     def __init__(self, size: int):
         self.size = size
         self._lock = threading.Lock()
-        self._buffers: dict = {}  # device -> [buffer, counters handed out]
+        self._buffers: dict = {}  # device -> [buffers, counters of the last one handed out]
+        self._warned = False
+
+    def _new_buffer(self, device: torch.device) -> torch.Tensor:
+        with torch.inference_mode(False):  # never an inference tensor (see ``DecodeContext.lse``)
+            return torch.zeros(self.size, dtype=torch.int32, device=device)
 
     def prepare(self, device: torch.device) -> None:
-        """Zero the device's buffer if it has none yet (outside capture)."""
+        """Outside capture: make the device's buffer, or a new one when the current is nearly used up."""
         device = _with_index(device)
-        if device not in self._buffers:
-            with self._lock:
-                if device not in self._buffers:
-                    self._buffers[device] = [torch.zeros(self.size, dtype=torch.int32, device=device), 0]
+        entry = self._buffers.get(device)
+        if entry is not None and entry[1] <= self.size * 3 // 4:
+            return
+        with self._lock:
+            entry = self._buffers.get(device)
+            if entry is None:
+                self._buffers[device] = [[self._new_buffer(device)], 0]
+            elif entry[1] > self.size * 3 // 4:
+                entry[0].append(self._new_buffer(device))
+                entry[1] = 0
 
     def take(self, device: torch.device, count: int) -> torch.Tensor:
         """``count`` zeroed counters for a call being captured: the buffer's next unused ones, or fresh."""
         entry = self._buffers.get(_with_index(device))
         with self._lock:
             if entry is not None and entry[1] + count <= self.size:
-                view = entry[0][entry[1]:entry[1] + count]
+                view = entry[0][-1][entry[1]:entry[1] + count]
                 entry[1] += count
                 return view
+            warn = not self._warned
+            self._warned = True
+        if warn:
+            warnings.warn("flashdecode: the zeroed counters for captured merging calls are used up (or were never "
+                          "made by an eager call): captured calls record a memset of their own (CapturedCounters)",
+                          stacklevel=3)
         return torch.zeros(count, dtype=torch.int32, device=device)
 
     def handed_out(self, device: torch.device) -> int:
-        """Counters of the device's buffer that captured calls hold (0 before it is made)."""
+        """Counters of the device's current buffer that captured calls hold (0 before it is made)."""
         entry = self._buffers.get(_with_index(device))
         return 0 if entry is None else entry[1]
 
+    def reset(self, device: torch.device) -> None:
+        """Zero every buffer of the device again (eagerly, with no graph replaying there)."""
+        entry = self._buffers.get(_with_index(device))
+        for buffer in [] if entry is None else entry[0]:
+            buffer.zero_()
 
-#: 2^21 counters (8 MiB a device): a captured call takes batch x KV heads x row tiles of them.
+
+#: 2^21 counters (8 MiB) a buffer: a captured call takes batch x KV heads x row tiles of them.
 CAPTURED_COUNTERS = CapturedCounters(1 << 21)
 
 

@@ -78,13 +78,14 @@ class Tuning:
     #: where it was not measured (its ordering of partials through a GPU-scope atomic is checked on
     #: NVIDIA's only). Hopper: ``HOPPER_TUNING``.
     max_splits_merged_in_split: int = 0
-    #: And where the most splits a sequence can get times the row tile (the partial rows the merging
-    #: program reads) is at most this; 0: no such limit. Hopper: 512, i.e. 16 splits of tiles up to 32
+    #: The partial rows a merging program may read: split plans merge in the split kernel only where
+    #: the most splits a sequence can get times the row tile is at most this too; None: no such
+    #: limit (every backend and device where it was not measured). Hopper: 512, i.e. 16 splits of tiles up to 32
     #: rows, 8 of 64-row tiles (H200, Triton, 16 splits merged against combined: 4 x 8192 tokens at
     #: group 71 27.8 against 17.0 us, with 4 query tokens 34.2 against 26.0, 16 x 4096 at group 16
     #: with 4 query tokens 40.7 against 40.3; 32-row tiles merge faster: case 8 with 4 query tokens
     #: 47.9 against 50.7, 32 x 4096 at group 8 with 4 query tokens 64.8 against 73.3).
-    max_rows_merged_in_split: int = 0
+    max_rows_merged_in_split: int | None = None
     #: Split plans that keep a combine launch it as a programmatic dependent launch (Hopper and
     #: later: it is scheduled while the split kernel drains and waits in the kernel for the
     #: partials; ``Plan.dependent_combine``) where the backend can; off where not measured.

@@ -189,7 +189,7 @@ def _merge_mode(plan_: Plan, problem: Problem, profile: HardwareProfile, backend
     most = plan_.max_splits(problem)
     rows_cap = tuning.max_rows_merged_in_split
     if backend.merges_in_split(problem) and most <= tuning.max_splits_merged_in_split and (
-            not rows_cap or most * plan_.config.block_m <= rows_cap):
+            rows_cap is None or most * plan_.config.block_m <= rows_cap):
         return dataclasses.replace(plan_, merge_in_split=True)
     if plan_.forced_splits == 0:
         combined = dict(tuning.min_blocks_per_combined_split).get(backend.name, tuning.min_blocks_per_split)

@@ -77,17 +77,20 @@ def scalar_meta(value):
     return (type(value), _hashable(value))
 
 
-def tensor_scalars(softmax_scale, causal, softcap):
-    """softmax_scale, causal and softcap with one-element tensors read as Python numbers, as
-    FlashAttention's bindings convert them (a host sync where the tensor is on the GPU); the call
-    then sees, checks and records the value, never the tensor."""
+def tensor_scalars(softmax_scale, causal, softcap, rotary_interleaved, num_splits):
+    """The scalar arguments with one-element tensors read as Python numbers, as FlashAttention's
+    bindings convert them (a host sync where the tensor is on the GPU): the call then sees, checks,
+    memoizes and records the value, never the tensor (the compiled host path keys a tensor by its
+    metadata)."""
     def value(name, item, convert):
         if not isinstance(item, torch.Tensor):
             return item
         if item.numel() != 1:
             _fail(TypeError, f"{name} must be a number or a one-element tensor, got a tensor of shape {tuple(item.shape)}")
         return convert(item.item())
-    return value("softmax_scale", softmax_scale, float), value("causal", causal, bool), value("softcap", softcap, float)
+    return (value("softmax_scale", softmax_scale, float), value("causal", causal, bool),
+            value("softcap", softcap, float), value("rotary_interleaved", rotary_interleaved, bool),
+            value("num_splits", num_splits, int))
 
 
 def _fail(kind, message):
@@ -207,8 +210,8 @@ def check_call(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens,
     if cache_leftpad is not None:
         _require_index("cache_leftpad", cache_leftpad, (batch,), device)
     for name, (kind, value) in (("causal", causal), ("rotary_interleaved", rotary_interleaved)):
-        # FlashAttention's bindings take what converts to a C++ bool: ints and None (False) too
-        if not (issubclass(kind, numbers.Integral) or _numpy_bool(kind) or value is None):
+        # FlashAttention's bindings take what converts to a C++ bool: numbers and None (False) too
+        if not (issubclass(kind, numbers.Real) or _numpy_bool(kind) or value is None):
             _fail(TypeError, f"{name} must be a bool, got {_type_name(kind)} {value!r}")
     window_left, window_right = _window(window_size, causal[1], seqlen_q, capacity)
 

@@ -113,23 +113,29 @@ def test_each_thread_has_its_own_default_context():
 
 
 def test_captured_calls_take_counters_no_other_call_uses():
-    """``CapturedCounters``: zeroed once outside capture, then disjoint runs of it for captured calls
-    until it is used up, then fresh zeroed counters."""
+    """``CapturedCounters``: zeroed outside capture (never as an inference tensor), then disjoint runs
+    of it for captured calls; an eager call starts a new buffer once a quarter is left, a capture that
+    finds too few gets fresh zeroed counters (warned once); ``reset`` zeroes every buffer."""
     from flashdecode.context import CapturedCounters
 
     counters = CapturedCounters(8)
     device = torch.device("cpu")
-    assert counters.handed_out(device) == 0
-    assert not counters.take(device, 2).any()  # before the buffer is made: fresh zeros
-    counters.prepare(device)
-    first, second = counters.take(device, 3), counters.take(device, 5)
-    assert counters.handed_out(device) == 8 and not first.any() and not second.any()
+    with pytest.warns(UserWarning, match="used up"):
+        assert not counters.take(device, 2).any()  # before the buffer is made: fresh zeros
+    with torch.inference_mode():
+        counters.prepare(device)
+    first, second = counters.take(device, 3), counters.take(device, 4)
+    assert counters.handed_out(device) == 7 and not first.any() and not second.any()
+    assert not first.is_inference()
     first.fill_(7)
     assert not second.any()  # disjoint
-    fresh = counters.take(device, 1)  # used up
-    assert not fresh.any() and counters.handed_out(device) == 8
-    counters.prepare(device)  # made once
-    assert counters.handed_out(device) == 8 and (first == 7).all()
+    assert not counters.take(device, 3).any() and counters.handed_out(device) == 7  # too few left: fresh
+    counters.prepare(device)  # 7 of 8 handed out: a new buffer; the old one stays the graphs'
+    third = counters.take(device, 8)
+    assert counters.handed_out(device) == 8 and not third.any() and (first == 7).all()
+    third.fill_(1)
+    counters.reset(device)
+    assert not first.any() and not third.any()
 
 
 def test_lse_sink_and_workspace_are_reused_within_a_context():

@@ -248,7 +248,7 @@ def test_split_kernel_merging_its_partials(case):
     from flashdecode.hardware import current
 
     context = DecodeContext("cuda", tuning=dataclasses.replace(current().tuning, max_splits_merged_in_split=10_000,
-                                                               max_rows_merged_in_split=0))
+                                                               max_rows_merged_in_split=None))
     q, k, v, seqlens = make_inputs(case, device="cuda", seed=1)
 
     def call():

@@ -88,6 +88,22 @@ def test_other_metadata_misses(module):
     assert kernel.calls == []
 
 
+def test_a_tensor_where_the_call_takes_a_scalar_gets_no_record(module):
+    """The key holds a tensor's metadata, not its value: a one-element tensor for the scale, causal,
+    softcap, rotary_interleaved or num_splits is a miss, never a record a call of another value would
+    hit (the public call reads such tensors into numbers before the host path: ``validate.tensor_scalars``)."""
+    kernel = Kernel(module)
+    path = host_path.HostPath(module, max_records=4)
+    for position, value in ((11, torch.tensor(0.5)), (12, torch.tensor(True)), (14, torch.tensor(1.0)),
+                            (15, torch.tensor(False)), (17, torch.tensor(2))):
+        call = make_call()
+        call = call[:position] + (value,) + call[position + 1:]
+        result = torch.empty_like(call[0])
+        assert not path.add(call, [FfiLaunch(kernel.function, (call[0], result))], result, None, (2, 4, 1))
+        assert path.run(call) is None
+    assert len(path) == 0 and kernel.calls == []
+
+
 def test_out_and_lse_given_or_allocated(module):
     kernel = Kernel(module)
     path = host_path.HostPath(module, max_records=4)

@@ -217,7 +217,7 @@ def test_split_plans_merge_in_the_kernel_up_to_the_tunings_splits(threshold):
             p = plan(problem, profile, get_backend(backend), num_splits)
             one_sequence = backend == "triton" and batch == 1 and num_splits == 0  # 1-block splits
             merges = backend == "triton" and p.kernel == SPLIT and p.max_splits(problem) <= threshold \
-                and p.max_splits(problem) * p.config.block_m <= profile.tuning.max_rows_merged_in_split
+                and p.max_splits(problem) * p.config.block_m <= 512  # Hopper's row cap
             assert p.merge_in_split == merges
             assert p.needs_combine == (p.kernel == SPLIT and not merges)
             assert p.workspace_rows == (p.programs_per_head if p.kernel == SPLIT else 0)
@@ -242,7 +242,11 @@ def test_large_row_tiles_merge_fewer_splits(seqlen_q, group, capacity, merges):
     p = plan(problem, PROFILES["h200"], get_backend("triton"))
     assert p.kernel == SPLIT and p.merge_in_split == merges
     assert not merges or p.max_splits(problem) * p.config.block_m <= 512
-    assert plan(problem, PROFILES["c500"], get_backend("triton")).merge_in_split is False  # never measured there
+    unlimited = dataclasses.replace(PROFILES["h200"], tuning=dataclasses.replace(PROFILES["h200"].tuning,
+                                                                             max_rows_merged_in_split=None))
+    assert plan(problem, unlimited, get_backend("triton")).merge_in_split  # at most 16 splits: the split rule alone
+    forced = plan(problem, PROFILES["h200"], get_backend("triton"), 9)  # forced splits meet the cap too
+    assert forced.merge_in_split == (forced.config.block_m <= 32)  # 9 x 64 rows > 512 >= 9 x 32
 
 
 def test_shorter_combined_splits_only_where_measured():

@@ -245,6 +245,27 @@ def test_scalars_converted_as_flashattentions_bindings_convert_them():
         call(q, k, v, s, rotary_interleaved="no")
 
 
+def test_the_host_path_sees_numbers_never_scalar_tensors(monkeypatch):
+    """What a call hands the compiled host path (which keys tensors by metadata, not value): the
+    one-element tensors given for scalars, read as numbers."""
+    from flashdecode import host_path
+
+    seen = []
+
+    class Recording:
+        def run(self, call):
+            seen.append(call)
+            return None  # a miss: the Python path runs the call
+
+    monkeypatch.setattr(host_path, "for_device", lambda device: Recording())
+    q, k, v, s = good()
+    call(q, k, v, s, softmax_scale=torch.tensor(0.25), causal=torch.tensor(1), softcap=torch.tensor(3.0),
+         rotary_interleaved=torch.tensor(False), num_splits=torch.tensor(2), context=flashdecode.DecodeContext())
+    scale, causal, window, softcap, interleaved, alibi, num_splits = seen[0][11:18]
+    assert (scale, causal, softcap, interleaved, num_splits) == (0.25, True, 3.0, False, 2)
+    assert [type(value) for value in (scale, causal, softcap, interleaved, num_splits)] == [float, bool, float, bool, int]
+
+
 def test_cache_with_more_rows_than_the_batch_reads_row_b():
     """FlashAttention sizes a contiguous cache by its own rows: sequence b reads (and appends to)
     row b of a cache made for a larger batch. The kernels that need exactly q's batch rows decline."""

@@ -203,9 +203,9 @@ def torch_launch_us(timer: Timer, calls: int) -> float:
 
 
 def torch_launch_gpu_us(timer: Timer) -> float | None:
-    """GPU time of the same launch replayed from a CUDA graph after the cold-L2 flush, as every graph
-    figure is timed: what any one-kernel call that reads its input from memory takes at least (None
-    without CUDA)."""
+    """GPU time of the same launch (16 KB read and written) replayed from a CUDA graph after the
+    cold-L2 flush, as every graph figure is timed: about what any one-kernel call that reads its
+    input from memory takes at least (None without CUDA)."""
     q = torch.randn(1, 1, cases.NHEADS, cases.HEADDIM, device=timer.device)
     graph = timer.time_graph(lambda: q.add_(0))
     return None if graph is None else graph[0].median_us
@@ -234,14 +234,21 @@ def _reference(call: cases.Call) -> torch.Tensor:
     return reference_attention(call.q, call.k_cache, call.v_cache, **call.kwargs())[0]
 
 
-def _run_case(case, variant, selection, timer, ceiling, anchor, advance) -> CaseRun:
+def case_inputs(case: cases.Case, variant: cases.Variant, selection: Selection, device) -> tuple:
+    """(shape run, the eager loop's layers with the timed inputs first, fresh inputs, the references of
+    the timed and the fresh inputs) of one case and variant, as every system of the run gets them."""
     shape, dtype = _as_run(case, selection.cuda)
-    call = cases.make_call(shape, variant, timer.device, dtype)
-    fresh = cases.make_call(shape, variant, timer.device, dtype, seed=FRESH_SEED)
+    call = cases.make_call(shape, variant, device, dtype)
+    fresh = cases.make_call(shape, variant, device, dtype, seed=FRESH_SEED)
     references = _reference(call), _reference(fresh)
-    layers = [call] + [cases.make_call(shape, variant, timer.device, dtype, seed=LAYER_SEED + index)
+    layers = [call] + [cases.make_call(shape, variant, device, dtype, seed=LAYER_SEED + index)
                        for index in range(1, layer_count(call, selection))]
-    nbytes = call.bytes_moved()
+    return shape, layers, fresh, references
+
+
+def _run_case(case, variant, selection, timer, ceiling, anchor, advance) -> CaseRun:
+    shape, layers, fresh, references = case_inputs(case, variant, selection, timer.device)
+    nbytes = layers[0].bytes_moved()
     results = []
     for system in selection.systems:
         result = measure(system, layers, fresh, references, timer, selection)

@@ -65,8 +65,9 @@ struct KeyHash {
   }
 };
 
-// Appends what the record depends on of one argument; false for a type the path does not take.
-bool push_argument(Key& key, PyObject* object) {
+// Appends what the record depends on of one argument; false for a type the path does not take (a
+// tensor too, unless ``tensor_allowed``).
+bool push_argument(Key& key, PyObject* object, bool tensor_allowed = true) {
   // Cheap exact-type checks first: THPVariable_Check on a non-tensor goes through isinstance.
   if (object == Py_None) {
     key.push_back(-1);
@@ -97,6 +98,7 @@ bool push_argument(Key& key, PyObject* object) {
       if (!PyLong_CheckExact(item) || !push_argument(key, item)) return false;
     }
   } else if (THPVariable_Check(object)) {
+    if (!tensor_allowed) return false;
     const at::Tensor& tensor = THPVariable_Unpack(object);
     key.push_back(1);
     key.push_back(static_cast<int64_t>(tensor.scalar_type()));
@@ -117,7 +119,9 @@ bool make_key(PyObject* args, Key& key) {
   key.clear();
   key.reserve(96);
   for (int i = 0; i < kArgCount; ++i) {
-    if (!push_argument(key, PyTuple_GET_ITEM(args, i))) return false;
+    // A tensor where the call takes a scalar is a miss: the key would hold its metadata, not its value.
+    bool tensor_allowed = i < kScale || i == kAlibi || i == kOut;
+    if (!push_argument(key, PyTuple_GET_ITEM(args, i), tensor_allowed)) return false;
   }
   return true;
 }
