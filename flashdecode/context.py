@@ -162,7 +162,7 @@ class DecodeContext:
         """The int32 counters a merging split kernel takes tickets from (``Plan.ticket_count``), or
         None. Zero when made; every kernel leaves its counters at zero (the merging program resets
         them), so calls reuse them in stream order and a CUDA graph replays; under capture they are
-        the graph's own (``CAPTURED_COUNTERS``)."""
+        counters no other call or graph uses (``CAPTURED_COUNTERS``)."""
         count = plan.ticket_count(problem)
         if count == 0:
             return None
@@ -237,7 +237,7 @@ class DecodeContext:
             softmax_scale, causal, softcap, rotary_interleaved, num_splits = tensor_scalars(
                 softmax_scale, causal, softcap, rotary_interleaved, num_splits)
         device = q.device
-        capturing = _capturing(device)  # buffers a graph records must be its own (fresh)
+        capturing = _capturing(device)  # buffers a graph records must be its own (fresh, or CAPTURED_COUNTERS)
         host = None if capturing or value_checks_enabled() else self._host_path(device)
         if host is not None:
             call = (q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad,
