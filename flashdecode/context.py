@@ -7,8 +7,9 @@ it, and the lengths tensors of an int ``cache_seqlens``.
 It serves calls queued in order on one stream from one host thread: a call's split kernel writes the
 partials only after the previous call's combine read them, because the stream orders them. While a
 CUDA graph is being captured, every buffer is the graph's own, so it may replay on any stream:
-allocated fresh, or for a merging kernel's counters taken from ``CAPTURED_COUNTERS``. It also holds the compiled host path's launch records (``host_path``): a repeat of a
-call's metadata is launched from C++ without entering the Python path. Dropping the context frees
+allocated fresh, or for a merging kernel's counters taken from ``CAPTURED_COUNTERS``. It also holds
+the compiled host path's launch records (``host_path``): a repeat of a call's metadata is launched
+from C++ without entering the Python path. Dropping the context frees
 its memory.
 
 The plain call uses a default context per (host thread, device, stream) (``default_context``);
@@ -372,13 +373,14 @@ class CapturedCounters:
 
     A captured call needs counters of its own (its graph may replay on any stream), zero at the first
     replay; each kernel leaves them at zero, so every later replay finds them so. Made fresh with
-    ``torch.zeros`` under capture, they cost the graph a memset node before the kernel in every
-    replay (1.2-1.6 us of GPU time on the H200, session 19; ``docs/design.md``, "The schedule"). So
-    the first eager call that merges zeroes a buffer of ``size`` counters per device outside any
-    capture (``torch.cuda.graph`` synchronizes the device before it captures), and each captured call
-    takes counters no other call or graph uses. An eager merging call also starts a new buffer once
-    less than a quarter of the current one is left (the old stays, as graphs hold its counters); a
-    capture that finds too few gets ``torch.zeros`` again (correct, with the memset; warned once).
+    ``torch.zeros`` under capture, they cost the graph a memset node before the kernel in every replay
+    (1.2-1.6 us of GPU time on the H200, session 19; ``docs/design.md``, "The schedule"). So the first
+    eager call that merges zeroes a buffer of ``size`` counters per device outside any capture
+    (``torch.cuda.graph`` synchronizes the device before it captures), and each captured call takes
+    counters no other call or graph uses. An eager merging call on the Python path (a context's first
+    call of each metadata) also starts a new buffer once less than a quarter of the current one is left
+    (the old stays, as graphs hold its counters); a capture that finds too few gets ``torch.zeros``
+    again (correct, with the memset; warned once).
 
     What the memset did beside: every replay started from zero. A replay whose programs disagree on
     a sequence's splits (``cache_seqlens`` written while the kernel ran) leaves a counter non-zero,

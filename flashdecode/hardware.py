@@ -80,7 +80,7 @@ class Tuning:
     max_splits_merged_in_split: int = 0
     #: The partial rows a merging program may read: split plans merge in the split kernel only where
     #: the most splits a sequence can get times the row tile is at most this too; None: no such
-    #: limit (every backend and device where it was not measured). Hopper: 512, i.e. 16 splits of tiles up to 32
+    #: limit (devices where it was not measured). Hopper: 512, i.e. 16 splits of tiles up to 32
     #: rows, 8 of 64-row tiles (H200, Triton, 16 splits merged against combined: 4 x 8192 tokens at
     #: group 71 27.8 against 17.0 us, with 4 query tokens 34.2 against 26.0, 16 x 4096 at group 16
     #: with 4 query tokens 40.7 against 40.3; 32-row tiles merge faster: case 8 with 4 query tokens

@@ -174,10 +174,10 @@ def plan(problem: Problem, profile: HardwareProfile, backend, num_splits: int = 
 
 def _merge_mode(plan_: Plan, problem: Problem, profile: HardwareProfile, backend) -> Plan:
     """``plan_`` with how its splits are merged: in the split kernel where the backend can and no
-    sequence can get more than ``max_splits_merged_in_split`` splits, nor so many that they times the
-    row tile pass ``max_rows_merged_in_split`` (one program merges them, a few at a time), else by
-    the combine, a dependent launch where the tuning asks and the device and the
-    backend can. Splits only ever get shorter here: one sequence's to the backend's
+    sequence can get more than ``max_splits_merged_in_split`` splits, nor so many that splits times
+    the row tile exceeds ``max_rows_merged_in_split`` (one program merges them, a few at a time),
+    else by the combine, a dependent launch where the tuning asks and the device and the backend can.
+    Splits only ever get shorter here: one sequence's to the backend's
     ``min_blocks_per_one_sequence_split`` (before the merge is decided), a combine's to its
     ``min_blocks_per_combined_split``."""
     if plan_.kernel != SPLIT:

@@ -86,7 +86,8 @@ def tensor_scalars(softmax_scale, causal, softcap, rotary_interleaved, num_split
         if not isinstance(item, torch.Tensor):
             return item
         if item.numel() != 1:
-            _fail(TypeError, f"{name} must be a number or a one-element tensor, got a tensor of shape {tuple(item.shape)}")
+            _fail(TypeError, f"{name} must be a number or a one-element tensor, got a tensor of shape "
+                             f"{tuple(item.shape)}")
         return convert(item.item())
     return (value("softmax_scale", softmax_scale, float), value("causal", causal, bool),
             value("softcap", softcap, float), value("rotary_interleaved", rotary_interleaved, bool),

@@ -263,7 +263,8 @@ def test_the_host_path_sees_numbers_never_scalar_tensors(monkeypatch):
          rotary_interleaved=torch.tensor(False), num_splits=torch.tensor(2), context=flashdecode.DecodeContext())
     scale, causal, window, softcap, interleaved, alibi, num_splits = seen[0][11:18]
     assert (scale, causal, softcap, interleaved, num_splits) == (0.25, True, 3.0, False, 2)
-    assert [type(value) for value in (scale, causal, softcap, interleaved, num_splits)] == [float, bool, float, bool, int]
+    assert [type(value) for value in (scale, causal, softcap, interleaved, num_splits)] == \
+        [float, bool, float, bool, int]
 
 
 def test_cache_with_more_rows_than_the_batch_reads_row_b():

@@ -189,8 +189,7 @@ def run(selection: Selection, advance: Callable[[str], None] = lambda label: Non
                  for case in selection.cases for variant in selection.variants]
     peer_versions = {s.name: s.version for s in selection.systems if s.kind == "peer"}
     return BenchRun(environment(selection.cuda, peer_versions), _settings(selection, timer, launch_us, launch_gpu_us),
-                    ceiling,
-                    selection.systems, selection.skipped, _notes(selection, launch_us), case_runs)
+                    ceiling, selection.systems, selection.skipped, _notes(selection, launch_us), case_runs)
 
 
 def torch_launch_us(timer: Timer, calls: int) -> float:
@@ -311,7 +310,7 @@ def baseline(case, variant, results, cuda, anchor) -> tuple[float | None, str, s
     return None, "none: fa2 did not run correctly here, and the anchor file holds the 14 plain cases only", None
 
 
-def _settings(selection: Selection, timer: Timer, launch_us: float, launch_gpu_us: float | None = None) -> dict:
+def _settings(selection: Selection, timer: Timer, launch_us: float, launch_gpu_us: float | None) -> dict:
     return {"iters": selection.iters, "warmup": selection.warmup,
             "cold_l2": timer.flush_bytes > 0, "flush_bytes": timer.flush_bytes,
             "host_overhead_calls": selection.host_calls, "torch_launch_us": launch_us,
