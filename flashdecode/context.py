@@ -58,6 +58,7 @@ class DecodeContext:
         self._uniform_lengths: dict = {}
         self._host = None  # HostPath: the compiled host path's records (``host_path``), made on first use
         self._host_tried = False
+        self._host_off_because: str | None = None  # why the context dropped its HostPath
 
     # -- what runs -------------------------------------------------------------------------------
     def resolve(self, q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
@@ -279,11 +280,21 @@ class DecodeContext:
         ``len()`` records, ``hits``), or None before the first CUDA call and where it is off."""
         return self._host
 
+    @property
+    def host_path_off_because(self) -> str | None:
+        """Why this context's calls take the Python path (None: they may take the compiled one, or
+        no call ran yet): its device is not CUDA, the process cannot build or load the extension
+        (``host_path.unavailable``), or the check of its first record failed (``HostPath.verify``)."""
+        return self._host_off_because
+
     def _host_path(self, device: torch.device):
         """The context's HostPath (``host_path.for_device``), made on the first call; None when off."""
         if not self._host_tried:
             self._host_tried = True
             self._host = host_path.for_device(device)
+            if self._host is None:
+                self._host_off_because = host_path.unavailable() if device.type == "cuda" else \
+                    f"{device.type} is not a CUDA device"
         return self._host
 
     def _record(self, host, call, launches, problem, result, lse) -> None:
@@ -296,7 +307,7 @@ class DecodeContext:
                 host.needs_verify(launches):
             host.verify(call, launches, result, lse)
             if host.off_because is not None:
-                self._host = None
+                self._host, self._host_off_because = None, host.off_because
 
 
 def _fast_meta(tensor):

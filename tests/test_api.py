@@ -100,6 +100,14 @@ def test_an_explicit_context_owns_its_workspace():
                                 cache_seqlens=lengths.to("meta"), context=context)
 
 
+def test_a_context_says_why_its_calls_take_the_python_path():
+    q, k_cache, v_cache, lengths = inputs()
+    context = DecodeContext()
+    assert context.host_path_off_because is None  # no call yet
+    flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=lengths, context=context)
+    assert context.host_path is None and context.host_path_off_because == "cpu is not a CUDA device"
+
+
 def test_each_thread_has_its_own_default_context():
     from flashdecode.context import default_context
 

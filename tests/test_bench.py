@@ -334,7 +334,7 @@ def test_measure_checks_times_skips_and_survives_failures(runner):
 
 def test_our_backend_system_checks_with_plan_for(runner):
     """Our systems ask flashdecode.plan_for: its Plan is recorded, a call the backend cannot take is Unsupported."""
-    check, setup = runner.call_ours("triton")
+    check, setup, _ = runner.call_ours("triton")
     call = cases.make_call(SMALL, cases.VARIANTS["q4"], dtype=torch.float16)
     plan = check(call)
     assert plan["kernel"] and plan["config"]["block_n"] > 0
@@ -506,6 +506,23 @@ def test_records_append_and_keep_earlier_lines(fake_run, tmp_path):
     assert good["technique"] == "split-kv gqa-packed triton" and good["config"]["block_n"] == 64
     assert good["device"] == "Fake GPU" and good["git_commit"] == "abc" and good["case"] == 1
     assert (failed["case"], failed["variant"]) == ("2/q4", "q4") and (wide["case"], wide["matrix"]) == ("W3", "wide")
+
+
+def test_host_path_says_what_launched_the_host_time_loop(runner):
+    assert runner.host_path_of(210, None, 10, 200) == "compiled"
+    assert runner.host_path_of(150, None, 10, 200) == "python: 60 of 200 calls found no record"
+    assert runner.host_path_of(0, "FLASHDECODE_HOST_PATH=0", 0, 200) == "python: FLASHDECODE_HOST_PATH=0"
+
+
+def test_table_and_json_name_the_python_host_path(fake_run, tmp_path):
+    fake_run.cases[0].results[0].host_path = "python: FLASHDECODE_HOST_PATH=0"
+    fake_run.cases[2].results[0].host_path = "compiled"
+    table = report.format_table(fake_run)
+    assert "host us from the Python path" in table and "case 1 plain triton: python: FLASHDECODE_HOST_PATH=0" in table
+    assert "case W3 plain triton" not in table.split("host us from the Python path")[1]
+    report.write_json(fake_run, tmp_path / "run.json")
+    results = [case["results"] for case in json.loads((tmp_path / "run.json").read_text())["cases"]]
+    assert results[2]["triton"]["host_path"] == "compiled" and "host_path" not in results[0]["sdpa"]
 
 
 def test_table_shows_every_result_and_the_file_baseline(fake_run):

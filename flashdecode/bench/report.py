@@ -93,6 +93,7 @@ def _result_dict(result) -> dict:
               "skipped": result.skipped, "error": result.error}
     if result.kind == "ours":
         fields["plan"] = result.plan
+        fields["host_path"] = result.host_path
     return fields
 
 
@@ -245,7 +246,7 @@ def format_table(run) -> str:
               f"{'p80 us':>10} {'graph us':>9} {'host us':>8} {'eager us':>13} {'GB/s':>6} {'ceil':>5} "
               f"{'speedup':>8}  correct (rel err timed/fresh)")
     lines += ["", header, "-" * len(header)]
-    errors, skipped = [], []
+    errors, skipped, python_path = [], [], []
     for c in run.cases:
         where = f"case {c.case.label} {c.variant.name}"
         for r in c.results:
@@ -261,9 +262,13 @@ def format_table(run) -> str:
                 errors.append(f"{where} {r.system}: {r.error}")
             if r.skipped:
                 skipped.append(f"{where} {r.system}: {r.skipped}")
+            if r.host_path not in (None, "compiled"):
+                python_path.append(f"{where} {r.system}: {r.host_path}")
         if c.baseline_system is None and c.baseline_us is not None:
             lines.append(f"{'':>4} {'':<8} {'':<28} {'fa2 (file)':<17} {c.baseline_us:>10.2f}   "
                          f"<- baseline: {c.baseline_source}")
+    if python_path:
+        lines += ["", "host us from the Python path (not the compiled host path):"] + python_path
     if skipped:
         lines += ["", "skipped (the system does not take the call):"] + skipped
     if errors:

@@ -15,7 +15,10 @@ class System:
     ``check(call)`` returns what the report records about how the system takes the call (our
     backends: the planner's Plan as a dict; others: None) or raises ``Unsupported`` with the reason.
     ``setup(calls)`` does the one-time work for a list of ``cases.Call`` (the layers of one case and
-    variant, same lengths) and returns one zero-argument function per call, each giving ``out``."""
+    variant, same lengths) and returns one zero-argument function per call, each giving ``out``.
+    ``launch_path(call)`` (our backends only): (calls the compiled host path launched so far in the
+    context that takes ``call``, why that path is off there or None), so the report can say which
+    path the host time measured."""
 
     name: str
     kind: str  # "ours" | "peer" | "reference"
@@ -23,6 +26,7 @@ class System:
     description: str  # what is called, and how
     check: Callable
     setup: Callable
+    launch_path: Callable | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,6 +53,9 @@ class Result:
     timing: Timing | None = None  # cold L2, one call per event pair
     graph: Timing | None = None  # replayed from a CUDA graph: GPU time
     host_overhead_us: float | None = None  # host time per call
+    #: our backends: "compiled" when every call of the host-time loop launched from the compiled host
+    #: path's records, else "python: " and why not
+    host_path: str | None = None
     eager: Timing | None = None  # per call of a loop over eager_layers layers
     eager_layers: int | None = None
     bandwidth_gbps: float | None = None

@@ -25,6 +25,7 @@ import triton
 
 import flashdecode
 from flashdecode import cases
+from flashdecode.context import default_context
 from flashdecode.reference import reference_attention, relative_error
 
 from . import BenchError, Unsupported
@@ -111,7 +112,12 @@ def call_ours(backend: str):
             return lambda: flashdecode.flash_attn_with_kvcache(q, k_cache, v_cache, **kwargs, backend=backend)
         return [bind(call) for call in calls]
 
-    return check, setup
+    def launch_path(call):
+        context = default_context(call.q.device)
+        host = context.host_path
+        return (0 if host is None else host.hits), context.host_path_off_because
+
+    return check, setup, launch_path
 
 
 def _our_backend(name: str, cuda: bool) -> System:
@@ -119,7 +125,7 @@ def _our_backend(name: str, cuda: bool) -> System:
     device = torch.device("cuda" if cuda else "cpu")
     probe = cases.make_call(cases.Case(0, 1, 64, 1, 4), cases.VARIANTS["plain"], device,
                             cases.DTYPE if cuda else CPU_DTYPE)
-    check, setup = call_ours(name)
+    check, setup, launch_path = call_ours(name)
     try:
         check(probe)
     except Unsupported as error:
@@ -127,7 +133,7 @@ def _our_backend(name: str, cuda: bool) -> System:
     mode = "" if cuda or name != "triton" else " (interpreter)"
     package = triton.__version__ if name == "triton" else version(name)
     return System(name, "ours", f"flashdecode {flashdecode.__version__}, {name} {package}{mode}",
-                  _OURS_CALL.format(name), check, setup)
+                  _OURS_CALL.format(name), check, setup, launch_path if cuda else None)
 
 
 def _peer_check(limitation):
@@ -161,7 +167,7 @@ def select(options: Options) -> Selection:
             raise BenchError(f"unknown backends {bad}; backends are {', '.join(OUR_BACKENDS)}")
         systems = [_our_backend(name, cuda) for name in options.backends]
     if not cuda:
-        check, setup = call_ours("reference")
+        check, setup, _ = call_ours("reference")
         systems.append(System("reference", "reference", f"torch {torch.__version__}",
                               _OURS_CALL.format("reference") + ": the float32 torch reference", check, setup))
     peers, skipped_peers = select_peers(None if options.peers is None else list(options.peers), cuda)
@@ -282,7 +288,10 @@ def measure(system: System, layers: list[cases.Call], fresh: cases.Call, referen
         if graph is not None:
             result.graph, graph_out = graph
             errors.append(relative_error(graph_out, references[0]))
+        hits_before = system.launch_path(layers[0])[0] if system.launch_path else 0
         result.host_overhead_us = timer.host_overhead_us(call, selection.host_calls)
+        if system.launch_path:
+            result.host_path = host_path_of(*system.launch_path(layers[0]), hits_before, selection.host_calls)
         result.eager, result.eager_layers = timer.eager_loop(calls, selection.eager_repeats), len(calls)
         result.rel_err = max(errors)
         result.fresh_rel_err = relative_error(system.setup([fresh])[0](), references[1])
@@ -292,6 +301,16 @@ def measure(system: System, layers: list[cases.Call], fresh: cases.Call, referen
     except Exception as error:  # noqa: BLE001 - a failing system is reported, the run goes on
         result.error = f"{type(error).__name__}: {error}"
     return result
+
+
+def host_path_of(hits: int, off_because: str | None, hits_before: int, calls: int) -> str:
+    """What the report says launched a host-time loop of ``calls`` calls: "compiled" when each of
+    them was a hit of the compiled host path's records, else "python: " and why."""
+    if hits - hits_before >= calls:
+        return "compiled"
+    if off_because is not None:
+        return f"python: {off_because}"
+    return f"python: {calls - (hits - hits_before)} of {calls} calls found no record"
 
 
 def baseline(case, variant, results, cuda, anchor) -> tuple[float | None, str, str | None]:
