@@ -13,10 +13,10 @@ multiprocessors take their own, shorter ones); ``--one-sequence-min-blocks`` set
 (0: none, the batch rules apply); ``--split-above`` ``split_above_blocks`` (the most blocks a cache
 has unsplit, unless ``underfilled_split_above_blocks`` splits it: at or below its count, that rule is off);
 ``--tl-stages`` and ``--tl-rows`` set any backend's ``num_stages`` / ``block_m``; ``--warps`` Triton's
-``num_warps``; ``--max-registers`` Triton's register cap (0: none); ``--merge-splits`` the most
-splits a sequence may have for the split kernel to merge them itself (0: never), ``--merge-step``
-how many it merges at a time; ``--dependent-combine 0,1`` the combine as a programmatic dependent
-launch; ``--triton-resident`` the split programs Triton assumes an SM holds at the case's head dim
+``num_warps``; ``--max-registers`` Triton's register cap (0: none; -1: the shipped rule's for the tile);
+``--merge-splits`` the most splits a sequence may have for the split kernel to merge them itself
+(0: never), ``--merge-step`` how many it merges at a time; ``--dependent-combine 0,1`` the combine
+as a programmatic dependent launch; ``--triton-resident`` the split programs Triton assumes an SM holds at the case's head dim
 (the row of ``Tuning.triton_resident_programs`` it takes, for paged caches too: single-sequence
 grids and the register cap follow). ``--shapes`` adds
 cases of one's own: batch x seqlen_cache x nheads_k x group x headdim, then ``:`` and a length rule of
@@ -96,7 +96,7 @@ def main():
                                                        ("block_m", q_rows), ("producer_registers", producer),
                                                        ("num_warps", warps), ("merge_step", merge_step))
                        if value is not None and hasattr(default, name)}
-            if registers is not None and isinstance(default, TritonConfig):  # 0: no cap
+            if registers is not None and registers >= 0 and isinstance(default, TritonConfig):  # 0: no cap
                 changes["max_registers"] = registers or None
             if isinstance(default, TritonConfig):  # the swept tile's register ceiling, not the default's
                 config = retiled(default, headdim, dataclasses.replace(current(), tuning=tuning),
