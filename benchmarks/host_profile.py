@@ -4,7 +4,7 @@ and the C++ part alone (`HostPath.run`: lookup, allocation, launches); the diffe
 before it. Calls back to back, no waiting on the GPU (a case whose GPU time exceeds its host time
 shows the GPU instead).
 
-Usage: python benchmarks/host_profile.py [--cases 3,10,8] [--calls 3000]
+Usage: python benchmarks/host_profile.py [--cases 3,10,8] [--calls 3000] [--backends tilelang,triton]
 """
 import argparse
 import statistics
@@ -27,6 +27,7 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--cases", default="3,10,8")
     parser.add_argument("--calls", type=int, default=3000)
+    parser.add_argument("--backends", default="tilelang,triton")
     args = parser.parse_args()
     for number in (int(text) for text in args.cases.split(",")):
         call = make_call(CASES_BY_NUMBER[number], VARIANTS["plain"], "cuda")
@@ -37,7 +38,7 @@ def main():
               f"empty_like {per_call(timer, lambda: torch.empty_like(q), args.calls):.1f}  "
               f"is_capturing {per_call(timer, torch.cuda.is_current_stream_capturing, args.calls):.1f}  "
               f"default_context {per_call(timer, lambda: default_context(q.device), args.calls):.2f}")
-        for backend in ("tilelang", "triton"):
+        for backend in args.backends.split(","):
             def whole():
                 return flashdecode.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=lengths, backend=backend)
 

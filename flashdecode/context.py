@@ -117,9 +117,10 @@ class DecodeContext:
         return chosen, make_plan(problem, profile, chosen, num_splits, self.config)
 
     # -- device memory -----------------------------------------------------------------------------
-    def _bind(self, device: torch.device) -> None:
+    def _bind(self, device: torch.device) -> bool:
         """Tie the context to the first call's device and CUDA stream: its workspace is reused in
-        stream order, so calls from another stream would race on it."""
+        stream order, so calls from another stream would race on it (except while that stream
+        captures a graph, whose buffers are its own). Whether the call is on the bound stream."""
         stream = compat.current_stream_handle(_index(device)) if device.type == "cuda" else 0
         if self.device is None:
             self.device = device
@@ -132,6 +133,7 @@ class DecodeContext:
         elif stream != self._stream and not _capturing(device):
             raise ValueError("context is bound to another CUDA stream: use one DecodeContext per stream "
                              "(the plain call keeps one per stream by itself)")
+        return stream == self._stream
 
     def partials(self, plan, problem, device, capturing=None):
         """part_o (W, Hk * q_rows, D) and part_lse (W, Hk * q_rows), float32 views of one buffer; empty
@@ -223,31 +225,33 @@ class DecodeContext:
             window_size=(-1, -1), softcap=0.0, rotary_interleaved=True, alibi_slopes=None, num_splits=0,
             return_softmax_lse=False, backend="auto", out=None):
         """validate -> route -> launch; returns out (and lse (B, Hq, Sq) when asked for)."""
-        self._bind(q.device)
+        on_bound_stream = self._bind(q.device)
         return self._run(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
                          cache_leftpad, block_table, softmax_scale, causal, window_size, softcap, rotary_interleaved,
-                         alibi_slopes, num_splits, return_softmax_lse, backend, out)
+                         alibi_slopes, num_splits, return_softmax_lse, backend, out, on_bound_stream)
 
     def _run(self, q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad,
              block_table, softmax_scale, causal, window_size, softcap, rotary_interleaved, alibi_slopes, num_splits,
-             return_softmax_lse, backend, out):
-        """``run`` on a context already bound to q's device and current stream (``default_context``
-        returns it so)."""
+             return_softmax_lse, backend, out, on_bound_stream=True):
+        """``run`` on a context already bound to q's device (``default_context`` returns it so, on
+        its current stream; ``on_bound_stream`` False: on another stream, which is capturing)."""
         if not (type(softmax_scale) in _PLAIN_SCALARS and type(causal) in _PLAIN_SCALARS and type(softcap) in
                 _PLAIN_SCALARS and type(rotary_interleaved) in _PLAIN_SCALARS and type(num_splits) in _PLAIN_SCALARS):
             # (type membership: 74 ns on the CPU machine, where an isinstance of each took 307)
             softmax_scale, causal, softcap, rotary_interleaved, num_splits = tensor_scalars(
                 softmax_scale, causal, softcap, rotary_interleaved, num_splits)
         device = q.device
-        capturing = _capturing(device)  # buffers a graph records must be its own (fresh, or CAPTURED_COUNTERS)
-        host = None if capturing or value_checks_enabled() else self._host_path(device)
+        host = None if value_checks_enabled() or not on_bound_stream else self._host_path(device)
         if host is not None:
             call = (q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad,
                     block_table, softmax_scale, causal, window_size, softcap, rotary_interleaved, alibi_slopes,
                     num_splits, return_softmax_lse, backend, out, self._stream)
-            found = host.run(call)
+            found = host.run(call)  # a miss while the stream captures (the extension asks the driver)
             if found is not None:
                 return found
+        capturing = _capturing(device)  # buffers a graph records must be its own (fresh, or CAPTURED_COUNTERS)
+        if capturing:
+            host = None
         problem, chosen, plan, host_checks, copies = self.resolve(
             q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad,
             block_table, softmax_scale, causal, window_size, softcap, rotary_interleaved, alibi_slopes, num_splits,

@@ -156,10 +156,11 @@ class HostPath:
     """One context's launch records (``csrc/host_path.cpp``). ``run`` takes the call's arguments as
     ``DecodeContext.run`` has them, then the context's stream."""
 
-    def __init__(self, module, max_records: int = MAX_RECORDS, check_parameters: bool = True):
-        """``check_parameters``: compare each CUDA launch's parameter words with its function's own
-        list where the driver can tell (off only where the functions are stand-ins, in tests)."""
-        self._native = module.HostPath(max_records, check_parameters)
+    def __init__(self, module, max_records: int = MAX_RECORDS, real_launches: bool = True):
+        """``real_launches``: compare each CUDA launch's parameter words with its function's own list
+        where the driver can tell, and miss while the call's stream captures a CUDA graph (off only
+        where the functions and streams are stand-ins, in tests)."""
+        self._native = module.HostPath(max_records, real_launches)
         self._verified: set[str] = set()  # kinds of launches ("ffi", "cuda") a replay checked
         self.off_because: str | None = None
 

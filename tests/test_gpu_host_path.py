@@ -86,6 +86,46 @@ def test_graph_capture_stays_on_the_python_path():
     assert relative_error(captured, expected) < TOLERANCE
 
 
+@pytest.mark.parametrize("explicit_context", [True, False], ids=["context", "default-context"])
+@pytest.mark.parametrize("backend", ["tilelang", "triton"])
+def test_a_capture_on_the_stream_of_the_records_is_not_launched_from_them(backend, explicit_context):
+    """Calls recorded eagerly on a stream, then captured on that same stream: the extension asks the
+    driver whether the stream captures and misses, so the graph gets buffers of its own (a replay
+    with new q values gives their result) and no launch is taken from a record meanwhile."""
+    if backend == "tilelang":
+        pytest.importorskip("tilelang")
+    call = make_call(CASES_BY_NUMBER[8], VARIANTS["plain"], "cuda")  # a merging split plan (counters)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        context = DecodeContext() if explicit_context else None
+        for _ in range(CALLS):  # records, then hits
+            flash_attn_with_kvcache(call.q, call.k_cache, call.v_cache, **call.kwargs(), backend=backend,
+                                    context=context)
+    torch.cuda.synchronize()
+    hits = _host_of(context, stream).hits
+    assert hits == CALLS - 1
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream):
+        captured = flash_attn_with_kvcache(call.q, call.k_cache, call.v_cache, **call.kwargs(), backend=backend,
+                                           context=context)
+    assert _host_of(context, stream).hits == hits
+    call.q.copy_(torch.randn_like(call.q))
+    graph.replay()
+    torch.cuda.synchronize()
+    expected, _ = reference_attention(call.q, call.k_cache, call.v_cache, **call.kwargs())
+    assert relative_error(captured, expected) < TOLERANCE
+
+
+def _host_of(context, stream):
+    """The HostPath of ``context``, or of the plain call's context on ``stream``."""
+    if context is None:
+        from flashdecode.context import default_context
+        with torch.cuda.stream(stream):
+            context = default_context(torch.device("cuda", torch.cuda.current_device()))
+    return context.host_path
+
+
 def test_the_environment_turns_it_off(monkeypatch):
     monkeypatch.setenv("FLASHDECODE_HOST_PATH", "0")
     context = DecodeContext()

@@ -50,7 +50,7 @@ def make_call(batch=2, seqlens=None, out=None, return_lse=False):
 
 def test_a_record_launches_with_each_calls_tensors(module):
     kernel = Kernel(module)
-    path = host_path.HostPath(module, max_records=4)
+    path = host_path.HostPath(module, max_records=4, real_launches=False)
     first = make_call()
     result, workspace = torch.empty_like(first[0]), torch.zeros(64)
     split = FfiLaunch(kernel.function, (first[0], first[1], first[2], first[7], result, workspace, 7, 0.5))
@@ -67,7 +67,7 @@ def test_a_record_launches_with_each_calls_tensors(module):
 
 
 def test_records_are_bounded(module):
-    path = host_path.HostPath(module, max_records=4)
+    path = host_path.HostPath(module, max_records=4, real_launches=False)
     for batch in range(1, 7):
         call = make_call(batch=batch)
         result = torch.empty_like(call[0])
@@ -77,7 +77,7 @@ def test_records_are_bounded(module):
 
 def test_other_metadata_misses(module):
     kernel = Kernel(module)
-    path = host_path.HostPath(module, max_records=4)
+    path = host_path.HostPath(module, max_records=4, real_launches=False)
     first = make_call()
     result = torch.empty_like(first[0])
     path.add(first, [FfiLaunch(kernel.function, (first[0], result))], result, None, (2, 4, 1))
@@ -93,7 +93,7 @@ def test_a_tensor_where_the_call_takes_a_scalar_gets_no_record(module):
     softcap, rotary_interleaved or num_splits is a miss, never a record a call of another value would
     hit (the public call reads such tensors into numbers before the host path: ``validate.tensor_scalars``)."""
     kernel = Kernel(module)
-    path = host_path.HostPath(module, max_records=4)
+    path = host_path.HostPath(module, max_records=4, real_launches=False)
     for position, value in ((11, torch.tensor(0.5)), (12, torch.tensor(True)), (14, torch.tensor(1.0)),
                             (15, torch.tensor(False)), (17, torch.tensor(2))):
         call = make_call()
@@ -106,7 +106,7 @@ def test_a_tensor_where_the_call_takes_a_scalar_gets_no_record(module):
 
 def test_out_and_lse_given_or_allocated(module):
     kernel = Kernel(module)
-    path = host_path.HostPath(module, max_records=4)
+    path = host_path.HostPath(module, max_records=4, real_launches=False)
     first = make_call(return_lse=True)
     result, lse = torch.empty_like(first[0]), torch.empty(2, 4, 1)
     assert path.add(first, [FfiLaunch(kernel.function, (result, lse.view(2, 4)))], result, lse, (2, 4, 1))
@@ -120,7 +120,7 @@ def test_out_and_lse_given_or_allocated(module):
 
 
 def test_aliased_call_tensors_get_no_record(module):
-    path = host_path.HostPath(module, max_records=4)
+    path = host_path.HostPath(module, max_records=4, real_launches=False)
     call = make_call()
     call = (call[0], call[1], call[1]) + call[3:]  # v_cache is k_cache
     result = torch.empty_like(call[0])
@@ -129,7 +129,7 @@ def test_aliased_call_tensors_get_no_record(module):
 
 
 def test_verify_keeps_a_record_that_replays_what_python_wrote(module):
-    path = host_path.HostPath(module, max_records=4)
+    path = host_path.HostPath(module, max_records=4, real_launches=False)
     call = make_call()
     result = torch.full_like(call[0], 2.0)
     launches = [FfiLaunch(Kernel(module).function, (result, 2.0))]
@@ -156,7 +156,7 @@ def words_of(*values) -> list:
 
 def test_a_cuda_launch_packs_each_parameter_as_its_kind(module):
     """(Stand-in functions: the check against the driver's parameter list is off.)"""
-    path = host_path.HostPath(module, max_records=4, check_parameters=False)
+    path = host_path.HostPath(module, max_records=4, real_launches=False)
     result, lse, workspace = torch.empty(2, 1, 4, 8), torch.empty(2, 4, 1), torch.zeros(64)
     first = make_call(out=result, return_lse=True)
     split = CudaLaunch(0x1234, (3, 2, 1), 128, 4096,
@@ -180,7 +180,7 @@ def test_a_cuda_launch_packs_each_parameter_as_its_kind(module):
 def test_a_dependent_launch_gets_no_record_without_the_drivers_launch_kernel_ex(module):
     """A dependent launch needs ``cuLaunchKernelEx``: without a driver that has it the call keeps
     the Python path (Triton's launcher), the same launches without the flag are recorded."""
-    path = host_path.HostPath(module, max_records=4, check_parameters=False)
+    path = host_path.HostPath(module, max_records=4, real_launches=False)
     result = torch.empty(2, 1, 4, 8)
     call = make_call(out=result)
     split = CudaLaunch(0x1234, (3, 2, 1), 128, 0, (call[0], result), (POINTER, POINTER))
@@ -199,7 +199,7 @@ def test_a_dependent_launch_gets_no_record_without_the_drivers_launch_kernel_ex(
     ((1,), (9,)),  # no such kind
 ], ids=str)
 def test_a_cuda_launch_whose_arguments_do_not_fit_their_kinds_gets_no_record(module, arguments, kinds):
-    path = host_path.HostPath(module, max_records=4, check_parameters=False)
+    path = host_path.HostPath(module, max_records=4, real_launches=False)
     call = make_call()
     result = torch.empty_like(call[0])
     assert not path.add(call, [CudaLaunch(1, (1, 1, 1), 32, 0, arguments, kinds)], result, None, (2, 4, 1))
@@ -214,7 +214,7 @@ def test_the_extension_builds_without_tvm_ffi(tmp_path, monkeypatch):
     module = extension.load()
     assert module is not None, extension.error
     assert not module.TVM_FFI and not hasattr(module, "recorded_calls")
-    path = host_path.HostPath(module, check_parameters=False)  # stand-in functions
+    path = host_path.HostPath(module, real_launches=False)  # stand-in functions
     call = make_call()
     result, workspace = torch.empty_like(call[0]), torch.zeros(8)
     launch = CudaLaunch(1, (1, 1, 1), 32, 0, (workspace, call[0], 3), (POINTER, POINTER, INT32))
@@ -225,7 +225,7 @@ def test_the_extension_builds_without_tvm_ffi(tmp_path, monkeypatch):
 
 
 def test_a_record_needs_launches_of_one_kind(module):
-    path = host_path.HostPath(module, max_records=4, check_parameters=False)
+    path = host_path.HostPath(module, max_records=4, real_launches=False)
     call = make_call()
     result = torch.empty_like(call[0])
     cuda = CudaLaunch(1, (1, 1, 1), 32, 0, (result,), (POINTER,))
@@ -247,7 +247,7 @@ def test_a_call_run_on_copies_gets_no_record(module, monkeypatch):
     monkeypatch.setattr(ReferenceBackend, "host_launches", lambda self, plan, problem, args: [
         FfiLaunch(kernel.function, (args.q, args.out))], raising=False)
     context = DecodeContext("cpu")
-    context._host_tried, context._host = True, host_path.HostPath(module, max_records=4)
+    context._host_tried, context._host = True, host_path.HostPath(module, max_records=4, real_launches=False)
     context._host._verified.add("ffi")  # the stand-in's output is nothing to compare
     k_cache, v_cache = torch.randn(2, 16, 2, 8).half(), torch.randn(2, 16, 2, 8).half()
 
