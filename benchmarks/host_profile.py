@@ -37,14 +37,14 @@ def main():
         print(f"case {number}: q.add_(0) {per_call(timer, lambda: q.add_(0), args.calls):.1f}  "
               f"empty_like {per_call(timer, lambda: torch.empty_like(q), args.calls):.1f}  "
               f"is_capturing {per_call(timer, torch.cuda.is_current_stream_capturing, args.calls):.1f}  "
-              f"default_context {per_call(timer, lambda: default_context(q.device), args.calls):.2f}")
+              f"default_context {per_call(timer, lambda: default_context(q), args.calls):.2f}")
         for backend in args.backends.split(","):
             def whole():
                 return flashdecode.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=lengths, backend=backend)
 
             for _ in range(5):
                 whole()  # the first records its launches
-            host = default_context(q.device).host_path
+            host = default_context(q).host_path
             if host is None:
                 print(f"  {backend:8s} no host path: {flashdecode.host_path.unavailable()}")
                 continue

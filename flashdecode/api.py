@@ -41,7 +41,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                                rotary_interleaved, alibi_slopes, num_splits, return_softmax_lse, backend, out)
     if not isinstance(q, torch.Tensor):
         raise TypeError(f"q must be a torch.Tensor, got {type(q).__name__}")
-    run = context.run if context is not None else default_context(q.device)._run  # the default is bound
+    run = context.run if context is not None else default_context(q)._run  # the default is bound
     return run(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad,
                block_table, softmax_scale, causal, window_size, softcap, rotary_interleaved, alibi_slopes, num_splits,
                return_softmax_lse, backend, out)

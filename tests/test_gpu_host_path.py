@@ -122,7 +122,7 @@ def _host_of(context, stream):
     if context is None:
         from flashdecode.context import default_context
         with torch.cuda.stream(stream):
-            context = default_context(torch.device("cuda", torch.cuda.current_device()))
+            context = default_context(torch.empty(0, device="cuda"))
     return context.host_path
 
 

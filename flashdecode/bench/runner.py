@@ -113,7 +113,7 @@ def call_ours(backend: str):
         return [bind(call) for call in calls]
 
     def launch_path(call):
-        context = default_context(call.q.device)
+        context = default_context(call.q)
         host = context.host_path
         return (0 if host is None else host.hits), context.host_path_off_because
 
