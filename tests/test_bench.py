@@ -617,6 +617,11 @@ def test_source_digest_names_the_code_not_the_checkout(tmp_path, monkeypatch):
     assert provenance.source_digest() == first
     (package / "sub" / "k.py").write_text("y = 2\n")
     assert provenance.source_digest() != first
+    (package / "csrc").mkdir()
+    (package / "csrc" / "host_path.cpp").write_text("int x;\n")
+    extension, python = provenance.extension_digest(), provenance.source_digest()
+    (package / "csrc" / "host_path.cpp").write_text("int y;\n")
+    assert provenance.extension_digest() != extension and provenance.source_digest() == python
 
 
 # --- benchmarks/build_fa2.py ----------------------------------------------------------------------

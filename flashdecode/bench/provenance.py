@@ -46,15 +46,25 @@ def source_digest() -> str:
     ran even where git's view of the checkout is stale (the GPU machine's copy of the working tree
     carried an old HEAD, so git_commit read "<old>-dirty"). The same digest of a commit's tree:
     ``git worktree``/``git archive`` it and call this on that copy."""
+    return _digest("*.py")
+
+
+def extension_digest() -> str:
+    """The same digest of the compiled host path's C++ sources (``csrc/``), which ``source_digest``
+    leaves out (its value for earlier trees stays what their runs recorded)."""
+    return _digest("csrc/*")
+
+
+def _digest(pattern: str) -> str:
     root = pathlib.Path(flashdecode.__file__).parent
     digest = hashlib.sha256()
-    for path in sorted(root.rglob("*.py")):
+    for path in sorted(root.rglob(pattern) if pattern.startswith("*") else root.glob(pattern)):
         digest.update(path.relative_to(root).as_posix().encode() + b"\0" + path.read_bytes() + b"\0")
     return digest.hexdigest()[:12]
 
 
 def environment(cuda: bool, peer_versions: dict[str, str]) -> dict:
-    """The run's device, versions (ours and each peer's), commit, source digest and UTC date."""
+    """The run's device, versions (ours and each peer's), commit, source digests and UTC date."""
     if cuda:
         device = torch.cuda.get_device_name()
     else:
@@ -62,5 +72,5 @@ def environment(cuda: bool, peer_versions: dict[str, str]) -> dict:
     versions = {"python": platform.python_version(), "torch": torch.__version__, "triton": triton.__version__,
                 "tilelang": version("tilelang"), "flashdecode": flashdecode.__version__, **peer_versions}
     return {"device": device, "cuda": cuda, "versions": versions, "git_commit": git_commit(),
-            "source_digest": source_digest(),
+            "source_digest": source_digest(), "extension_digest": extension_digest(),
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}

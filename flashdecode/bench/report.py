@@ -234,7 +234,8 @@ def format_table(run) -> str:
     per (case, variant, system), then the skipped calls and the errors."""
     env = run.environment
     lines = [f"flashdecode bench on {env['device']}, commit {env['git_commit'] or 'unknown'} "
-             f"(sources {env.get('source_digest') or 'unknown'}), {env['date']}"]
+             f"(sources {env.get('source_digest') or 'unknown'}, extension {env.get('extension_digest') or 'unknown'}), "
+             f"{env['date']}"]
     lines += [f"system {s.name} [{s.version}]: {s.description}" for s in run.systems]
     lines += [f"ceiling: {run.ceiling.what}: {run.ceiling.gbps:.0f} GB/s"]
     launch = run.settings.get("torch_launch_us")
