@@ -16,11 +16,11 @@ has unsplit, unless ``underfilled_split_above_blocks`` splits it: at or below it
 ``num_warps``; ``--max-registers`` Triton's register cap (0: none; -1: the shipped rule's for the tile);
 ``--merge-splits`` the most splits a sequence may have for the split kernel to merge them itself
 (0: never), ``--merge-step`` how many it merges at a time; ``--dependent-combine 0,1`` the combine
-as a programmatic dependent launch; ``--triton-resident`` the split programs Triton assumes an SM holds at the case's head dim
-(the row of ``Tuning.triton_resident_programs`` it takes, for paged caches too: single-sequence
-grids and the register cap follow). ``--shapes`` adds
-cases of one's own: batch x seqlen_cache x nheads_k x group x headdim, then ``:`` and a length rule of
-``cases.LENGTH_RULES`` (``cases.parse_shapes``: S1, S2, ...).
+as a programmatic dependent launch; ``--triton-resident`` the split programs Triton assumes an SM
+holds at the case's head dim (the row of ``Tuning.triton_resident_programs`` it takes, for paged
+caches too: single-sequence grids and the register cap follow). ``--shapes`` adds cases of one's own:
+batch x seqlen_cache x nheads_k x group x headdim, then ``:`` and a length rule of ``cases.LENGTH_RULES``
+(``cases.parse_shapes``: S1, S2, ...).
 """
 import argparse
 import dataclasses

@@ -58,7 +58,7 @@ class DecodeContext:
         self._uniform_lengths: dict = {}
         self._host = None  # HostPath: the compiled host path's records (``host_path``), made on first use
         self._host_tried = False
-        self._host_off_because: str | None = None  # why the context dropped its HostPath
+        self._host_off_because: str | None = None  # why the context has no HostPath (none made, or dropped)
 
     # -- what runs -------------------------------------------------------------------------------
     def resolve(self, q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
@@ -240,8 +240,12 @@ class DecodeContext:
             # (type membership: 74 ns on the CPU machine, where an isinstance of each took 307)
             softmax_scale, causal, softcap, rotary_interleaved, num_splits = tensor_scalars(
                 softmax_scale, causal, softcap, rotary_interleaved, num_splits)
-        host = None if value_checks_enabled() or not on_bound_stream else \
-            self._host if self._host_tried else self._host_path(q.device)
+        if value_checks_enabled() or not on_bound_stream:
+            host = None
+        elif self._host_tried:
+            host = self._host
+        else:  # the first call: not under a capture, where building the extension would stall it
+            host = None if _capturing(q.device) else self._host_path(q.device)
         if host is not None:
             call = (q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad,
                     block_table, softmax_scale, causal, window_size, softcap, rotary_interleaved, alibi_slopes,
@@ -288,8 +292,11 @@ class DecodeContext:
     @property
     def host_path_off_because(self) -> str | None:
         """Why this context's calls take the Python path (None: they may take the compiled one, or
-        no call ran yet): its device is not CUDA, the process cannot build or load the extension
-        (``host_path.unavailable``), or the check of its first record failed (``HostPath.verify``)."""
+        no call ran yet): host-side value checks are on, its device is not CUDA, the process cannot
+        build or load the extension (``host_path.unavailable``), or the check of its first record
+        failed (``HostPath.verify``)."""
+        if value_checks_enabled():
+            return "host-side value checks are on (set_value_checks)"
         return self._host_off_because
 
     def _host_path(self, device: torch.device):
@@ -460,7 +467,8 @@ CAPTURED_COUNTERS = CapturedCounters(1 << 21)
 
 
 class _DefaultContexts(threading.local):
-    """One table per host thread: (device, stream handle) -> DecodeContext."""
+    """One table per host thread: (device index, stream handle) for CUDA, else (device, 0) ->
+    DecodeContext (``default_context``)."""
 
     def __init__(self):
         self.table: dict = {}

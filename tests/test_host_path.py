@@ -235,21 +235,35 @@ def test_a_record_needs_launches_of_one_kind(module):
     assert len(path) == 0
 
 
-def test_a_call_run_on_copies_gets_no_record(module, monkeypatch):
-    """A call whose q (or k, v, an index tensor) the context copies to make its last dimension
-    contiguous takes the Python path every time: a record would launch later calls on the first
-    call's copies. The reference backend stands in, describing its launch as one TVM-FFI call."""
+def stand_in_context(module, monkeypatch, verified=True):
+    """A CPU DecodeContext with a HostPath whose records launch a stand-in: the reference backend
+    describes its launch as one TVM-FFI call of the recorder (which writes nothing). ``verified``:
+    its first record is taken as checked (else the check's replay finds out unwritten)."""
     from flashdecode.context import DecodeContext
     from flashdecode.kernels.reference import ReferenceBackend
-    from flashdecode.reference import reference_attention
 
     kernel = Kernel(module)
     monkeypatch.setattr(ReferenceBackend, "host_launches", lambda self, plan, problem, args: [
         FfiLaunch(kernel.function, (args.q, args.out))], raising=False)
     context = DecodeContext("cpu")
     context._host_tried, context._host = True, host_path.HostPath(module, max_records=4, real_launches=False)
-    context._host._verified.add("ffi")  # the stand-in's output is nothing to compare
-    k_cache, v_cache = torch.randn(2, 16, 2, 8).half(), torch.randn(2, 16, 2, 8).half()
+    if verified:
+        context._host._verified.add("ffi")
+    return context
+
+
+def small_cache():
+    return torch.randn(2, 16, 2, 8).half(), torch.randn(2, 16, 2, 8).half()
+
+
+def test_a_call_run_on_copies_gets_no_record(module, monkeypatch):
+    """A call whose q (or k, v, an index tensor) the context copies to make its last dimension
+    contiguous takes the Python path every time: a record would launch later calls on the first
+    call's copies."""
+    from flashdecode.reference import reference_attention
+
+    context = stand_in_context(module, monkeypatch)
+    k_cache, v_cache = small_cache()
 
     def call(q):
         return context.run(q, k_cache, v_cache, cache_seqlens=5, backend="reference")  # no index tensor on the host
@@ -262,3 +276,48 @@ def test_a_call_run_on_copies_gets_no_record(module, monkeypatch):
     for q, out in zip(strided, outputs):  # each call's own q, not the first call's copy
         expected, _ = reference_attention(q, k_cache, v_cache, cache_seqlens=5)
         torch.testing.assert_close(out, expected)
+
+
+def test_a_captured_call_adds_no_record(module, monkeypatch):
+    """A call made while its stream captures takes the Python path and leaves no record: later eager
+    calls would launch into the graph's own buffers."""
+    from flashdecode import context as context_module
+
+    context = stand_in_context(module, monkeypatch)
+    monkeypatch.setattr(context_module, "_capturing", lambda device: True)
+    context.run(torch.randn(2, 1, 4, 8).half(), *small_cache(), cache_seqlens=5, backend="reference")
+    assert len(context.host_path) == 0
+
+
+def test_a_call_off_the_bound_stream_takes_no_record(module, monkeypatch):
+    """An explicit context called from another stream (which it allows only while that stream
+    captures) neither launches from its records nor adds one."""
+    from flashdecode import context as context_module
+
+    context = stand_in_context(module, monkeypatch)
+    q, (k_cache, v_cache) = torch.randn(2, 1, 4, 8).half(), small_cache()
+    context.run(q, k_cache, v_cache, cache_seqlens=5, backend="reference")
+    assert len(context.host_path) == 1
+    monkeypatch.setattr(context_module, "_capturing", lambda device: True)
+    monkeypatch.setattr(context_module.DecodeContext, "_bind", lambda self, device: False)
+    context.run(q, k_cache, v_cache, cache_seqlens=5, backend="reference")
+    assert context.host_path.hits == 0 and len(context.host_path) == 1
+
+
+def test_a_failed_check_of_the_first_record_says_why(module, monkeypatch):
+    """The first record is replayed and compared with what the Python path wrote: the stand-in
+    writes nothing, so the context drops its host path and says why."""
+    context = stand_in_context(module, monkeypatch, verified=False)
+    context.run(torch.randn(2, 1, 4, 8).half(), *small_cache(), cache_seqlens=5, backend="reference")
+    assert context.host_path is None and "replay" in context.host_path_off_because
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA driver answers for the stream")
+def test_a_record_misses_where_no_driver_says_the_stream_is_not_capturing(module):
+    """With real launches the record's call must be on a stream the driver says is not capturing;
+    with no driver to ask, a record misses rather than risk launching into a capture."""
+    kernel = Kernel(module)
+    path = host_path.HostPath(module, max_records=4)
+    q = make_call()[0]
+    assert path.add(make_call(), [FfiLaunch(kernel.function, (q,))], torch.empty_like(q), None, (2, 4, 1))
+    assert len(path) == 1 and path.run(make_call()) is None and path.hits == 0

@@ -46,19 +46,19 @@ def source_digest() -> str:
     ran even where git's view of the checkout is stale (the GPU machine's copy of the working tree
     carried an old HEAD, so git_commit read "<old>-dirty"). The same digest of a commit's tree:
     ``git worktree``/``git archive`` it and call this on that copy."""
-    return _digest("*.py")
+    return _digest(pathlib.Path(flashdecode.__file__).parent.rglob("*.py"))
 
 
 def extension_digest() -> str:
-    """The same digest of the compiled host path's C++ sources (``csrc/``), which ``source_digest``
-    leaves out (its value for earlier trees stays what their runs recorded)."""
-    return _digest("csrc/*")
+    """The same digest of the compiled host path's C++ sources (``csrc/*.cpp``), which
+    ``source_digest`` leaves out (its value for earlier trees stays what their runs recorded)."""
+    return _digest(pathlib.Path(flashdecode.__file__).parent.joinpath("csrc").glob("*.cpp"))
 
 
-def _digest(pattern: str) -> str:
+def _digest(paths) -> str:
     root = pathlib.Path(flashdecode.__file__).parent
     digest = hashlib.sha256()
-    for path in sorted(root.rglob(pattern) if pattern.startswith("*") else root.glob(pattern)):
+    for path in sorted(paths):
         digest.update(path.relative_to(root).as_posix().encode() + b"\0" + path.read_bytes() + b"\0")
     return digest.hexdigest()[:12]
 

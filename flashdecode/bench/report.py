@@ -132,9 +132,9 @@ def write_json(run, path) -> None:
 
 
 CSV_COLUMNS = ("case", "matrix", "variant", "shape", "bytes", "system", "kind", "compiled", "correct", "median_us",
-               "min_us", "p80_us", "runs", "graph_us", "host_overhead_us", "eager_us", "eager_layers",
-               "bandwidth_gbps", "fraction_of_ceiling", "speedup", "rel_err", "fresh_rel_err", "baseline_us",
-               "baseline_source", "skipped", "error")
+               "min_us", "p80_us", "runs", "graph_us", "host_overhead_us", "host_path", "eager_us",
+               "eager_layers", "bandwidth_gbps", "fraction_of_ceiling", "speedup", "rel_err", "fresh_rel_err",
+               "baseline_us", "baseline_source", "skipped", "error")
 
 
 def write_csv(run, path) -> None:
@@ -191,7 +191,8 @@ def candidate_records(run) -> list[dict]:
     return [
         _finite({"id": uuid.uuid4().hex, "timestamp": run.environment["date"],
                  "git_commit": run.environment["git_commit"],
-                 "source_digest": run.environment.get("source_digest"), "device": run.environment["device"],
+                 "source_digest": run.environment.get("source_digest"),
+                 "extension_digest": run.environment.get("extension_digest"), "device": run.environment["device"],
                  "case": c.token, "matrix": c.case.matrix, "variant": c.variant.name, "backend": r.system,
                  "technique": f"{TECHNIQUE} {r.system}",
                  "config": r.plan, "validation": "pass" if r.correct else "fail",
@@ -234,8 +235,8 @@ def format_table(run) -> str:
     per (case, variant, system), then the skipped calls and the errors."""
     env = run.environment
     lines = [f"flashdecode bench on {env['device']}, commit {env['git_commit'] or 'unknown'} "
-             f"(sources {env.get('source_digest') or 'unknown'}, extension {env.get('extension_digest') or 'unknown'}), "
-             f"{env['date']}"]
+             f"(sources {env.get('source_digest') or 'unknown'}, extension "
+             f"{env.get('extension_digest') or 'unknown'}), {env['date']}"]
     lines += [f"system {s.name} [{s.version}]: {s.description}" for s in run.systems]
     lines += [f"ceiling: {run.ceiling.what}: {run.ceiling.gbps:.0f} GB/s"]
     launch = run.settings.get("torch_launch_us")

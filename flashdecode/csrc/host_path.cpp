@@ -153,6 +153,7 @@ static_assert(sizeof(LaunchConfig) == sizeof(::CUlaunchConfig) && alignof(Launch
               offsetof(LaunchConfig, attributes) == offsetof(::CUlaunchConfig, attrs) &&
               offsetof(LaunchConfig, attribute_count) == offsetof(::CUlaunchConfig, numAttrs));
 static_assert(kProgrammaticStreamSerialization == ::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION);
+static_assert(::CU_STREAM_CAPTURE_STATUS_NONE == 0);
 #endif
 
 // The CUDA driver functions a raw launch needs, looked up in libcuda at first use (the library
@@ -296,13 +297,11 @@ void fill_template(Argument& argument, const at::Tensor& tensor) {
 }
 #endif
 
-// Whether the driver says the call's stream is not capturing a CUDA graph: what Python's
-// ``torch.cuda.is_current_stream_capturing`` told every call before its lookup, at 1.5-10.5 us a call in
-// back-to-back calls on the H200 machine (docs/design.md, "Host path"); true where there is no
-// driver (nothing can capture), false where it cannot tell.
-bool stream_not_capturing(PyObject* args) {
+// Whether the driver says the call's stream is not capturing a CUDA graph (a captured call must get
+// buffers of its own from the Python path, docs/design.md "Host path"); false where it cannot tell.
+bool driver_says_not_capturing(PyObject* args) {
   const Driver& driver = Driver::get();
-  if (driver.stream_is_capturing == nullptr) return driver.launch_kernel == nullptr;
+  if (driver.stream_is_capturing == nullptr) return false;
   int status = 1;  // CU_STREAM_CAPTURE_STATUS_NONE is 0
   void* stream = PyLong_AsVoidPtr(PyTuple_GET_ITEM(args, kStream));
   return driver.stream_is_capturing(stream, &status) == 0 && status == 0;
@@ -321,7 +320,7 @@ class HostPath {
   py::object run(py::args args) {
     if (!make_key(args.ptr(), key_)) return py::none();
     auto found = records_.find(key_);
-    if (found == records_.end() || (real_launches_ && !stream_not_capturing(args.ptr()))) return py::none();
+    if (found == records_.end() || (real_launches_ && !driver_says_not_capturing(args.ptr()))) return py::none();
     py::object result = execute(found->second, args.ptr(), nullptr, nullptr);
     if (!result.is_none()) ++hits_;
     return result;
