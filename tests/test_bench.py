@@ -509,9 +509,44 @@ def test_records_append_and_keep_earlier_lines(fake_run, tmp_path):
 
 
 def test_host_path_says_what_launched_the_host_time_loop(runner):
-    assert runner.host_path_of(210, None, 10, 200) == "compiled"
-    assert runner.host_path_of(150, None, 10, 200) == "python: 60 of 200 calls found no record"
-    assert runner.host_path_of(0, "FLASHDECODE_HOST_PATH=0", 0, 200) == "python: FLASHDECODE_HOST_PATH=0"
+    assert runner.host_path_of((10, None), (210, None), 200) == "compiled"
+    assert runner.host_path_of((10, None), (150, None), 200) == "python: 60 of 200 calls found no record"
+    assert runner.host_path_of((0, None), (0, "FLASHDECODE_HOST_PATH=0"), 200) == "python: FLASHDECODE_HOST_PATH=0"
+
+
+def test_measure_counts_host_path_hits_over_the_host_time_loop_only(runner, monkeypatch):
+    """Hits outside the host-time loop (the first call, the timed runs, the graph) do not count: a
+    system whose calls hit everywhere but in that loop reads as the Python path."""
+    layers = [cases.make_call(SMALL, cases.VARIANTS["plain"], dtype=torch.float16)]
+    fresh = cases.make_call(SMALL, cases.VARIANTS["plain"], dtype=torch.float16, seed=runner.FRESH_SEED)
+    references = _reference(layers[0]), _reference(fresh)
+    hits = [0]
+    in_loop = [False]
+
+    def setup(calls):
+        def call(layer):
+            hits[0] += 0 if in_loop[0] else 1
+            return _reference(layer)
+        return [lambda layer=layer: call(layer) for layer in calls]
+
+    timer = Timer(torch.device("cpu"), iters=2, warmup=0)
+    host_loop = timer.host_overhead_us
+
+    def only_misses(function, calls):
+        in_loop[0] = True
+        try:
+            return host_loop(function, calls)
+        finally:
+            in_loop[0] = False
+
+    monkeypatch.setattr(timer, "host_overhead_us", only_misses)
+    system = System("x", "ours", "0", "test", lambda call: {"kernel": "k"}, setup, lambda call: (hits[0], None))
+    result = runner.measure(system, layers, fresh, references, timer, _selection(runner))
+    assert hits[0] > 0 and result.host_path == f"python: {runner.CPU_HOST_CALLS} of {runner.CPU_HOST_CALLS} " \
+        "calls found no record"
+    in_loop_hits = dataclasses.replace(system, setup=lambda calls: [lambda: (hits.__setitem__(0, hits[0] + 1),
+                                                                             _reference(layers[0]))[1]])
+    assert runner.measure(in_loop_hits, layers, fresh, references, timer, _selection(runner)).host_path == "compiled"
 
 
 def test_table_and_json_name_the_python_host_path(fake_run, tmp_path):

@@ -288,10 +288,10 @@ def measure(system: System, layers: list[cases.Call], fresh: cases.Call, referen
         if graph is not None:
             result.graph, graph_out = graph
             errors.append(relative_error(graph_out, references[0]))
-        hits_before = system.launch_path(layers[0])[0] if system.launch_path else 0
+        before = system.launch_path(layers[0]) if system.launch_path else None
         result.host_overhead_us = timer.host_overhead_us(call, selection.host_calls)
-        if system.launch_path:
-            result.host_path = host_path_of(*system.launch_path(layers[0]), hits_before, selection.host_calls)
+        if before is not None:
+            result.host_path = host_path_of(before, system.launch_path(layers[0]), selection.host_calls)
         result.eager, result.eager_layers = timer.eager_loop(calls, selection.eager_repeats), len(calls)
         result.rel_err = max(errors)
         result.fresh_rel_err = relative_error(system.setup([fresh])[0](), references[1])
@@ -303,14 +303,16 @@ def measure(system: System, layers: list[cases.Call], fresh: cases.Call, referen
     return result
 
 
-def host_path_of(hits: int, off_because: str | None, hits_before: int, calls: int) -> str:
-    """What the report says launched a host-time loop of ``calls`` calls: "compiled" when each of
-    them was a hit of the compiled host path's records, else "python: " and why."""
-    if hits - hits_before >= calls:
+def host_path_of(before: tuple, after: tuple, calls: int) -> str:
+    """What the report says launched a host-time loop of ``calls`` calls, from ``launch_path``'s
+    (hits, why off) before and after it: "compiled" when each call was a hit of the compiled host
+    path's records, else "python: " and why."""
+    hits, off_because = after[0] - before[0], after[1]
+    if hits >= calls:
         return "compiled"
     if off_because is not None:
         return f"python: {off_because}"
-    return f"python: {calls - (hits - hits_before)} of {calls} calls found no record"
+    return f"python: {calls - hits} of {calls} calls found no record"
 
 
 def baseline(case, variant, results, cuda, anchor) -> tuple[float | None, str, str | None]:
