@@ -12,6 +12,7 @@ sequence on a backend with ``min_blocks_per_one_sequence_split`` and the short c
 multiprocessors take their own, shorter ones); ``--one-sequence-min-blocks`` sets one sequence's
 (0: none, the batch rules apply); ``--split-above`` ``split_above_blocks`` (the most blocks a cache
 has unsplit, unless ``underfilled_split_above_blocks`` splits it: at or below its count, that rule is off);
+``--underfilled-above`` that count for the backend (0: the rule off);
 ``--tl-stages`` and ``--tl-rows`` set any backend's ``num_stages`` / ``block_m``; ``--warps`` Triton's
 ``num_warps``; ``--max-registers`` Triton's register cap (0: none; -1: the shipped rule's for the tile);
 ``--merge-splits`` the most splits a sequence may have for the split kernel to merge them itself
@@ -46,7 +47,8 @@ def main():
     parser.add_argument("--backend", default="tilelang")
     for flag in ("--ppsm", "--min-chunk", "--short-max-blocks", "--block-n", "--tl-stages", "--tl-rows",
                  "--tl-producer-regs", "--warps", "--max-registers", "--merge-splits", "--merge-step",
-                 "--dependent-combine", "--triton-resident", "--one-sequence-min-blocks", "--split-above"):
+                 "--dependent-combine", "--triton-resident", "--one-sequence-min-blocks", "--split-above",
+                 "--underfilled-above"):
         parser.add_argument(flag, default="", help="comma list (default: the measured value)")
     parser.add_argument("--matrix", default="cases", choices=sorted(MATRICES))
     parser.add_argument("--cases", default="", help="cases of the matrix, e.g. 7,12 or W9,W10 (default: all; none "
@@ -72,11 +74,12 @@ def main():
         resident_row = next((dim for dim, _ in base.triton_resident_programs if dim >= headdim),
                             base.triton_resident_programs[-1][0])
         for backend, ppsm, min_chunk, short_max, block_n, stages, q_rows, producer, warps, registers, merge, \
-                merge_step, dependent, resident, one_sequence, split_above in itertools.product(
+                merge_step, dependent, resident, one_sequence, split_above, underfilled in itertools.product(
                     args.backend.split(","), *(values(getattr(args, name)) for name in (
                         "ppsm", "min_chunk", "short_max_blocks", "block_n", "tl_stages", "tl_rows",
                         "tl_producer_regs", "warps", "max_registers", "merge_splits", "merge_step",
-                        "dependent_combine", "triton_resident", "one_sequence_min_blocks", "split_above"))):
+                        "dependent_combine", "triton_resident", "one_sequence_min_blocks", "split_above",
+                        "underfilled_above"))):
             tuning = dataclasses.replace(base, **{name: value for name, value in (
                 ("programs_per_multiprocessor", ppsm), ("min_blocks_per_split", min_chunk),
                 ("min_blocks_per_combined_split", None if min_chunk is None else ((backend, min_chunk),)),
@@ -88,7 +91,9 @@ def main():
                 ("triton_paged_resident_programs", None if resident is None else ()),
                 ("min_blocks_per_one_sequence_split",
                  None if one_sequence is None else ((backend, one_sequence),) if one_sequence else ()),
-                ("split_above_blocks", split_above))
+                ("split_above_blocks", split_above),
+                ("underfilled_split_above_blocks",
+                 None if underfilled is None else ((backend, underfilled),) if underfilled else ()))
                 if value is not None})
             default = plan_for(inputs.q, inputs.k_cache, inputs.v_cache, **inputs.kwargs(), backend=backend,
                                context=DecodeContext("cuda", tuning=tuning)).plan.config
