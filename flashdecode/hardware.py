@@ -33,6 +33,8 @@ class AutoRule:
     plain_cache_only: bool = False  # only calls that read a contiguous cache and append nothing
     #: only calls that none of these backends' plans split (``kernels.base.select`` asks the planner)
     unsplit_by: tuple[str, ...] = ()
+    #: only calls whose programs these backends' plans give one KV block each (``Plan.most_blocks_per_program``)
+    one_block_by: tuple[str, ...] = ()
 
     def admits(self, problem) -> bool:
         """Whether this rule's limits hold for ``problem`` (a :class:`~flashdecode.problem.Problem`)."""
@@ -93,16 +95,16 @@ class Tuning:
     #: ``auto``'s order (:class:`AutoRule`): the first rule whose limits hold and whose backend can
     #: take the call runs it. Measured on the H200 with both on the compiled host path
     #: (``docs/design.md``, "Measured choices"): TileLang below 32 MiB for contiguous caches that
-    #: neither backend's plan splits, without appended tokens (cases 1-6, 32-token caches: its
-    #: short-cache and 64-row kernels up to 8% faster; with the default tuning, at most 512 keys a
-    #: sequence at head dim 128); split caches go to Triton's split kernel, 2-17% faster (case 10, one or
+    #: neither backend's plan splits and Triton's streams in one block a program, without appended
+    #: tokens (cases 1-4, 32-token caches: its short-cache and 64-row kernels up to 8% faster; on 3-4
+    #: blocks Triton's 4-stage pass is 12-20% faster, case 5 9.7 against 11.0 us); split caches go to Triton's split kernel, 2-17% faster (case 10, one or
     #: two sequences of 1k-33k tokens); Triton for paged caches and appended tokens there (4-49% less
     #: GPU time on cases 5, 6 and 10 and case 4's append; case 4's pages and cases 1-3 within 1.3
     #: us); above 32 MiB Triton's split kernel at head dims 64-128 (plain calls: 1-28% less GPU time
     #: on cases 7-9 and 11-14, wide W1-W8, W11, W12, W14); at head dim 256 a tie, TileLang kept (2%
     #: faster on W9 and a shape of our own, 0-3% slower on W10 and two others in the sweep).
     auto_order: tuple = (AutoRule("tilelang", max_cache_bytes=32 * MIB, plain_cache_only=True,
-                                  unsplit_by=("tilelang", "triton")),
+                                  unsplit_by=("tilelang", "triton"), one_block_by=("triton",)),
                          AutoRule("triton", max_headdim=128), AutoRule("tilelang"), AutoRule("triton"))
     #: Triton's split-kernel tile by padded head dim (at most): (head dim, block_n, num_warps,
     #: num_stages). Swept on the H200 (``docs/design.md``, "Measured choices"): 128 tokens at head dim

@@ -92,9 +92,31 @@ class Plan:
             return self.forced_splits
         if not self.can_split:
             return 1
+        return max(1, min(self.programs_per_head - problem.batch, math.ceil(self._max_blocks(problem) / self.min_chunk)))
+
+    def _max_blocks(self, problem: Problem) -> int:
+        """Most KV blocks one sequence's visible keys span (see ``max_splits``)."""
         block_n = self.block_n
-        max_blocks = min(math.ceil(problem.seqlen_cache / block_n), (problem.key_span() + block_n - 2) // block_n + 1)
-        return max(1, min(self.programs_per_head - problem.batch, math.ceil(max_blocks / self.min_chunk)))
+        return min(math.ceil(problem.seqlen_cache / block_n), (problem.key_span() + block_n - 2) // block_n + 1)
+
+    def working_programs(self, problem: Problem) -> int:
+        """Most programs per KV head and row tile that get keys: one per sequence unsplit; split,
+        at most P and at most B * ``max_splits`` (the lengths decide on the device)."""
+        if not self.can_split:
+            return problem.batch
+        return min(self.programs_per_head, problem.batch * self.max_splits(problem))
+
+    def most_blocks_per_program(self, problem: Problem) -> int:
+        """Most KV blocks one program streams: a whole sequence's unsplit; split, at most the device
+        rule's chunk, max(m, ceil(sum_b nblk_b / (P - B))) <= max(m, ceil(B * max blocks / (P - B))),
+        or a forced split's ceil(max blocks / F)."""
+        most = self._max_blocks(problem)
+        if not self.can_split:
+            return most
+        if self.forced_splits > 0:
+            return -(-most // self.forced_splits)
+        spare = max(1, self.programs_per_head - problem.batch)
+        return min(most, max(self.min_chunk, -(-problem.batch * most // spare)))
 
     def ticket_count(self, problem: Problem) -> int:
         """Counters a merging split kernel takes tickets from: one per (sequence, KV head, row tile)."""
@@ -153,7 +175,8 @@ def plan(problem: Problem, profile: HardwareProfile, backend, num_splits: int = 
     if num_splits > 0:
         splits = min(num_splits, max(1, max_blocks))  # no empty splits
         kernel = SPLIT if splits > 1 else SINGLE_PASS
-        return _merge_mode(Plan(kernel, config_for(kernel), problem.batch * splits, splits), problem, profile, backend)
+        return _pipelined(_merge_mode(Plan(kernel, config_for(kernel), problem.batch * splits, splits), problem,
+                                      profile, backend), problem, profile, backend, config)
     row_tiles = -(-problem.q_rows // split_config.block_m)
     min_chunk = tuning.min_blocks_per_split
     if max_blocks <= tuning.split_above_blocks:
@@ -163,13 +186,24 @@ def plan(problem: Problem, profile: HardwareProfile, backend, num_splits: int = 
             short = SHORT_CACHE in backend.kernels(problem) and math.ceil(
                 problem.key_span() / config_for(SHORT_CACHE).block_n) <= tuning.short_cache_max_blocks  # its own tiles
             kernel = SHORT_CACHE if short else SINGLE_PASS
-            return Plan(kernel, config_for(kernel), problem.batch)
+            return _pipelined(Plan(kernel, config_for(kernel), problem.batch), problem, profile, backend, config)
         min_chunk = 1
     per_sm = tuning.programs_per_multiprocessor
     if problem.batch == 1:
         per_sm = min(per_sm, max(1, backend.resident_programs(problem, split_config, profile)))
     extra = max(1, profile.multiprocessors * per_sm // (problem.nheads_k * row_tiles))  # never more than the target
-    return _merge_mode(Plan(SPLIT, split_config, problem.batch + extra, min_chunk=min_chunk), problem, profile, backend)
+    return _pipelined(_merge_mode(Plan(SPLIT, split_config, problem.batch + extra, min_chunk=min_chunk), problem,
+                                  profile, backend), problem, profile, backend, config)
+
+
+def _pipelined(plan_: Plan, problem: Problem, profile: HardwareProfile, backend, config) -> Plan:
+    """``plan_`` with the backend's pipeline depth for its grid (``Backend.pipelined``), unless the
+    caller gave the tile config."""
+    if isinstance(config, type(plan_.config)):
+        return plan_
+    programs = plan_.working_programs(problem) * problem.nheads_k * plan_.row_tiles(problem)
+    chosen = backend.pipelined(plan_.config, problem, profile, programs, plan_.most_blocks_per_program(problem))
+    return plan_ if chosen == plan_.config else dataclasses.replace(plan_, config=chosen)
 
 
 def _merge_mode(plan_: Plan, problem: Problem, profile: HardwareProfile, backend) -> Plan:

@@ -54,6 +54,10 @@ def test_random_key_ranges_covered_exactly_once(backend, profile_name, data):
     assert 1 <= p.programs_per_head
     items = assert_covers_exactly_once(p, lengths, starts)
     assert all(item.num_splits <= p.max_splits(problem) for item in items)  # the bound merging relies on
+    # the bounds the pipeline depth is chosen by (``Backend.pipelined``)
+    assert len(items) <= p.working_programs(problem)
+    assert all(-(-item.token_end // p.block_n) - item.token_start // p.block_n <= p.most_blocks_per_program(problem)
+               for item in items if item.tokens)
     if num_splits:
         capped = min(num_splits, max(1, math.ceil(seqlen_cache / p.block_n)))  # no split can be empty
         assert p.programs_per_head == len(lengths) * capped
@@ -161,10 +165,11 @@ def test_one_program_fits_the_shared_memory_of_each_profile(backend):
 
 
 @pytest.mark.parametrize("batch, seqlen_cache, nheads_k, headdim, able, expected, features", [
-    (16, 200, 8, 128, ("tilelang", "triton"), "tilelang", {}),  # 12.5 MiB: under 32
-    (1, 256, 8, 128, ("tilelang", "triton"), "tilelang", {}),  # 256 tokens a sequence: never split
+    (16, 64, 8, 128, ("tilelang", "triton"), "tilelang", {}),  # one block a sequence, under 32 MiB
+    (16, 200, 8, 128, ("tilelang", "triton"), "triton", {}),  # 4 blocks a program in Triton's plan
+    (1, 256, 8, 128, ("tilelang", "triton"), "triton", {}),  # 256 tokens a sequence: never split, 4 blocks
     (16, 362, 8, 128, ("tilelang", "triton"), "triton", {}),  # 6 blocks, 128 programs: Triton splits
-    (17, 300, 8, 128, ("tilelang", "triton"), "tilelang", {}),  # 5 blocks, 136 programs: no split
+    (17, 300, 8, 128, ("tilelang", "triton"), "triton", {}),  # 5 blocks, 136 programs: no split, 5 blocks
     (1, 8192, 4, 128, ("tilelang", "triton"), "triton", {}),  # case 10: 16 MiB, but a split cache
     (16, 4096, 4, 128, ("tilelang", "triton"), "triton", {}),  # 128 MiB at head dim 128
     (8, 32768, 1, 256, ("tilelang", "triton"), "tilelang", {}),  # head dim 256
@@ -173,7 +178,7 @@ def test_one_program_fits_the_shared_memory_of_each_profile(backend):
     (16, 362, 8, 128, (), "reference", {}),
     (16, 362, 8, 128, ("tilelang", "triton"), "triton", dict(page_size=16)),  # paged, under 32 MiB
     (16, 362, 8, 128, ("tilelang", "triton"), "triton", dict(seqlen_new=1)),  # appended tokens
-    (16, 200, 8, 128, ("tilelang", "triton"), "tilelang", dict(seqlen_q=4)),  # several query tokens
+    (16, 64, 8, 128, ("tilelang", "triton"), "tilelang", dict(seqlen_q=4)),  # several query tokens
     (16, 362, 8, 256, ("tilelang", "triton"), "tilelang", dict(page_size=64)),  # paged at head dim 256
 ])
 def test_auto_takes_the_first_backend_whose_limits_hold(monkeypatch, batch, seqlen_cache, nheads_k, headdim, able,
@@ -332,8 +337,9 @@ def test_combines_are_dependent_launches_where_the_tuning_the_device_and_the_bac
 @pytest.mark.parametrize("profile_name", ["h200", "h100-pcie"])
 def test_auto_gives_tilelang_exactly_the_short_caches_no_plan_splits(monkeypatch, profile_name):
     """``auto``'s first Hopper rule (TileLang for contiguous caches under 32 MiB) asks the planner:
-    TileLang runs a call only where neither its plan nor Triton's splits it, whatever the head dim,
-    row tiles, window or SM count (the H100 PCIe has 114, the H200 132)."""
+    TileLang runs a call only where neither its plan nor Triton's splits it and Triton's gives each
+    program one block, whatever the head dim, row tiles, window or SM count (the H100 PCIe has 114,
+    the H200 132); above head dim 128 TileLang takes what Triton's rule does not."""
     from flashdecode.kernels import base
 
     monkeypatch.setattr(base, "why_not", lambda name, problem, device: None)
@@ -343,10 +349,13 @@ def test_auto_gives_tilelang_exactly_the_short_caches_no_plan_splits(monkeypatch
                                (8, 4, 128), (4, 8, 64), (2, 71, 64), (1, 8, 256)])
     for batch, seqlen_cache, window_left, (nheads_k, group, headdim) in shapes:
         problem = Problem(batch, seqlen_cache, nheads_k * group, nheads_k, headdim, "bfloat16", window_left=window_left)
-        split = SPLIT in (plan(problem, profile, tilelang).kernel, plan(problem, profile, triton).kernel)
+        triton_plan = plan(problem, profile, triton)
+        split = SPLIT in (plan(problem, profile, tilelang).kernel, triton_plan.kernel)
+        one_block = triton_plan.most_blocks_per_program(problem) == 1
         chosen = base.select("auto", problem, torch.device("cuda", 0), profile).name
         if problem.cache_bytes() < 32 * 2**20:
-            assert (chosen == "tilelang") == (not split or headdim > 128), (batch, seqlen_cache, nheads_k, group)
+            assert (chosen == "tilelang") == ((not split and one_block) or headdim > 128), \
+                (batch, seqlen_cache, nheads_k, group)
 
 
 @pytest.mark.parametrize("device_name, major, merges, dependent", [
@@ -370,3 +379,32 @@ def test_the_tuning_comes_from_the_named_profile(monkeypatch, device_name, major
         assert hardware.current().dependent_launch == (major >= 9)
     finally:
         hardware.current.cache_clear()
+
+
+@pytest.mark.parametrize("headdim", [64, 128, 256])
+def test_triton_pipelines_deeper_where_the_grid_leaves_shared_memory_over(headdim):
+    """Triton's plans take ``PIPELINED_STAGES`` exactly where their programs may stream at least
+    PIPELINED_STAGES - 1 blocks and every working program stays resident at that depth; others keep
+    the table's stages, and a tile config the caller gives is never changed."""
+    from flashdecode.kernels.triton.backend import PIPELINED_STAGES, TritonConfig, padded_headdim, shared_bytes
+
+    profile, triton = PROFILES["h200"], get_backend("triton")
+    table = {dim: stages for dim, _, _, stages in profile.tuning.triton_tiles}
+    shipped = next(stages for dim, stages in sorted(table.items()) if dim >= padded_headdim(headdim))
+    deepened = 0
+    for batch, seqlen_cache, nheads_k in itertools.product([1, 4, 16, 64, 256], [64, 141, 256, 1000, 8192],
+                                                           [1, 4, 8]):
+        problem = problem_for([seqlen_cache] * batch, seqlen_cache, nheads_k, headdim=headdim)
+        p = plan(problem, profile, triton)
+        programs = p.working_programs(problem) * nheads_k * p.row_tiles(problem)
+        deeper = dataclasses.replace(p.config, num_stages=PIPELINED_STAGES)
+        resident = profile.shared_memory_per_multiprocessor // shared_bytes(
+            deeper, padded_headdim(headdim), problem.element_bytes, profile)
+        expected = PIPELINED_STAGES if (p.most_blocks_per_program(problem) >= PIPELINED_STAGES - 1 and shipped <
+                                        PIPELINED_STAGES and programs <= resident * profile.multiprocessors) \
+            else shipped
+        assert p.config.num_stages == expected, (batch, seqlen_cache, nheads_k)
+        deepened += expected == PIPELINED_STAGES
+        given = TritonConfig(p.config.block_n, p.config.block_m, 4, 2, 16)
+        assert plan(problem, profile, triton, config=given).config == given
+    assert deepened > 0

@@ -118,6 +118,11 @@ class Backend(abc.ABC):
     def resident_programs(self, problem: Problem, config, profile: HardwareProfile) -> int:
         """Split programs of this config one multiprocessor holds at once."""
 
+    def pipelined(self, config, problem: Problem, profile: HardwareProfile, programs: int, blocks: int):
+        """``config`` with the pipeline depth for a grid of at most ``programs`` working programs of
+        at most ``blocks`` KV blocks each (``docs/design.md``, "The schedule"); the default keeps it."""
+        return config
+
     def merges_in_split(self, problem: Problem) -> bool:
         """Whether the split kernel can merge a sequence's partials itself (``Plan.merge_in_split``)."""
         return False
@@ -216,9 +221,17 @@ def select(requested: str, problem: Problem, device: torch.device, profile: Hard
         return get_backend("reference")
     for rule in profile.tuning.auto_order:
         if (rule.admits(problem) and why_not(rule.backend, problem, device) is None
-                and not any(_splits(name, problem, device, profile) for name in rule.unsplit_by)):
+                and not any(_splits(name, problem, device, profile) for name in rule.unsplit_by)
+                and not any(_streams_blocks(name, problem, device, profile) for name in rule.one_block_by)):
             return get_backend(rule.backend)
     return get_backend("reference")
+
+
+def _streams_blocks(name: str, problem: Problem, device: torch.device, profile: HardwareProfile) -> bool:
+    """Whether backend ``name``'s plan gives a program more than one KV block (False where it cannot
+    take the call)."""
+    return (why_not(name, problem, device) is None
+            and planner.plan(problem, profile, get_backend(name)).most_blocks_per_program(problem) > 1)
 
 
 def _splits(name: str, problem: Problem, device: torch.device, profile: HardwareProfile) -> bool:
