@@ -2,13 +2,14 @@
 shapes that cover one program per sequence, balanced splits (Triton: case 10's combine as a
 dependent launch), forced splits (Triton: merged in the split kernel), empty rows, lengths at block
 boundaries in the split kernel (case 6) and the short-cache kernel (cases 3, 4: one tile; case 5:
-three), and tiles gathered from pages of 16 by both."""
+three; Triton's 4-stage single pass there), a split plan of 4-block programs (Triton: 4 stages,
+merged in the split kernel), and tiles gathered from pages of 16 by both."""
 import argparse
 
 import torch
 
 from flashdecode import flash_attn_with_kvcache, flash_decode_with_kvcache
-from flashdecode.cases import CASES_BY_NUMBER, VARIANTS, make_call, make_inputs
+from flashdecode.cases import CASES_BY_NUMBER, VARIANTS, make_call, make_inputs, parse_shapes
 
 parser = argparse.ArgumentParser(description=__doc__)
 parser.add_argument("--backend", default="tilelang")
@@ -27,6 +28,9 @@ seqlens = torch.tensor([0, 1, 63, 64, 65, 127, 128, 129, 191, 192, 193, 255, 256
 flash_decode_with_kvcache(q, k, v, seqlens, backend=backend)
 q, k, v, _ = make_inputs(CASES_BY_NUMBER[4], device="cuda")  # 64 x 64 tokens: one tile
 seqlens = torch.tensor([0, 1, 2, 17, 31, 32, 33, 63, 64] * 7 + [0], dtype=torch.int32, device="cuda")
+flash_decode_with_kvcache(q, k, v, seqlens, backend=backend)
+q, k, v, _ = make_inputs(parse_shapes("8x1000x2x16x128:uniform")[0], device="cuda")  # 4-block split programs
+seqlens = torch.tensor([0, 1, 255, 256, 257, 999, 1000, 640], dtype=torch.int32, device="cuda")
 flash_decode_with_kvcache(q, k, v, seqlens, backend=backend)
 for number, lengths in ((6, [0, 1, 15, 16, 17, 63, 64, 65, 127, 128, 129, 255, 256, 257, 361, 362]),
                         (5, [0, 1, 15, 16, 17, 63, 64, 65, 127, 128, 129, 140, 141, 2, 3, 4])):
