@@ -33,8 +33,9 @@ class AutoRule:
     plain_cache_only: bool = False  # only calls that read a contiguous cache and append nothing
     #: only calls that none of these backends' plans split (``kernels.base.select`` asks the planner)
     unsplit_by: tuple[str, ...] = ()
-    #: only calls whose programs these backends' plans give one KV block each (``Plan.most_blocks_per_program``)
-    one_block_by: tuple[str, ...] = ()
+    #: only calls that none of these backends' plans pipeline deeper than their tile table
+    #: (``Backend.pipelined``; ``kernels.base.select`` asks the planner)
+    not_pipelined_by: tuple[str, ...] = ()
 
     def admits(self, problem) -> bool:
         """Whether this rule's limits hold for ``problem`` (a :class:`~flashdecode.problem.Problem`)."""
@@ -95,22 +96,29 @@ class Tuning:
     #: ``auto``'s order (:class:`AutoRule`): the first rule whose limits hold and whose backend can
     #: take the call runs it. Measured on the H200 with both on the compiled host path
     #: (``docs/design.md``, "Measured choices"): TileLang below 32 MiB for contiguous caches that
-    #: neither backend's plan splits and Triton's streams in one block a program, without appended
-    #: tokens (cases 1-4, 32-token caches: its short-cache and 64-row kernels up to 8% faster; on 3-4
-    #: blocks Triton's 4-stage pass is 12-20% faster, case 5 9.7 against 11.0 us); split caches go to Triton's split kernel, 2-17% faster (case 10, one or
+    #: neither backend's plan splits nor Triton's pipelines deeper, without appended tokens (cases 1-4,
+    #: 32-token caches: its short-cache and 64-row kernels up to 8% faster; where Triton's plan takes
+    #: 4 stages, 3-4-block caches, Triton is 12-20% faster, case 5 9.7 against 11.0 us); split caches go to Triton's split kernel, 2-17% faster (case 10, one or
     #: two sequences of 1k-33k tokens); Triton for paged caches and appended tokens there (4-49% less
     #: GPU time on cases 5, 6 and 10 and case 4's append; case 4's pages and cases 1-3 within 1.3
     #: us); above 32 MiB Triton's split kernel at head dims 64-128 (plain calls: 1-28% less GPU time
     #: on cases 7-9 and 11-14, wide W1-W8, W11, W12, W14); at head dim 256 a tie, TileLang kept (2%
     #: faster on W9 and a shape of our own, 0-3% slower on W10 and two others in the sweep).
     auto_order: tuple = (AutoRule("tilelang", max_cache_bytes=32 * MIB, plain_cache_only=True,
-                                  unsplit_by=("tilelang", "triton"), one_block_by=("triton",)),
+                                  unsplit_by=("tilelang", "triton"), not_pipelined_by=("triton",)),
                          AutoRule("triton", max_headdim=128), AutoRule("tilelang"), AutoRule("triton"))
     #: Triton's split-kernel tile by padded head dim (at most): (head dim, block_n, num_warps,
     #: num_stages). Swept on the H200 (``docs/design.md``, "Measured choices"): 128 tokens at head dim
     #: 64 (W8, W14 4-9% faster than 64), 4 warps and 3 stages of 64 tokens at 256 (W9, W10 and two
     #: shapes of our own 10-25% faster than 8 warps on 32); head dims up to 32 keep 64 tokens (not swept).
     triton_tiles: tuple = ((32, 64, 4, 2), (64, 128, 4, 2), (128, 64, 4, 2), (256, 64, 4, 3))
+    #: Pipeline stages of Triton's kernels where the grid leaves shared memory over
+    #: (``TritonBackend.pipelined``; 0: the tile table's always). Hopper: 4, measured on the H200
+    #: (graph us, 2 / 4 / 7 stages): 16 x 141 tokens on 4 KV heads (64 programs of 3 blocks) 11.4 /
+    #: 10.0 / 10.0, 4 x 256 on 8 (32 of 4) 13.0 / 10.9 / 11.2, 32 x 256 on 4 (128 of 4) 14.1 / 12.3 /
+    #: 12.4; where 512 programs fill the device 19.7 / 21.2 / 26.3 (64 x 200 on 8); programs of at most
+    #: 2 blocks keep the table's (3 stages: case 10 16.7 -> 17.9).
+    triton_pipelined_stages: int = 0
     #: Split programs of Triton's kernel one SM holds, by head dim (ncu, head dim 128: 38 KB of shared
     #: memory, 107 registers x 128 threads; 256: its 3 stages of 64 tokens keep 128 KB of shared memory).
     triton_resident_programs: tuple = ((64, 4), (128, 4), (256, 1))
@@ -132,7 +140,7 @@ class Tuning:
 #: block: 1024 tokens on 8 KV heads 16.2 -> 12.6 us graph, 11.9 -> 9.8 an eager call (merged in the
 #: kernel; the combine's second launch gave 11.2 graph but 14.2 eager). Triton splits caches of 5-8
 #: blocks where they would leave multiprocessors idle, and so ``auto`` (which gives TileLang only the
-#: short caches no plan splits) runs them on Triton: 512 tokens on 8 KV heads took 11.3 us in 1-block splits against 19.2 in
+#: short caches no plan splits nor pipelines deeper) runs them on Triton: 512 tokens on 8 KV heads took 11.3 us in 1-block splits against 19.2 in
 #: Triton's single pass and 15.3 in TileLang's, two such sequences 12.6 against 20.0 and 15.3,
 #: sixteen of 362 tokens (128 programs) 18.7 against 20.0 and 18.7; TileLang's own splits lost on
 #: six of those eight shapes (by up to 44%), and Triton's where 2048 programs fill the device (W14
@@ -140,7 +148,7 @@ class Tuning:
 HOPPER_TUNING = Tuning(max_splits_merged_in_split=16, max_rows_merged_in_split=512, dependent_combine=True,
                        min_blocks_per_combined_split=(("triton", 2),),
                        min_blocks_per_one_sequence_split=(("triton", 1),),
-                       underfilled_split_above_blocks=(("triton", 4),),
+                       underfilled_split_above_blocks=(("triton", 4),), triton_pipelined_stages=4,
                        triton_paged_resident_programs=((64, 4), (128, 5), (256, 1)))
 
 

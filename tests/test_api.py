@@ -196,7 +196,7 @@ def test_a_context_made_for_cuda_takes_the_current_device():
     (16, 64, 8, 128, "tilelang"),  # 4 MiB, one block a sequence
     (16, 200, 8, 128, "triton"),  # 12.5 MiB, 4 blocks a sequence: Triton's 4-stage pipeline
     (16, 362, 8, 128, "triton"),  # case 6: 6 blocks on 128 programs, fewer than the SMs: Triton splits
-    (17, 300, 8, 128, "triton"),  # 5 blocks on 136 programs: no split, more than one block
+    (17, 300, 8, 128, "triton"),  # 5 blocks on 136 programs: no split, Triton's 4 stages
     (1, 8192, 4, 128, "triton"),  # case 10: 16 MiB, 8192 tokens a sequence
     (16, 4096, 4, 128, "triton"),  # case 8: 128 MiB
     (8, 32768, 1, 256, "tilelang"),  # wide W10: head dim 256

@@ -166,10 +166,11 @@ def test_one_program_fits_the_shared_memory_of_each_profile(backend):
 
 @pytest.mark.parametrize("batch, seqlen_cache, nheads_k, headdim, able, expected, features", [
     (16, 64, 8, 128, ("tilelang", "triton"), "tilelang", {}),  # one block a sequence, under 32 MiB
-    (16, 200, 8, 128, ("tilelang", "triton"), "triton", {}),  # 4 blocks a program in Triton's plan
-    (1, 256, 8, 128, ("tilelang", "triton"), "triton", {}),  # 256 tokens a sequence: never split, 4 blocks
+    (16, 200, 8, 128, ("tilelang", "triton"), "triton", {}),  # 4 blocks a program: Triton's 4 stages
+    (16, 100, 8, 128, ("tilelang", "triton"), "tilelang", {}),  # 2 blocks: Triton keeps 2 stages
+    (1, 256, 8, 128, ("tilelang", "triton"), "triton", {}),  # 256 tokens a sequence: never split, 4 stages
     (16, 362, 8, 128, ("tilelang", "triton"), "triton", {}),  # 6 blocks, 128 programs: Triton splits
-    (17, 300, 8, 128, ("tilelang", "triton"), "triton", {}),  # 5 blocks, 136 programs: no split, 5 blocks
+    (17, 300, 8, 128, ("tilelang", "triton"), "triton", {}),  # 5 blocks, 136 programs: no split, 4 stages
     (1, 8192, 4, 128, ("tilelang", "triton"), "triton", {}),  # case 10: 16 MiB, but a split cache
     (16, 4096, 4, 128, ("tilelang", "triton"), "triton", {}),  # 128 MiB at head dim 128
     (8, 32768, 1, 256, ("tilelang", "triton"), "tilelang", {}),  # head dim 256
@@ -337,8 +338,8 @@ def test_combines_are_dependent_launches_where_the_tuning_the_device_and_the_bac
 @pytest.mark.parametrize("profile_name", ["h200", "h100-pcie"])
 def test_auto_gives_tilelang_exactly_the_short_caches_no_plan_splits(monkeypatch, profile_name):
     """``auto``'s first Hopper rule (TileLang for contiguous caches under 32 MiB) asks the planner:
-    TileLang runs a call only where neither its plan nor Triton's splits it and Triton's gives each
-    program one block, whatever the head dim, row tiles, window or SM count (the H100 PCIe has 114,
+    TileLang runs a call only where neither its plan nor Triton's splits it and Triton's keeps its
+    table's pipeline depth, whatever the head dim, row tiles, window or SM count (the H100 PCIe has 114,
     the H200 132); above head dim 128 TileLang takes what Triton's rule does not."""
     from flashdecode.kernels import base
 
@@ -351,10 +352,10 @@ def test_auto_gives_tilelang_exactly_the_short_caches_no_plan_splits(monkeypatch
         problem = Problem(batch, seqlen_cache, nheads_k * group, nheads_k, headdim, "bfloat16", window_left=window_left)
         triton_plan = plan(problem, profile, triton)
         split = SPLIT in (plan(problem, profile, tilelang).kernel, triton_plan.kernel)
-        one_block = triton_plan.most_blocks_per_program(problem) == 1
+        deeper = triton_plan.config.num_stages > triton.default_config(problem, profile, triton_plan.kernel).num_stages
         chosen = base.select("auto", problem, torch.device("cuda", 0), profile).name
         if problem.cache_bytes() < 32 * 2**20:
-            assert (chosen == "tilelang") == ((not split and one_block) or headdim > 128), \
+            assert (chosen == "tilelang") == ((not split and not deeper) or headdim > 128), \
                 (batch, seqlen_cache, nheads_k, group)
 
 
@@ -381,30 +382,33 @@ def test_the_tuning_comes_from_the_named_profile(monkeypatch, device_name, major
         hardware.current.cache_clear()
 
 
-@pytest.mark.parametrize("headdim", [64, 128, 256])
-def test_triton_pipelines_deeper_where_the_grid_leaves_shared_memory_over(headdim):
-    """Triton's plans take ``PIPELINED_STAGES`` exactly where their programs may stream at least
-    PIPELINED_STAGES - 1 blocks and every working program stays resident at that depth; others keep
-    the table's stages, and a tile config the caller gives is never changed."""
-    from flashdecode.kernels.triton.backend import PIPELINED_STAGES, TritonConfig, padded_headdim, shared_bytes
+@pytest.mark.parametrize("batch, seqlen_cache, nheads_k, group, headdim, features, kernel, stages", [
+    (16, 141, 4, 8, 128, {}, "single_pass", 4),  # case 5: 64 programs of 3 blocks
+    (4, 256, 8, 4, 128, {}, "single_pass", 4),  # 32 programs of 4
+    (256, 512, 1, 16, 128, {}, "single_pass", 4),  # 256 programs: all resident at 2 an SM
+    (8, 1000, 2, 16, 128, {}, "split", 4),  # 32 working programs a head of 4 blocks
+    (16, 2048, 1, 71, 64, {}, "split", 4),  # group 71 at head dim 64
+    (64, 200, 8, 4, 128, {}, "single_pass", 2),  # 512 programs fill the device
+    (64, 64, 8, 4, 128, {}, "single_pass", 2),  # case 4: one block
+    (1, 8192, 4, 8, 128, {}, "split", 2),  # case 10: programs of at most 2 blocks
+    (16, 100, 4, 8, 128, {}, "single_pass", 2),  # 2 blocks
+    (64, 2048, 8, 4, 128, {}, "split", 2),  # case 7: a full grid
+    (16, 141, 4, 8, 128, dict(page_size=16), "single_pass", 2),  # not measured: paged
+    (16, 141, 4, 8, 128, dict(seqlen_new=1), "single_pass", 2),  # appended tokens
+    (16, 141, 4, 8, 256, {}, "single_pass", 3),  # head dim 256 keeps its table's 3
+])
+def test_triton_pipelines_deeper_where_the_grid_leaves_shared_memory_over(batch, seqlen_cache, nheads_k, group,
+                                                                          headdim, features, kernel, stages):
+    """Hopper's ``triton_pipelined_stages`` on the shapes it was measured on (perf log, session 21):
+    4 stages where the working grid stays resident and programs stream 3+ blocks; the table's
+    elsewhere, outside the measured calls, and whenever the caller gives a tile config."""
+    from flashdecode.kernels.triton.backend import TritonConfig
 
-    profile, triton = PROFILES["h200"], get_backend("triton")
-    table = {dim: stages for dim, _, _, stages in profile.tuning.triton_tiles}
-    shipped = next(stages for dim, stages in sorted(table.items()) if dim >= padded_headdim(headdim))
-    deepened = 0
-    for batch, seqlen_cache, nheads_k in itertools.product([1, 4, 16, 64, 256], [64, 141, 256, 1000, 8192],
-                                                           [1, 4, 8]):
-        problem = problem_for([seqlen_cache] * batch, seqlen_cache, nheads_k, headdim=headdim)
-        p = plan(problem, profile, triton)
-        programs = p.working_programs(problem) * nheads_k * p.row_tiles(problem)
-        deeper = dataclasses.replace(p.config, num_stages=PIPELINED_STAGES)
-        resident = profile.shared_memory_per_multiprocessor // shared_bytes(
-            deeper, padded_headdim(headdim), problem.element_bytes, profile)
-        expected = PIPELINED_STAGES if (p.most_blocks_per_program(problem) >= PIPELINED_STAGES - 1 and shipped <
-                                        PIPELINED_STAGES and programs <= resident * profile.multiprocessors) \
-            else shipped
-        assert p.config.num_stages == expected, (batch, seqlen_cache, nheads_k)
-        deepened += expected == PIPELINED_STAGES
-        given = TritonConfig(p.config.block_n, p.config.block_m, 4, 2, 16)
-        assert plan(problem, profile, triton, config=given).config == given
-    assert deepened > 0
+    problem = problem_for([seqlen_cache] * batch, seqlen_cache, nheads_k, group, headdim, **features)
+    p = plan(problem, PROFILES["h200"], get_backend("triton"))
+    assert (p.kernel, p.config.num_stages) == (kernel, stages)
+    given = TritonConfig(p.config.block_n, p.config.block_m, 4, 2, 16)
+    assert plan(problem, PROFILES["h200"], get_backend("triton"), config=given).config == given
+    untuned = dataclasses.replace(PROFILES["h200"], tuning=dataclasses.replace(PROFILES["h200"].tuning,
+                                                                               triton_pipelined_stages=0))
+    assert plan(problem, untuned, get_backend("triton")).config.num_stages == (3 if headdim == 256 else 2)

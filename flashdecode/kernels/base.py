@@ -222,16 +222,19 @@ def select(requested: str, problem: Problem, device: torch.device, profile: Hard
     for rule in profile.tuning.auto_order:
         if (rule.admits(problem) and why_not(rule.backend, problem, device) is None
                 and not any(_splits(name, problem, device, profile) for name in rule.unsplit_by)
-                and not any(_streams_blocks(name, problem, device, profile) for name in rule.one_block_by)):
+                and not any(_pipelines_deeper(name, problem, device, profile) for name in rule.not_pipelined_by)):
             return get_backend(rule.backend)
     return get_backend("reference")
 
 
-def _streams_blocks(name: str, problem: Problem, device: torch.device, profile: HardwareProfile) -> bool:
-    """Whether backend ``name``'s plan gives a program more than one KV block (False where it cannot
-    take the call)."""
-    return (why_not(name, problem, device) is None
-            and planner.plan(problem, profile, get_backend(name)).most_blocks_per_program(problem) > 1)
+def _pipelines_deeper(name: str, problem: Problem, device: torch.device, profile: HardwareProfile) -> bool:
+    """Whether backend ``name``'s plan takes a deeper pipeline than its tile table (``Backend.pipelined``;
+    False where it cannot take the call)."""
+    if why_not(name, problem, device) is not None:
+        return False
+    backend = get_backend(name)
+    chosen = planner.plan(problem, profile, backend)
+    return chosen.config != backend.default_config(problem, profile, chosen.kernel)
 
 
 def _splits(name: str, problem: Problem, device: torch.device, profile: HardwareProfile) -> bool:

@@ -32,12 +32,6 @@ COMBINE_STEP_BATCH, COMBINE_STEP_ONE_SEQUENCE = 16, 64
 #: fp32 output values a thread holds at most: past it the default config doubles its warps (head dim
 #: 256 with 64 query rows: 8 warps; every measured tile of ``triton_tiles`` stays within it).
 MAX_OUTPUT_PER_THREAD = 64
-#: Pipeline depth of a grid that leaves shared memory over (``TritonBackend.pipelined``), measured on
-#: the H200 (graph us, 2 / 4 / 7 stages): 16 x 141 tokens on 4 KV heads (64 programs of 3 blocks)
-#: 11.4 / 10.0 / 10.0, 4 x 256 on 8 (32 of 4) 13.0 / 10.9 / 11.2, 32 x 256 on 4 (128 of 4) 14.1 /
-#: 12.3 / 12.4, where 512 programs fill the device 19.7 / 21.2 / 26.3 (64 x 200 on 8); programs of
-#: at most 2 blocks keep 2 (3 stages: case 10 16.7 -> 17.9).
-PIPELINED_STAGES = 4
 #: Launch specs a backend keeps (one per (problem, plan) in use); past it the table starts again.
 MAX_SPECS = 1024
 INTERPRETED = not isinstance(split_kernel, JITFunction)
@@ -185,16 +179,20 @@ class TritonBackend(Backend):
 
     def pipelined(self, config: TritonConfig, problem: Problem, profile: HardwareProfile, programs: int,
                   blocks: int) -> TritonConfig:
-        """PIPELINED_STAGES stages for programs of at least PIPELINED_STAGES - 1 blocks where the
-        grid's working programs all stay resident at that depth: a grid that leaves shared memory
-        over lets each program keep several of its blocks in flight instead of waiting on memory
-        once a block. A grid that fills the device keeps the table's stages: fewer programs an SM
-        would cost it a second wave (``docs/design.md``, "The schedule")."""
-        if blocks < PIPELINED_STAGES - 1 or config.num_stages >= PIPELINED_STAGES:
+        """The tuning's ``triton_pipelined_stages`` for programs of at least that many blocks less
+        one where the grid's working programs all stay resident at that depth: a grid that leaves
+        shared memory over lets each program keep several of its blocks in flight instead of
+        waiting on memory once a block. A grid that fills the device keeps the table's stages:
+        fewer programs an SM would cost it a second wave. Only where measured: contiguous caches
+        without appended tokens or rotary, head dims 64-128 (``docs/design.md``, "The schedule")."""
+        stages = profile.tuning.triton_pipelined_stages
+        if (not stages or blocks < stages - 1 or config.num_stages >= stages or problem.paged
+                or problem.seqlen_new > 0 or problem.rotary_dim > 0 or padded_headdim(problem.headdim) not in (64, 128)):
             return config
-        deeper = dataclasses.replace(config, num_stages=PIPELINED_STAGES)
-        per_multiprocessor = profile.shared_memory_per_multiprocessor // shared_bytes(
-            deeper, padded_headdim(problem.headdim), problem.element_bytes, profile)
+        deeper = dataclasses.replace(config, num_stages=stages)
+        per_multiprocessor = min(resident_by_headdim(padded_headdim(problem.headdim), profile),
+                                 profile.shared_memory_per_multiprocessor // shared_bytes(
+                                     deeper, padded_headdim(problem.headdim), problem.element_bytes, profile))
         return deeper if programs <= per_multiprocessor * profile.multiprocessors else config
 
     def merges_in_split(self, problem: Problem) -> bool:
