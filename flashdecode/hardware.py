@@ -98,8 +98,9 @@ class Tuning:
     #: (``docs/design.md``, "Measured choices"): TileLang below 32 MiB for contiguous caches that
     #: neither backend's plan splits nor Triton's pipelines deeper, without appended tokens (cases 1-4,
     #: 32-token caches: its short-cache and 64-row kernels up to 8% faster; where Triton's plan takes
-    #: 4 stages, 3-4-block caches, Triton is 12-20% faster, case 5 9.7 against 11.0 us); split caches go to Triton's split kernel, 2-17% faster (case 10, one or
-    #: two sequences of 1k-33k tokens); Triton for paged caches and appended tokens there (4-49% less
+    #: 4 stages, 3-4-block caches, Triton is 12-20% faster, case 5 9.7 against 11.0 us); split caches
+    #: go to Triton's split kernel, 2-17% faster (case 10, one or two sequences of 1k-33k tokens);
+    #: Triton for paged caches and appended tokens there (4-49% less
     #: GPU time on cases 5, 6 and 10 and case 4's append; case 4's pages and cases 1-3 within 1.3
     #: us); above 32 MiB Triton's split kernel at head dims 64-128 (plain calls: 1-28% less GPU time
     #: on cases 7-9 and 11-14, wide W1-W8, W11, W12, W14); at head dim 256 a tie, TileLang kept (2%
@@ -140,7 +141,8 @@ class Tuning:
 #: block: 1024 tokens on 8 KV heads 16.2 -> 12.6 us graph, 11.9 -> 9.8 an eager call (merged in the
 #: kernel; the combine's second launch gave 11.2 graph but 14.2 eager). Triton splits caches of 5-8
 #: blocks where they would leave multiprocessors idle, and so ``auto`` (which gives TileLang only the
-#: short caches no plan splits nor pipelines deeper) runs them on Triton: 512 tokens on 8 KV heads took 11.3 us in 1-block splits against 19.2 in
+#: short caches no plan splits nor pipelines deeper) runs them on Triton: 512 tokens on 8 KV heads
+#: took 11.3 us in 1-block splits against 19.2 in
 #: Triton's single pass and 15.3 in TileLang's, two such sequences 12.6 against 20.0 and 15.3,
 #: sixteen of 362 tokens (128 programs) 18.7 against 20.0 and 18.7; TileLang's own splits lost on
 #: six of those eight shapes (by up to 44%), and Triton's where 2048 programs fill the device (W14

@@ -92,7 +92,8 @@ class Plan:
             return self.forced_splits
         if not self.can_split:
             return 1
-        return max(1, min(self.programs_per_head - problem.batch, math.ceil(self._max_blocks(problem) / self.min_chunk)))
+        most = self._max_blocks(problem)
+        return max(1, min(self.programs_per_head - problem.batch, math.ceil(most / self.min_chunk)))
 
     def _max_blocks(self, problem: Problem) -> int:
         """Most KV blocks one sequence's visible keys span (see ``max_splits``)."""

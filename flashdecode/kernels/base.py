@@ -219,25 +219,29 @@ def select(requested: str, problem: Problem, device: torch.device, profile: Hard
         return get_backend(requested)
     if device.type != "cuda":
         return get_backend("reference")
+    plans: dict = {}  # backend name -> its plan for this call (None: it cannot take it), made once
+
+    def plan_of(name):
+        if name not in plans:
+            plans[name] = None if why_not(name, problem, device) is not None else \
+                planner.plan(problem, profile, get_backend(name))
+        return plans[name]
+
     for rule in profile.tuning.auto_order:
         if (rule.admits(problem) and why_not(rule.backend, problem, device) is None
-                and not any(_splits(name, problem, device, profile) for name in rule.unsplit_by)
-                and not any(_pipelines_deeper(name, problem, device, profile) for name in rule.not_pipelined_by)):
+                and not any(_splits(plan_of(name)) for name in rule.unsplit_by)
+                and not any(_pipelines_deeper(name, plan_of(name), problem, profile)
+                            for name in rule.not_pipelined_by)):
             return get_backend(rule.backend)
     return get_backend("reference")
 
 
-def _pipelines_deeper(name: str, problem: Problem, device: torch.device, profile: HardwareProfile) -> bool:
+def _splits(plan) -> bool:
+    """Whether a backend's plan for the call splits it (False where the backend cannot take it: None)."""
+    return plan is not None and plan.kernel == planner.SPLIT
+
+
+def _pipelines_deeper(name: str, plan, problem: Problem, profile: HardwareProfile) -> bool:
     """Whether backend ``name``'s plan takes a deeper pipeline than its tile table (``Backend.pipelined``;
-    False where it cannot take the call)."""
-    if why_not(name, problem, device) is not None:
-        return False
-    backend = get_backend(name)
-    chosen = planner.plan(problem, profile, backend)
-    return chosen.config != backend.default_config(problem, profile, chosen.kernel)
-
-
-def _splits(name: str, problem: Problem, device: torch.device, profile: HardwareProfile) -> bool:
-    """Whether backend ``name``'s plan splits this call (False where it cannot take the call)."""
-    return (why_not(name, problem, device) is None
-            and planner.plan(problem, profile, get_backend(name)).kernel == planner.SPLIT)
+    False where it cannot take the call: None)."""
+    return plan is not None and plan.config != get_backend(name).default_config(problem, profile, plan.kernel)

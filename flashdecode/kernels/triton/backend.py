@@ -185,14 +185,13 @@ class TritonBackend(Backend):
         waiting on memory once a block. A grid that fills the device keeps the table's stages:
         fewer programs an SM would cost it a second wave. Only where measured: contiguous caches
         without appended tokens or rotary, head dims 64-128 (``docs/design.md``, "The schedule")."""
-        stages = profile.tuning.triton_pipelined_stages
+        stages, headdim = profile.tuning.triton_pipelined_stages, padded_headdim(problem.headdim)
         if (not stages or blocks < stages - 1 or config.num_stages >= stages or problem.paged
-                or problem.seqlen_new > 0 or problem.rotary_dim > 0 or padded_headdim(problem.headdim) not in (64, 128)):
+                or problem.seqlen_new > 0 or problem.rotary_dim > 0 or headdim not in (64, 128)):
             return config
         deeper = dataclasses.replace(config, num_stages=stages)
-        per_multiprocessor = min(resident_by_headdim(padded_headdim(problem.headdim), profile),
-                                 profile.shared_memory_per_multiprocessor // shared_bytes(
-                                     deeper, padded_headdim(problem.headdim), problem.element_bytes, profile))
+        per_multiprocessor = min(resident_by_headdim(headdim, profile), profile.shared_memory_per_multiprocessor //
+                                 shared_bytes(deeper, headdim, problem.element_bytes, profile))
         return deeper if programs <= per_multiprocessor * profile.multiprocessors else config
 
     def merges_in_split(self, problem: Problem) -> bool:
