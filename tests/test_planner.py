@@ -196,18 +196,25 @@ def test_auto_takes_the_first_backend_whose_limits_hold(monkeypatch, batch, seql
 @pytest.mark.parametrize("backend", BACKENDS)
 @settings(max_examples=300, deadline=None)
 @given(data=st.data())
-def test_max_splits_bounds_every_sequence_under_a_left_window(backend, data):
-    """``Plan.max_splits`` (what merging in the split kernel is allowed by) is at least the splits
-    any sequence gets, with a left window whose keys start mid-block and several query rows."""
+def test_plan_bounds_hold_under_windows_and_appended_tokens(backend, data):
+    """The bounds the device-side rule must respect, with a left window whose keys start mid-block
+    (or none), appended tokens and several query rows: ``Plan.max_splits`` (what merging in the
+    split kernel is allowed by) is at least the splits any sequence gets, ``working_programs`` the
+    programs with keys, ``most_blocks_per_program`` any program's blocks (what the pipeline depth
+    is chosen by, ``Backend.pipelined``)."""
     seqlen_cache = data.draw(st.integers(1, 20000))
-    window_left = data.draw(st.integers(0, 3000))
-    lengths = data.draw(st.lists(st.integers(min(window_left, seqlen_cache), seqlen_cache), min_size=1, max_size=3))
+    window_left = data.draw(st.sampled_from([-1, data.draw(st.integers(0, 3000))]))
+    seqlen_new = data.draw(st.sampled_from([0, 0, min(seqlen_cache, data.draw(st.integers(1, 8)))]))
+    lengths = data.draw(st.lists(st.integers(0, seqlen_cache - seqlen_new), min_size=1, max_size=8))
     problem = problem_for(lengths, seqlen_cache, seqlen_q=data.draw(st.integers(1, 8)), window_left=window_left,
-                          window_right=0)
+                          window_right=0 if window_left >= 0 else -1, seqlen_new=seqlen_new)
     p = plan(problem, PROFILES["h200"], get_backend(backend), data.draw(st.sampled_from([0, 0, 3])))
     ranges = [key_range(problem, length) for length in lengths]
     items = work_list(p, [hi for _, hi in ranges], [lo for lo, _ in ranges])
     assert all(item.num_splits <= p.max_splits(problem) for item in items)
+    assert len([item for item in items if item.tokens]) <= p.working_programs(problem)
+    assert all(-(-item.token_end // p.block_n) - item.token_start // p.block_n <= p.most_blocks_per_program(problem)
+               for item in items if item.tokens)
 
 
 @pytest.mark.parametrize("threshold", [0, 4, 64, 10_000])
