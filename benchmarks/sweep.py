@@ -13,7 +13,9 @@ multiprocessors take their own, shorter ones); ``--one-sequence-min-blocks`` set
 (0: none, the batch rules apply); ``--split-above`` ``split_above_blocks`` (the most blocks a cache
 has unsplit, unless ``underfilled_split_above_blocks`` splits it: at or below its count, that rule is off);
 ``--underfilled-above`` that count for the backend (0: the rule off);
-``--tl-stages`` and ``--tl-rows`` set any backend's ``num_stages`` / ``block_m``; ``--warps`` Triton's
+``--tl-stages`` and ``--tl-rows`` set any backend's ``num_stages`` / ``block_m`` (a swept tile starts
+from the case's planned config: without ``--tl-stages`` it keeps that plan's pipeline depth, which
+``Backend.pipelined`` chose for the default tile, not for the swept one); ``--warps`` Triton's
 ``num_warps``; ``--max-registers`` Triton's register cap (0: none; -1: the shipped rule's for the tile);
 ``--merge-splits`` the most splits a sequence may have for the split kernel to merge them itself
 (0: never), ``--merge-step`` how many it merges at a time; ``--dependent-combine 0,1`` the combine
