@@ -24,6 +24,8 @@ from .reference import per_sequence
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
 MAX_HEADDIM = 256
+#: Page sizes besides powers of two: FlashAttention 2 takes any multiple of this many tokens.
+FA_PAGE_MULTIPLE = 256
 BACKENDS = ("auto", "tilelang", "triton", "reference")
 _BSHD = "(batch, seqlen, nheads, headdim)"
 
@@ -198,8 +200,9 @@ def check_call(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens,
         if cache_batch_idx is not None:
             _fail(ValueError, "cache_batch_idx cannot be used with block_table (a paged cache is indexed by "
                               "its block table)")
-        if slots < 1 or slots & (slots - 1):
-            _fail(ValueError, f"k_cache's page size (dimension 1 with block_table) must be a power of two, got {slots}")
+        if slots < 1 or (slots & (slots - 1) and slots % FA_PAGE_MULTIPLE):
+            _fail(ValueError, f"k_cache's page size (dimension 1 with block_table) must be a power of two or a "
+                              f"multiple of {FA_PAGE_MULTIPLE}, got {slots}")
         if rows == 0:
             _fail(ValueError, "k_cache must hold at least one page with block_table, got 0 pages")
         page_size, capacity = slots, slots * block_table[2][1]

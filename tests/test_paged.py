@@ -20,7 +20,8 @@ from flashdecode.kernels.base import BackendError
 from flashdecode.reference import reference_attention, relative_error
 
 DEVICE = "cuda" if HAS_CUDA else "cpu"
-PAGE_SIZES = (1, 2, 16, 32, 64, 128, 256)
+#: Powers of two, and a multiple of 256 that is not one (FlashAttention's page sizes are multiples of 256).
+PAGE_SIZES = (1, 2, 16, 32, 64, 128, 256, 768)
 BATCH, SPARE_PAGES = 4, 3
 
 
@@ -153,3 +154,14 @@ def test_block_tables_are_shuffled():
         table = paged_call(page_size, VARIANTS["plain"], CPU_SHAPE, torch.float16, seed=page_size)["block_table"]
         steps = table[:, 1:] - table[:, :-1]
         assert (steps != 1).any(dim=1).all(), page_size
+
+
+def test_tilelang_leaves_pages_that_are_no_power_of_two_to_triton():
+    """Pages of 768 (a FlashAttention size) run on Triton; TileLang's kernels take powers of two
+    only until they are measured on a GPU, so ``auto`` passes them over."""
+    from flashdecode.kernels.tilelang.backend import problem_limitation
+    from flashdecode.problem import Problem
+
+    problem = Problem(4, 1536, 32, 4, 128, "bfloat16", page_size=768)
+    assert "power-of-two page_size (got 768)" in problem_limitation(problem)
+    assert problem_limitation(dataclasses.replace(problem, page_size=256)) is None

@@ -88,7 +88,7 @@ BAD_INPUTS = {
                                                 rotary_cos=rotary(16, 32)[0]), ValueError, "given together"),
     "page size 3": (lambda q, k, v, s: call(q, k[:, :15].reshape(10, 3, 2, 64), k[:, :15].reshape(10, 3, 2, 64), 12,
                                             block_table=torch.arange(10, dtype=torch.int32).reshape(2, 5)),
-                    ValueError, "page size .* must be a power of two, got 3"),
+                    ValueError, "page size .* must be a power of two or a multiple of 256, got 3"),
     "block table dtype": (lambda q, k, v, s: call(q, *paged(k)[:1], paged(v)[0], s,
                                                   block_table=paged(k)[1].long()), TypeError, "block_table must be int32"),
     "block table shape": (lambda q, k, v, s: call(q, paged(k)[0], paged(v)[0], s, block_table=paged(k)[1][:1]),

@@ -63,6 +63,8 @@ def problem_limitation(problem) -> str | None:
         return f"seqlen_q of at most {MAX_SEQLEN_Q} (got {problem.seqlen_q})"
     if problem.paged and problem.page_size < MIN_PAGE_SIZE:
         return f"a page_size of at least {MIN_PAGE_SIZE} (got {problem.page_size})"
+    if problem.paged and problem.page_size & (problem.page_size - 1):  # e.g. 768: not run on a GPU yet
+        return f"a power-of-two page_size (got {problem.page_size})"
     if problem.q_rows > MAX_Q_ROWS:
         return (f"at most {MAX_Q_ROWS} query rows per KV head, seqlen_q * group "
                 f"(got {problem.seqlen_q} * {problem.group})")
