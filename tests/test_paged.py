@@ -1,5 +1,5 @@
 """Paged KV caches beyond FlashAttention's grid (which has pages of 256 only): pages of 1 to 256
-tokens, shuffled block tables with spare pages no sequence owns, lengths 0, 1, capacity and one
+tokens and of 768 (a multiple of 256 that is no power of two), shuffled block tables with spare pages no sequence owns, lengths 0, 1, capacity and one
 random, with and without appended k/v. The public call against ``reference_attention`` on copies
 of the same inputs: outputs, lse, and every page after the call (appends land in exactly the
 right slots; no other page changes).
@@ -155,13 +155,3 @@ def test_block_tables_are_shuffled():
         steps = table[:, 1:] - table[:, :-1]
         assert (steps != 1).any(dim=1).all(), page_size
 
-
-def test_tilelang_leaves_pages_that_are_no_power_of_two_to_triton():
-    """Pages of 768 (a FlashAttention size) run on Triton; TileLang's kernels take powers of two
-    only until they are measured on a GPU, so ``auto`` passes them over."""
-    from flashdecode.kernels.tilelang.backend import problem_limitation
-    from flashdecode.problem import Problem
-
-    problem = Problem(4, 1536, 32, 4, 128, "bfloat16", page_size=768)
-    assert "power-of-two page_size (got 768)" in problem_limitation(problem)
-    assert problem_limitation(dataclasses.replace(problem, page_size=256)) is None

@@ -193,6 +193,21 @@ def test_auto_takes_the_first_backend_whose_limits_hold(monkeypatch, batch, seql
     assert chosen.name == expected
 
 
+def test_auto_gives_pages_that_are_no_power_of_two_to_triton(monkeypatch):
+    """Pages of 768 tokens (a FlashAttention size): TileLang's limitation names the page size, so
+    ``auto`` runs Triton where it would run TileLang on pages of 256 (head dim 256)."""
+    from flashdecode.kernels import base
+    from flashdecode.kernels.tilelang.backend import problem_limitation
+
+    monkeypatch.setattr(base, "why_not", lambda name, problem, device:
+                        problem_limitation(problem) if name == "tilelang" else None)
+    problem = Problem(16, 1536, 32, 8, 256, "bfloat16", page_size=768)
+    assert "power-of-two page_size (got 768)" in problem_limitation(problem)
+    assert base.select("auto", problem, torch.device("cuda", 0), PROFILES["h200"]).name == "triton"
+    pages_of_256 = dataclasses.replace(problem, page_size=256)
+    assert base.select("auto", pages_of_256, torch.device("cuda", 0), PROFILES["h200"]).name == "tilelang"
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 @settings(max_examples=300, deadline=None)
 @given(data=st.data())
@@ -201,14 +216,21 @@ def test_plan_bounds_hold_under_windows_and_appended_tokens(backend, data):
     (or none), appended tokens and several query rows: ``Plan.max_splits`` (what merging in the
     split kernel is allowed by) is at least the splits any sequence gets, ``working_programs`` the
     programs with keys, ``most_blocks_per_program`` any program's blocks (what the pipeline depth
-    is chosen by, ``Backend.pipelined``)."""
+    is chosen by, ``Backend.pipelined``). Some lengths put a window's first visible key on the last
+    key of a block, where its keys span the most blocks."""
     seqlen_cache = data.draw(st.integers(1, 20000))
     window_left = data.draw(st.sampled_from([-1, data.draw(st.integers(0, 3000))]))
     seqlen_new = data.draw(st.sampled_from([0, 0, min(seqlen_cache, data.draw(st.integers(1, 8)))]))
-    lengths = data.draw(st.lists(st.integers(0, seqlen_cache - seqlen_new), min_size=1, max_size=8))
-    problem = problem_for(lengths, seqlen_cache, seqlen_q=data.draw(st.integers(1, 8)), window_left=window_left,
+    seqlen_q, batch = data.draw(st.integers(1, 8)), data.draw(st.integers(1, 8))
+    problem = problem_for([0] * batch, seqlen_cache, seqlen_q=seqlen_q, window_left=window_left,
                           window_right=0 if window_left >= 0 else -1, seqlen_new=seqlen_new)
     p = plan(problem, PROFILES["h200"], get_backend(backend), data.draw(st.sampled_from([0, 0, 3])))
+    room = seqlen_cache - seqlen_new
+    # lengths whose first visible key (length + seqlen_new - seqlen_q - window_left) ends a block
+    first_worst = p.block_n - 1 + seqlen_q + window_left - seqlen_new
+    worst = [n for n in range(first_worst, room + 1, p.block_n) if n >= 0][:50] if window_left >= 0 else []
+    length = st.one_of(st.integers(0, room), st.sampled_from(worst)) if worst else st.integers(0, room)
+    lengths = [data.draw(length) for _ in range(batch)]
     ranges = [key_range(problem, length) for length in lengths]
     items = work_list(p, [hi for _, hi in ranges], [lo for lo, _ in ranges])
     assert all(item.num_splits <= p.max_splits(problem) for item in items)

@@ -525,3 +525,13 @@ def test_merging_plan_without_counters_is_refused():
                       None, None, None, 0.1)
     with pytest.raises(ValueError, match="tickets: .* needs 4 zeroed int32 counters"):
         BACKEND.launch(chosen, problem, args)
+
+
+def test_a_tile_that_would_straddle_pages_is_refused():
+    """A caller's block_n that does not divide a page of 768 tokens (a block would span two pages,
+    which the kernels look up once a block) raises instead of reading the wrong rows."""
+    call = make_call(batch=1, capacity=1536, page_size=768, lengths=[1000])
+    config = dataclasses.replace(SMALL, block_n=512)
+    with pytest.raises(ValueError, match="block_n 512 must divide the page size 768"):
+        flash_attn_with_kvcache(call.q, call.k_cache, call.v_cache, **call.kwargs, backend="triton",
+                                context=DecodeContext(DEVICE, config=config))

@@ -271,6 +271,11 @@ class TritonBackend(Backend):
 
 def _make_spec(plan, problem: Problem) -> _LaunchSpec:
     config = plan.config
+    page = problem.page_size
+    if page and (page % config.block_n if page >= config.block_n else page & (page - 1)):
+        # the kernels look a block up in one page, or each token in a power-of-two page (``cache_offsets``)
+        raise ValueError(f"triton: block_n {config.block_n} must divide the page size {page}, or the page size "
+                         f"be a power of two below it")
     batch_pad = max(16, triton.next_power_of_2(problem.batch))
     head_pad = padded_headdim(problem.headdim)
     append, leftpad = problem.seqlen_new > 0, problem.leftpad
