@@ -4,9 +4,10 @@ and the C++ part alone (`HostPath.run`: lookup, allocation, launches); the diffe
 before it. Calls back to back, no waiting on the GPU (a case whose GPU time exceeds its host time
 shows the GPU instead).
 
-``--busy``: each timed loop starts behind one long matmul (about 10 ms on an H200), so its calls are
-queued behind work, as a case's calls are once their GPU time exceeds their host time (the bench's
-host figure for cases 7-14); without it the queue drains between calls of the small cases.
+``--busy``: each timed loop starts behind one long matmul (about 10 ms on an H200; a loop that
+outlasts it stops the run: take ``--calls 200``), so its calls are queued behind work, as a case's
+calls are once their GPU time exceeds their host time (the bench's host figure for cases 7-14);
+without it the queue drains between calls of the small cases.
 
 Usage: python benchmarks/host_profile.py [--cases 3,10,8] [--calls 3000] [--backends tilelang,triton] [--busy]
 """
@@ -34,7 +35,11 @@ def per_call(timer: Timer, function, calls: int, repeats: int = 5) -> float:
         if BUSY["on"]:
             timer.synchronize()
             BUSY["a"] @ BUSY["a"]
+            queued = torch.cuda.Event()
+            queued.record()
             samples.append(timed_without_sync(function, calls))
+            if queued.query():  # the matmul ended before the loop did: part of it was timed idle
+                raise SystemExit(f"--busy: {calls} calls outlast the queued matmul; take fewer (--calls 200)")
         else:
             samples.append(timer.host_overhead_us(function, calls))
     return statistics.median(samples)
