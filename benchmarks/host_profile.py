@@ -24,33 +24,30 @@ from flashdecode.cases import CASES_BY_NUMBER, VARIANTS, make_call
 from flashdecode.context import default_context
 
 
-BUSY = {"on": False}
+class HostClock:
+    """Host time per call of a function, in us: the median over ``repeats`` loops of ``calls`` calls
+    back to back, each loop as the benchmark times it (``Timer.host_overhead_us``), or with ``busy``
+    (a square matrix) behind one queued matmul of it, its queue left as it is."""
 
+    def __init__(self, timer: Timer, calls: int, busy: torch.Tensor | None = None, repeats: int = 5):
+        self.timer, self.calls, self.busy, self.repeats = timer, calls, busy, repeats
 
-def per_call(timer: Timer, function, calls: int, repeats: int = 5) -> float:
-    """Median over ``repeats`` of the benchmark's host time per call (``Timer.host_overhead_us``), in us;
-    with ``--busy`` each loop behind one queued long matmul."""
-    samples = []
-    for _ in range(repeats):
-        if BUSY["on"]:
-            timer.synchronize()
-            BUSY["a"] @ BUSY["a"]
-            queued = torch.cuda.Event()
-            queued.record()
-            samples.append(timed_without_sync(function, calls))
-            if queued.query():  # the matmul ended before the loop did: part of it was timed idle
-                raise SystemExit(f"--busy: {calls} calls outlast the queued matmul; take fewer (--calls 200)")
-        else:
-            samples.append(timer.host_overhead_us(function, calls))
-    return statistics.median(samples)
+    def per_call(self, function) -> float:
+        loop = self.timer.host_overhead_us if self.busy is None else self._behind_matmul
+        return statistics.median(loop(function, self.calls) for _ in range(self.repeats))
 
-
-def timed_without_sync(function, calls: int) -> float:
-    """Host us per call of ``calls`` calls back to back, the queue left as it is (``--busy``)."""
-    start = time.perf_counter()
-    for _ in range(calls):
-        function()
-    return (time.perf_counter() - start) / calls * 1e6
+    def _behind_matmul(self, function, calls: int) -> float:
+        self.timer.synchronize()
+        self.busy @ self.busy
+        queued = torch.cuda.Event()
+        queued.record()
+        start = time.perf_counter()
+        for _ in range(calls):
+            function()
+        elapsed = time.perf_counter() - start
+        if queued.query():  # the matmul ended before the loop did: part of it was timed idle
+            raise SystemExit(f"--busy: {calls} calls outlast the queued matmul; take fewer (--calls 200)")
+        return elapsed / calls * 1e6
 
 
 def main():
@@ -60,17 +57,16 @@ def main():
     parser.add_argument("--backends", default="tilelang,triton")
     parser.add_argument("--busy", action="store_true", help="time each loop behind a queued long matmul")
     args = parser.parse_args()
-    if args.busy:
-        BUSY.update(on=True, a=torch.randn(16384, 16384, device="cuda", dtype=torch.bfloat16))
+    busy = torch.randn(16384, 16384, device="cuda", dtype=torch.bfloat16) if args.busy else None
     for number in (int(text) for text in args.cases.split(",")):
         call = make_call(CASES_BY_NUMBER[number], VARIANTS["plain"], "cuda")
         q, k_cache, v_cache, lengths = call.q, call.k_cache, call.v_cache, call.kwargs()["cache_seqlens"]
         index = q.device.index or 0
-        timer = Timer(q.device, iters=1, warmup=0, cold_l2=False)
-        print(f"case {number}: q.add_(0) {per_call(timer, lambda: q.add_(0), args.calls):.1f}  "
-              f"empty_like {per_call(timer, lambda: torch.empty_like(q), args.calls):.1f}  "
-              f"is_capturing {per_call(timer, torch.cuda.is_current_stream_capturing, args.calls):.1f}  "
-              f"default_context {per_call(timer, lambda: default_context(q), args.calls):.2f}")
+        clock = HostClock(Timer(q.device, iters=1, warmup=0, cold_l2=False), args.calls, busy)
+        print(f"case {number}: q.add_(0) {clock.per_call(lambda: q.add_(0)):.1f}  "
+              f"empty_like {clock.per_call(lambda: torch.empty_like(q)):.1f}  "
+              f"is_capturing {clock.per_call(torch.cuda.is_current_stream_capturing):.1f}  "
+              f"default_context {clock.per_call(lambda: default_context(q)):.2f}")
         for backend in args.backends.split(","):
             def whole():
                 return flashdecode.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=lengths, backend=backend)
@@ -84,8 +80,8 @@ def main():
             arguments = (q, k_cache, v_cache, None, None, None, None, lengths, None, None, None, None, False, (-1, -1),
                          0.0, True, None, 0, False, backend, None, compat.current_stream_handle(index))
             hits = host.hits
-            whole_us = per_call(timer, whole, args.calls)
-            native_us = per_call(timer, lambda: host.run(arguments), args.calls)
+            whole_us = clock.per_call(whole)
+            native_us = clock.per_call(lambda: host.run(arguments))
             print(f"  {backend:8s} whole call {whole_us:6.1f}  C++ part {native_us:6.1f}  "
                   f"python before it {whole_us - native_us:5.1f}  (host path hits +{host.hits - hits})")
 
