@@ -136,7 +136,7 @@ def test_the_environment_turns_it_off(monkeypatch):
     monkeypatch.setenv("FLASHDECODE_HOST_PATH", "0")
     context = DecodeContext()
     call = make_call(CASES_BY_NUMBER[3], VARIANTS["plain"], "cuda")
-    flash_attn_with_kvcache(call.q, call.k_cache, call.v_cache, **call.kwargs(), backend="tilelang", context=context)
+    flash_attn_with_kvcache(call.q, call.k_cache, call.v_cache, **call.kwargs(), backend="triton", context=context)
     assert context.host_path is None
 
 
