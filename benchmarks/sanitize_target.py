@@ -3,13 +3,15 @@ shapes that cover one program per sequence, balanced splits (Triton: case 10's c
 dependent launch), forced splits (Triton: merged in the split kernel), empty rows, lengths at block
 boundaries in the split kernel (case 6) and the short-cache kernel (cases 3, 4: one tile; case 5:
 three; Triton's 4-stage single pass there), a split plan of 4-block programs (Triton: 4 stages,
-merged in the split kernel), and tiles gathered from pages of 16 by both."""
+merged in the split kernel), tiles gathered from pages of 16 by both, and repeat calls that the
+compiled host path launches (its out and lse allocated by the extension), checked against the first."""
 import argparse
 
 import torch
 
 from flashdecode import flash_attn_with_kvcache, flash_decode_with_kvcache
 from flashdecode.cases import CASES_BY_NUMBER, VARIANTS, make_call, make_inputs, parse_shapes
+from flashdecode.context import default_context
 
 parser = argparse.ArgumentParser(description=__doc__)
 parser.add_argument("--backend", default="tilelang")
@@ -39,5 +41,14 @@ for number, lengths in ((6, [0, 1, 15, 16, 17, 63, 64, 65, 127, 128, 129, 255, 2
     for num_splits in (0, 3):
         flash_attn_with_kvcache(call.q, call.k_cache, call.v_cache, **call.kwargs(), num_splits=num_splits,
                                 backend=backend)
+for number in (3, 6, 10):  # the first call records its launches; the repeats are the compiled host path's
+    q, k, v, seqlens = make_inputs(CASES_BY_NUMBER[number], device="cuda")
+    first = flash_decode_with_kvcache(q, k, v, seqlens, return_softmax_lse=True, backend=backend)
+    for _ in range(3):
+        again = flash_decode_with_kvcache(q, k, v, seqlens, return_softmax_lse=True, backend=backend)
+        if not (torch.equal(again[0], first[0]) and torch.equal(again[1], first[1])):
+            raise SystemExit(f"case {number}: a repeat call differs from the first")
+    host = default_context(q).host_path
+    print(f"case {number}: repeat calls from the compiled host path: {0 if host is None else host.hits}")
 torch.cuda.synchronize()
 print("sanitize target done")

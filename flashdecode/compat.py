@@ -26,10 +26,11 @@ def has_fast_stream_handle() -> bool:
     return _raw_stream is not None
 
 
-#: ``torch.compiler.is_compiling`` (torch >= 2.3); older torch has no torch.compile tracing to detect.
-_is_compiling = getattr(getattr(torch, "compiler", None), "is_compiling", None)
+def _never_compiling() -> bool:
+    return False
 
 
-def is_compiling() -> bool:
-    """Whether torch.compile is tracing this call (the call then goes through the custom op)."""
-    return _is_compiling is not None and bool(_is_compiling())
+#: ``is_compiling()``: whether torch.compile is tracing this call (the call then goes through the
+#: custom op). ``torch.compiler.is_compiling`` itself (torch >= 2.3), which every eager call asks, with
+#: no wrapper around it; older torch has no torch.compile tracing to detect.
+is_compiling = getattr(getattr(torch, "compiler", None), "is_compiling", None) or _never_compiling

@@ -153,14 +153,18 @@ def _tvm_ffi_package() -> pathlib.Path | None:
 
 
 class HostPath:
-    """One context's launch records (``csrc/host_path.cpp``). ``run`` takes the call's arguments as
-    ``DecodeContext.run`` has them, then the context's stream."""
+    """One context's launch records (``csrc/host_path.cpp``).
+
+    ``run(call)``: out, or (out, lse), from the record of ``call`` (a tuple of the call's arguments
+    as ``DecodeContext.run`` has them, then the context's stream); None when there is none. It is
+    the extension's own function, with no Python frame in between: every eager call takes it."""
 
     def __init__(self, module, max_records: int = MAX_RECORDS, real_launches: bool = True):
         """``real_launches``: compare each CUDA launch's parameter words with its function's own list
         where the driver can tell, and miss while the call's stream captures a CUDA graph (off only
         where the functions and streams are stand-ins, in tests)."""
         self._native = module.HostPath(max_records, real_launches)
+        self.run = self._native.run
         self._verified: set[str] = set()  # kinds of launches ("ffi", "cuda") a replay checked
         self.off_because: str | None = None
 
@@ -172,10 +176,6 @@ class HostPath:
     def hits(self) -> int:
         """Calls launched from a record."""
         return self._native.hits
-
-    def run(self, call: tuple):
-        """out, or (out, lse), from the record of ``call``; None when there is none."""
-        return self._native.run(*call)
 
     def add(self, call: tuple, launches: list, result: torch.Tensor, lse: torch.Tensor | None, lse_shape) -> bool:
         """Record ``launches`` (``kernels.base.FfiLaunch`` es or ``CudaLaunch`` es, not both) of ``call``,

@@ -69,6 +69,31 @@ def reference_attention_cache(call):
     return k_cache
 
 
+@pytest.mark.parametrize("layout", ["contiguous", "heads-outer"])
+@pytest.mark.parametrize("backend", ["tilelang", "triton"])
+def test_a_hit_allocates_out_and_lse_as_the_python_path_does(layout, backend):
+    """A hit's out and lse are fresh tensors with the Python path's device, dtype and strides: the
+    extension's own allocation where q is contiguous, ``at::empty_like`` where q's strides are not its
+    shape's contiguous ones ("heads-outer": the seqlen_q stride of a (B, H, 1, D) tensor viewed as
+    (B, 1, H, D))."""
+    if backend == "tilelang":
+        pytest.importorskip("tilelang")
+    call = make_call(CASES_BY_NUMBER[6], VARIANTS["plain"], "cuda")
+    q = call.q if layout == "contiguous" else call.q.transpose(1, 2).contiguous().transpose(1, 2)
+    context = DecodeContext()
+    results = [flash_attn_with_kvcache(q, call.k_cache, call.v_cache, **call.kwargs(), return_softmax_lse=True,
+                                       backend=backend, context=context) for _ in range(CALLS)]
+    assert context.host_path.hits == CALLS - 1
+    first_out, first_lse = results[0]
+    assert first_out.stride() == torch.empty_like(q).stride()
+    for out, lse in results[1:]:
+        assert (out.device, out.dtype, out.stride()) == (q.device, q.dtype, first_out.stride())
+        assert (lse.device, lse.dtype, lse.stride()) == (first_lse.device, torch.float32, first_lse.stride())
+        torch.testing.assert_close(out, first_out, rtol=0, atol=0)
+        torch.testing.assert_close(lse, first_lse, rtol=0, atol=0)
+    assert len({tensor.data_ptr() for pair in results for tensor in pair}) == 2 * CALLS  # none shared
+
+
 def test_graph_capture_stays_on_the_python_path():
     pytest.importorskip("tilelang")
     call = make_call(CASES_BY_NUMBER[6], VARIANTS["plain"], "cuda")

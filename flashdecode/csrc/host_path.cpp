@@ -8,6 +8,9 @@
 // on the Python path.
 #include <torch/extension.h>
 #include <torch/csrc/autograd/python_variable.h>
+#include <ATen/EmptyTensor.h>
+#include <c10/core/impl/DeviceGuardImplInterface.h>
+#include <c10/util/strides.h>
 
 // FLASHDECODE_TVM_FFI: built against TVM-FFI (it comes with TileLang); without it, records hold
 // raw CUDA launches only.
@@ -264,7 +267,25 @@ struct Record {
   void* cuda_context = nullptr;  // the context raw launches' functions belong to
   std::vector<int64_t> lse_shape;  // (B, Hq, Sq): allocated per call when the caller wants lse
   int device_type = 0, device_id = 0;  // of the TVM-FFI launches' tensors (DLPack's numbering)
+  // The allocator at::empty takes q's device's memory from, where q is a CUDA tensor (else null);
+  // out_contiguous: q's strides are its shape's contiguous strides (at::empty_like's out is then
+  // contiguous too). Both hold for every call of the record: its key has q's device and strides.
+  c10::Allocator* cuda_allocator = nullptr;
+  bool out_contiguous = false;
 };
+
+// A hit's out or lse, contiguous: what at::empty gives, from the record's allocator on the current
+// device without the dispatcher (on the H200 machine's host 0.5 us a call where at::empty_like took
+// 1.2, docs/design.md "Host path"); at::empty where the record has no allocator or the current CUDA
+// device is not q's (the caching allocator serves the current device).
+at::Tensor empty_contiguous(const Record& record, const at::Tensor& q, at::IntArrayRef sizes, at::ScalarType type) {
+  if (record.cuda_allocator != nullptr &&
+      c10::impl::getDeviceGuardImpl(c10::DeviceType::CUDA)->getDevice().index() == q.device().index()) {
+    return at::Tensor(at::detail::empty_generic(sizes, record.cuda_allocator,
+                                                c10::DispatchKeySet(c10::DispatchKey::CUDA), type, std::nullopt));
+  }
+  return at::empty(sizes, q.options().dtype(type));
+}
 
 #ifdef FLASHDECODE_TVM_FFI
 DLDataType dl_dtype(at::ScalarType type) {
@@ -317,11 +338,11 @@ class HostPath {
 
   // None on a miss (the caller takes the Python path), else out or (out, lse). A call on a stream
   // that is capturing a CUDA graph misses: the Python path gives a graph buffers of its own.
-  py::object run(py::args args) {
-    if (!make_key(args.ptr(), key_)) return py::none();
+  py::object run(py::tuple call) {
+    if (!make_key(call.ptr(), key_)) return py::none();
     auto found = records_.find(key_);
-    if (found == records_.end() || (real_launches_ && !driver_says_not_capturing(args.ptr()))) return py::none();
-    py::object result = execute(found->second, args.ptr(), nullptr, nullptr);
+    if (found == records_.end() || (real_launches_ && !driver_says_not_capturing(call.ptr()))) return py::none();
+    py::object result = execute(found->second, call.ptr(), nullptr, nullptr);
     if (!result.is_none()) ++hits_;
     return result;
   }
@@ -346,6 +367,12 @@ class HostPath {
     if (!make_key(call.ptr(), key)) return false;
     Record record;
     record.lse_shape = std::move(lse_shape);
+    const at::Tensor& q = THPVariable_Unpack(PyTuple_GET_ITEM(call.ptr(), kQ));
+    if (q.is_cuda()) {  // the allocator of a tensor at::empty makes (the caching allocator, or the one set in its place)
+      c10::Allocator* allocator = at::empty({1}, q.options()).storage().allocator();
+      if (allocator == c10::GetAllocator(c10::DeviceType::CUDA)) record.cuda_allocator = allocator;
+    }
+    record.out_contiguous = q.strides() == at::IntArrayRef(c10::contiguous_strides(q.sizes()));
     for (py::handle entry : launches) {
       py::tuple spec = entry.cast<py::tuple>();
       std::string kind = spec[0].cast<std::string>();
@@ -523,6 +550,8 @@ class HostPath {
       out = *out_given;
     } else if (PyTuple_GET_ITEM(args, kOut) != Py_None) {
       out = THPVariable_Unpack(PyTuple_GET_ITEM(args, kOut));
+    } else if (record.out_contiguous) {
+      out = empty_contiguous(record, q, q.sizes(), q.scalar_type());
     } else {
       out = at::empty_like(q);
     }
@@ -532,7 +561,7 @@ class HostPath {
     if (lse_given != nullptr) {
       lse = *lse_given;
     } else if (want_lse) {
-      lse = at::empty(record.lse_shape, q.options().dtype(at::kFloat));
+      lse = empty_contiguous(record, q, record.lse_shape, at::kFloat);
     }
     if (lse.defined()) data[kLseSlot] = lse.data_ptr();
 
