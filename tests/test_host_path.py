@@ -321,3 +321,16 @@ def test_a_record_misses_where_no_driver_says_the_stream_is_not_capturing(module
     q = make_call()[0]
     assert path.add(make_call(), [FfiLaunch(kernel.function, (q,))], torch.empty_like(q), None, (2, 4, 1))
     assert len(path) == 1 and path.run(make_call()) is None and path.hits == 0
+
+
+def test_the_phase_probe_still_patches_the_extension():
+    """``benchmarks/host_phases.py`` times the extension from a patched copy of its source: it fails
+    here, not on the GPU machine, when the places it patches change."""
+    import importlib.util
+    import pathlib
+
+    path = pathlib.Path(__file__).parents[1] / "benchmarks" / "host_phases.py"
+    spec = importlib.util.spec_from_file_location("host_phases", path)
+    probe = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(probe)
+    assert "MARK(6)" in probe.instrumented_source().read_text()
