@@ -49,26 +49,26 @@ static int64_t g_calls = 0;
 static inline int64_t now_ns() { return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch()).count(); }
 #define MARK(i) do { int64_t t_ = now_ns(); g_phase[i] += t_ - g_last; g_last = t_; } while (0)
 """)
-    sub("""  py::object run(py::tuple call) {
-    if (!make_key(call.ptr(), key_)) return py::none();
+    sub("""  py::object run(Arguments args) {
+    if (!make_key(args, key_)) return py::none();
     auto found = records_.find(key_);
-    if (found == records_.end() || (real_launches_ && !driver_says_not_capturing(call.ptr()))) return py::none();
-    py::object result = execute(found->second, call.ptr(), nullptr, nullptr);""",
-"""  py::object run(py::tuple call) {
+    if (found == records_.end() || (real_launches_ && !driver_says_not_capturing(args))) return py::none();
+    py::object result = execute(found->second, args, nullptr, nullptr);""",
+"""  py::object run(Arguments args) {
     g_last = now_ns(); ++g_calls;
-    if (!make_key(call.ptr(), key_)) return py::none();
+    if (!make_key(args, key_)) return py::none();
     auto found = records_.find(key_);
     MARK(0);
-    if (found == records_.end() || (real_launches_ && !driver_says_not_capturing(call.ptr()))) return py::none();
+    if (found == records_.end() || (real_launches_ && !driver_says_not_capturing(args))) return py::none();
     MARK(1);
-    py::object result = execute(found->second, call.ptr(), nullptr, nullptr);
+    py::object result = execute(found->second, args, nullptr, nullptr);
     MARK(6);""")
     sub("""    void* data[kSlots] = {};
     call_data(args, data);
-    const at::Tensor& q = THPVariable_Unpack(PyTuple_GET_ITEM(args, kQ));""",
+    const at::Tensor& q = THPVariable_Unpack(args[kQ]);""",
 """    void* data[kSlots] = {};
     call_data(args, data);
-    const at::Tensor& q = THPVariable_Unpack(PyTuple_GET_ITEM(args, kQ));
+    const at::Tensor& q = THPVariable_Unpack(args[kQ]);
     MARK(2);""")
     sub("""    if (lse.defined()) data[kLseSlot] = lse.data_ptr();
 """, """    if (lse.defined()) data[kLseSlot] = lse.data_ptr();
@@ -166,13 +166,13 @@ def print_case(module, number: int, backend: str, calls: int) -> None:
     host = context.host_path
     arguments = (q, k_cache, v_cache, None, None, None, None, lengths, None, None, None, None, False, (-1, -1),
                  0.0, True, None, 0, False, backend, None, compat.current_stream_handle(q.device.index or 0))
-    got = host.run(arguments)
+    got = host.run(*arguments)
     assert got is not None, "the call missed its record"
     torch.testing.assert_close(got, expected, atol=0, rtol=0)
     scratch = torch.zeros(1024, device="cuda")
     pieces = {"torch launch": lambda: scratch.add_(0), "whole call": whole,
               "default_context(q)": lambda: default_context(q),
-              "context._run": lambda: context._run(*arguments[:21]), "HostPath.run": lambda: host.run(arguments)}
+              "context._run": lambda: context._run(*arguments[:21]), "HostPath.run": lambda: host.run(*arguments)}
     rows = {name: [] for name in pieces}
     phases = []
     for _ in range(7):

@@ -81,7 +81,7 @@ def main():
                          0.0, True, None, 0, False, backend, None, compat.current_stream_handle(index))
             hits = host.hits
             whole_us = clock.per_call(whole)
-            native_us = clock.per_call(lambda: host.run(arguments))
+            native_us = clock.per_call(lambda: host.run(*arguments))
             print(f"  {backend:8s} whole call {whole_us:6.1f}  C++ part {native_us:6.1f}  "
                   f"python before it {whole_us - native_us:5.1f}  (host path hits +{host.hits - hits})")
 

@@ -10,7 +10,7 @@ from . import compat
 from .context import DecodeContext, default_context
 from .planner import Plan
 from .problem import Problem
-from .validate import tensor_scalars
+from .validate import tensor_scalars, value_checks_enabled
 
 
 def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None,
@@ -41,7 +41,20 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                                rotary_interleaved, alibi_slopes, num_splits, return_softmax_lse, backend, out)
     if not isinstance(q, torch.Tensor):
         raise TypeError(f"q must be a torch.Tensor, got {type(q).__name__}")
-    run = context.run if context is not None else default_context(q)._run  # the default is bound
+    if context is not None:
+        run = context.run
+    else:
+        context = default_context(q)  # bound to q's device and the current stream
+        host = context._host  # its compiled host path, once a call made it (None where off)
+        if host is not None and not value_checks_enabled():
+            # a repeat call: straight to the extension (no frame of the context's in between)
+            found = host.run(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
+                             cache_leftpad, block_table, softmax_scale, causal, window_size, softcap,
+                             rotary_interleaved, alibi_slopes, num_splits, return_softmax_lse, backend, out,
+                             context._stream)
+            if found is not None:
+                return found
+        run = context._run  # the first call of a metadata, a capture, scalars of other types: the Python path
     return run(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad,
                block_table, softmax_scale, causal, window_size, softcap, rotary_interleaved, alibi_slopes, num_splits,
                return_softmax_lse, backend, out)

@@ -247,10 +247,10 @@ class DecodeContext:
         else:  # the first call: not under a capture, where building the extension would stall it
             host = None if _capturing(q.device) else self._host_path(q.device)
         if host is not None:
-            call = (q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad,
-                    block_table, softmax_scale, causal, window_size, softcap, rotary_interleaved, alibi_slopes,
-                    num_splits, return_softmax_lse, backend, out, self._stream)
-            found = host.run(call)  # a miss while the stream captures (the extension asks the driver)
+            found = host.run(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
+                             cache_leftpad, block_table, softmax_scale, causal, window_size, softcap,
+                             rotary_interleaved, alibi_slopes, num_splits, return_softmax_lse, backend, out,
+                             self._stream)  # a miss while the stream captures (the extension asks the driver)
             if found is not None:
                 return found
         device = q.device
@@ -279,6 +279,9 @@ class DecodeContext:
         if arguments.tickets is not None and value_checks_enabled() and not capturing:
             _check_counters_left_at_zero(arguments.tickets)
         if host is not None and not host_checks and not copies:  # a record would replay this call's copies
+            call = (q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad,
+                    block_table, softmax_scale, causal, window_size, softcap, rotary_interleaved, alibi_slopes,
+                    num_splits, return_softmax_lse, backend, out, self._stream)
             self._record(host, call, chosen.host_launches(plan, problem, arguments), problem, result,
                          lse if return_softmax_lse else None)
         return (result, lse) if return_softmax_lse else result

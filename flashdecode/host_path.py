@@ -155,16 +155,17 @@ def _tvm_ffi_package() -> pathlib.Path | None:
 class HostPath:
     """One context's launch records (``csrc/host_path.cpp``).
 
-    ``run(call)``: out, or (out, lse), from the record of ``call`` (a tuple of the call's arguments
-    as ``DecodeContext.run`` has them, then the context's stream); None when there is none. It is
-    the extension's own function, with no Python frame in between: every eager call takes it."""
+    ``run(*call)``: out, or (out, lse), from the record of ``call`` (the call's arguments as
+    ``DecodeContext.run`` has them, then the context's stream, positionally); None when there is
+    none. It is the extension's own function (METH_FASTCALL: no Python frame, no argument tuple, no
+    pybind11 dispatch): every eager call takes it. The other methods take ``call`` as a tuple."""
 
     def __init__(self, module, max_records: int = MAX_RECORDS, real_launches: bool = True):
         """``real_launches``: compare each CUDA launch's parameter words with its function's own list
         where the driver can tell, and miss while the call's stream captures a CUDA graph (off only
         where the functions and streams are stand-ins, in tests)."""
         self._native = module.HostPath(max_records, real_launches)
-        self.run = self._native.run
+        self.run = self._native.run_function()
         self._verified: set[str] = set()  # kinds of launches ("ffi", "cuda") a replay checked
         self.off_because: str | None = None
 

@@ -62,6 +62,44 @@ def test_repeat_calls_take_the_host_path(number, variant, extras, backend):
     assert context.host_path.hits == CALLS - 1
 
 
+@pytest.mark.parametrize("number, extras", [
+    (3, {}), (10, {}), (6, {"return_softmax_lse": True}), (6, {"out": True})], ids=str)
+@pytest.mark.parametrize("backend", ["tilelang", "triton"])
+def test_plain_calls_go_from_the_api_to_the_record(number, extras, backend, monkeypatch):
+    """The plain call (no context) goes from ``flash_attn_with_kvcache`` straight to its default
+    context's record, and gives the reference's result there; with value checks on it takes the
+    Python path."""
+    if backend == "tilelang":
+        pytest.importorskip("tilelang")
+    from flashdecode import context as context_module
+    from flashdecode import set_value_checks
+
+    monkeypatch.setattr(context_module._defaults, "table", {})  # this test's default context only
+    call = make_call(CASES_BY_NUMBER[number], VARIANTS["plain"], "cuda")
+    expected_out, expected_lse = reference_attention(call.q, call.k_cache, call.v_cache, **call.kwargs())
+
+    def plain_call():
+        out = torch.full_like(call.q, float("nan")) if extras.get("out") else None
+        result = flash_attn_with_kvcache(call.q, call.k_cache, call.v_cache, **call.kwargs(), backend=backend,
+                                         out=out, return_softmax_lse=extras.get("return_softmax_lse", False))
+        got = result[0] if isinstance(result, tuple) else result
+        assert out is None or got is out
+        assert relative_error(got, expected_out) < TOLERANCE
+        if isinstance(result, tuple):
+            torch.testing.assert_close(result[1], expected_lse, atol=1e-2, rtol=0)
+
+    for _ in range(CALLS):
+        plain_call()
+    host = _host_of(None, torch.cuda.current_stream())
+    assert host.hits == CALLS - 1
+    set_value_checks(True)
+    try:
+        plain_call()
+    finally:
+        set_value_checks(False)
+    assert host.hits == CALLS - 1
+
+
 def reference_attention_cache(call):
     """The caches after ``call``'s append, by the reference (on copies)."""
     k_cache = call.k_cache.clone()

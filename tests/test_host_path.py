@@ -58,7 +58,7 @@ def test_a_record_launches_with_each_calls_tensors(module):
     assert path.add(first, [split, combine], result, None, (2, 4, 1))
     assert len(path) == 1
     second = make_call()
-    out = path.run(second)
+    out = path.run(*second)
     assert out.shape == second[0].shape and out.dtype == second[0].dtype
     q, k_cache, v_cache, seqlens = second[0], second[1], second[2], second[7]
     assert kernel.calls == [[q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), seqlens.data_ptr(), out.data_ptr(),
@@ -81,10 +81,10 @@ def test_other_metadata_misses(module):
     first = make_call()
     result = torch.empty_like(first[0])
     path.add(first, [FfiLaunch(kernel.function, (first[0], result))], result, None, (2, 4, 1))
-    assert path.run(make_call(batch=3)) is None  # other shapes
-    assert path.run(make_call()[:12] + (True,) + make_call()[13:]) is None  # causal
-    assert path.run(make_call(seqlens=5)) is None  # an int where the record had a tensor
-    assert path.run(make_call()[:13] + ([-1, -1],) + make_call()[14:]) is None  # a list: not expressible
+    assert path.run(*make_call(batch=3)) is None  # other shapes
+    assert path.run(*make_call()[:12], True, *make_call()[13:]) is None  # causal
+    assert path.run(*make_call(seqlens=5)) is None  # an int where the record had a tensor
+    assert path.run(*make_call()[:13], [-1, -1], *make_call()[14:]) is None  # a list: not expressible
     assert kernel.calls == []
 
 
@@ -100,7 +100,7 @@ def test_a_tensor_where_the_call_takes_a_scalar_gets_no_record(module):
         call = call[:position] + (value,) + call[position + 1:]
         result = torch.empty_like(call[0])
         assert not path.add(call, [FfiLaunch(kernel.function, (call[0], result))], result, None, (2, 4, 1))
-        assert path.run(call) is None
+        assert path.run(*call) is None
     assert len(path) == 0 and kernel.calls == []
 
 
@@ -110,13 +110,13 @@ def test_out_and_lse_given_or_allocated(module):
     first = make_call(return_lse=True)
     result, lse = torch.empty_like(first[0]), torch.empty(2, 4, 1)
     assert path.add(first, [FfiLaunch(kernel.function, (result, lse.view(2, 4)))], result, lse, (2, 4, 1))
-    out, lse_out = path.run(make_call(return_lse=True))
+    out, lse_out = path.run(*make_call(return_lse=True))
     assert lse_out.shape == (2, 4, 1) and lse_out.dtype == torch.float32
     assert kernel.calls == [[out.data_ptr(), lse_out.data_ptr()]]
     given = torch.empty(2, 1, 4, 8)
     path.add(make_call(out=given), [FfiLaunch(kernel.function, (given,))], given, None, (2, 4, 1))
     mine = torch.empty(2, 1, 4, 8)
-    assert path.run(make_call(out=mine)) is mine and kernel.calls == [[mine.data_ptr()]]
+    assert path.run(*make_call(out=mine)) is mine and kernel.calls == [[mine.data_ptr()]]
 
 
 def test_aliased_call_tensors_get_no_record(module):
@@ -320,7 +320,7 @@ def test_a_record_misses_where_no_driver_says_the_stream_is_not_capturing(module
     path = host_path.HostPath(module, max_records=4)
     q = make_call()[0]
     assert path.add(make_call(), [FfiLaunch(kernel.function, (q,))], torch.empty_like(q), None, (2, 4, 1))
-    assert len(path) == 1 and path.run(make_call()) is None and path.hits == 0
+    assert len(path) == 1 and path.run(*make_call()) is None and path.hits == 0
 
 
 def test_the_phase_probe_still_patches_the_extension():
@@ -334,3 +334,24 @@ def test_the_phase_probe_still_patches_the_extension():
     probe = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(probe)
     assert "MARK(6)" in probe.instrumented_source().read_text()
+
+
+def test_run_takes_the_calls_arguments_positionally_and_keeps_its_path_alive(module):
+    """``HostPath.run`` is the extension's METH_FASTCALL function: the call's arguments and the stream
+    as positional arguments (a count of them other than that is a TypeError that says so), usable
+    after the HostPath that made it is gone (it holds the native path)."""
+    import gc
+
+    kernel = Kernel(module)
+    path = host_path.HostPath(module, max_records=4, real_launches=False)
+    first = make_call()
+    result = torch.empty_like(first[0])
+    assert path.add(first, [FfiLaunch(kernel.function, (first[0], result))], result, None, (2, 4, 1))
+    run = path.run
+    with pytest.raises(TypeError, match="22 arguments, got 1"):
+        run(make_call())
+    del path
+    gc.collect()
+    second = make_call()
+    out = run(*second)
+    assert kernel.calls == [[second[0].data_ptr(), out.data_ptr()]]

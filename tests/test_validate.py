@@ -257,7 +257,7 @@ def test_the_host_path_sees_numbers_never_scalar_tensors(monkeypatch):
     seen = []
 
     class Recording:
-        def run(self, call):
+        def run(self, *call):
             seen.append(call)
             return None  # a miss: the Python path runs the call
 

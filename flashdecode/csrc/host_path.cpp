@@ -117,14 +117,22 @@ bool push_argument(Key& key, PyObject* object, bool tensor_allowed = true) {
   return true;
 }
 
-bool make_key(PyObject* args, Key& key) {
-  if (!PyTuple_Check(args) || PyTuple_GET_SIZE(args) != kArgCount) return false;
+// The call's kArgCount arguments (``run``'s positional arguments, or a tuple's items): see Position.
+using Arguments = PyObject* const*;
+
+// A tuple's items as Arguments; nullptr unless it is a tuple of kArgCount.
+Arguments tuple_arguments(const py::tuple& call) {
+  return PyTuple_GET_SIZE(call.ptr()) == kArgCount ? &PyTuple_GET_ITEM(call.ptr(), 0) : nullptr;
+}
+
+bool make_key(Arguments args, Key& key) {
+  if (args == nullptr) return false;
   key.clear();
   key.reserve(96);
   for (int i = 0; i < kArgCount; ++i) {
     // A tensor where the call takes a scalar is a miss: the key would hold its metadata, not its value.
     bool tensor_allowed = i < kScale || i == kAlibi || i == kOut;
-    if (!push_argument(key, PyTuple_GET_ITEM(args, i), tensor_allowed)) return false;
+    if (!push_argument(key, args[i], tensor_allowed)) return false;
   }
   return true;
 }
@@ -320,11 +328,11 @@ void fill_template(Argument& argument, const at::Tensor& tensor) {
 
 // Whether the driver says the call's stream is not capturing a CUDA graph (a captured call must get
 // buffers of its own from the Python path, docs/design.md "Host path"); false where it cannot tell.
-bool driver_says_not_capturing(PyObject* args) {
+bool driver_says_not_capturing(Arguments args) {
   const Driver& driver = Driver::get();
   if (driver.stream_is_capturing == nullptr) return false;
   int status = 1;  // CU_STREAM_CAPTURE_STATUS_NONE is 0
-  void* stream = PyLong_AsVoidPtr(PyTuple_GET_ITEM(args, kStream));
+  void* stream = PyLong_AsVoidPtr(args[kStream]);
   return driver.stream_is_capturing(stream, &status) == 0 && status == 0;
 }
 
@@ -338,11 +346,11 @@ class HostPath {
 
   // None on a miss (the caller takes the Python path), else out or (out, lse). A call on a stream
   // that is capturing a CUDA graph misses: the Python path gives a graph buffers of its own.
-  py::object run(py::tuple call) {
-    if (!make_key(call.ptr(), key_)) return py::none();
+  py::object run(Arguments args) {
+    if (!make_key(args, key_)) return py::none();
     auto found = records_.find(key_);
-    if (found == records_.end() || (real_launches_ && !driver_says_not_capturing(call.ptr()))) return py::none();
-    py::object result = execute(found->second, call.ptr(), nullptr, nullptr);
+    if (found == records_.end() || (real_launches_ && !driver_says_not_capturing(args))) return py::none();
+    py::object result = execute(found->second, args, nullptr, nullptr);
     if (!result.is_none()) ++hits_;
     return result;
   }
@@ -350,12 +358,13 @@ class HostPath {
   // The record of ``call`` (a tuple as ``run`` takes), run into the given out and lse (a check).
   py::object replay(py::tuple call, at::Tensor out, py::object lse) {
     Key key;
-    if (!make_key(call.ptr(), key)) throw std::invalid_argument("host path: call not expressible");
+    Arguments args = tuple_arguments(call);
+    if (!make_key(args, key)) throw std::invalid_argument("host path: call not expressible");
     auto found = records_.find(key);
     if (found == records_.end()) throw std::invalid_argument("host path: no record for this call");
     at::Tensor lse_tensor;
     if (!lse.is_none()) lse_tensor = lse.cast<at::Tensor>();
-    return execute(found->second, call.ptr(), &out, lse.is_none() ? nullptr : &lse_tensor);
+    return execute(found->second, args, &out, lse.is_none() ? nullptr : &lse_tensor);
   }
 
   // launches: [("ffi", function, [argument...], [slot...])] or [("cuda", CUfunction as an int, its
@@ -364,10 +373,11 @@ class HostPath {
   // -1 a tensor the record holds; scalars are ints/floats.
   bool add(py::tuple call, py::list launches, std::vector<int64_t> lse_shape) {
     Key key;
-    if (!make_key(call.ptr(), key)) return false;
+    Arguments args = tuple_arguments(call);
+    if (!make_key(args, key)) return false;
     Record record;
     record.lse_shape = std::move(lse_shape);
-    const at::Tensor& q = THPVariable_Unpack(PyTuple_GET_ITEM(call.ptr(), kQ));
+    const at::Tensor& q = THPVariable_Unpack(args[kQ]);
     if (q.is_cuda()) {  // the allocator of a tensor at::empty makes (the caching allocator, or the one set in its place)
       c10::Allocator* allocator = at::empty({1}, q.options()).storage().allocator();
       if (allocator == c10::GetAllocator(c10::DeviceType::CUDA)) record.cuda_allocator = allocator;
@@ -388,11 +398,12 @@ class HostPath {
   // patched in (what the driver's launch would read): the CPU tests' view of a raw launch.
   std::vector<std::vector<uint64_t>> parameter_words(py::tuple call) {
     Key key;
-    if (!make_key(call.ptr(), key)) throw std::invalid_argument("host path: call not expressible");
+    Arguments args = tuple_arguments(call);
+    if (!make_key(args, key)) throw std::invalid_argument("host path: call not expressible");
     auto found = records_.find(key);
     if (found == records_.end()) throw std::invalid_argument("host path: no record for this call");
     void* data[kSlots] = {};
-    call_data(call.ptr(), data);
+    call_data(args, data);
     std::vector<std::vector<uint64_t>> words;
     for (CudaLaunch& launch : found->second.cuda_launches) {  // (the words the function takes)
       for (auto& [slot, word] : launch.patched) launch.words[word] = reinterpret_cast<uintptr_t>(data[slot]);
@@ -529,14 +540,14 @@ class HostPath {
     return true;
   }
 
-  static void call_data(PyObject* args, void** data) {
+  static void call_data(Arguments args, void** data) {
     for (int slot = 0; slot < kCallSlots; ++slot) {
-      PyObject* object = PyTuple_GET_ITEM(args, kSlotPositions[slot]);
+      PyObject* object = args[kSlotPositions[slot]];
       if (object != Py_None && THPVariable_Check(object)) data[slot] = THPVariable_Unpack(object).data_ptr();
     }
   }
 
-  py::object execute(Record& record, PyObject* args, at::Tensor* out_given, at::Tensor* lse_given) {
+  py::object execute(Record& record, Arguments args, at::Tensor* out_given, at::Tensor* lse_given) {
     const Driver& driver = Driver::get();
     if (!record.cuda_launches.empty() && driver.current_context() != record.cuda_context) {
       if (out_given != nullptr) throw std::invalid_argument("host path: another CUDA context is current");
@@ -544,19 +555,19 @@ class HostPath {
     }
     void* data[kSlots] = {};
     call_data(args, data);
-    const at::Tensor& q = THPVariable_Unpack(PyTuple_GET_ITEM(args, kQ));
+    const at::Tensor& q = THPVariable_Unpack(args[kQ]);
     at::Tensor out;
     if (out_given != nullptr) {
       out = *out_given;
-    } else if (PyTuple_GET_ITEM(args, kOut) != Py_None) {
-      out = THPVariable_Unpack(PyTuple_GET_ITEM(args, kOut));
+    } else if (args[kOut] != Py_None) {
+      out = THPVariable_Unpack(args[kOut]);
     } else if (record.out_contiguous) {
       out = empty_contiguous(record, q, q.sizes(), q.scalar_type());
     } else {
       out = at::empty_like(q);
     }
     data[kOutSlot()] = out.data_ptr();
-    bool want_lse = PyTuple_GET_ITEM(args, kReturnLse) == Py_True;
+    bool want_lse = args[kReturnLse] == Py_True;
     at::Tensor lse;
     if (lse_given != nullptr) {
       lse = *lse_given;
@@ -566,7 +577,7 @@ class HostPath {
     if (lse.defined()) data[kLseSlot] = lse.data_ptr();
 
     if (!record.cuda_launches.empty()) {
-      void* stream = PyLong_AsVoidPtr(PyTuple_GET_ITEM(args, kStream));
+      void* stream = PyLong_AsVoidPtr(args[kStream]);
       for (CudaLaunch& launch : record.cuda_launches) {
         for (auto& [slot, word] : launch.patched) launch.words[word] = reinterpret_cast<uintptr_t>(data[slot]);
         if (launch.grid[0] == 0 || launch.grid[1] == 0 || launch.grid[2] == 0) continue;
@@ -588,12 +599,12 @@ class HostPath {
   }
 
   // The record's TVM-FFI launches on the call's stream, with the call's data pointers.
-  static void launch_ffi(Record& record, PyObject* args, void** data) {
+  static void launch_ffi(Record& record, Arguments args, void** data) {
 #ifdef FLASHDECODE_TVM_FFI
     TVMFFIStreamHandle previous = nullptr;
     bool on_cuda = record.device_type == kDLCUDA;
     if (on_cuda) {
-      void* stream = reinterpret_cast<void*>(PyLong_AsVoidPtr(PyTuple_GET_ITEM(args, kStream)));
+      void* stream = reinterpret_cast<void*>(PyLong_AsVoidPtr(args[kStream]));
       TVMFFIEnvSetStream(kDLCUDA, record.device_id, stream, &previous);
     }
     int failed = 0;
@@ -626,6 +637,48 @@ class HostPath {
   std::unordered_map<Key, Record, KeyHash> records_;
   Key key_;  // reused by run: no allocation on a hit
 };
+
+// ``HostPath.run_function()``: ``run`` as a METH_FASTCALL function bound to one HostPath, taking the
+// call's kArgCount arguments positionally: neither an argument tuple nor pybind11's dispatch on the
+// path every eager call takes (docs/design.md, "Host path"). Its self is a capsule of the HostPath
+// that holds a reference to the Python object owning it.
+constexpr const char* kRunCapsule = "flashdecode.HostPath";
+
+PyObject* run_positional(PyObject* capsule, PyObject* const* args, Py_ssize_t count) {
+  auto* path = static_cast<HostPath*>(PyCapsule_GetPointer(capsule, kRunCapsule));
+  if (path == nullptr) return nullptr;
+  if (count != kArgCount) {
+    PyErr_Format(PyExc_TypeError, "HostPath.run takes the call's %d arguments, got %zd", static_cast<int>(kArgCount),
+                 count);
+    return nullptr;
+  }
+  try {
+    return path->run(args).release().ptr();
+  } catch (py::error_already_set& error) {
+    error.restore();
+  } catch (const std::invalid_argument& error) {
+    PyErr_SetString(PyExc_ValueError, error.what());
+  } catch (const std::exception& error) {
+    PyErr_SetString(PyExc_RuntimeError, error.what());
+  }
+  return nullptr;
+}
+
+PyMethodDef run_method = {"run", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(run_positional)),
+                          METH_FASTCALL, "out, (out, lse), or None on a miss: the call's arguments, then the stream."};
+
+void release_owner(PyObject* capsule) { Py_XDECREF(static_cast<PyObject*>(PyCapsule_GetContext(capsule))); }
+
+py::object run_function(py::object self) {
+  HostPath* path = self.cast<HostPath*>();
+  PyObject* capsule = PyCapsule_New(path, kRunCapsule, release_owner);
+  if (capsule == nullptr) throw py::error_already_set();
+  PyCapsule_SetContext(capsule, self.inc_ref().ptr());
+  PyObject* function = PyCFunction_New(&run_method, capsule);
+  Py_DECREF(capsule);
+  if (function == nullptr) throw py::error_already_set();
+  return py::reinterpret_steal<py::object>(function);
+}
 
 #ifdef FLASHDECODE_TVM_FFI
 // A TVM-FFI function that records what it is called with, the CPU tests' stand-in for a kernel:
@@ -693,7 +746,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::class_<HostPath>(m, "HostPath")
       .def(py::init<size_t, bool>())
       .def_property_readonly("hits", &HostPath::hits)
-      .def("run", &HostPath::run)
+      .def("run_function", &run_function)
       .def("replay", &HostPath::replay)
       .def("add", &HostPath::add)
       .def("parameter_words", &HostPath::parameter_words)
