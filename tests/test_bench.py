@@ -158,7 +158,7 @@ def test_cpu_timer_runs_warmup_plus_iters_and_has_no_graph():
     timing = timer.time(lambda: calls.append(1))
     assert len(calls) == 7 and timing.runs == 5 and 0 <= timing.min_us <= timing.median_us <= timing.p80_us
     assert timer.flush_bytes == 0 and timer.time_graph(lambda: None) is None
-    assert timer.host_overhead_us(lambda: calls.append(1), calls=10) > 0 and len(calls) == 17
+    assert timer.host_overhead_us(lambda: calls.append(1), calls=10, loops=3) > 0 and len(calls) == 37
     with pytest.raises(ValueError):
         Timer(torch.device("cpu"), iters=0, warmup=0)
 
@@ -352,7 +352,7 @@ def test_layer_count_on_cpu(runner):
 
 def test_torch_launch_is_timed(runner):
     timer = Timer(torch.device("cpu"), iters=1, warmup=0)
-    assert 0 < runner.torch_launch_us(timer, 5) < 1e5
+    assert 0 < runner.torch_launch_us(timer, 5, 3) < 1e5
     assert runner.torch_launch_gpu_us(timer) is None  # a graph figure needs CUDA
 
 
@@ -532,18 +532,18 @@ def test_measure_counts_host_path_hits_over_the_host_time_loop_only(runner, monk
     timer = Timer(torch.device("cpu"), iters=2, warmup=0)
     host_loop = timer.host_overhead_us
 
-    def only_misses(function, calls):
+    def only_misses(function, calls, loops):
         in_loop[0] = True
         try:
-            return host_loop(function, calls)
+            return host_loop(function, calls, loops)
         finally:
             in_loop[0] = False
 
     monkeypatch.setattr(timer, "host_overhead_us", only_misses)
     system = System("x", "ours", "0", "test", lambda call: {"kernel": "k"}, setup, lambda call: (hits[0], None))
     result = runner.measure(system, layers, fresh, references, timer, _selection(runner))
-    assert hits[0] > 0 and result.host_path == f"python: {runner.CPU_HOST_CALLS} of {runner.CPU_HOST_CALLS} " \
-        "calls found no record"
+    timed = runner.CPU_HOST_CALLS * runner.CPU_HOST_LOOPS
+    assert hits[0] > 0 and result.host_path == f"python: {timed} of {timed} calls found no record"
     in_loop_hits = dataclasses.replace(system, setup=lambda calls: [lambda: (hits.__setitem__(0, hits[0] + 1),
                                                                              _reference(layers[0]))[1]])
     assert runner.measure(in_loop_hits, layers, fresh, references, timer, _selection(runner)).host_path == "compiled"

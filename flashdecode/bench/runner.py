@@ -47,6 +47,8 @@ CUDA_ITERS, CUDA_MIN_ITERS, CUDA_WARMUP = 100, 50, 10
 #: at several seconds per call), few runs, float16 because the interpreter computes bf16 wrongly.
 CPU_ITERS, CPU_WARMUP, CPU_MAX_BATCH, CPU_MAX_SEQLEN, CPU_DTYPE = 3, 0, 2, 64, torch.float16
 HOST_OVERHEAD_CALLS, CPU_HOST_CALLS = 200, 2
+#: Loops of host_calls calls whose median is the host time per call (one on the CPU: the interpreter is slow).
+HOST_OVERHEAD_LOOPS, CPU_HOST_LOOPS = 5, 1
 #: The eager loop: one call per layer of a 32-layer model, each layer on its own inputs while their
 #: memory stays under EAGER_MEMORY_SHARE of what is free (fewer layers beyond), EAGER_REPEATS loops.
 EAGER_LAYERS, EAGER_REPEATS, EAGER_MEMORY_SHARE = 32, 20, 0.5
@@ -84,6 +86,10 @@ class Selection:
     @property
     def host_calls(self) -> int:
         return HOST_OVERHEAD_CALLS if self.cuda else CPU_HOST_CALLS
+
+    @property
+    def host_loops(self) -> int:
+        return HOST_OVERHEAD_LOOPS if self.cuda else CPU_HOST_LOOPS
 
     @property
     def eager_layers(self) -> int:
@@ -187,7 +193,7 @@ def run(selection: Selection, advance: Callable[[str], None] = lambda label: Non
     device = torch.device("cuda" if selection.cuda else "cpu")
     timer = Timer(device, selection.iters, selection.warmup, cold_l2=selection.cold_l2)
     ceiling = measure_ceiling(timer)
-    launch_us = torch_launch_us(timer, selection.host_calls)
+    launch_us = torch_launch_us(timer, selection.host_calls, selection.host_loops)
     launch_gpu_us = torch_launch_gpu_us(timer)
     advance("ceiling")
     anchor = json.loads(ANCHOR_PATH.read_text())
@@ -198,13 +204,13 @@ def run(selection: Selection, advance: Callable[[str], None] = lambda label: Non
                     ceiling, selection.systems, selection.skipped, _notes(selection, launch_us), case_runs)
 
 
-def torch_launch_us(timer: Timer, calls: int) -> float:
+def torch_launch_us(timer: Timer, calls: int, loops: int) -> float:
     """Host time of one plain torch kernel launch, ``q.add_(0)`` on a q-sized tensor back to back:
     the floor under every host time per call of this run."""
     q = torch.randn(1, 1, cases.NHEADS, cases.HEADDIM, device=timer.device)
     for _ in range(CUDA_WARMUP):
         q.add_(0)
-    return timer.host_overhead_us(lambda: q.add_(0), calls)
+    return timer.host_overhead_us(lambda: q.add_(0), calls, loops)
 
 
 def torch_launch_gpu_us(timer: Timer) -> float | None:
@@ -289,9 +295,10 @@ def measure(system: System, layers: list[cases.Call], fresh: cases.Call, referen
             result.graph, graph_out = graph
             errors.append(relative_error(graph_out, references[0]))
         before = system.launch_path(layers[0]) if system.launch_path else None
-        result.host_overhead_us = timer.host_overhead_us(call, selection.host_calls)
+        result.host_overhead_us = timer.host_overhead_us(call, selection.host_calls, selection.host_loops)
         if before is not None:
-            result.host_path = host_path_of(before, system.launch_path(layers[0]), selection.host_calls)
+            result.host_path = host_path_of(before, system.launch_path(layers[0]),
+                                            selection.host_calls * selection.host_loops)
         result.eager, result.eager_layers = timer.eager_loop(calls, selection.eager_repeats), len(calls)
         result.rel_err = max(errors)
         result.fresh_rel_err = relative_error(system.setup([fresh])[0](), references[1])
@@ -334,7 +341,8 @@ def baseline(case, variant, results, cuda, anchor) -> tuple[float | None, str, s
 def _settings(selection: Selection, timer: Timer, launch_us: float, launch_gpu_us: float | None) -> dict:
     return {"iters": selection.iters, "warmup": selection.warmup,
             "cold_l2": timer.flush_bytes > 0, "flush_bytes": timer.flush_bytes,
-            "host_overhead_calls": selection.host_calls, "torch_launch_us": launch_us,
+            "host_overhead_calls": selection.host_calls, "host_overhead_loops": selection.host_loops,
+            "torch_launch_us": launch_us,
             "torch_launch_gpu_us": launch_gpu_us,
             "eager_layers": selection.eager_layers, "eager_repeats": selection.eager_repeats,
             "eager_memory_share": EAGER_MEMORY_SHARE if selection.cuda else None,
@@ -347,7 +355,8 @@ def _notes(selection: Selection, launch_us: float) -> list[str]:
     """What a reader must know to interpret the numbers."""
     notes = [f"correct: ||out-ref||/||ref|| <= {REL_ERR_THRESHOLD:g} (float32, vs flashdecode.reference) on the "
              f"timed inputs, the graph replay and fresh inputs (seed {FRESH_SEED})",
-             f"host us: host time per call, {selection.host_calls} calls back to back, GPU work not waited for; "
+             f"host us: host time per call, median of {selection.host_loops} loops of {selection.host_calls} calls "
+             f"back to back, GPU work not waited for inside a loop; "
              f"one plain torch launch (q.add_(0)) takes {launch_us:.1f} us here",
              f"eager us: per call of a loop over up to {selection.eager_layers} layers (x N: the layers that fit "
              f"in {EAGER_MEMORY_SHARE:.0%} of free memory), each on its own inputs, same lengths; L2 flushed "

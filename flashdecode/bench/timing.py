@@ -135,13 +135,16 @@ class Timer:
                 samples.append((time.perf_counter() - begin) * 1e6 / len(calls))
         return summarize(samples)
 
-    def host_overhead_us(self, fn: Callable[[], object], calls: int = 200) -> float:
-        """Host time per call (validation, planning, launch): ``calls`` calls back to back, no sync
-        in between, divided by ``calls``; the device work they queue is not waited for."""
+    def host_overhead_us(self, fn: Callable[[], object], calls: int = 200, loops: int = 5) -> float:
+        """Host time per call (validation, planning, launch): the median over ``loops`` loops of
+        ``calls`` calls back to back, each loop's time divided by ``calls``, no sync inside a loop
+        (the device work it queues is waited for between loops, not timed)."""
+        samples = []
+        for _ in range(loops):
+            self.synchronize()
+            start = time.perf_counter()
+            for _ in range(calls):
+                fn()
+            samples.append((time.perf_counter() - start) / calls * 1e6)
         self.synchronize()
-        start = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        elapsed = time.perf_counter() - start
-        self.synchronize()
-        return elapsed / calls * 1e6
+        return float(np.median(samples))
