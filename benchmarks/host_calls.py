@@ -17,6 +17,7 @@ from flashdecode.cases import CASES_BY_NUMBER, VARIANTS, make_call
 
 
 def loop_us(function, calls: int) -> float:
+    """Host time per call of ``calls`` calls back to back, in us (the GPU waited for around the loop)."""
     torch.cuda.synchronize()
     start = time.perf_counter()
     for _ in range(calls):

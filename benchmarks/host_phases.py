@@ -19,11 +19,11 @@ import importlib.util
 import pathlib
 import statistics
 import tempfile
-import time
 
 import torch
 
 import flashdecode
+from host_calls import loop_us
 from flashdecode import compat, host_path
 from flashdecode.cases import CASES_BY_NUMBER, VARIANTS, make_call
 from flashdecode.context import default_context
@@ -118,16 +118,6 @@ static inline int64_t now_ns() { return std::chrono::duration_cast<std::chrono::
     path = pathlib.Path(tempfile.mkdtemp()) / "host_path.cpp"
     path.write_text(text)
     return path
-
-def loop_us(function, calls: int) -> float:
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(calls):
-        function()
-    elapsed = time.perf_counter() - start
-    torch.cuda.synchronize()
-    return elapsed / calls * 1e6
-
 
 def print_floor(module, calls: int) -> None:
     q = torch.randn(4, 1, 32, 128, device="cuda", dtype=torch.bfloat16)
