@@ -17,7 +17,9 @@ from flashdecode.cases import CASES_BY_NUMBER, VARIANTS, make_call
 
 
 def loop_us(function, calls: int) -> float:
-    """Host time per call of ``calls`` calls back to back, in us (the GPU waited for around the loop)."""
+    """Host time per call of ``calls`` calls back to back, in us (the GPU waited for around the loop):
+    one loop of ``Timer.host_overhead_us``, kept here because an earlier tree's Timer takes no loop
+    count and this script must time both alike."""
     torch.cuda.synchronize()
     start = time.perf_counter()
     for _ in range(calls):
