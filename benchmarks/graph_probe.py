@@ -4,7 +4,9 @@ The bench times each system's cold median and then its graph replay; a graph fig
 median is an extra cost in the captured call (session 19: the memset of a merging call's counters,
 perf log §47) or noise. This measures one backend three times in a row on a case's inputs and the
 other layers' (``runner.case_inputs``, as the bench sets them up), then its graph alone, so the
-two can be told apart. Usage: python benchmarks/graph_probe.py [--backend triton] --shapes 4x1024x8x4x128:uniform,...
+two can be told apart; ``--graph-first`` times one graph alone before them, to tell a first graph's
+cost from a first measurement's. Usage: python benchmarks/graph_probe.py [--backend triton] [--graph-first]
+--shapes 4x1024x8x4x128:uniform,...
 """
 import argparse
 
@@ -20,6 +22,7 @@ def main():
     parser.add_argument("--backend", default="triton")
     parser.add_argument("--shapes", required=True, help="as bench --shapes")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--graph-first", action="store_true", help="time a graph alone before the repeats")
     args = parser.parse_args()
     selection = runner.select(runner.Options(cases=cases.parse_shapes(args.shapes), backends=(args.backend,), peers=(),
                                              iters=50))
@@ -28,6 +31,12 @@ def main():
     for case in selection.cases:
         _, layers, fresh, references = runner.case_inputs(case, cases.VARIANTS["plain"], selection, timer.device)
         rows = []
+        if args.graph_first:
+            call = system.setup(layers[:1])[0]
+            call()  # compiles, so that nothing compiles during the capture
+            timer.synchronize()
+            first = timer.time_graph(call)
+            rows.append("graph first " + ("-" if first is None else f"{first[0].median_us:.2f}"))
         for _ in range(args.repeats):
             result = runner.measure(system, layers, fresh, references, timer, selection)
             if result.graph is None:
