@@ -89,6 +89,16 @@ class Tuning:
     #: with 4 query tokens 40.7 against 40.3; 32-row tiles merge faster: case 8 with 4 query tokens
     #: 47.9 against 50.7, 32 x 4096 at group 8 with 4 query tokens 64.8 against 73.3).
     max_rows_merged_in_split: int | None = None
+    #: (most splits, most partial rows) merged in the split kernel where a batch's grid is
+    #: underfilled (``Plan.min_chunk_binds``: the fewest blocks a split carries, not the keys spread
+    #: over the grid, sets every split's length): such plans take the combine's shorter splits
+    #: (``min_blocks_per_combined_split``) and merge them only within these caps, tighter than the
+    #: caps above, since with every split running at once the merge is the call's exposed tail;
+    #: None: the caps above, at ``min_blocks_per_split``. Hopper: (8, 256), measured on the H200 with
+    #: Triton on 16 shapes of that class (``docs/design.md``, "The schedule"): GPU time 0.925x
+    #: (geometric mean; one of 32 rows 10% slower), the eager loop 0.919x; the combine for all of them
+    #: cost the smallest calls their eager time (two launches' host time above their GPU time).
+    underfilled_merge_caps: tuple[int, int] | None = None
     #: Split plans that keep a combine launch it as a programmatic dependent launch (Hopper and
     #: later: it is scheduled while the split kernel drains and waits in the kernel for the
     #: partials; ``Plan.dependent_combine``) where the backend can; off where not measured.
@@ -148,6 +158,7 @@ class Tuning:
 #: six of those eight shapes (by up to 44%), and Triton's where 2048 programs fill the device (W14
 #: +3.4%) (``docs/design.md``, "Measured choices").
 HOPPER_TUNING = Tuning(max_splits_merged_in_split=16, max_rows_merged_in_split=512, dependent_combine=True,
+                       underfilled_merge_caps=(8, 256),
                        min_blocks_per_combined_split=(("triton", 2),),
                        min_blocks_per_one_sequence_split=(("triton", 1),),
                        underfilled_split_above_blocks=(("triton", 4),), triton_pipelined_stages=4,

@@ -100,6 +100,14 @@ class Plan:
         block_n = self.block_n
         return min(math.ceil(problem.seqlen_cache / block_n), (problem.key_span() + block_n - 2) // block_n + 1)
 
+    def min_chunk_binds(self, problem: Problem) -> bool:
+        """Whether the balanced rule's chunk is ``min_chunk`` even with every sequence at capacity:
+        ceil(B * max blocks / (P - B)) <= min_chunk, i.e. the keys do not fill the grid."""
+        if not self.can_split or self.forced_splits > 0:
+            return False
+        spare = max(1, self.programs_per_head - problem.batch)
+        return -(-problem.batch * self._max_blocks(problem) // spare) <= self.min_chunk
+
     def working_programs(self, problem: Problem) -> int:
         """Most programs per KV head and row tile that get keys: one per sequence unsplit; split,
         at most P and at most B * ``max_splits`` (the lengths decide on the device)."""
@@ -213,21 +221,26 @@ def _merge_mode(plan_: Plan, problem: Problem, profile: HardwareProfile, backend
     the row tile exceeds ``max_rows_merged_in_split`` (one program merges them, a few at a time),
     else by the combine, a dependent launch where the tuning asks and the device and the backend can.
     Splits only ever get shorter here: one sequence's to the backend's
-    ``min_blocks_per_one_sequence_split`` (before the merge is decided), a combine's to its
-    ``min_blocks_per_combined_split``."""
+    ``min_blocks_per_one_sequence_split`` and an underfilled batch's to its
+    ``min_blocks_per_combined_split``, with the tighter ``underfilled_merge_caps`` (both before the
+    merge is decided), a combine's to its ``min_blocks_per_combined_split``."""
     if plan_.kernel != SPLIT:
         return plan_
     tuning = profile.tuning
     if plan_.forced_splits == 0 and problem.batch == 1:
         one_sequence = dict(tuning.min_blocks_per_one_sequence_split).get(backend.name, plan_.min_chunk)
         plan_ = dataclasses.replace(plan_, min_chunk=min(plan_.min_chunk, one_sequence))
+    combined = dict(tuning.min_blocks_per_combined_split).get(backend.name, tuning.min_blocks_per_split)
+    splits_cap, rows_cap = tuning.max_splits_merged_in_split, tuning.max_rows_merged_in_split
+    if (tuning.underfilled_merge_caps and plan_.forced_splits == 0 and problem.batch > 1
+            and combined < plan_.min_chunk and plan_.min_chunk_binds(problem)):
+        plan_ = dataclasses.replace(plan_, min_chunk=combined)
+        splits_cap, rows_cap = tuning.underfilled_merge_caps
     most = plan_.max_splits(problem)
-    rows_cap = tuning.max_rows_merged_in_split
-    if backend.merges_in_split(problem) and most <= tuning.max_splits_merged_in_split and (
+    if backend.merges_in_split(problem) and most <= splits_cap and (
             rows_cap is None or most * plan_.config.block_m <= rows_cap):
         return dataclasses.replace(plan_, merge_in_split=True)
     if plan_.forced_splits == 0:
-        combined = dict(tuning.min_blocks_per_combined_split).get(backend.name, tuning.min_blocks_per_split)
         plan_ = dataclasses.replace(plan_, min_chunk=min(plan_.min_chunk, combined))
     if tuning.dependent_combine and profile.dependent_launch and backend.launches_dependent_combine(problem):
         return dataclasses.replace(plan_, dependent_combine=True)

@@ -274,11 +274,15 @@ def test_large_row_tiles_merge_fewer_splits(seqlen_q, group, capacity, merges):
     at most 512 (measured on the H200, ``hardware.Tuning``)."""
     problem = problem_for([capacity] * 4, capacity, nheads_k=1, group=group, headdim=64 if group == 71 else 128,
                           seqlen_q=seqlen_q)
-    p = plan(problem, PROFILES["h200"], get_backend("triton"))
+    # 4 sequences on one KV head leave the grid underfilled (``test_underfilled_grids_take_shorter_splits``):
+    # the rows cap alone here
+    rows_only = dataclasses.replace(PROFILES["h200"], tuning=dataclasses.replace(PROFILES["h200"].tuning,
+                                                                             underfilled_merge_caps=None))
+    p = plan(problem, rows_only, get_backend("triton"))
     assert p.kernel == SPLIT and p.merge_in_split == merges
     assert not merges or p.max_splits(problem) * p.config.block_m <= 512
-    unlimited = dataclasses.replace(PROFILES["h200"], tuning=dataclasses.replace(PROFILES["h200"].tuning,
-                                                                             max_rows_merged_in_split=None))
+    unlimited = dataclasses.replace(rows_only, tuning=dataclasses.replace(rows_only.tuning,
+                                                                      max_rows_merged_in_split=None))
     assert plan(problem, unlimited, get_backend("triton")).merge_in_split  # at most 16 splits: the split rule alone
     forced = plan(problem, PROFILES["h200"], get_backend("triton"), 9)  # forced splits meet the cap too
     assert forced.merge_in_split == (forced.config.block_m <= 32)  # 9 x 64 rows > 512 >= 9 x 32
@@ -292,6 +296,42 @@ def test_shorter_combined_splits_only_where_measured():
     assert plan(problem, PROFILES["h200"], triton).min_chunk == 2
     assert plan(problem, PROFILES["c500"], triton).min_chunk == PROFILES["c500"].tuning.min_blocks_per_split == 4
     assert plan(problem, PROFILES["h200"], get_backend("tilelang")).min_chunk == 4
+
+
+@pytest.mark.parametrize("batch, seqlen_cache, nheads_k, group, headdim, underfilled, merges", [
+    (32, 1024, 1, 32, 128, True, True),  # 8 splits of 32 rows: within (8, 256)
+    (16, 1024, 4, 1, 128, True, True),
+    (16, 2048, 1, 71, 64, True, False),  # Falcon-7B's 71 heads: 8 splits of 64-row tiles, 512 rows
+    (8, 4096, 2, 8, 256, True, False),  # 32 splits
+    (64, 2048, 1, 71, 64, False, True),  # the keys fill the grid: splits of 6 blocks
+    (16, 4096, 4, 8, 128, False, True),  # case 8's shape
+    (4, 512, 8, 4, 128, False, True),  # a short cache's 1-block splits: none shorter to take
+])
+def test_underfilled_grids_take_shorter_splits(batch, seqlen_cache, nheads_k, group, headdim, underfilled, merges):
+    """Hopper's ``underfilled_merge_caps``: a batch whose splits the fewest blocks a split carries
+    sets (even at capacity) takes the combine's 2-block splits and merges them in the split kernel
+    only within (8 splits, 256 rows); a batch that fills the grid, a short cache's single-block
+    splits, one sequence and a device without the tuning keep the merge's rule."""
+    problem = problem_for([seqlen_cache] * batch, seqlen_cache, nheads_k, group, headdim)
+    triton = get_backend("triton")
+    p = plan(problem, PROFILES["h200"], triton)
+    merge_rule = dataclasses.replace(PROFILES["h200"], tuning=dataclasses.replace(
+        PROFILES["h200"].tuning, underfilled_merge_caps=None))
+    before = plan(problem, merge_rule, triton)
+    assert p.kernel == before.kernel == SPLIT and before.merge_in_split
+    assert p.merge_in_split == merges and p.needs_combine == (not merges)
+    if underfilled:
+        assert before.min_chunk_binds(problem) and p.min_chunk == 2
+        assert not merges or (p.max_splits(problem) <= 8 and p.max_splits(problem) * p.config.block_m <= 256)
+        items = assert_covers_exactly_once(before, [seqlen_cache] * batch)
+        assert all(-(-item.token_end // before.block_n) - item.token_start // before.block_n <= before.min_chunk
+                   for item in items), "a binding minimum sets every split's length, even at capacity"
+        assert_covers_exactly_once(p, [seqlen_cache] * batch)
+    else:
+        assert p == before
+    one = problem_for([1024], 1024, 8)
+    assert plan(one, PROFILES["h200"], triton) == plan(one, merge_rule, triton)  # one sequence: its own rule
+    assert PROFILES["c500"].tuning.underfilled_merge_caps is None  # off where not measured
 
 
 @pytest.mark.parametrize("batch, seqlen_cache, nheads_k, group, splits", [
@@ -330,7 +370,7 @@ def test_one_sequence_splits_into_single_blocks_where_measured(seqlen_cache, mer
     assert (p.kernel, p.min_chunk, p.merge_in_split, p.needs_combine) == (SPLIT, 1, merges, not merges)
     assert plan(one, PROFILES["h200"], triton, num_splits=4).merge_in_split  # forced: 4 splits merge
     assert plan(one, PROFILES["h200"], tilelang).min_chunk == 4
-    assert plan(two, PROFILES["h200"], triton).min_chunk == (4 if seqlen_cache <= 4096 else 2)  # merge: 4, combine: 2
+    assert plan(two, PROFILES["h200"], triton).min_chunk == 2  # a combine's: too many splits, or an underfilled grid
     assert plan(one, PROFILES["c500"], triton).min_chunk == 4
     lengths = [seqlen_cache - 1]
     items = work_list(p, lengths)
@@ -415,8 +455,8 @@ def test_the_tuning_comes_from_the_named_profile(monkeypatch, device_name, major
     (16, 141, 4, 8, 128, {}, "single_pass", 4),  # case 5: 64 programs of 3 blocks
     (4, 256, 8, 4, 128, {}, "single_pass", 4),  # 32 programs of 4
     (256, 512, 1, 16, 128, {}, "single_pass", 4),  # 256 programs: all resident at 2 an SM
-    (8, 1000, 2, 16, 128, {}, "split", 4),  # 32 working programs a head of 4 blocks
-    (16, 2048, 1, 71, 64, {}, "split", 4),  # group 71 at head dim 64
+    (8, 1000, 2, 16, 128, {}, "split", 2),  # underfilled: splits of at most 2 blocks
+    (16, 2048, 1, 71, 64, {}, "split", 2),  # the same at group 71, head dim 64
     (64, 200, 8, 4, 128, {}, "single_pass", 2),  # 512 programs fill the device
     (64, 64, 8, 4, 128, {}, "single_pass", 2),  # case 4: one block
     (1, 8192, 4, 8, 128, {}, "split", 2),  # case 10: programs of at most 2 blocks
