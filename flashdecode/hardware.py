@@ -156,7 +156,9 @@ class Tuning:
 #: Triton's single pass and 15.3 in TileLang's, two such sequences 12.6 against 20.0 and 15.3,
 #: sixteen of 362 tokens (128 programs) 18.7 against 20.0 and 18.7; TileLang's own splits lost on
 #: six of those eight shapes (by up to 44%), and Triton's where 2048 programs fill the device (W14
-#: +3.4%) (``docs/design.md``, "Measured choices").
+#: +3.4%) (``docs/design.md``, "Measured choices"). Batches whose grid the 4-block minimum leaves
+#: underfilled take 2-block splits, merged up to 8 splits of 256 partial rows, else combined
+#: (``underfilled_merge_caps``).
 HOPPER_TUNING = Tuning(max_splits_merged_in_split=16, max_rows_merged_in_split=512, dependent_combine=True,
                        underfilled_merge_caps=(8, 256),
                        min_blocks_per_combined_split=(("triton", 2),),
