@@ -54,10 +54,11 @@ class Tuning:
     programs_per_multiprocessor: int = 3
     #: Fewest KV blocks a split carries (unless its sequence is shorter) where the split kernel merges
     #: the splits: 2 would let a sequence get more than ``max_splits_merged_in_split`` and cost the
-    #: merge (H200, Triton: cases 8 and 9 1.5-8% slower).
+    #: merge (H200, Triton: cases 8 and 9 1.5-8% slower); an underfilled batch's exception:
+    #: ``underfilled_merge_caps``.
     min_blocks_per_split: int = 4
-    #: The same where the combine merges them, by backend name (others: ``min_blocks_per_split``);
-    #: none where not measured. Hopper: ``HOPPER_TUNING``.
+    #: The same where the combine merges them, and for underfilled batches (``underfilled_merge_caps``),
+    #: by backend name (others: ``min_blocks_per_split``); none where not measured. Hopper: ``HOPPER_TUNING``.
     min_blocks_per_combined_split: tuple[tuple[str, int], ...] = ()
     #: The same for a batch of one sequence, by backend name (none: the rules above), however its
     #: splits are merged: with nothing else running, a program's serial blocks are the call's
@@ -91,9 +92,9 @@ class Tuning:
     max_rows_merged_in_split: int | None = None
     #: (most splits, most partial rows) merged in the split kernel where a batch's grid is
     #: underfilled (``Plan.min_chunk_binds``: the fewest blocks a split carries, not the keys spread
-    #: over the grid, sets every split's length): such plans take the combine's shorter splits
-    #: (``min_blocks_per_combined_split``) and merge them only within these caps, tighter than the
-    #: caps above, since with every split running at once the merge is the call's exposed tail;
+    #: over the grid, sets every split's length): such plans take the combine's shorter minimum
+    #: (``min_blocks_per_combined_split``) and merge them only within these caps (and the caps above),
+    #: since with every split running at once the merge is the call's exposed tail;
     #: None: the caps above, at ``min_blocks_per_split``. Hopper: (8, 256), measured on the H200 with
     #: Triton on 16 shapes of that class (``docs/design.md``, "The schedule"): GPU time 0.925x
     #: (geometric mean; one of 32 rows 10% slower), the eager loop 0.919x; the combine for all of them
@@ -157,7 +158,7 @@ class Tuning:
 #: sixteen of 362 tokens (128 programs) 18.7 against 20.0 and 18.7; TileLang's own splits lost on
 #: six of those eight shapes (by up to 44%), and Triton's where 2048 programs fill the device (W14
 #: +3.4%) (``docs/design.md``, "Measured choices"). Batches whose grid the 4-block minimum leaves
-#: underfilled take 2-block splits, merged up to 8 splits of 256 partial rows, else combined
+#: underfilled take a 2-block minimum, merged up to 8 splits of 256 partial rows, else combined
 #: (``underfilled_merge_caps``).
 HOPPER_TUNING = Tuning(max_splits_merged_in_split=16, max_rows_merged_in_split=512, dependent_combine=True,
                        underfilled_merge_caps=(8, 256),

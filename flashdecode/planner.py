@@ -36,8 +36,9 @@ The schedule is decided in two steps (``docs/design.md``, "The schedule").
 
    m = ``min_chunk`` keeps splits long enough that a program's fixed cost and the combine stay
    small next to its streaming (``Tuning.min_blocks_per_split``; shorter where a combine merges the
-   splits, ``min_blocks_per_combined_split``, or for one sequence, ``min_blocks_per_one_sequence_split``;
-   1 for the short caches split for idle multiprocessors). Since ceil(x) < x + 1, sum_b splits_b <=
+   splits or a batch leaves the grid underfilled, ``min_blocks_per_combined_split``, or for one
+   sequence, ``min_blocks_per_one_sequence_split``; 1 for the short caches split for idle
+   multiprocessors). Since ceil(x) < x + 1, sum_b splits_b <=
    (P - B) + B = P. A forced ``num_splits = F > 0`` gives splits_b = min(F, max(1, nblk_b)) and P = B * F.
 """
 from __future__ import annotations
@@ -235,7 +236,8 @@ def _merge_mode(plan_: Plan, problem: Problem, profile: HardwareProfile, backend
     if (tuning.underfilled_merge_caps and plan_.forced_splits == 0 and problem.batch > 1
             and combined < plan_.min_chunk and plan_.min_chunk_binds(problem)):
         plan_ = dataclasses.replace(plan_, min_chunk=combined)
-        splits_cap, rows_cap = tuning.underfilled_merge_caps
+        splits, rows = tuning.underfilled_merge_caps  # tighter, never looser, than the general caps
+        splits_cap, rows_cap = min(splits_cap, splits), rows if rows_cap is None else min(rows_cap, rows)
     most = plan_.max_splits(problem)
     if backend.merges_in_split(problem) and most <= splits_cap and (
             rows_cap is None or most * plan_.config.block_m <= rows_cap):

@@ -242,7 +242,8 @@ def merging_context():
     from flashdecode.hardware import current
 
     return DecodeContext("cuda", tuning=dataclasses.replace(current().tuning, max_splits_merged_in_split=10_000,
-                                                            max_rows_merged_in_split=None))
+                                                            max_rows_merged_in_split=None,
+                                                            underfilled_merge_caps=None))
 
 
 @pytest.mark.parametrize("case", [CASES[6], CASES[7], CASES[9], CASES[11], CASES[13]],

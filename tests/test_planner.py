@@ -309,8 +309,8 @@ def test_shorter_combined_splits_only_where_measured():
 ])
 def test_underfilled_grids_take_shorter_splits(batch, seqlen_cache, nheads_k, group, headdim, underfilled, merges):
     """Hopper's ``underfilled_merge_caps``: a batch whose splits the fewest blocks a split carries
-    sets (even at capacity) takes the combine's 2-block splits and merges them in the split kernel
-    only within (8 splits, 256 rows); a batch that fills the grid, a short cache's single-block
+    sets (even at capacity) takes the combine's 2-block minimum and merges in the split kernel only
+    within (8 splits, 256 rows) and the general caps; a batch that fills the grid, a short cache's single-block
     splits, one sequence and a device without the tuning keep the merge's rule."""
     problem = problem_for([seqlen_cache] * batch, seqlen_cache, nheads_k, group, headdim)
     triton = get_backend("triton")
@@ -329,6 +329,13 @@ def test_underfilled_grids_take_shorter_splits(batch, seqlen_cache, nheads_k, gr
         assert_covers_exactly_once(p, [seqlen_cache] * batch)
     else:
         assert p == before
+    never = dataclasses.replace(PROFILES["h200"], tuning=dataclasses.replace(
+        PROFILES["h200"].tuning, max_splits_merged_in_split=0))
+    assert not plan(problem, never, triton).merge_in_split  # the caps are tighter, never looser
+    tilelang = get_backend("tilelang")
+    assert plan(problem, PROFILES["h200"], tilelang) == plan(problem, merge_rule, tilelang)  # its minimum is 4
+    paged = problem_for([seqlen_cache] * batch, seqlen_cache, nheads_k, group, headdim, page_size=256)
+    assert plan(paged, PROFILES["h200"], triton).merge_in_split == merges  # the capacity decides, not the layout
     one = problem_for([1024], 1024, 8)
     assert plan(one, PROFILES["h200"], triton) == plan(one, merge_rule, triton)  # one sequence: its own rule
     assert PROFILES["c500"].tuning.underfilled_merge_caps is None  # off where not measured
