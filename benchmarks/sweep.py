@@ -21,7 +21,9 @@ from the case's planned config: without ``--tl-stages`` it keeps that plan's pip
 (0: never), ``--merge-step`` how many it merges at a time; ``--dependent-combine 0,1`` the combine
 as a programmatic dependent launch; ``--triton-resident`` the split programs Triton assumes an SM
 holds at the case's head dim (the row of ``Tuning.triton_resident_programs`` it takes, for paged
-caches too: single-sequence grids and the register cap follow). ``--shapes`` adds cases of one's own:
+caches too: single-sequence grids and the register cap follow); ``--underfilled-caps 8:256,none``
+``Tuning.underfilled_merge_caps`` (none: that rule off; ``--min-chunk`` sets the combine's minimum
+too, and at equal minimums the rule has no shorter split to take). ``--shapes`` adds cases of one's own:
 batch x seqlen_cache x nheads_k x group x headdim, then ``:`` and a length rule of ``cases.LENGTH_RULES``
 (``cases.parse_shapes``: S1, S2, ...).
 """
@@ -44,6 +46,13 @@ def values(text):
     return [int(item) for item in text.split(",")] if text else [None]
 
 
+def caps(text):
+    """``--underfilled-caps``: SPLITS:ROWS items, or none (no underfilled rule); [None]: the measured value."""
+    if not text:
+        return [None]
+    return [() if item == "none" else tuple(int(part) for part in item.split(":")) for item in text.split(",")]
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--backend", default="tilelang")
@@ -52,6 +61,8 @@ def main():
                  "--dependent-combine", "--triton-resident", "--one-sequence-min-blocks", "--split-above",
                  "--underfilled-above"):
         parser.add_argument(flag, default="", help="comma list (default: the measured value)")
+    parser.add_argument("--underfilled-caps", default="", help="comma list of SPLITS:ROWS or none "
+                        "(Tuning.underfilled_merge_caps; default: the measured value)")
     parser.add_argument("--matrix", default="cases", choices=sorted(MATRICES))
     parser.add_argument("--cases", default="", help="cases of the matrix, e.g. 7,12 or W9,W10 (default: all; none "
                         "with --shapes)")
@@ -76,12 +87,13 @@ def main():
         resident_row = next((dim for dim, _ in base.triton_resident_programs if dim >= headdim),
                             base.triton_resident_programs[-1][0])
         for backend, ppsm, min_chunk, short_max, block_n, stages, q_rows, producer, warps, registers, merge, \
-                merge_step, dependent, resident, one_sequence, split_above, underfilled in itertools.product(
+                merge_step, dependent, resident, one_sequence, split_above, underfilled, underfilled_caps \
+                in itertools.product(
                     args.backend.split(","), *(values(getattr(args, name)) for name in (
                         "ppsm", "min_chunk", "short_max_blocks", "block_n", "tl_stages", "tl_rows",
                         "tl_producer_regs", "warps", "max_registers", "merge_splits", "merge_step",
                         "dependent_combine", "triton_resident", "one_sequence_min_blocks", "split_above",
-                        "underfilled_above"))):
+                        "underfilled_above")), caps(args.underfilled_caps)):
             tuning = dataclasses.replace(base, **{name: value for name, value in (
                 ("programs_per_multiprocessor", ppsm), ("min_blocks_per_split", min_chunk),
                 ("min_blocks_per_combined_split", None if min_chunk is None else ((backend, min_chunk),)),
@@ -97,6 +109,8 @@ def main():
                 ("underfilled_split_above_blocks",
                  None if underfilled is None else ((backend, underfilled),) if underfilled else ()))
                 if value is not None})
+            if underfilled_caps is not None:  # () is none: the rule off
+                tuning = dataclasses.replace(tuning, underfilled_merge_caps=underfilled_caps or None)
             default = plan_for(inputs.q, inputs.k_cache, inputs.v_cache, **inputs.kwargs(), backend=backend,
                                context=DecodeContext("cuda", tuning=tuning)).plan.config
             changes = {name: value for name, value in (("block_n", block_n), ("num_stages", stages),
