@@ -101,13 +101,15 @@ class Plan:
         block_n = self.block_n
         return min(math.ceil(problem.seqlen_cache / block_n), (problem.key_span() + block_n - 2) // block_n + 1)
 
-    def min_chunk_binds(self, problem: Problem) -> bool:
-        """Whether the balanced rule's chunk is ``min_chunk`` even with every sequence at capacity:
-        ceil(B * max blocks / (P - B)) <= min_chunk, i.e. the keys do not fill the grid."""
-        if not self.can_split or self.forced_splits > 0:
-            return False
+    def _chunk_at_capacity(self, problem: Problem) -> int:
+        """The balanced rule's chunk with every sequence at capacity: max(m, ceil(B * max blocks / (P - B)))."""
         spare = max(1, self.programs_per_head - problem.batch)
-        return -(-problem.batch * self._max_blocks(problem) // spare) <= self.min_chunk
+        return max(self.min_chunk, -(-problem.batch * self._max_blocks(problem) // spare))
+
+    def min_chunk_binds(self, problem: Problem) -> bool:
+        """Whether the balanced rule's chunk is ``min_chunk`` even with every sequence at capacity,
+        i.e. the keys do not fill the grid (a forced split count has no chunk)."""
+        return self.can_split and self.forced_splits == 0 and self._chunk_at_capacity(problem) == self.min_chunk
 
     def working_programs(self, problem: Problem) -> int:
         """Most programs per KV head and row tile that get keys: one per sequence unsplit; split,
@@ -125,8 +127,7 @@ class Plan:
             return most
         if self.forced_splits > 0:
             return -(-most // self.forced_splits)
-        spare = max(1, self.programs_per_head - problem.batch)
-        return min(most, max(self.min_chunk, -(-problem.batch * most // spare)))
+        return min(most, self._chunk_at_capacity(problem))
 
     def ticket_count(self, problem: Problem) -> int:
         """Counters a merging split kernel takes tickets from: one per (sequence, KV head, row tile)."""
@@ -233,8 +234,8 @@ def _merge_mode(plan_: Plan, problem: Problem, profile: HardwareProfile, backend
         plan_ = dataclasses.replace(plan_, min_chunk=min(plan_.min_chunk, one_sequence))
     combined = dict(tuning.min_blocks_per_combined_split).get(backend.name, tuning.min_blocks_per_split)
     splits_cap, rows_cap = tuning.max_splits_merged_in_split, tuning.max_rows_merged_in_split
-    if (tuning.underfilled_merge_caps and plan_.forced_splits == 0 and problem.batch > 1
-            and combined < plan_.min_chunk and plan_.min_chunk_binds(problem)):
+    if (tuning.underfilled_merge_caps and problem.batch > 1 and combined < plan_.min_chunk
+            and plan_.min_chunk_binds(problem)):
         plan_ = dataclasses.replace(plan_, min_chunk=combined)
         splits, rows = tuning.underfilled_merge_caps  # tighter, never looser, than the general caps
         splits_cap, rows_cap = min(splits_cap, splits), rows if rows_cap is None else min(rows_cap, rows)

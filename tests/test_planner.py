@@ -310,8 +310,8 @@ def test_shorter_combined_splits_only_where_measured():
 def test_underfilled_grids_take_shorter_splits(batch, seqlen_cache, nheads_k, group, headdim, underfilled, merges):
     """Hopper's ``underfilled_merge_caps``: a batch whose splits the fewest blocks a split carries
     sets (even at capacity) takes the combine's 2-block minimum and merges in the split kernel only
-    within (8 splits, 256 rows) and the general caps; a batch that fills the grid, a short cache's single-block
-    splits, one sequence and a device without the tuning keep the merge's rule."""
+    within (8 splits, 256 rows) and the general caps; a batch that fills the grid, a short cache's
+    single-block splits, one sequence and a device without the tuning keep the merge's rule."""
     problem = problem_for([seqlen_cache] * batch, seqlen_cache, nheads_k, group, headdim)
     triton = get_backend("triton")
     p = plan(problem, PROFILES["h200"], triton)
