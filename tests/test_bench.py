@@ -163,6 +163,14 @@ def test_cpu_timer_runs_warmup_plus_iters_and_has_no_graph():
         Timer(torch.device("cpu"), iters=0, warmup=0)
 
 
+def test_timer_samples_are_the_timed_runs_in_order():
+    import time
+
+    naps = iter([0.0] * 2 + [0.004, 0.0, 0.004])  # the warm-up's two, then the timed three
+    runs = Timer(torch.device("cpu"), iters=3, warmup=2).samples(lambda: time.sleep(next(naps)))
+    assert len(runs) == 3 and runs[0] >= 4000 and runs[2] >= 4000 and runs[1] < 4000
+
+
 def test_eager_loop_runs_every_layer_per_repeat_and_divides():
     import time
 
