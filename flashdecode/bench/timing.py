@@ -102,7 +102,8 @@ class Timer:
         return [start.elapsed_time(end) * 1e3 for start, end in events]
 
     def time_graph(self, fn: Callable[[], object]):
-        """Capture ``fn()`` once in a CUDA graph and time its replays (same flush, same events).
+        """Capture ``fn()`` once in a CUDA graph and time its replays (same flush, same events)
+        after ``GRAPH_WARMUP`` replays.
 
         Returns (Timing, the graph's output) so the replayed result can be checked, or None when
         there is no CUDA or the capture fails (some peers cannot be captured). Call after warm-up:
