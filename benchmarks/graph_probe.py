@@ -42,9 +42,7 @@ def main():
             call()  # compiles, so that nothing compiles during the capture
             timer.synchronize()
             if args.series:
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph):
-                    call()
+                graph, _ = series_timer.capture(call)
                 runs = series_timer.samples(graph.replay)
                 medians = [float(np.median(runs[i:i + args.series])) for i in range(0, len(runs), args.series)]
                 rows.append(f"first graph by {args.series} runs " + " ".join(f"{m:.2f}" for m in medians))

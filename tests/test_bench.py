@@ -157,7 +157,7 @@ def test_cpu_timer_runs_warmup_plus_iters_and_has_no_graph():
     timer = Timer(torch.device("cpu"), iters=5, warmup=2)
     timing = timer.time(lambda: calls.append(1))
     assert len(calls) == 7 and timing.runs == 5 and 0 <= timing.min_us <= timing.median_us <= timing.p80_us
-    assert timer.flush_bytes == 0 and timer.time_graph(lambda: None) is None
+    assert timer.flush_bytes == 0 and timer.time_graph(lambda: None) is None and timer.capture(lambda: None) is None
     assert timer.host_overhead_us(lambda: calls.append(1), calls=10, loops=3) > 0 and len(calls) == 37
     with pytest.raises(ValueError):
         Timer(torch.device("cpu"), iters=0, warmup=0)

@@ -109,6 +109,18 @@ class Timer:
         there is no CUDA or the capture fails (some peers cannot be captured). Call after warm-up:
         nothing may compile or allocate lazily during capture.
         """
+        captured = self.capture(fn)
+        if captured is None:
+            return None
+        graph, out = captured
+        for _ in range(GRAPH_WARMUP):
+            self._flush()
+            graph.replay()
+        return self.time(graph.replay), out
+
+    def capture(self, fn: Callable[[], object]):
+        """(graph, output) of ``fn()`` captured once in a CUDA graph, or None without CUDA or when
+        the capture fails."""
         if not self.cuda:
             return None
         graph = torch.cuda.CUDAGraph()
@@ -117,10 +129,7 @@ class Timer:
                 out = fn()
         except Exception:  # noqa: BLE001 - any capture failure means "no graph figure"
             return None
-        for _ in range(GRAPH_WARMUP):
-            self._flush()
-            graph.replay()
-        return self.time(graph.replay), out
+        return graph, out
 
     def eager_loop(self, calls: list[Callable[[], object]], repeats: int) -> Timing:
         """Time per call of ``calls`` (one per layer, each on its own inputs) run back to back:
