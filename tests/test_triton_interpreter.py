@@ -255,6 +255,23 @@ def test_merge_steps(merge_step):
     assert_matches(through_backend(call, num_splits=7, config=config, merge=True), reference(call))
 
 
+@pytest.mark.parametrize("combine_dims", [16, 32, 64])
+@pytest.mark.parametrize("feature", ["lengths", "head-dim-59", "head-dim-80-group-8", "window-zero"])
+def test_combine_head_chunks(feature, combine_dims):
+    """The combine kernel merging combine_dims head dims a program (padded head dims of 59 and 80
+    included, rows no split saw a key of, several query rows): the whole head's results."""
+    call = make_call(**FEATURES[feature])
+    config = dataclasses.replace(SMALL, combine_dims=combine_dims)
+    assert_matches(through_backend(call, num_splits=3, config=config), reference(call))
+
+
+@pytest.mark.parametrize("combine_dims", [3, 256])
+def test_combine_head_chunk_must_fit_the_head(combine_dims):
+    call = make_call(**FEATURES["lengths"])
+    with pytest.raises(ValueError, match="combine_dims must be a power of two"):
+        through_backend(call, num_splits=3, config=dataclasses.replace(SMALL, combine_dims=combine_dims))
+
+
 def test_merge_in_split_through_the_public_call():
     """A context whose tuning lets the split kernel merge: its plan merges, repeated calls (new
     lengths, on the context's counters) match the reference, and the counters end at zero."""

@@ -52,6 +52,9 @@ class TritonConfig:
     #: Registers a thread may use: a kernel the compiler gives more is compiled again with this cap
     #: (Triton's ``maxnreg``, ``launch.register_options``); None: the compiler's choice.
     max_registers: int | None = None
+    #: Head dims one combine program merges (a power of two; None: the whole padded head): smaller
+    #: chunks spread a row's partials over more programs.
+    combine_dims: int | None = None
 
 
 def shared_bytes(config: TritonConfig, headdim: int, element_bytes: int, profile: HardwareProfile) -> int:
@@ -292,9 +295,14 @@ def _make_spec(plan, problem: Problem) -> _LaunchSpec:
         LEFTPAD=leftpad, BATCH_IDX=problem.batch_idx and not problem.paged, MERGE_IN_SPLIT=plan.merge_in_split,
         MERGE_STEP=(config.merge_step or merge_step_for(config.block_m)) if plan.merge_in_split else 1,
         DEPENDENT_COMBINE=plan.dependent_combine)
+    head_chunk = config.combine_dims or head_pad
+    if head_chunk & (head_chunk - 1) or head_chunk > head_pad:
+        raise ValueError(f"triton: combine_dims must be a power of two of at most the padded head dim {head_pad}, "
+                         f"got {config.combine_dims}")
     combine_constexprs = dict(
-        GROUP=problem.group, SEQLEN_Q=problem.seqlen_q, HEAD_DIM=problem.headdim, HEAD_PAD=head_pad,
-        BLOCK_N=config.block_n, BATCH_PAD=batch_pad, SPLITS_PER_STEP=config.combine_step, APPEND=append,
+        GROUP=problem.group, SEQLEN_Q=problem.seqlen_q, HEAD_DIM=problem.headdim,
+        BLOCK_N=config.block_n, BATCH_PAD=batch_pad, SPLITS_PER_STEP=config.combine_step, HEAD_CHUNK=head_chunk,
+        APPEND=append,
         LEFTPAD=leftpad, WINDOW_LEFT=window_left, EMPTY_ROWS=problem.windowed and problem.seqlen_q > 1,
         DEPENDENT_COMBINE=plan.dependent_combine)
     split_options = {"num_warps": config.num_warps, "num_stages": config.num_stages}
@@ -302,6 +310,7 @@ def _make_spec(plan, problem: Problem) -> _LaunchSpec:
         split_options[REGISTER_CEILING] = config.max_registers
     return _LaunchSpec(
         plan.grid(problem), split_constexprs, split_options,
-        (problem.batch, problem.nheads_k * problem.q_rows) if plan.needs_combine else None, combine_constexprs,
+        (problem.batch, problem.nheads_k * problem.q_rows, head_pad // head_chunk) if plan.needs_combine else None,
+        combine_constexprs,
         dict(num_warps=4, launch_pdl=True) if plan.dependent_combine else dict(num_warps=4), schedule, features,
         plan.ticket_count(problem))

@@ -246,31 +246,34 @@ def merge_if_last(Tickets, PartO, PartLse, Out, Lse, seq, head_k, tile, first, n
 
 
 @triton.jit
-def store_row(pointers, row, HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr):
-    """Store one output row of HEAD_PAD values, its real head dims only."""
-    if HEAD_PAD == HEAD_DIM:
+def store_row(pointers, row, d, HEAD_DIM: tl.constexpr, HEAD_CHUNK: tl.constexpr):
+    """Store the head dims ``d`` (HEAD_CHUNK of them) of one output row, the real ones only."""
+    if HEAD_CHUNK == HEAD_DIM:
         tl.store(pointers, row)
     else:
-        tl.store(pointers, row, mask=tl.arange(0, HEAD_PAD) < HEAD_DIM)
+        tl.store(pointers, row, mask=d < HEAD_DIM)
 
 
 @triton.jit(do_not_specialize=_RUNTIME_INTS[:7])
 def combine_kernel(Lens, LeftPad, Out, Lse, PartO, PartLse,
                    batch, capacity, num_programs, forced_splits, min_chunk, seqlen_new, window_left,
                    stride_ob, stride_oi, stride_oh,
-                   GROUP: tl.constexpr, SEQLEN_Q: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr,
+                   GROUP: tl.constexpr, SEQLEN_Q: tl.constexpr, HEAD_DIM: tl.constexpr,
                    BLOCK_N: tl.constexpr, BATCH_PAD: tl.constexpr, SPLITS_PER_STEP: tl.constexpr,
-                   APPEND: tl.constexpr, LEFTPAD: tl.constexpr, WINDOW_LEFT: tl.constexpr, EMPTY_ROWS: tl.constexpr,
+                   HEAD_CHUNK: tl.constexpr, APPEND: tl.constexpr, LEFTPAD: tl.constexpr, WINDOW_LEFT: tl.constexpr, EMPTY_ROWS: tl.constexpr,
                    DEPENDENT_COMBINE: tl.constexpr):
-    """Merge the partials of one (sequence, packed row h * Sq * G + r) if that sequence was split;
-    grid (B, Hk * Sq * G). Partials are read SPLITS_PER_STEP at a time, all loads of a step in
-    flight together, and merged with a running max so any number of splits works. EMPTY_ROWS:
+    """Merge the partials of one (sequence, packed row h * Sq * G + r) if that sequence was split,
+    HEAD_CHUNK of its head dims (the chunk ``program_id(2)``); grid (B, Hk * Sq * G, padded head
+    dim / HEAD_CHUNK). Partials are read SPLITS_PER_STEP at a time, all loads of a step in flight
+    together, and merged with a running max so any number of splits works. Chunks of the head let
+    one sequence's many partials load in one step over more programs. EMPTY_ROWS:
     a row may see no key in a split (windows with seqlen_q > 1), so a max of -inf is guarded.
     DEPENDENT_COMBINE: launched as a programmatic dependent launch; every program waits for the split
     kernel to complete (``gdc_wait``) after reading the lengths, which that kernel does not write, so
     the combine never completes before it (later launches wait on the combine alone)."""
     seq = tl.program_id(0)
     row = tl.program_id(1)
+    chunk = tl.program_id(2)
     offs, raw, splits, ends = split_counts(
         Lens, LeftPad, batch, capacity, num_programs, forced_splits, min_chunk, seqlen_new, window_left,
         SEQLEN_Q, APPEND, LEFTPAD, WINDOW_LEFT, BLOCK_N, BATCH_PAD)
@@ -280,16 +283,19 @@ def combine_kernel(Lens, LeftPad, Out, Lse, PartO, PartLse,
         gdc_wait()
     if num_splits > 1:
         offs_s = tl.arange(0, SPLITS_PER_STEP)
-        d = tl.arange(0, HEAD_PAD)
+        d = chunk * HEAD_CHUNK + tl.arange(0, HEAD_CHUNK)
         m = float("-inf")
         weight = 0.0
-        acc = tl.zeros([HEAD_PAD], tl.float32)
+        acc = tl.zeros([HEAD_CHUNK], tl.float32)
         for step in range(0, num_splits, SPLITS_PER_STEP):
             live = step + offs_s < num_splits
             part = (first + step + offs_s) * tl.num_programs(1) + row
             part_lse = tl.load(PartLse + part, mask=live, other=float("-inf"))
-            part_o = tl.load(PartO + part[:, None] * HEAD_DIM + d[None, :],
-                             mask=tile_mask(live, HEAD_DIM, HEAD_PAD), other=0.0)
+            if HEAD_CHUNK == HEAD_DIM:
+                part_mask = live[:, None]
+            else:
+                part_mask = live[:, None] & (d[None, :] < HEAD_DIM)
+            part_o = tl.load(PartO + part[:, None] * HEAD_DIM + d[None, :], mask=part_mask, other=0.0)
             m_new = tl.maximum(m, tl.max(part_lse, 0))  # a NaN partial still spoils w, hence the output
             m_safe = m_new
             if EMPTY_ROWS:
@@ -305,13 +311,15 @@ def combine_kernel(Lens, LeftPad, Out, Lse, PartO, PartLse,
         else:
             o = acc / weight
             lse = (m + tl.log2(weight)) * LN2
-        if SEQLEN_Q == 1:  # the row is the query head; lse (B, Hq, Sq)
-            store_row(Out + seq * stride_ob + row * stride_oh + d, o.to(Out.dtype.element_ty), HEAD_DIM, HEAD_PAD)
-            tl.store(Lse + seq * tl.num_programs(1) + row, lse)
+        if SEQLEN_Q == 1:  # the row is the query head; lse (B, Hq, Sq), written by the first chunk
+            store_row(Out + seq * stride_ob + row * stride_oh + d, o.to(Out.dtype.element_ty), d, HEAD_DIM, HEAD_CHUNK)
+            if chunk == 0:
+                tl.store(Lse + seq * tl.num_programs(1) + row, lse)
         else:
             head_k = row // (GROUP * SEQLEN_Q)
             r = row % (GROUP * SEQLEN_Q)
             out_row = row_offsets(r, head_k, stride_oi, stride_oh, GROUP, SEQLEN_Q)
-            store_row(Out + seq * stride_ob + out_row + d, o.to(Out.dtype.element_ty), HEAD_DIM, HEAD_PAD)
-            head = head_k * GROUP + r % GROUP
-            tl.store(Lse + (seq * (tl.num_programs(1) // SEQLEN_Q) + head) * SEQLEN_Q + r // GROUP, lse)
+            store_row(Out + seq * stride_ob + out_row + d, o.to(Out.dtype.element_ty), d, HEAD_DIM, HEAD_CHUNK)
+            if chunk == 0:
+                head = head_k * GROUP + r % GROUP
+                tl.store(Lse + (seq * (tl.num_programs(1) // SEQLEN_Q) + head) * SEQLEN_Q + r // GROUP, lse)
