@@ -51,7 +51,7 @@ def main():
             rows.append("graphs first " + " ".join("-" if first is None else f"{first[0].median_us:.2f}"
                                                   for first in firsts))
         for _ in range(args.repeats):
-            result = runner.measure(system, layers, fresh, references, timer, selection)
+            result = runner.measure([system], layers, fresh, references, timer, selection)[0]
             if result.graph is None:
                 rows.append(result.error or result.skipped or "no graph")
                 break

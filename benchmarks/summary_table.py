@@ -71,6 +71,20 @@ def print_against_plain(run, plain_run):
         print(f"| {label} | {plain[label]:.1f} | " + " | ".join(row.get(name, "-") for name in variants) + " |")
 
 
+def print_host_ratios(run, limit=1.5):
+    """Per backend: host time per call over the plain torch launch timed in loops alternating with
+    it (``host_launch_us``; runs before it have none), the largest and the cases above ``limit``."""
+    for name in OURS:
+        ratios = [(str(case["case"]) + ("" if case.get("variant", "plain") == "plain" else "/" + case["variant"]),
+                   result["host_overhead_us"] / result["host_launch_us"])
+                  for case in run["cases"] for result in [case["results"].get(name, {})]
+                  if result.get("host_launch_us") and result.get("host_overhead_us") is not None]
+        if ratios:
+            over = [f"{label} ({ratio:.2f}×)" for label, ratio in ratios if ratio > limit]
+            print(f"{name}: host time over a torch launch timed alongside: {min(r for _, r in ratios):.2f}-"
+                  f"{max(r for _, r in ratios):.2f}×; above {limit}×: {', '.join(over) or 'none'}")
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("run", type=pathlib.Path)
@@ -129,6 +143,7 @@ def main():
         print(f"{variant}, {measure}, {who}: faster than FA2 on {wins} of {len(values)}, "
               f"geometric mean {geomean(values):.2f}x")
     print("faster backend's GPU time slower than TileOPs on cases:", ", ".join(slower_than_tileops) or "none")
+    print_host_ratios(run)
     if args.plain:
         print_against_plain(run, json.loads(args.plain.read_text()))
 

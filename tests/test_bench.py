@@ -321,12 +321,13 @@ def test_measure_checks_times_skips_and_survives_failures(runner):
         return [lambda call=call: _reference(call) for call in calls]
 
     def measure(check, setup):
-        return runner.measure(System("x", "peer", "0", "test", check, setup), layers, fresh, references, timer,
-                              _selection(runner))
+        return runner.measure([System("x", "peer", "0", "test", check, setup)], layers, fresh, references, timer,
+                              _selection(runner))[0]
 
     good = measure(lambda call: {"kernel": "k"}, setup)
     assert good.compiled and good.correct and good.rel_err == 0.0 and good.timing.runs == 2 and good.error is None
-    assert good.plan == {"kernel": "k"} and good.host_overhead_us > 0 and good.eager_layers == 2
+    assert good.plan == {"kernel": "k"} and good.host_overhead_us > 0 and good.host_launch_us > 0
+    assert good.eager_layers == 2
     assert good.eager.runs == runner.CPU_EAGER_REPEATS and made == [2, 1]  # the layers, then the fresh inputs
     wrong = measure(lambda call: None, lambda calls: [lambda: torch.zeros_like(calls[0].q)] * len(calls))
     assert wrong.compiled and not wrong.correct and wrong.rel_err == 1.0
@@ -538,23 +539,54 @@ def test_measure_counts_host_path_hits_over_the_host_time_loop_only(runner, monk
         return [lambda layer=layer: call(layer) for layer in calls]
 
     timer = Timer(torch.device("cpu"), iters=2, warmup=0)
-    host_loop = timer.host_overhead_us
+    host_loop = timer.host_times
 
-    def only_misses(function, calls, loops):
+    def only_misses(functions, calls, loops):
         in_loop[0] = True
         try:
-            return host_loop(function, calls, loops)
+            return host_loop(functions, calls, loops)
         finally:
             in_loop[0] = False
 
-    monkeypatch.setattr(timer, "host_overhead_us", only_misses)
+    monkeypatch.setattr(timer, "host_times", only_misses)
     system = System("x", "ours", "0", "test", lambda call: {"kernel": "k"}, setup, lambda call: (hits[0], None))
-    result = runner.measure(system, layers, fresh, references, timer, _selection(runner))
+    result = runner.measure([system], layers, fresh, references, timer, _selection(runner))[0]
     timed = runner.CPU_HOST_CALLS * runner.CPU_HOST_LOOPS
     assert hits[0] > 0 and result.host_path == f"python: {timed} of {timed} calls found no record"
     in_loop_hits = dataclasses.replace(system, setup=lambda calls: [lambda: (hits.__setitem__(0, hits[0] + 1),
                                                                              _reference(layers[0]))[1]])
-    assert runner.measure(in_loop_hits, layers, fresh, references, timer, _selection(runner)).host_path == "compiled"
+    assert runner.measure([in_loop_hits], layers, fresh, references, timer,
+                          _selection(runner))[0].host_path == "compiled"
+
+
+def test_measure_interleaves_the_systems_and_drops_one_that_fails_while_timed(runner):
+    """Every system's timed runs alternate with the others' (warm-up and timed runs, in the order
+    given); one that raises in its third timed run is reported with its error and the others are
+    timed again without it."""
+    layers = [cases.make_call(SMALL, cases.VARIANTS["plain"], dtype=torch.float16)]
+    fresh = cases.make_call(SMALL, cases.VARIANTS["plain"], dtype=torch.float16, seed=runner.FRESH_SEED)
+    references = _reference(layers[0]), _reference(fresh)
+    timer = Timer(torch.device("cpu"), iters=3, warmup=1)
+    order = []
+
+    def system(name, fail_at=None):
+        def setup(calls):
+            def call(layer):
+                order.append(name)
+                if fail_at is not None and order.count(name) == fail_at:
+                    raise RuntimeError(f"{name} broke")
+                return _reference(layer)
+            return [lambda layer=layer: call(layer) for layer in calls]
+        return System(name, "peer", "0", "test", lambda call: None, setup)
+
+    results = runner.measure([system("a"), system("b"), system("c", fail_at=4)], layers, fresh, references, timer,
+                             _selection(runner))
+    # first calls, then the warm-up and timed runs interleaved until c's 4th call (its 3rd timed run)
+    assert order[:12] == ["a", "b", "c"] * 4
+    assert order[12:20] == ["a", "b"] * 4  # again without c: warm-up and 3 timed runs
+    a, b, c = results
+    assert a.correct and b.correct and a.timing.runs == b.timing.runs == 3
+    assert c.error == "RuntimeError: c broke" and c.timing is None and not c.correct
 
 
 def test_table_and_json_name_the_python_host_path(fake_run, tmp_path):

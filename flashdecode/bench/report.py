@@ -82,6 +82,7 @@ def _timing_fields(result) -> dict:
     return {"median_us": timing and timing.median_us, "min_us": timing and timing.min_us,
             "p80_us": timing and timing.p80_us, "runs": timing and timing.runs,
             "graph_us": graph and graph.median_us, "host_overhead_us": result.host_overhead_us,
+            "host_launch_us": result.host_launch_us,
             "eager_us": eager and eager.median_us, "eager_layers": result.eager_layers}
 
 
@@ -132,7 +133,7 @@ def write_json(run, path) -> None:
 
 
 CSV_COLUMNS = ("case", "matrix", "variant", "shape", "bytes", "system", "kind", "compiled", "correct", "median_us",
-               "min_us", "p80_us", "runs", "graph_us", "host_overhead_us", "host_path", "eager_us",
+               "min_us", "p80_us", "runs", "graph_us", "host_overhead_us", "host_launch_us", "host_path", "eager_us",
                "eager_layers", "bandwidth_gbps", "fraction_of_ceiling", "speedup", "rel_err", "fresh_rel_err",
                "baseline_us", "baseline_source", "skipped", "error")
 
@@ -245,7 +246,7 @@ def format_table(run) -> str:
     lines += [f"skipped: {reason}" for reason in run.skipped]
     lines += [f"note: {note}" for note in run.notes]
     header = (f"{'case':>4} {'variant':<8} {'shape':<28} {'system':<17} {'median us':>10} {'min us':>10} "
-              f"{'p80 us':>10} {'graph us':>9} {'host us':>8} {'eager us':>13} {'GB/s':>6} {'ceil':>5} "
+              f"{'p80 us':>10} {'graph us':>9} {'host us':>8} {'launch':>6} {'eager us':>13} {'GB/s':>6} {'ceil':>5} "
               f"{'speedup':>8}  correct (rel err timed/fresh)")
     lines += ["", header, "-" * len(header)]
     errors, skipped, python_path = [], [], []
@@ -258,7 +259,7 @@ def format_table(run) -> str:
                 f"{c.case.label:>4} {c.variant.name:<8} {c.shape.describe():<28} {r.system:<17} "
                 f"{_number(t and t.median_us, '10.2f'):>10} {_number(t and t.min_us, '10.2f'):>10} "
                 f"{_number(t and t.p80_us, '10.2f'):>10} {_number(r.graph and r.graph.median_us, '9.2f'):>9} "
-                f"{_number(r.host_overhead_us, '8.1f'):>8} {_eager_cell(r):>13} {_number(r.bandwidth_gbps, '6.0f'):>6} "
+                f"{_number(r.host_overhead_us, '8.1f'):>8} {_number(r.host_launch_us, '6.1f'):>6} {_eager_cell(r):>13} {_number(r.bandwidth_gbps, '6.0f'):>6} "
                 f"{_number(r.fraction, '5.0%'):>5} {speedup:>8}  {_correct_cell(r)}")
             if r.error:
                 errors.append(f"{where} {r.system}: {r.error}")

@@ -53,6 +53,8 @@ class Result:
     timing: Timing | None = None  # cold L2, one call per event pair
     graph: Timing | None = None  # replayed from a CUDA graph: GPU time
     host_overhead_us: float | None = None  # host time per call
+    #: host time per call of one plain torch launch, in loops alternating with those of host_overhead_us
+    host_launch_us: float | None = None
     #: our backends: "compiled" when every call of the host-time loop launched from the compiled host
     #: path's records, else "python: " and why not
     host_path: str | None = None

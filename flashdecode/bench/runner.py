@@ -33,7 +33,7 @@ from .ceiling import measure_ceiling
 from .peers import select_peers
 from .provenance import environment, version
 from .results import BenchRun, CaseRun, Result, System
-from .timing import Timer
+from .timing import CallFailed, Timer, summarize
 
 OUR_BACKENDS = ("tilelang", "triton")
 #: A result is correct when ||out - ref|| / ||ref|| (float32) is at most this, for bf16 and fp16.
@@ -204,13 +204,19 @@ def run(selection: Selection, advance: Callable[[str], None] = lambda label: Non
                     ceiling, selection.systems, selection.skipped, _notes(selection, launch_us), case_runs)
 
 
-def torch_launch_us(timer: Timer, calls: int, loops: int) -> float:
-    """Host time of one plain torch kernel launch, ``q.add_(0)`` on a q-sized tensor back to back:
-    the floor under every host time per call of this run."""
-    q = torch.randn(1, 1, cases.NHEADS, cases.HEADDIM, device=timer.device)
+def plain_launch(device) -> Callable[[], object]:
+    """One plain torch kernel launch, ``q.add_(0)`` on a q-sized tensor (warmed up): the floor under
+    every host time per call."""
+    q = torch.randn(1, 1, cases.NHEADS, cases.HEADDIM, device=device)
     for _ in range(CUDA_WARMUP):
         q.add_(0)
-    return timer.host_overhead_us(lambda: q.add_(0), calls, loops)
+    return lambda: q.add_(0)
+
+
+def torch_launch_us(timer: Timer, calls: int, loops: int) -> float:
+    """Host time of ``plain_launch`` back to back, once for the run (each result also has its own,
+    ``Result.host_launch_us``)."""
+    return timer.host_overhead_us(plain_launch(timer.device), calls, loops)
 
 
 def torch_launch_gpu_us(timer: Timer) -> float | None:
@@ -260,15 +266,13 @@ def case_inputs(case: cases.Case, variant: cases.Variant, selection: Selection, 
 def _run_case(case, variant, selection, timer, ceiling, anchor, advance) -> CaseRun:
     shape, layers, fresh, references = case_inputs(case, variant, selection, timer.device)
     nbytes = layers[0].bytes_moved()
-    results = []
-    for system in selection.systems:
-        result = measure(system, layers, fresh, references, timer, selection)
+    results = measure(selection.systems, layers, fresh, references, timer, selection,
+                      lambda system: advance(f"case {case.label} {variant.name} {system}"))
+    del layers
+    for result in results:
         if result.timing is not None:
             result.bandwidth_gbps = nbytes / result.timing.median_us / 1e3
             result.fraction = result.bandwidth_gbps / ceiling.gbps
-        results.append(result)
-        advance(f"case {case.label} {variant.name} {system.name}")
-    del layers
     reference = baseline(case, variant, results, selection.cuda, anchor)
     for result in results:
         if result.correct and reference[0] is not None:
@@ -276,38 +280,74 @@ def _run_case(case, variant, selection, timer, ceiling, anchor, advance) -> Case
     return CaseRun(case, shape, variant, nbytes, *reference, results)
 
 
-def measure(system: System, layers: list[cases.Call], fresh: cases.Call, references, timer: Timer,
-            selection: Selection) -> Result:
-    """Check, set up, time and re-check one system on one case and variant (``layers[0]``: the timed
-    inputs); a call it cannot take ends up in ``skipped``, a failure in ``error``."""
-    result = Result(system.name, system.kind)
-    try:
-        result.plan = system.check(layers[0])
-        calls = system.setup(layers)
-        call = calls[0]
-        out = call()
-        timer.synchronize()
-        result.compiled = True
-        errors = [relative_error(out, references[0])]
-        result.timing = timer.time(call)
-        graph = timer.time_graph(call)
+def measure(systems: list[System], layers: list[cases.Call], fresh: cases.Call, references, timer: Timer,
+            selection: Selection, advance: Callable[[str], None] = lambda system: None) -> list[Result]:
+    """Check, set up, time and re-check each system on one case and variant (``layers[0]``: the
+    timed inputs); a call a system cannot take ends up in its ``skipped``, a failure in ``error``.
+    The cold-L2 runs of all systems are interleaved, then their graph replays
+    (``Timer.interleaved``): on the H200 the first graph timed on a case's inputs read up to 10%
+    high when the systems were timed one after another (``docs/benchmarks.md``, "Timing").
+    ``advance(name)`` is called as each system is done."""
+    results = [Result(system.name, system.kind) for system in systems]
+    calls: list = [None] * len(systems)
+    errors: list[list[float]] = [[] for _ in systems]
+
+    def failed(index: int, error: Exception) -> None:
+        calls[index] = None
+        if isinstance(error, Unsupported):
+            results[index].skipped = str(error)
+        else:
+            results[index].error = f"{type(error).__name__}: {error}"
+
+    for index, system in enumerate(systems):
+        try:
+            results[index].plan = system.check(layers[0])
+            calls[index] = system.setup(layers)
+            out = calls[index][0]()
+            timer.synchronize()
+            results[index].compiled = True
+            errors[index].append(relative_error(out, references[0]))
+        except Exception as error:  # noqa: BLE001 - a failing system is reported, the run goes on
+            failed(index, error)
+    while True:
+        live = [index for index, found in enumerate(calls) if found is not None]
+        try:
+            timings = timer.interleaved([calls[index][0] for index in live])
+            graphs = timer.time_graphs([calls[index][0] for index in live])
+            break
+        except CallFailed as failure:  # time the others again without it
+            failed(live[failure.index], failure.error)
+    for index, samples, graph in zip(live, timings, graphs):
+        results[index].timing = summarize(samples)
         if graph is not None:
-            result.graph, graph_out = graph
-            errors.append(relative_error(graph_out, references[0]))
-        before = system.launch_path(layers[0]) if system.launch_path else None
-        result.host_overhead_us = timer.host_overhead_us(call, selection.host_calls, selection.host_loops)
-        if before is not None:
-            result.host_path = host_path_of(before, system.launch_path(layers[0]),
-                                            selection.host_calls * selection.host_loops)
-        result.eager, result.eager_layers = timer.eager_loop(calls, selection.eager_repeats), len(calls)
-        result.rel_err = max(errors)
-        result.fresh_rel_err = relative_error(system.setup([fresh])[0](), references[1])
-        result.correct = all(error <= REL_ERR_THRESHOLD for error in (*errors, result.fresh_rel_err))
-    except Unsupported as reason:
-        result.skipped = str(reason)
-    except Exception as error:  # noqa: BLE001 - a failing system is reported, the run goes on
-        result.error = f"{type(error).__name__}: {error}"
-    return result
+            results[index].graph, graph_out = graph
+            errors[index].append(relative_error(graph_out, references[0]))
+    launch = plain_launch(timer.device)
+    for index, system in enumerate(systems):
+        if calls[index] is not None:
+            try:
+                _finish(results[index], system, calls[index], layers, fresh, references[1], errors[index], launch,
+                        timer, selection)
+            except Exception as error:  # noqa: BLE001
+                failed(index, error)
+        advance(system.name)
+    return results
+
+
+def _finish(result: Result, system: System, calls: list, layers, fresh, fresh_reference, errors: list[float],
+            launch: Callable[[], object], timer: Timer, selection: Selection) -> None:
+    """Host time (its loops alternating with a plain torch launch's), the eager loop and the check
+    on fresh inputs of one system that was timed."""
+    before = system.launch_path(layers[0]) if system.launch_path else None
+    result.host_overhead_us, result.host_launch_us = timer.host_times([calls[0], launch], selection.host_calls,
+                                                                      selection.host_loops)
+    if before is not None:
+        result.host_path = host_path_of(before, system.launch_path(layers[0]),
+                                        selection.host_calls * selection.host_loops)
+    result.eager, result.eager_layers = timer.eager_loop(calls, selection.eager_repeats), len(calls)
+    result.rel_err = max(errors)
+    result.fresh_rel_err = relative_error(system.setup([fresh])[0](), fresh_reference)
+    result.correct = all(error <= REL_ERR_THRESHOLD for error in (*errors, result.fresh_rel_err))
 
 
 def host_path_of(before: tuple, after: tuple, calls: int) -> str:
@@ -357,7 +397,10 @@ def _notes(selection: Selection, launch_us: float) -> list[str]:
              f"timed inputs, the graph replay and fresh inputs (seed {FRESH_SEED})",
              f"host us: host time per call, median of {selection.host_loops} loops of {selection.host_calls} calls "
              f"back to back, GPU work not waited for inside a loop; "
-             f"one plain torch launch (q.add_(0)) takes {launch_us:.1f} us here",
+             f"one plain torch launch (q.add_(0)) takes {launch_us:.1f} us here; launch us: that launch's host "
+             f"time in loops alternating with the call's",
+             "the systems' cold runs on a case are interleaved (run i of every system before run i+1 of any), "
+             "then their graph replays",
              f"eager us: per call of a loop over up to {selection.eager_layers} layers (x N: the layers that fit "
              f"in {EAGER_MEMORY_SHARE:.0%} of free memory), each on its own inputs, same lengths; L2 flushed "
              f"before each loop, one event pair around it, no sync inside; median of {selection.eager_repeats}"]

@@ -26,6 +26,22 @@ MIN_FLUSH_BYTES = 256 * 1024 * 1024
 GRAPH_WARMUP = 50
 
 
+class CallFailed(Exception):
+    """Function ``index`` of an interleaved series raised ``error``."""
+
+    def __init__(self, index: int, error: BaseException):
+        super().__init__(f"function {index}: {type(error).__name__}: {error}")
+        self.index = index
+        self.error = error
+
+
+def _call(index: int, fn: Callable[[], object]) -> None:
+    try:
+        fn()
+    except Exception as error:  # noqa: BLE001 - re-raised with the function's index
+        raise CallFailed(index, error) from error
+
+
 @dataclasses.dataclass(frozen=True)
 class Timing:
     """Summary of one series of timed runs, in microseconds."""
@@ -81,42 +97,70 @@ class Timer:
 
     def samples(self, fn: Callable[[], object]) -> list[float]:
         """The ``iters`` run times of ``fn()`` (µs), in the order they ran, after the warm-up."""
+        try:
+            return self.interleaved([fn])[0]
+        except CallFailed as failure:
+            raise failure.error
+
+    def interleaved(self, fns: list[Callable[[], object]]) -> list[list[float]]:
+        """The ``iters`` run times (µs) of each of ``fns``, their runs interleaved (run i of every
+        function before run i + 1 of any, warm-up too), so that a drift over the series (the
+        clocks, a transient after new inputs) falls on every function alike. A function that
+        raises ends the series with ``CallFailed`` naming it."""
         for _ in range(self.warmup):
-            self._flush()
-            fn()
+            for index, fn in enumerate(fns):
+                self._flush()
+                _call(index, fn)
         if not self.cuda:
-            samples = []
+            samples = [[] for _ in fns]
             for _ in range(self.iters):
-                start = time.perf_counter()
-                fn()
-                samples.append((time.perf_counter() - start) * 1e6)
+                for index, fn in enumerate(fns):
+                    start = time.perf_counter()
+                    _call(index, fn)
+                    samples[index].append((time.perf_counter() - start) * 1e6)
             return samples
-        events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-                  for _ in range(self.iters)]
-        for start, end in events:
-            self._flush()
-            start.record()
-            fn()
-            end.record()
+        events = [[(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+                   for _ in range(self.iters)] for _ in fns]
+        for run in range(self.iters):
+            for index, fn in enumerate(fns):
+                start, end = events[index][run]
+                self._flush()
+                start.record()
+                _call(index, fn)
+                end.record()
         self.synchronize()
-        return [start.elapsed_time(end) * 1e3 for start, end in events]
+        return [[start.elapsed_time(end) * 1e3 for start, end in pairs] for pairs in events]
 
     def time_graph(self, fn: Callable[[], object]):
-        """Capture ``fn()`` once in a CUDA graph and time its replays (same flush, same events)
-        after ``GRAPH_WARMUP`` replays.
+        """``time_graphs`` of ``fn`` alone."""
+        try:
+            return self.time_graphs([fn])[0]
+        except CallFailed as failure:
+            raise failure.error
 
-        Returns (Timing, the graph's output) so the replayed result can be checked, or None when
-        there is no CUDA or the capture fails (some peers cannot be captured). Call after warm-up:
-        nothing may compile or allocate lazily during capture.
+    def time_graphs(self, fns: list[Callable[[], object]]) -> list:
+        """Capture each of ``fns`` once in a CUDA graph and time their replays (same flush, same
+        events, interleaved as ``interleaved`` does) after ``GRAPH_WARMUP`` replays each.
+
+        Returns, per function, (Timing, the graph's output) so the replayed result can be checked,
+        or None when there is no CUDA or its capture fails (some peers cannot be captured). Call
+        after warm-up: nothing may compile or allocate lazily during capture.
         """
-        captured = self.capture(fn)
-        if captured is None:
-            return None
-        graph, out = captured
+        captured = [self.capture(fn) for fn in fns]
+        replays = [(index, graph.replay) for index, (graph, _) in
+                   ((index, found) for index, found in enumerate(captured) if found is not None)]
         for _ in range(GRAPH_WARMUP):
-            self._flush()
-            graph.replay()
-        return self.time(graph.replay), out
+            for index, replay in replays:
+                self._flush()
+                _call(index, replay)
+        try:
+            timed = self.interleaved([replay for _, replay in replays])
+        except CallFailed as failure:  # name the function, not its place among the captured ones
+            raise CallFailed(replays[failure.index][0], failure.error) from failure.error
+        results = [None] * len(fns)
+        for (index, _), samples in zip(replays, timed):
+            results[index] = summarize(samples), captured[index][1]
+        return results
 
     def capture(self, fn: Callable[[], object]):
         """(graph, output) of ``fn()`` captured once in a CUDA graph, or None without CUDA or when
@@ -157,15 +201,21 @@ class Timer:
         return summarize(samples)
 
     def host_overhead_us(self, fn: Callable[[], object], calls: int = 200, loops: int = 5) -> float:
-        """Host time per call (validation, planning, launch): the median over ``loops`` loops of
-        ``calls`` calls back to back, each loop's time divided by ``calls``, no sync inside a loop
-        (the device work it queues is waited for between loops, not timed)."""
-        samples = []
+        """``host_times`` of ``fn`` alone."""
+        return self.host_times([fn], calls, loops)[0]
+
+    def host_times(self, fns: list[Callable[[], object]], calls: int = 200, loops: int = 5) -> list[float]:
+        """Host time per call (validation, planning, launch) of each of ``fns``: the median over
+        ``loops`` loops of ``calls`` calls back to back, each loop's time divided by ``calls``, no
+        sync inside a loop (the device work it queues is waited for between loops, not timed).
+        The functions' loops alternate, so a reference timed with a call sees the same host speed."""
+        samples = [[] for _ in fns]
         for _ in range(loops):
-            self.synchronize()
-            start = time.perf_counter()
-            for _ in range(calls):
-                fn()
-            samples.append((time.perf_counter() - start) / calls * 1e6)
+            for index, fn in enumerate(fns):
+                self.synchronize()
+                start = time.perf_counter()
+                for _ in range(calls):
+                    fn()
+                samples[index].append((time.perf_counter() - start) / calls * 1e6)
         self.synchronize()
-        return float(np.median(samples))
+        return [float(np.median(series)) for series in samples]
