@@ -440,7 +440,8 @@ def test_default_config():
     assert config == TritonConfig(block_n=64, block_m=16, num_warps=4, num_stages=2, combine_step=16,
                                   max_registers=128)
     wide = BACKEND.default_config(Problem(1, 4096, 32, 8, 256, "bfloat16"), h200, SINGLE_PASS)
-    assert (wide.block_n, wide.num_warps, wide.num_stages, wide.combine_step) == (64, 4, 3, 64)
+    assert (wide.block_n, wide.num_warps, wide.num_stages, wide.combine_step, wide.combine_dims) == (64, 4, 3, 128, 32)
+    assert BACKEND.default_config(Problem(1, 4096, 8, 8, 16, "float16"), h200, SPLIT).combine_dims == 16
     assert BACKEND.default_config(Problem(2, 64, 8, 1, 59, "float16"), h200, SPLIT).block_n == 128
     # a device with less shared memory gets tiles whose stages fit it (C500: 64 KiB)
     small = [BACKEND.default_config(Problem(1, 4096, 8, 8, d, "bfloat16"), PROFILES["c500"], SPLIT).block_n

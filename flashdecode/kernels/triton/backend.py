@@ -25,10 +25,10 @@ from .workarounds import steer
 LOG2E = 1.0 / math.log(2.0)
 #: Query rows of one program at most; more rows take more row tiles (programs).
 MAX_BLOCK_M = 64
-#: Partials the combine kernel loads at once: 16 for a batch, 64 for one sequence, measured on the
-#: H200 (``docs/design.md``, "Measured choices"): against 16, a step of 64 takes 0.5-3.2 us off a
-#: single sequence of ~70-100 splits and adds 0.2-2.7 us to batched calls.
-COMBINE_STEP_BATCH, COMBINE_STEP_ONE_SEQUENCE = 16, 64
+#: Partials the combine kernel loads at once: 16 for a batch, 128 for one sequence, whose programs
+#: merge 32 head dims each (a batch's the whole head), measured on the H200 (``docs/design.md``,
+#: "Measured choices"): one sequence's 50-400 splits load in 1-4 steps over 4x the programs.
+COMBINE_STEP_BATCH, COMBINE_STEP_ONE_SEQUENCE, COMBINE_DIMS_ONE_SEQUENCE = 16, 128, 32
 #: fp32 output values a thread holds at most: past it the default config doubles its warps (head dim
 #: 256 with 64 query rows: 8 warps; every measured tile of ``triton_tiles`` stays within it).
 MAX_OUTPUT_PER_THREAD = 64
@@ -167,8 +167,10 @@ class TritonBackend(Backend):
         block_m = min(MAX_BLOCK_M, max(16, triton.next_power_of_2(problem.q_rows)))
         while block_m * headdim > MAX_OUTPUT_PER_THREAD * profile.wave_width * num_warps and num_warps < 8:
             num_warps *= 2
-        combine_step = COMBINE_STEP_ONE_SEQUENCE if problem.batch == 1 else COMBINE_STEP_BATCH
-        config = TritonConfig(block_n, block_m, num_warps, num_stages, combine_step)
+        one_sequence = problem.batch == 1
+        config = TritonConfig(block_n, block_m, num_warps, num_stages,
+                              COMBINE_STEP_ONE_SEQUENCE if one_sequence else COMBINE_STEP_BATCH,
+                              combine_dims=min(COMBINE_DIMS_ONE_SEQUENCE, headdim) if one_sequence else None)
         while shared_bytes(config, headdim, problem.element_bytes, profile) > profile.shared_memory_per_multiprocessor:
             if config.block_n > 16:
                 config = dataclasses.replace(config, block_n=config.block_n // 2)
