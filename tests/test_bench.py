@@ -559,10 +559,22 @@ def test_measure_counts_host_path_hits_over_the_host_time_loop_only(runner, monk
                           _selection(runner))[0].host_path == "compiled"
 
 
+def test_timer_times_several_functions_in_rounds_of_blocks():
+    """Each function's warm-up, then INTERLEAVE_ROUNDS rounds in which each runs a block of
+    consecutive runs (the last block shorter where the rounds do not divide the runs)."""
+    from flashdecode.bench.timing import INTERLEAVE_ROUNDS
+
+    order = []
+    timer = Timer(torch.device("cpu"), iters=2 * INTERLEAVE_ROUNDS - 1, warmup=1)
+    samples = timer.interleaved([lambda: order.append("a"), lambda: order.append("b")])
+    assert [len(runs) for runs in samples] == [2 * INTERLEAVE_ROUNDS - 1] * 2
+    assert order == ["a", "b"] + ["a", "a", "b", "b"] * (INTERLEAVE_ROUNDS - 1) + ["a", "b"]
+
+
 def test_measure_interleaves_the_systems_and_drops_one_that_fails_while_timed(runner):
-    """Every system's timed runs alternate with the others' (warm-up and timed runs, in the order
-    given); one that raises in its third timed run is reported with its error and the others are
-    timed again without it."""
+    """Every system's timed runs alternate with the others' (in the order given; blocks of one run
+    at 3 runs); one that raises in its third timed run is reported with its error and the others
+    are timed again without it."""
     layers = [cases.make_call(SMALL, cases.VARIANTS["plain"], dtype=torch.float16)]
     fresh = cases.make_call(SMALL, cases.VARIANTS["plain"], dtype=torch.float16, seed=runner.FRESH_SEED)
     references = _reference(layers[0]), _reference(fresh)
@@ -581,7 +593,7 @@ def test_measure_interleaves_the_systems_and_drops_one_that_fails_while_timed(ru
 
     results = runner.measure([system("a"), system("b"), system("c", fail_at=4)], layers, fresh, references, timer,
                              _selection(runner))
-    # first calls, then the warm-up and timed runs interleaved until c's 4th call (its 3rd timed run)
+    # first calls, the warm-ups, then timed runs interleaved until c's 4th call (its 3rd timed run)
     assert order[:12] == ["a", "b", "c"] * 4
     assert order[12:20] == ["a", "b"] * 4  # again without c: warm-up and 3 timed runs
     a, b, c = results

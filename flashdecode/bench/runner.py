@@ -33,7 +33,7 @@ from .ceiling import measure_ceiling
 from .peers import select_peers
 from .provenance import environment, version
 from .results import BenchRun, CaseRun, Result, System
-from .timing import CallFailed, Timer, summarize
+from .timing import INTERLEAVE_ROUNDS, CallFailed, Timer, summarize
 
 OUR_BACKENDS = ("tilelang", "triton")
 #: A result is correct when ||out - ref|| / ||ref|| (float32) is at most this, for bf16 and fp16.
@@ -284,9 +284,10 @@ def measure(systems: list[System], layers: list[cases.Call], fresh: cases.Call, 
             selection: Selection, advance: Callable[[str], None] = lambda system: None) -> list[Result]:
     """Check, set up, time and re-check each system on one case and variant (``layers[0]``: the
     timed inputs); a call a system cannot take ends up in its ``skipped``, a failure in ``error``.
-    The cold-L2 runs of all systems are interleaved, then their graph replays
-    (``Timer.interleaved``): on the H200 the first graph timed on a case's inputs read up to 10%
-    high when the systems were timed one after another (``docs/benchmarks.md``, "Timing").
+    The cold-L2 runs of all systems are timed in rounds, then their graph replays
+    (``Timer.interleaved``: blocks of consecutive runs, each system in turn): on the H200 the first
+    graph timed on a case's inputs read up to 10% high when the systems were timed one after
+    another (``docs/benchmarks.md``, "Timing").
     ``advance(name)`` is called as each system is done."""
     results = [Result(system.name, system.kind) for system in systems]
     calls: list = [None] * len(systems)
@@ -399,8 +400,8 @@ def _notes(selection: Selection, launch_us: float) -> list[str]:
              f"back to back, GPU work not waited for inside a loop; "
              f"one plain torch launch (q.add_(0)) takes {launch_us:.1f} us here; launch us: that launch's host "
              f"time in loops alternating with the call's",
-             "the systems' cold runs on a case are interleaved (run i of every system before run i+1 of any), "
-             "then their graph replays",
+             f"the systems of a case are timed in {INTERLEAVE_ROUNDS} rounds, each system a block of consecutive "
+             f"runs per round, the cold runs first, then the graph replays",
              f"eager us: per call of a loop over up to {selection.eager_layers} layers (x N: the layers that fit "
              f"in {EAGER_MEMORY_SHARE:.0%} of free memory), each on its own inputs, same lengths; L2 flushed "
              f"before each loop, one event pair around it, no sync inside; median of {selection.eager_repeats}"]

@@ -24,6 +24,11 @@ MIN_FLUSH_BYTES = 256 * 1024 * 1024
 #: on a case's inputs read 2-3 µs high (47.9 against 45.0 µs on 2 x 16384 tokens) for its first 25
 #: replays and not after (``docs/benchmarks.md``, "Timing"; one excess it does not remove is there too).
 GRAPH_WARMUP = 50
+#: Rounds a series of several functions is timed in (``Timer.interleaved``), each function a block
+#: of consecutive runs per round. On the H200, alternating every run among the 8 systems of the
+#: committed run put 1-1.6 µs on the graph replays of cases 1-3 (a different graph each launch) and
+#: multiplied the cold medians of host-heavy peers (SDPA 158 -> 461 µs on case 1).
+INTERLEAVE_ROUNDS = 5
 
 
 class CallFailed(Exception):
@@ -103,31 +108,35 @@ class Timer:
             raise failure.error
 
     def interleaved(self, fns: list[Callable[[], object]]) -> list[list[float]]:
-        """The ``iters`` run times (µs) of each of ``fns``, their runs interleaved (run i of every
-        function before run i + 1 of any, warm-up too), so that a drift over the series (the
-        clocks, a transient after new inputs) falls on every function alike. A function that
-        raises ends the series with ``CallFailed`` naming it."""
-        for _ in range(self.warmup):
-            for index, fn in enumerate(fns):
+        """The ``iters`` run times (µs) of each of ``fns``, in ``INTERLEAVE_ROUNDS`` rounds: each
+        round runs every function a block of consecutive runs (the warm-up a block of its own
+        first), so a drift over the series (the clocks, a transient after new inputs) falls on
+        every function alike, while only a block's first run follows another function's. A
+        function that raises ends the series with ``CallFailed`` naming it."""
+        for index, fn in enumerate(fns):
+            for _ in range(self.warmup):
                 self._flush()
                 _call(index, fn)
+        block = -(-self.iters // INTERLEAVE_ROUNDS)
+        blocks = [(start, min(block, self.iters - start)) for start in range(0, self.iters, block)]
         if not self.cuda:
             samples = [[] for _ in fns]
-            for _ in range(self.iters):
+            for _, runs in blocks:
                 for index, fn in enumerate(fns):
-                    start = time.perf_counter()
-                    _call(index, fn)
-                    samples[index].append((time.perf_counter() - start) * 1e6)
+                    for _ in range(runs):
+                        start = time.perf_counter()
+                        _call(index, fn)
+                        samples[index].append((time.perf_counter() - start) * 1e6)
             return samples
         events = [[(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
                    for _ in range(self.iters)] for _ in fns]
-        for run in range(self.iters):
+        for first, runs in blocks:
             for index, fn in enumerate(fns):
-                start, end = events[index][run]
-                self._flush()
-                start.record()
-                _call(index, fn)
-                end.record()
+                for start, end in events[index][first:first + runs]:
+                    self._flush()
+                    start.record()
+                    _call(index, fn)
+                    end.record()
         self.synchronize()
         return [[start.elapsed_time(end) * 1e3 for start, end in pairs] for pairs in events]
 
@@ -140,7 +149,7 @@ class Timer:
 
     def time_graphs(self, fns: list[Callable[[], object]]) -> list:
         """Capture each of ``fns`` once in a CUDA graph and time their replays (same flush, same
-        events, interleaved as ``interleaved`` does) after ``GRAPH_WARMUP`` replays each.
+        events, in rounds as ``interleaved`` times) after ``GRAPH_WARMUP`` replays each.
 
         Returns, per function, (Timing, the graph's output) so the replayed result can be checked,
         or None when there is no CUDA or its capture fails (some peers cannot be captured). Call
@@ -149,8 +158,8 @@ class Timer:
         captured = [self.capture(fn) for fn in fns]
         replays = [(index, graph.replay) for index, (graph, _) in
                    ((index, found) for index, found in enumerate(captured) if found is not None)]
-        for _ in range(GRAPH_WARMUP):
-            for index, replay in replays:
+        for index, replay in replays:
+            for _ in range(GRAPH_WARMUP):
                 self._flush()
                 _call(index, replay)
         try:
