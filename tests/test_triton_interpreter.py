@@ -265,6 +265,14 @@ def test_combine_head_chunks(feature, combine_dims):
     assert_matches(through_backend(call, num_splits=3, config=config), reference(call))
 
 
+def test_combine_head_chunk_of_a_whole_small_head():
+    """Head dim 8 pads to 16: chunks of 8 dims are the head's size, and the second chunk's dims
+    are padding that must not be written."""
+    call = make_call(headdim=8, lengths=[100, 37])
+    config = dataclasses.replace(SMALL, combine_dims=8)
+    assert_matches(through_backend(call, num_splits=3, config=config), reference(call))
+
+
 @pytest.mark.parametrize("combine_dims", [3, 256])
 def test_combine_head_chunk_must_fit_the_head(combine_dims):
     call = make_call(**FEATURES["lengths"])

@@ -156,8 +156,7 @@ class Timer:
         after warm-up: nothing may compile or allocate lazily during capture.
         """
         captured = [self.capture(fn) for fn in fns]
-        replays = [(index, graph.replay) for index, (graph, _) in
-                   ((index, found) for index, found in enumerate(captured) if found is not None)]
+        replays = [(index, found[0].replay) for index, found in enumerate(captured) if found is not None]
         for index, replay in replays:
             for _ in range(GRAPH_WARMUP):
                 self._flush()

@@ -302,7 +302,7 @@ def _make_spec(plan, problem: Problem) -> _LaunchSpec:
         raise ValueError(f"triton: combine_dims must be a power of two of at most the padded head dim {head_pad}, "
                          f"got {config.combine_dims}")
     combine_constexprs = dict(
-        GROUP=problem.group, SEQLEN_Q=problem.seqlen_q, HEAD_DIM=problem.headdim,
+        GROUP=problem.group, SEQLEN_Q=problem.seqlen_q, HEAD_DIM=problem.headdim, HEAD_PAD=head_pad,
         BLOCK_N=config.block_n, BATCH_PAD=batch_pad, SPLITS_PER_STEP=config.combine_step, HEAD_CHUNK=head_chunk,
         APPEND=append,
         LEFTPAD=leftpad, WINDOW_LEFT=window_left, EMPTY_ROWS=problem.windowed and problem.seqlen_q > 1,

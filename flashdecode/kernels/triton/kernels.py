@@ -246,9 +246,9 @@ def merge_if_last(Tickets, PartO, PartLse, Out, Lse, seq, head_k, tile, first, n
 
 
 @triton.jit
-def store_row(pointers, row, d, HEAD_DIM: tl.constexpr, HEAD_CHUNK: tl.constexpr):
-    """Store the head dims ``d`` (HEAD_CHUNK of them) of one output row, the real ones only."""
-    if HEAD_CHUNK == HEAD_DIM:
+def store_row(pointers, row, d, HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr):
+    """Store the head dims ``d`` (a chunk of the padded head) of one output row, the real ones only."""
+    if HEAD_PAD == HEAD_DIM:
         tl.store(pointers, row)
     else:
         tl.store(pointers, row, mask=d < HEAD_DIM)
@@ -258,13 +258,13 @@ def store_row(pointers, row, d, HEAD_DIM: tl.constexpr, HEAD_CHUNK: tl.constexpr
 def combine_kernel(Lens, LeftPad, Out, Lse, PartO, PartLse,
                    batch, capacity, num_programs, forced_splits, min_chunk, seqlen_new, window_left,
                    stride_ob, stride_oi, stride_oh,
-                   GROUP: tl.constexpr, SEQLEN_Q: tl.constexpr, HEAD_DIM: tl.constexpr,
+                   GROUP: tl.constexpr, SEQLEN_Q: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr,
                    BLOCK_N: tl.constexpr, BATCH_PAD: tl.constexpr, SPLITS_PER_STEP: tl.constexpr,
-                   HEAD_CHUNK: tl.constexpr, APPEND: tl.constexpr, LEFTPAD: tl.constexpr, WINDOW_LEFT: tl.constexpr, EMPTY_ROWS: tl.constexpr,
-                   DEPENDENT_COMBINE: tl.constexpr):
+                   HEAD_CHUNK: tl.constexpr, APPEND: tl.constexpr, LEFTPAD: tl.constexpr, WINDOW_LEFT: tl.constexpr,
+                   EMPTY_ROWS: tl.constexpr, DEPENDENT_COMBINE: tl.constexpr):
     """Merge the partials of one (sequence, packed row h * Sq * G + r) if that sequence was split,
-    HEAD_CHUNK of its head dims (the chunk ``program_id(2)``); grid (B, Hk * Sq * G, padded head
-    dim / HEAD_CHUNK). Partials are read SPLITS_PER_STEP at a time, all loads of a step in flight
+    HEAD_CHUNK of its head dims (the chunk ``program_id(2)``); grid (B, Hk * Sq * G, HEAD_PAD /
+    HEAD_CHUNK). Partials are read SPLITS_PER_STEP at a time, all loads of a step in flight
     together, and merged with a running max so any number of splits works. Chunks of the head let
     one sequence's many partials load in one step over more programs. EMPTY_ROWS:
     a row may see no key in a split (windows with seqlen_q > 1), so a max of -inf is guarded.
@@ -291,7 +291,7 @@ def combine_kernel(Lens, LeftPad, Out, Lse, PartO, PartLse,
             live = step + offs_s < num_splits
             part = (first + step + offs_s) * tl.num_programs(1) + row
             part_lse = tl.load(PartLse + part, mask=live, other=float("-inf"))
-            if HEAD_CHUNK == HEAD_DIM:
+            if HEAD_PAD == HEAD_DIM:
                 part_mask = live[:, None]
             else:
                 part_mask = live[:, None] & (d[None, :] < HEAD_DIM)
@@ -312,14 +312,14 @@ def combine_kernel(Lens, LeftPad, Out, Lse, PartO, PartLse,
             o = acc / weight
             lse = (m + tl.log2(weight)) * LN2
         if SEQLEN_Q == 1:  # the row is the query head; lse (B, Hq, Sq), written by the first chunk
-            store_row(Out + seq * stride_ob + row * stride_oh + d, o.to(Out.dtype.element_ty), d, HEAD_DIM, HEAD_CHUNK)
+            store_row(Out + seq * stride_ob + row * stride_oh + d, o.to(Out.dtype.element_ty), d, HEAD_DIM, HEAD_PAD)
             if chunk == 0:
                 tl.store(Lse + seq * tl.num_programs(1) + row, lse)
         else:
             head_k = row // (GROUP * SEQLEN_Q)
             r = row % (GROUP * SEQLEN_Q)
             out_row = row_offsets(r, head_k, stride_oi, stride_oh, GROUP, SEQLEN_Q)
-            store_row(Out + seq * stride_ob + out_row + d, o.to(Out.dtype.element_ty), d, HEAD_DIM, HEAD_CHUNK)
+            store_row(Out + seq * stride_ob + out_row + d, o.to(Out.dtype.element_ty), d, HEAD_DIM, HEAD_PAD)
             if chunk == 0:
                 head = head_k * GROUP + r % GROUP
                 tl.store(Lse + (seq * (tl.num_programs(1) // SEQLEN_Q) + head) * SEQLEN_Q + r // GROUP, lse)
