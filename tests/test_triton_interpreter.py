@@ -256,7 +256,7 @@ def test_merge_steps(merge_step):
 
 
 @pytest.mark.parametrize("combine_dims", [16, 32, 64])
-@pytest.mark.parametrize("feature", ["lengths", "head-dim-59", "head-dim-80-group-8", "window-zero"])
+@pytest.mark.parametrize("feature", ["lengths", "head-dim-59", "head-dim-80-group-8", "window"])
 def test_combine_head_chunks(feature, combine_dims):
     """The combine kernel merging combine_dims head dims a program (padded head dims of 59 and 80
     included, rows no split saw a key of, several query rows): the whole head's results."""
