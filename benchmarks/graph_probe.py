@@ -2,9 +2,10 @@
 
 The bench times a case's cold medians and then its graph replays (``runner.measure``); a graph
 figure above the cold median is an extra cost in the captured call (session 19: the memset of a
-merging call's counters, perf log §47), a transient of the case's first replays (§56) or noise. This measures one backend three times in a row on a case's inputs and the
-other layers' (``runner.case_inputs``, as the bench sets them up), then its graph alone, so the
-two can be told apart; ``--graph-first N`` times N graphs alone before them, each captured once,
+merging call's counters, perf log §47), a transient of the case's first replays (§56) or noise.
+This measures one backend three times in a row on a case's inputs and the other layers'
+(``runner.case_inputs``, as the bench sets them up), then its graph alone, so the two can be told
+apart; ``--graph-first N`` times N graphs alone before them, each captured once,
 to tell a first graph's cost from a first measurement's; ``--series N`` prints the first of them
 as medians of N runs at a time over ``--series-runs`` runs in a row, to see when its excess ends.
 Usage: python benchmarks/graph_probe.py [--backend triton] [--graph-first N [--series 25]]

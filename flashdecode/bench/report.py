@@ -259,7 +259,8 @@ def format_table(run) -> str:
                 f"{c.case.label:>4} {c.variant.name:<8} {c.shape.describe():<28} {r.system:<17} "
                 f"{_number(t and t.median_us, '10.2f'):>10} {_number(t and t.min_us, '10.2f'):>10} "
                 f"{_number(t and t.p80_us, '10.2f'):>10} {_number(r.graph and r.graph.median_us, '9.2f'):>9} "
-                f"{_number(r.host_overhead_us, '8.1f'):>8} {_number(r.host_launch_us, '6.1f'):>6} {_eager_cell(r):>13} {_number(r.bandwidth_gbps, '6.0f'):>6} "
+                f"{_number(r.host_overhead_us, '8.1f'):>8} {_number(r.host_launch_us, '6.1f'):>6} "
+                f"{_eager_cell(r):>13} {_number(r.bandwidth_gbps, '6.0f'):>6} "
                 f"{_number(r.fraction, '5.0%'):>5} {speedup:>8}  {_correct_cell(r)}")
             if r.error:
                 errors.append(f"{where} {r.system}: {r.error}")
