@@ -7,7 +7,9 @@ FlashInfer system, SDPA, flex and TileOPs' GPU time (14 plain cases); then, per 
 FA2 and geometric means, for TileLang alone and for the faster of our two backends, on medians and
 on GPU (graph) time. With ``--plain RUN.json`` (a run holding the plain calls; the run itself if it
 does), a second table: each variant's GPU (graph) time over the plain call's, best of our backends
-on both sides, per case (issue 13's "within 10% of the contiguous cache").
+on both sides, per case (issue 13's "within 10% of the contiguous cache"). Last, the headroom: the
+geometric mean over FA2 that a system would reach with every case at the in-run ceiling and none
+below one torch launch's GPU time (``headroom``), against which a target over FA2 can be read.
 
 Usage: python benchmarks/summary_table.py docs/benchmarks.json [--plain docs/benchmarks.json]
 """
@@ -50,6 +52,22 @@ def best_graph(results):
     graphs = [results[name]["graph_us"] for name in OURS
               if results.get(name, {}).get("correct") and results[name].get("graph_us") is not None]
     return min(graphs, default=None)
+
+
+def headroom(run, fractions=(1.0, 0.9)):
+    """{fraction: geometric mean over FA2's GPU (graph) time} for a system whose every plain case
+    reads its bytes at ``fraction`` of the in-run ceiling and takes no less than the GPU time of one
+    plain torch launch (the floor of a one-kernel call, ``torch_launch_gpu_us``), over the plain
+    cases where FA2 was timed in the run; {} where the run lacks FA2 or that floor. Nothing reaches
+    a fraction of 1.0, so the first value bounds every system's geometric mean in that run."""
+    floor, ceiling = run["settings"].get("torch_launch_gpu_us"), run["ceiling"]["gbps"] * 1e3  # bytes / us
+    fa2 = [(case["bytes"], case["results"]["fa2"]["graph_us"]) for case in run["cases"]
+           if case.get("variant", "plain") == "plain" and case["results"].get("fa2", {}).get("correct")
+           and case["results"]["fa2"].get("graph_us")]
+    if floor is None or not fa2:
+        return {}
+    return {fraction: geomean([graph / max(size / (fraction * ceiling), floor) for size, graph in fa2])
+            for fraction in fractions}
 
 
 def print_against_plain(run, plain_run):
@@ -144,6 +162,12 @@ def main():
               f"geometric mean {geomean(values):.2f}x")
     print("faster backend's GPU time slower than TileOPs on cases:", ", ".join(slower_than_tileops) or "none")
     print_host_ratios(run)
+    bounds = headroom(run)
+    if bounds:
+        print("headroom: plain cases at " + ", ".join(f"{fraction:.0%} of the ceiling give {value:.2f}x"
+                                                      for fraction, value in bounds.items())
+              + " over FA2 (GPU time; no case below one torch launch's GPU time, "
+              f"{run['settings']['torch_launch_gpu_us']:.2f} us)")
     if args.plain:
         print_against_plain(run, json.loads(args.plain.read_text()))
 

@@ -787,3 +787,31 @@ def test_fa2_unbuilt_kernels_are_defined_as_errors(build_fa2):
     assert "run_mha_bwd_<cutlass::bfloat16_t, 128, true>(Flash_bwd_params &" in source
     assert "run_mha_fwd_splitkv_dispatch<cutlass::half_t, 96, false>(Flash_fwd_params &" in source
     assert "run_mha_fwd_<cutlass::half_t, 128," not in source and "TORCH_CHECK(false" in source
+
+
+# --- benchmarks/summary_table.py ------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def summary_table():
+    spec = importlib.util.spec_from_file_location("summary_table", REPO / "benchmarks" / "summary_table.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _bounded_run(floor_us):
+    """1e6 bytes per us of ceiling; a big case FA2 reads at half of it, a tiny one FA2 runs in 2 floors,
+    and cases the headroom must pass over: a variant, and FA2 wrong."""
+    def case(bytes_, fa2_graph, variant="plain", correct=True):
+        return {"variant": variant, "bytes": bytes_,
+                "results": {"fa2": {"correct": correct, "graph_us": fa2_graph}, "triton": {"graph_us": 1.0}}}
+    return {"settings": {"torch_launch_gpu_us": floor_us}, "ceiling": {"gbps": 1000.0},
+            "cases": [case(100e6, 200.0), case(1e3, 10.0), case(1e3, 1000.0, variant="q4"),
+                      case(100e6, 1.0, correct=False)]}
+
+
+def test_headroom_bounds_every_case_by_the_ceiling_and_one_launch(summary_table):
+    bounds = summary_table.headroom(_bounded_run(5.0), fractions=(1.0, 0.5))
+    assert bounds[1.0] == pytest.approx(2.0)  # 200 / 100 us at the ceiling, 10 / 5 us at the floor
+    assert bounds[0.5] == pytest.approx(math.sqrt(2.0))  # the big case at 200 us: level with FA2
+    assert summary_table.headroom(_bounded_run(None)) == {}
