@@ -18,7 +18,8 @@ from the case's planned config: without ``--tl-stages`` it keeps that plan's pip
 ``Backend.pipelined`` chose for the default tile, not for the swept one); ``--warps`` Triton's
 ``num_warps``; ``--max-registers`` Triton's register cap (0: none; -1: the shipped rule's for the tile);
 ``--combine-step`` and ``--combine-dims`` Triton's combine: partials a program loads at once, head
-dims it merges (0: the whole head); ``--merge-splits`` the most splits a sequence may have for the
+dims it merges (0: the whole head); ``--prefetch-first-block 0,1`` Triton's single-pass plans asking
+L2 for their first key block before they load the length; ``--merge-splits`` the most splits a sequence may have for the
 split kernel to merge them itself (0: never), ``--merge-step`` how many it merges at a time;
 ``--dependent-combine 0,1`` the combine as a programmatic dependent launch; ``--triton-resident`` the split programs Triton assumes an SM
 holds at the case's head dim (the row of ``Tuning.triton_resident_programs`` it takes, for paged
@@ -60,7 +61,7 @@ def main():
     for flag in ("--ppsm", "--min-chunk", "--short-max-blocks", "--block-n", "--tl-stages", "--tl-rows",
                  "--tl-producer-regs", "--warps", "--max-registers", "--merge-splits", "--merge-step",
                  "--dependent-combine", "--triton-resident", "--one-sequence-min-blocks", "--split-above",
-                 "--underfilled-above", "--combine-step", "--combine-dims"):
+                 "--underfilled-above", "--combine-step", "--combine-dims", "--prefetch-first-block"):
         parser.add_argument(flag, default="", help="comma list (default: the measured value)")
     parser.add_argument("--underfilled-caps", default="", help="comma list of SPLITS:ROWS or none "
                         "(Tuning.underfilled_merge_caps; default: the measured value)")
@@ -89,12 +90,13 @@ def main():
                             base.triton_resident_programs[-1][0])
         for backend, ppsm, min_chunk, short_max, block_n, stages, q_rows, producer, warps, registers, merge, \
                 merge_step, dependent, resident, one_sequence, split_above, underfilled, combine_step, combine_dims, \
-                underfilled_caps in itertools.product(
+                prefetch, underfilled_caps in itertools.product(
                     args.backend.split(","), *(values(getattr(args, name)) for name in (
                         "ppsm", "min_chunk", "short_max_blocks", "block_n", "tl_stages", "tl_rows",
                         "tl_producer_regs", "warps", "max_registers", "merge_splits", "merge_step",
                         "dependent_combine", "triton_resident", "one_sequence_min_blocks", "split_above",
-                        "underfilled_above", "combine_step", "combine_dims")), caps(args.underfilled_caps)):
+                        "underfilled_above", "combine_step", "combine_dims", "prefetch_first_block")),
+                    caps(args.underfilled_caps)):
             tuning = dataclasses.replace(base, **{name: value for name, value in (
                 ("programs_per_multiprocessor", ppsm), ("min_blocks_per_split", min_chunk),
                 ("min_blocks_per_combined_split", None if min_chunk is None else ((backend, min_chunk),)),
@@ -118,7 +120,9 @@ def main():
                                                        ("block_m", q_rows), ("producer_registers", producer),
                                                        ("num_warps", warps), ("merge_step", merge_step),
                                                        ("combine_step", combine_step),
-                                                       ("combine_dims", combine_dims or None))
+                                                       ("combine_dims", combine_dims or None),
+                                                       ("prefetch_first_block",
+                                                        None if prefetch is None else bool(prefetch)))
                        if value is not None and hasattr(default, name)}
             if registers is not None and registers >= 0 and isinstance(default, TritonConfig):  # 0: no cap
                 changes["max_registers"] = registers or None

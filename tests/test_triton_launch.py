@@ -309,6 +309,16 @@ def test_direct_launch_matches_tritons_launch(features, num_splits, merge, depen
             assert torch.equal(got, want)
 
 
+def compiled_findings(script: str) -> dict:
+    """The JSON that ``script`` prints last, run in a process of its own without Triton's
+    interpreter (the tests' conftest turns it on), so that it can compile kernels for sm_90a."""
+    environment = {name: value for name, value in os.environ.items() if name != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-c", script], cwd=pathlib.Path(__file__).resolve().parents[1],
+                          env=environment, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
 #: Compiles the split and combine kernels of a plan with a dependent combine for sm_90a (no GPU needed:
 #: Triton's own ptxas) and prints, for each, the PTX lines that load or store global memory before
 #: the combine's griddepcontrol.wait, and whether the split kernel signals its dependents.
@@ -339,14 +349,64 @@ def test_dependent_combine_reads_only_the_lengths_before_it_waits():
     lengths, which the split kernel does not write)."""
     if launch.gdc_wait is None:
         pytest.skip(launch.DEPENDENT_LAUNCH_UNAVAILABLE)
-    environment = {name: value for name, value in os.environ.items() if name != "TRITON_INTERPRET"}
-    root = pathlib.Path(__file__).resolve().parents[1]
-    done = subprocess.run([sys.executable, "-c", DEPENDENT_PTX_SCRIPT], cwd=root, env=environment,
-                          capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-2000:]
-    found = json.loads(done.stdout.strip().splitlines()[-1])
+    found = compiled_findings(DEPENDENT_PTX_SCRIPT)
     assert found["dependent"] and found["signals"]
     assert len(found["before_wait"]) == 1 and "ld.global" in found["before_wait"][0], found["before_wait"]
+
+
+#: Compiles the split kernel of several plans for sm_90a with ``TritonConfig.prefetch_first_block``
+#: and prints, for each, its PREFETCH_LINES, how many L2 prefetches its PTX issues, and whether
+#: they all come before the first global load (the length's).
+PREFETCH_PTX_SCRIPT = textwrap.dedent("""
+    import dataclasses, json, sys
+    sys.path.insert(0, "benchmarks")
+    import torch
+    from triton_resources import compile_for_hopper, plan_launches
+    from flashdecode.hardware import PROFILES
+    from flashdecode.kernels import get_backend
+    from flashdecode.kernels.triton.launch import _without_ceiling
+    from flashdecode.planner import plan
+    from flashdecode.problem import Problem
+    from flashdecode.kernels.triton.backend import prefetch_lines
+    backend, found = get_backend("triton"), {}
+
+    def prefetching(problem, prefetch=True):
+        the_plan = plan(problem, PROFILES["h200"], backend)
+        config = dataclasses.replace(the_plan.config, prefetch_first_block=prefetch)
+        return plan(problem, PROFILES["h200"], backend, config=config)
+
+    compiled = {"one token": Problem(1, 1, 32, 4, 128, "bfloat16"),
+                "head dim 64": Problem(8, 300, 16, 2, 64, "float16"),
+                "split": Problem(1, 8192, 32, 4, 128, "bfloat16")}
+    for name, problem in compiled.items():
+        for prefetch in (False, True):
+            the_plan = prefetching(problem, prefetch)
+            kernel, _, tensors, scalars, constexprs, options = plan_launches(problem, the_plan)[0]
+            lines = compile_for_hopper(kernel, tensors, scalars, constexprs, _without_ceiling(options)).asm["ptx"]
+            lines = [line.strip() for line in lines.splitlines()]
+            prefetches = [i for i, line in enumerate(lines) if line.startswith("prefetch.global.L2")]
+            first_load = next(i for i, line in enumerate(lines) if "ld.global" in line)
+            found[f"{name}, {prefetch}"] = [constexprs["PREFETCH_LINES"], len(prefetches),
+                                            all(i < first_load for i in prefetches)]
+    # block 0's address needs a load, or block 0 is not the first block read: no prefetch
+    for name, problem in {"pages": Problem(4, 256, 32, 4, 128, "bfloat16", page_size=256),
+                          "batch index": Problem(4, 256, 32, 4, 128, "bfloat16", batch_idx=True),
+                          "left pad": Problem(4, 256, 32, 4, 128, "bfloat16", leftpad=True),
+                          "left window": Problem(4, 256, 32, 4, 128, "bfloat16", window_left=16)}.items():
+        found[name] = [prefetch_lines(prefetching(problem).config, prefetching(problem), problem), 0, True]
+    print(json.dumps(found))
+""")
+
+
+def test_the_first_block_prefetch_is_issued_before_the_length_is_loaded():
+    """With ``prefetch_first_block``, a single-pass plan of a contiguous cache asks L2 for block 0's
+    K and V rows (one instruction each for a 64-token block of 128 bf16 dims: 128 lines over 128
+    threads) before its first global load, so nothing it issues waits on the length; split plans,
+    pages, batch indices, left pads and left windows get none, nor does the default config."""
+    found = compiled_findings(PREFETCH_PTX_SCRIPT)
+    assert found.pop("one token, True") == [2, 2, True]
+    assert found.pop("head dim 64, True") == [1, 2, True]  # 64 fp16 dims: one line a row
+    assert all(lines == 0 and prefetches == 0 for lines, prefetches, _ in found.values()), found
 
 
 def test_describe_lists_the_parameters_triton_passes():

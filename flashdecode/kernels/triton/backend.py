@@ -55,6 +55,11 @@ class TritonConfig:
     #: Head dims one combine program merges (a power of two; None: the whole padded head): smaller
     #: chunks spread a row's partials over more programs.
     combine_dims: int | None = None
+    #: Single-pass plans of a contiguous cache (no batch index, left pad or left window) ask L2 for
+    #: their first key block before they load the length (``prefetch_lines``): the block's loads,
+    #: which wait on the length, then hit L2 instead of DRAM. Off until measured (``docs/design.md``,
+    #: "The schedule").
+    prefetch_first_block: bool = False
 
 
 def shared_bytes(config: TritonConfig, headdim: int, element_bytes: int, profile: HardwareProfile) -> int:
@@ -274,6 +279,18 @@ class TritonBackend(Backend):
         return entry[2]
 
 
+def prefetch_lines(config: TritonConfig, plan, problem: Problem) -> int:
+    """128-byte lines a row of block 0 the split kernel asks L2 for before it loads the length
+    (``TritonConfig.prefetch_first_block``; 0: none): only where block 0 is the first block the
+    program reads whatever the length (one program a sequence, no left pad or left window), its
+    address needs no load (a contiguous cache, row b for sequence b), and the kernel is compiled (the
+    interpreter runs no inline PTX)."""
+    if (not config.prefetch_first_block or INTERPRETED or plan.can_split or problem.paged or problem.batch_idx
+            or problem.leftpad or problem.window_left >= 0):
+        return 0
+    return max(1, padded_headdim(problem.headdim) * problem.element_bytes // 128)
+
+
 def _make_spec(plan, problem: Problem) -> _LaunchSpec:
     config = plan.config
     page = problem.page_size
@@ -296,7 +313,7 @@ def _make_spec(plan, problem: Problem) -> _LaunchSpec:
         WINDOW_LEFT=window_left, WINDOW_RIGHT=window_right, SOFTCAP=problem.softcap, ALIBI=problem.alibi,
         LEFTPAD=leftpad, BATCH_IDX=problem.batch_idx and not problem.paged, MERGE_IN_SPLIT=plan.merge_in_split,
         MERGE_STEP=(config.merge_step or merge_step_for(config.block_m)) if plan.merge_in_split else 1,
-        DEPENDENT_COMBINE=plan.dependent_combine)
+        DEPENDENT_COMBINE=plan.dependent_combine, PREFETCH_LINES=prefetch_lines(config, plan, problem))
     head_chunk = config.combine_dims or head_pad
     if head_chunk & (head_chunk - 1) or head_chunk > head_pad:
         raise ValueError(f"triton: combine_dims must be a power of two of at most the padded head dim {head_pad}, "
