@@ -103,12 +103,13 @@ def bad_block_ids(table_row, start, end, num_pages, PAGE_SIZE: tl.constexpr):
 
 
 @triton.jit
-def tile_mask(token_mask, HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr):
-    """(BLOCK_N, HEAD_PAD) mask of a K/V tile: its tokens, and its real head dims when padded."""
+def tile_mask(token_mask, d, HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr):
+    """(tokens, dims) mask of a tile of rows over head dims d (all HEAD_PAD, or a chunk of them): its
+    rows' ``token_mask``, and where the head is padded, the dims below HEAD_DIM."""
     if HEAD_PAD == HEAD_DIM:
         return token_mask[:, None]
     else:
-        return token_mask[:, None] & (tl.arange(0, HEAD_PAD)[None, :] < HEAD_DIM)
+        return token_mask[:, None] & (d[None, :] < HEAD_DIM)
 
 
 @triton.jit
@@ -160,7 +161,7 @@ def attend_block(acc, m, l, q, block_start, start, end, new_from,
         new_rows = (tokens - new_from)[:, None]
         k_ptrs = tl.where(fresh[:, None], k_new + new_rows * stride_nkt + d[None, :], k_ptrs)
         v_ptrs = tl.where(fresh[:, None], v_new + new_rows * stride_nvt + d[None, :], v_ptrs)
-    k = tl.load(k_ptrs, mask=tile_mask(in_range, HEAD_DIM, HEAD_PAD), other=0.0)
+    k = tl.load(k_ptrs, mask=tile_mask(in_range, d, HEAD_DIM, HEAD_PAD), other=0.0)
     if ROW_MASKS and APPEND and ROTARY_DIM > 0:
         partner, column, sign, rotated = rotary_columns(ROTARY_DIM, ROTARY_INTERLEAVED, HEAD_PAD)
         rotating = (in_range & fresh)[:, None] & rotated[None, :]
@@ -191,7 +192,7 @@ def attend_block(acc, m, l, q, block_start, start, end, new_from,
         p = tl.exp2(scores - m_new[:, None])
     l = l * alpha + tl.sum(p, 1)
 
-    v = tl.load(v_ptrs, mask=tile_mask(in_range, HEAD_DIM, HEAD_PAD), other=0.0)
+    v = tl.load(v_ptrs, mask=tile_mask(in_range, d, HEAD_DIM, HEAD_PAD), other=0.0)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
     return acc, m_new, l
 
@@ -223,14 +224,15 @@ def append_tokens(k_head, v_head, table_row, num_pages, stride_kp, stride_kt, st
         else:
             k_offs = positions.to(tl.int64) * stride_kt
             v_offs = positions.to(tl.int64) * stride_vt
-        k = tl.load(k_new + j[:, None] * stride_nkt + d[None, :], mask=tile_mask(given, HEAD_DIM, HEAD_PAD), other=0.0)
+        read = tile_mask(given, d, HEAD_DIM, HEAD_PAD)
+        k = tl.load(k_new + j[:, None] * stride_nkt + d[None, :], mask=read, other=0.0)
         if ROTARY_DIM > 0:
             partner, column, sign, rotated = rotary_columns(ROTARY_DIM, ROTARY_INTERLEAVED, HEAD_PAD)
             rotating = given[:, None] & rotated[None, :]
             k_partner = tl.load(k_new + j[:, None] * stride_nkt + partner[None, :], mask=rotating, other=0.0)
             k = rotate(k, k_partner, positions, Cos, Sin, rotary_rows, column, sign, rotating, ROTARY_DIM)
-        written = tile_mask(write, HEAD_DIM, HEAD_PAD)
+        written = tile_mask(write, d, HEAD_DIM, HEAD_PAD)
         tl.store(k_head + k_offs[:, None] + d[None, :], k.to(k_head.dtype.element_ty), mask=written)
-        v = tl.load(v_new + j[:, None] * stride_nvt + d[None, :], mask=tile_mask(given, HEAD_DIM, HEAD_PAD), other=0.0)
+        v = tl.load(v_new + j[:, None] * stride_nvt + d[None, :], mask=read, other=0.0)
         tl.store(v_head + v_offs[:, None] + d[None, :], v, mask=written)
     return bad

@@ -106,7 +106,7 @@ def split_kernel(Q, K, V, Lens, Out, Lse, PartO, PartLse, KNew, VNew, BatchIdx, 
         row_live = rows < GROUP * SEQLEN_Q
         d = tl.arange(0, HEAD_PAD)
         q_ptrs = Q + seq * stride_qb + row_offsets(rows, head_k, stride_qi, stride_qh, GROUP, SEQLEN_Q)[:, None]
-        q = tl.load(q_ptrs + d[None, :], mask=tile_mask(row_live, HEAD_DIM, HEAD_PAD), other=0.0)
+        q = tl.load(q_ptrs + d[None, :], mask=tile_mask(row_live, d, HEAD_DIM, HEAD_PAD), other=0.0)
         if ROTARY_DIM > 0:
             partner, column, sign, rotated = rotary_columns(ROTARY_DIM, ROTARY_INTERLEAVED, HEAD_PAD)
             rotating = row_live[:, None] & rotated[None, :]
@@ -182,7 +182,7 @@ def split_kernel(Q, K, V, Lens, Out, Lse, PartO, PartLse, KNew, VNew, BatchIdx, 
         o = tl.where(empty[:, None], 0.0, acc / tl.where(empty, 1.0, l)[:, None])
         o = tl.where(valid & (bad == 0), o, float("nan"))
         lse2 = tl.where(empty, float("-inf"), m + tl.log2(tl.where(empty, 1.0, l)))
-        stored = tile_mask(row_live, HEAD_DIM, HEAD_PAD)
+        stored = tile_mask(row_live, d, HEAD_DIM, HEAD_PAD)
         if num_splits == 1:
             store_output(Out, Lse, o, lse2, seq, head_k, rows, row_live, d, stride_ob, stride_oi, stride_oh,
                          GROUP, SEQLEN_Q, HEAD_DIM, HEAD_PAD)
@@ -203,7 +203,7 @@ def store_output(Out, Lse, o, lse2, seq, head_k, rows, row_live, d, stride_ob, s
     lse (B, Hq, Sq)). The grid's dimension 1 is the KV heads."""
     out_rows = seq * stride_ob + row_offsets(rows, head_k, stride_oi, stride_oh, GROUP, SEQLEN_Q)
     tl.store(Out + out_rows[:, None] + d[None, :], o.to(Out.dtype.element_ty),
-             mask=tile_mask(row_live, HEAD_DIM, HEAD_PAD))
+             mask=tile_mask(row_live, d, HEAD_DIM, HEAD_PAD))
     if SEQLEN_Q == 1:
         lse_rows = seq * tl.num_programs(1) * GROUP + head_k * GROUP + rows
     else:
@@ -230,7 +230,7 @@ def merge_if_last(Tickets, PartO, PartLse, Out, Lse, seq, head_k, tile, first, n
         m = tl.full([BLOCK_M], float("-inf"), tl.float32)
         weight = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, HEAD_PAD], tl.float32)
-        row_dims = tile_mask(row_live, HEAD_DIM, HEAD_PAD)
+        row_dims = tile_mask(row_live, d, HEAD_DIM, HEAD_PAD)
         for s0 in range(0, num_splits, MERGE_STEP):
             for j in tl.static_range(MERGE_STEP):  # independent loads: all of a step in flight at once
                 live = tl.where(s0 + j < num_splits, row_live, False)
@@ -298,11 +298,8 @@ def combine_kernel(Lens, LeftPad, Out, Lse, PartO, PartLse,
             live = step + offs_s < num_splits
             part = (first + step + offs_s) * tl.num_programs(1) + row
             part_lse = tl.load(PartLse + part, mask=live, other=float("-inf"))
-            if HEAD_PAD == HEAD_DIM:
-                part_mask = live[:, None]
-            else:
-                part_mask = live[:, None] & (d[None, :] < HEAD_DIM)
-            part_o = tl.load(PartO + part[:, None] * HEAD_DIM + d[None, :], mask=part_mask, other=0.0)
+            part_o = tl.load(PartO + part[:, None] * HEAD_DIM + d[None, :], mask=tile_mask(live, d, HEAD_DIM, HEAD_PAD),
+                             other=0.0)
             m_new = tl.maximum(m, tl.max(part_lse, 0))  # a NaN partial still spoils w, hence the output
             m_safe = m_new
             if EMPTY_ROWS:
