@@ -19,8 +19,27 @@ DTYPE_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4}
 ALIBI_NONE, ALIBI_PER_HEAD, ALIBI_PER_SEQUENCE = 0, 1, 2
 
 
+class DerivedSizes:
+    """What a :class:`Problem` and a compiled kernel's shape (TileLang's ``KernelShape``) derive
+    alike from their ``dtype``, ``seqlen_q``, ``group`` and ``page_size``."""
+
+    @property
+    def q_rows(self) -> int:
+        """Query rows one KV head serves: row r = i * group + g, query position i of head h * group + g
+        (``docs/design.md``, "GQA packing")."""
+        return self.seqlen_q * self.group
+
+    @property
+    def element_bytes(self) -> int:
+        return DTYPE_BYTES[self.dtype]
+
+    @property
+    def paged(self) -> bool:
+        return self.page_size > 0
+
+
 @dataclasses.dataclass(frozen=True)
-class Problem:
+class Problem(DerivedSizes):
     """The shape and the features of one call, as validated from its tensors."""
 
     batch: int
@@ -48,19 +67,6 @@ class Problem:
     @property
     def group(self) -> int:
         return self.nheads // self.nheads_k
-
-    @property
-    def q_rows(self) -> int:
-        """Query rows one KV head serves: every query position of every head of its group."""
-        return self.seqlen_q * self.group
-
-    @property
-    def element_bytes(self) -> int:
-        return DTYPE_BYTES[self.dtype]
-
-    @property
-    def paged(self) -> bool:
-        return self.page_size > 0
 
     @property
     def windowed(self) -> bool:

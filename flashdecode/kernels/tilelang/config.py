@@ -6,7 +6,7 @@ scale, window sizes and the softcap value are runtime arguments, so new ones nev
 """
 import dataclasses
 
-from ...problem import DTYPE_BYTES
+from ...problem import DerivedSizes
 
 #: Threads of the consumer warpgroup (the split kernel adds a 128-thread TMA producer warpgroup);
 #: the short-cache kernel runs one such warpgroup.
@@ -51,7 +51,7 @@ class ShortCacheConfig:
 
 
 @dataclasses.dataclass(frozen=True)
-class KernelShape:
+class KernelShape(DerivedSizes):
     """The part of a :class:`~flashdecode.problem.Problem` a kernel is compiled for: sizes that set
     its tiles, and the features that add code to it (each off gives the plain kernel)."""
 
@@ -71,19 +71,6 @@ class KernelShape:
         return cls(problem.dtype, problem.headdim, problem.group, problem.nheads_k, problem.seqlen_q,
                    problem.page_size, problem.window_left >= 0, problem.window_right >= 0, problem.softcap,
                    problem.seqlen_new > 0)
-
-    @property
-    def q_rows(self) -> int:
-        """Query rows one KV head serves: row r = i * group + g (``docs/design.md``, "GQA packing")."""
-        return self.seqlen_q * self.group
-
-    @property
-    def element_bytes(self) -> int:
-        return DTYPE_BYTES[self.dtype]
-
-    @property
-    def paged(self) -> bool:
-        return self.page_size > 0
 
     @property
     def plain(self) -> bool:
