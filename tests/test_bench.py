@@ -713,12 +713,17 @@ def test_source_digest_names_the_code_not_the_checkout(tmp_path, monkeypatch):
 
 # --- benchmarks/build_fa2.py ----------------------------------------------------------------------
 
-@pytest.fixture(scope="module")
-def build_fa2():
-    spec = importlib.util.spec_from_file_location("build_fa2", REPO / "benchmarks" / "build_fa2.py")
+def benchmark_script(name: str):
+    """``benchmarks/<name>.py`` imported as a module (the folder is no package)."""
+    spec = importlib.util.spec_from_file_location(name, REPO / "benchmarks" / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+@pytest.fixture(scope="module")
+def build_fa2():
+    return benchmark_script("build_fa2")
 
 
 def test_fa2_build_selects_forward_kernels_of_three_head_dims(build_fa2):
@@ -793,10 +798,7 @@ def test_fa2_unbuilt_kernels_are_defined_as_errors(build_fa2):
 
 @pytest.fixture(scope="module")
 def summary_table():
-    spec = importlib.util.spec_from_file_location("summary_table", REPO / "benchmarks" / "summary_table.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return benchmark_script("summary_table")
 
 
 def _bounded_run(floor_us):
