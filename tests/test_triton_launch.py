@@ -409,6 +409,31 @@ def test_the_first_block_prefetch_is_issued_before_the_length_is_loaded():
     assert all(lines == 0 and prefetches == 0 for lines, prefetches, _ in found.values()), found
 
 
+TRITON_PTX_SCRIPT = textwrap.dedent("""
+    import json, pathlib, sys, tempfile
+    sys.path.insert(0, "benchmarks")
+    import triton_ptx
+    from flashdecode.problem import Problem
+    triton_ptx.PROBLEMS = {"one-token": Problem(1, 1, 32, 4, 128, "bfloat16")}
+    folder = pathlib.Path(tempfile.mkdtemp())
+    names = triton_ptx.write(folder)
+    text = (folder / names[0]).read_text()
+    print(json.dumps(dict(names=names, located=[line for line in text.splitlines()
+                                                 if line.strip().startswith(triton_ptx.LOCATORS)],
+                          loads="ld.global" in text, debug=".debug" in text,
+                          kept=triton_ptx.instructions("\\t.loc 1 2 3\\n\\tadd.s32 %r1, %r2, 1;\\n$L__tmp3:\\n"))))
+""")
+
+
+def test_triton_ptx_writes_instructions_without_source_locations():
+    """benchmarks/triton_ptx.py: a plan's kernel written as its instructions only (no .loc lines,
+    debug labels or sections), so two trees compare equal where they compile alike."""
+    found = compiled_findings(TRITON_PTX_SCRIPT)
+    assert found["names"] == ["one-token-0.ptx"] and found["loads"]
+    assert found["located"] == [] and not found["debug"]
+    assert found["kept"] == "\tadd.s32 %r1, %r2, 1;\n"
+
+
 def test_describe_lists_the_parameters_triton_passes():
     """Constexprs left out, each scalar as its signature type, a null pointer per scratch buffer."""
     x, y = torch.zeros(4), torch.zeros(2)

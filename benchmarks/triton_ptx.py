@@ -1,0 +1,77 @@
+"""The PTX of the Triton kernels that plans launch, compiled for sm_90a on a machine without a GPU:
+whether a source change leaves the shipped kernels as they were.
+
+For each problem below (the planner's own plan on the H200 profile) every launch of the plan is
+compiled (``triton_resources.compile_for_hopper``) and its PTX written to DIR without what only
+locates source lines (``.loc``, ``.file``, debug labels and sections), so two trees compare equal
+when they compile to the same instructions. Run it on each tree, then compare:
+
+Usage: python benchmarks/triton_ptx.py DIR                  # write DIR/<problem>-<launch>.ptx
+       python benchmarks/triton_ptx.py DIR --compare OTHER  # and say which differ from OTHER's
+"""
+import argparse
+import pathlib
+
+from triton_resources import compile_for_hopper, plan_launches
+
+from flashdecode.hardware import PROFILES
+from flashdecode.kernels import get_backend
+from flashdecode.kernels.triton.launch import _without_ceiling
+from flashdecode.planner import plan
+from flashdecode.problem import Problem
+
+#: Plans of every kernel kind: single passes (cases 1 and 5, short caches at head dims 59-64, a
+#: full grid), splits merged in the kernel and combined (case 7, case 10, one sequence at a padded
+#: head dim: the combine's chunks), 4 query rows, pages.
+PROBLEMS = {
+    "case1": Problem(1, 1, 32, 4, 128, "bfloat16"),
+    "case5": Problem(16, 141, 32, 4, 128, "bfloat16"),
+    "case7": Problem(64, 2048, 32, 8, 128, "bfloat16"),
+    "case10": Problem(1, 8192, 32, 4, 128, "bfloat16"),
+    "short-d64": Problem(8, 300, 16, 2, 64, "float16"),
+    "full-grid": Problem(256, 256, 64, 8, 128, "bfloat16"),
+    "one-sequence-d80": Problem(1, 8192, 8, 2, 80, "float16"),
+    "batch-d59": Problem(2, 16384, 8, 2, 59, "float16"),
+    "q4-d96": Problem(4, 2048, 16, 4, 96, "bfloat16", seqlen_q=4),
+    "merge-d80": Problem(16, 4096, 32, 8, 80, "bfloat16"),
+    "pages16": Problem(16, 4096, 32, 8, 128, "bfloat16", page_size=16, offsets_32=True),
+}
+#: Line starts that only say where an instruction came from.
+LOCATORS = (".loc", ".file", "$L__info", "$L__tmp", "//")
+
+
+def instructions(ptx: str) -> str:
+    """``ptx`` without its debug sections and the lines that only locate source."""
+    return "\n".join(line for line in ptx.split("\t.section\t.debug")[0].splitlines()
+                     if not line.strip().startswith(LOCATORS)) + "\n"
+
+
+def write(folder: pathlib.Path) -> list[str]:
+    """Compile every launch of every problem's plan; write its instructions; return the file names."""
+    folder.mkdir(parents=True, exist_ok=True)
+    names = []
+    for label, problem in PROBLEMS.items():
+        the_plan = plan(problem, PROFILES["h200"], get_backend("triton"))
+        for index, (kernel, _, tensors, scalars, constexprs, options) in enumerate(plan_launches(problem, the_plan)):
+            compiled = compile_for_hopper(kernel, tensors, scalars, constexprs, _without_ceiling(options))
+            names.append(f"{label}-{index}.ptx")
+            (folder / names[-1]).write_text(instructions(compiled.asm["ptx"]))
+    return names
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("folder", type=pathlib.Path)
+    parser.add_argument("--compare", type=pathlib.Path, default=None, help="a folder an earlier run wrote")
+    args = parser.parse_args()
+    for name in write(args.folder):
+        if args.compare is None:
+            print(name)
+        else:
+            other = args.compare / name
+            same = other.exists() and other.read_text() == (args.folder / name).read_text()
+            print(f"{name}: {'same' if same else 'differs' if other.exists() else 'missing in ' + str(args.compare)}")
+
+
+if __name__ == "__main__":
+    main()
