@@ -8,17 +8,22 @@ when they compile to the same instructions. Run it on each tree, then compare:
 
 Usage: python benchmarks/triton_ptx.py DIR                  # write DIR/<problem>-<launch>.ptx
        python benchmarks/triton_ptx.py DIR --compare OTHER  # and say which differ from OTHER's
+The kernels compiled are those of the tree this script lies in (its folder's parent goes first on
+the import path, ahead of an installed flashdecode): run each tree's own copy.
 """
 import argparse
 import pathlib
+import sys
 
-from triton_resources import compile_for_hopper, plan_launches
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
-from flashdecode.hardware import PROFILES
-from flashdecode.kernels import get_backend
-from flashdecode.kernels.triton.launch import _without_ceiling
-from flashdecode.planner import plan
-from flashdecode.problem import Problem
+from triton_resources import compile_for_hopper, plan_launches  # noqa: E402
+
+from flashdecode.hardware import PROFILES  # noqa: E402
+from flashdecode.kernels import get_backend  # noqa: E402
+from flashdecode.kernels.triton.launch import _without_ceiling  # noqa: E402
+from flashdecode.planner import plan  # noqa: E402
+from flashdecode.problem import Problem  # noqa: E402
 
 #: Plans of every kernel kind: single passes (cases 1 and 5, short caches at head dims 59-64, a
 #: full grid), splits merged in the kernel and combined (case 7, case 10, one sequence at a padded
@@ -59,18 +64,30 @@ def write(folder: pathlib.Path) -> list[str]:
     return names
 
 
+def compare(folder: pathlib.Path, other: pathlib.Path) -> dict:
+    """{file name: "same", "differs", or which folder alone has it} over both folders' PTX files."""
+    names = sorted({path.name for path in folder.glob("*.ptx")} | {path.name for path in other.glob("*.ptx")})
+    verdicts = {}
+    for name in names:
+        mine, theirs = folder / name, other / name
+        if not (mine.exists() and theirs.exists()):
+            verdicts[name] = f"only in {folder if mine.exists() else other}"
+        else:
+            verdicts[name] = "same" if mine.read_text() == theirs.read_text() else "differs"
+    return verdicts
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("folder", type=pathlib.Path)
     parser.add_argument("--compare", type=pathlib.Path, default=None, help="a folder an earlier run wrote")
     args = parser.parse_args()
-    for name in write(args.folder):
-        if args.compare is None:
-            print(name)
-        else:
-            other = args.compare / name
-            same = other.exists() and other.read_text() == (args.folder / name).read_text()
-            print(f"{name}: {'same' if same else 'differs' if other.exists() else 'missing in ' + str(args.compare)}")
+    names = write(args.folder)
+    if args.compare is None:
+        print("\n".join(names))
+    else:
+        for name, verdict in compare(args.folder, args.compare).items():
+            print(f"{name}: {verdict}")
 
 
 if __name__ == "__main__":

@@ -239,6 +239,7 @@ def merging_context():
     import dataclasses
 
     from flashdecode import DecodeContext
+    from flashdecode.kernels.triton.backend import prefetch_points
     from flashdecode.hardware import current
 
     return DecodeContext("cuda", tuning=dataclasses.replace(current().tuning, max_splits_merged_in_split=10_000,
@@ -325,6 +326,7 @@ def test_the_first_block_prefetch_changes_no_bit(capacity, headdim, extra_rows, 
     import dataclasses
 
     from flashdecode import DecodeContext
+    from flashdecode.kernels.triton.backend import prefetch_points
 
     generator = torch.Generator("cuda").manual_seed(capacity)
     batch = 6
@@ -340,6 +342,8 @@ def test_the_first_block_prefetch_changes_no_bit(capacity, headdim, extra_rows, 
     results = []
     for prefetch in (False, True):
         context = DecodeContext("cuda", config=dataclasses.replace(default.config, prefetch_first_block=prefetch))
+        route = plan_for(q, k_cache, v_cache, cache_seqlens=seqlens, backend="triton", context=context, **new)
+        assert (prefetch_points(route.plan.config, route.plan, route.problem) > 0) == prefetch
         caches = (k_cache.clone(), v_cache.clone())
         out, lse = flash_attn_with_kvcache(q, *caches, cache_seqlens=seqlens, backend="triton", context=context,
                                            return_softmax_lse=True, **new)

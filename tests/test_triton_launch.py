@@ -355,83 +355,119 @@ def test_dependent_combine_reads_only_the_lengths_before_it_waits():
 
 
 #: Compiles the split kernel of several plans for sm_90a with ``TritonConfig.prefetch_first_block``
-#: and prints, for each, its PREFETCH_LINES, how many L2 prefetches its PTX issues, and whether
-#: they all come before the first global load (the length's).
+#: and prints, for each, its PREFETCH_POINTS, how many L2 prefetches its PTX issues, whether they
+#: all come before the first global load (the length's) in the PTX, and in the SASS (None where
+#: Triton carries no cuobjdump).
 PREFETCH_PTX_SCRIPT = textwrap.dedent("""
-    import dataclasses, json, sys
+    import dataclasses, json, os, subprocess, sys, tempfile
     sys.path.insert(0, "benchmarks")
-    import torch
+    import triton
     from triton_resources import compile_for_hopper, plan_launches
     from flashdecode.hardware import PROFILES
     from flashdecode.kernels import get_backend
+    from flashdecode.kernels.triton.backend import prefetch_points
     from flashdecode.kernels.triton.launch import _without_ceiling
     from flashdecode.planner import plan
     from flashdecode.problem import Problem
-    from flashdecode.kernels.triton.backend import prefetch_lines
     backend, found = get_backend("triton"), {}
+    cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
 
     def prefetching(problem, prefetch=True):
-        the_plan = plan(problem, PROFILES["h200"], backend)
-        config = dataclasses.replace(the_plan.config, prefetch_first_block=prefetch)
+        config = dataclasses.replace(plan(problem, PROFILES["h200"], backend).config, prefetch_first_block=prefetch)
         return plan(problem, PROFILES["h200"], backend, config=config)
+
+    def sass_in_order(cubin):
+        if not os.path.exists(cuobjdump):
+            return None
+        with tempfile.NamedTemporaryFile(suffix=".cubin") as handle:
+            handle.write(cubin)
+            handle.flush()
+            lines = subprocess.run([cuobjdump, "-sass", handle.name], capture_output=True, text=True).stdout
+        lines = lines.splitlines()
+        prefetches = [i for i, line in enumerate(lines) if "CCTL.E.PF2" in line]
+        return all(i < next(j for j, line in enumerate(lines) if "LDG" in line) for i in prefetches)
 
     compiled = {"one token": Problem(1, 1, 32, 4, 128, "bfloat16"),
                 "head dim 64": Problem(8, 300, 16, 2, 64, "float16"),
+                "head dim 59": Problem(8, 300, 16, 2, 59, "float16"),
+                "head dim 80": Problem(4, 200, 16, 2, 80, "bfloat16"),
                 "split": Problem(1, 8192, 32, 4, 128, "bfloat16")}
     for name, problem in compiled.items():
         for prefetch in (False, True):
             the_plan = prefetching(problem, prefetch)
             kernel, _, tensors, scalars, constexprs, options = plan_launches(problem, the_plan)[0]
-            lines = compile_for_hopper(kernel, tensors, scalars, constexprs, _without_ceiling(options)).asm["ptx"]
-            lines = [line.strip() for line in lines.splitlines()]
+            kernel = compile_for_hopper(kernel, tensors, scalars, constexprs, _without_ceiling(options))
+            lines = [line.strip() for line in kernel.asm["ptx"].splitlines()]
             prefetches = [i for i, line in enumerate(lines) if line.startswith("prefetch.global.L2")]
             first_load = next(i for i, line in enumerate(lines) if "ld.global" in line)
-            found[f"{name}, {prefetch}"] = [constexprs["PREFETCH_LINES"], len(prefetches),
-                                            all(i < first_load for i in prefetches)]
+            found[f"{name}, {prefetch}"] = [constexprs["PREFETCH_POINTS"], len(prefetches),
+                                            all(i < first_load for i in prefetches),
+                                            sass_in_order(kernel.asm["cubin"]) if prefetches else True]
     # block 0's address needs a load, or block 0 is not the first block read: no prefetch
     for name, problem in {"pages": Problem(4, 256, 32, 4, 128, "bfloat16", page_size=256),
                           "batch index": Problem(4, 256, 32, 4, 128, "bfloat16", batch_idx=True),
                           "left pad": Problem(4, 256, 32, 4, 128, "bfloat16", leftpad=True),
                           "left window": Problem(4, 256, 32, 4, 128, "bfloat16", window_left=16)}.items():
-        found[name] = [prefetch_lines(prefetching(problem).config, prefetching(problem), problem), 0, True]
+        the_plan = prefetching(problem)
+        found[name] = [prefetch_points(the_plan.config, the_plan, problem), 0, True, True]
     print(json.dumps(found))
 """)
 
 
 def test_the_first_block_prefetch_is_issued_before_the_length_is_loaded():
     """With ``prefetch_first_block``, a single-pass plan of a contiguous cache asks L2 for block 0's
-    K and V rows (one instruction each for a 64-token block of 128 bf16 dims: 128 lines over 128
-    threads) before its first global load, so nothing it issues waits on the length; split plans,
-    pages, batch indices, left pads and left windows get none, nor does the default config."""
+    K and V rows before its first global load, in the PTX and in the SASS, so nothing it issues
+    waits on the length: one address a 128-byte line where rows fill whole lines (128 bf16 dims:
+    2 a row, one instruction a thread for K and one for V over 128 threads; 64 fp16 dims: 1), else
+    enough that each line a row may straddle gets one (59 fp16 dims, 118 bytes: 2; 80 bf16, 160
+    bytes: 4). Split plans, pages, batch indices, left pads and left windows get none, nor does
+    the default config."""
     found = compiled_findings(PREFETCH_PTX_SCRIPT)
-    assert found.pop("one token, True") == [2, 2, True]
-    assert found.pop("head dim 64, True") == [1, 2, True]  # 64 fp16 dims: one line a row
-    assert all(lines == 0 and prefetches == 0 for lines, prefetches, _ in found.values()), found
+    # (addresses a row, prefetch instructions): 59 dims take 128-token blocks, 256 addresses a tensor
+    expected = {"one token": (2, 2), "head dim 64": (1, 2), "head dim 59": (2, 4), "head dim 80": (4, 4)}
+    for name, (points, instructions) in expected.items():
+        got_points, got_instructions, before_in_ptx, before_in_sass = found.pop(f"{name}, True")
+        assert (got_points, got_instructions) == (points, instructions), name
+        assert before_in_ptx and before_in_sass is not False, name  # None: no cuobjdump to read the SASS
+    assert all(points == 0 and instructions == 0 for points, instructions, _, _ in found.values()), found
 
 
 TRITON_PTX_SCRIPT = textwrap.dedent("""
-    import json, pathlib, sys, tempfile
+    import json, pathlib, shutil, sys, tempfile
     sys.path.insert(0, "benchmarks")
     import triton_ptx
+    import flashdecode
     from flashdecode.problem import Problem
     triton_ptx.PROBLEMS = {"one-token": Problem(1, 1, 32, 4, 128, "bfloat16")}
-    folder = pathlib.Path(tempfile.mkdtemp())
+    folder = pathlib.Path(tempfile.mkdtemp()) / "mine"
     names = triton_ptx.write(folder)
     text = (folder / names[0]).read_text()
+    other = folder.with_name("other")
+    shutil.copytree(folder, other)
+    same = triton_ptx.compare(folder, other)
+    (other / names[0]).write_text(text.replace("ld.global", "ld.global.nc", 1))
+    (other / "extra-0.ptx").write_text(text)
     print(json.dumps(dict(names=names, located=[line for line in text.splitlines()
                                                  if line.strip().startswith(triton_ptx.LOCATORS)],
                           loads="ld.global" in text, debug=".debug" in text,
-                          kept=triton_ptx.instructions("\\t.loc 1 2 3\\n\\tadd.s32 %r1, %r2, 1;\\n$L__tmp3:\\n"))))
+                          kept=triton_ptx.instructions("\\t.loc 1 2 3\\n\\tadd.s32 %r1, %r2, 1;\\n$L__tmp3:\\n"),
+                          same=same, changed=triton_ptx.compare(folder, other),
+                          own_tree=pathlib.Path(flashdecode.__file__).resolve().parents[1]
+                          == pathlib.Path(triton_ptx.__file__).resolve().parents[1])))
 """)
 
 
 def test_triton_ptx_writes_instructions_without_source_locations():
     """benchmarks/triton_ptx.py: a plan's kernel written as its instructions only (no .loc lines,
-    debug labels or sections), so two trees compare equal where they compile alike."""
+    debug labels or sections), so two trees compare equal where they compile alike; a changed
+    file differs, and a file one folder alone has is named; the kernels are the script's tree's."""
     found = compiled_findings(TRITON_PTX_SCRIPT)
-    assert found["names"] == ["one-token-0.ptx"] and found["loads"]
+    assert found["names"] == ["one-token-0.ptx"] and found["loads"] and found["own_tree"]
     assert found["located"] == [] and not found["debug"]
     assert found["kept"] == "\tadd.s32 %r1, %r2, 1;\n"
+    assert found["same"] == {"one-token-0.ptx": "same"}
+    assert found["changed"]["one-token-0.ptx"] == "differs"
+    assert found["changed"]["extra-0.ptx"].startswith("only in") and found["changed"]["extra-0.ptx"].endswith("other")
 
 
 def test_describe_lists_the_parameters_triton_passes():

@@ -43,18 +43,18 @@ def split_kernel(Q, K, V, Lens, Out, Lse, PartO, PartLse, KNew, VNew, BatchIdx, 
                  ROTARY_INTERLEAVED: tl.constexpr, ROTARY_PER_ROW: tl.constexpr, WINDOW_LEFT: tl.constexpr,
                  WINDOW_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, LEFTPAD: tl.constexpr,
                  BATCH_IDX: tl.constexpr, MERGE_IN_SPLIT: tl.constexpr, MERGE_STEP: tl.constexpr,
-                 DEPENDENT_COMBINE: tl.constexpr, PREFETCH_LINES: tl.constexpr):
+                 DEPENDENT_COMBINE: tl.constexpr, PREFETCH_POINTS: tl.constexpr):
     if DEPENDENT_COMBINE:  # the combine may be scheduled once every program has started
         gdc_launch_dependents()
     pid = tl.program_id(0)
     head_k = tl.program_id(1)
     tile = tl.program_id(2)
-    if PREFETCH_LINES > 0:  # one program a sequence: block 0 of cache row pid, asked for before the length
+    if PREFETCH_POINTS > 0:  # one program a sequence: block 0 of cache row pid, asked for before the length
         row = tl.minimum(pid, batch - 1).to(tl.int64)
         prefetch_first_rows(K + row * stride_kb + head_k.to(tl.int64) * stride_kh, capacity, stride_kt, HEAD_DIM,
-                            HEAD_PAD, BLOCK_N, PREFETCH_LINES)
+                            BLOCK_N, PREFETCH_POINTS)
         prefetch_first_rows(V + row * stride_vb + head_k.to(tl.int64) * stride_vh, capacity, stride_vt, HEAD_DIM,
-                            HEAD_PAD, BLOCK_N, PREFETCH_LINES)
+                            BLOCK_N, PREFETCH_POINTS)
     seq, split, num_splits, raw_len = locate(
         Lens, LeftPad, pid, batch, capacity, num_programs, forced_splits, min_chunk, seqlen_new, window_left,
         SEQLEN_Q, APPEND, LEFTPAD, WINDOW_LEFT, BLOCK_N, BATCH_PAD, CAN_SPLIT)
