@@ -18,9 +18,10 @@ from the case's planned config: without ``--tl-stages`` it keeps that plan's pip
 ``Backend.pipelined`` chose for the default tile, not for the swept one); ``--warps`` Triton's
 ``num_warps``; ``--max-registers`` Triton's register cap (0: none; -1: the shipped rule's for the tile);
 ``--combine-step`` and ``--combine-dims`` Triton's combine: partials a program loads at once, head
-dims it merges (0: the whole head); ``--prefetch-first-block 0,1`` Triton's single-pass plans asking
-L2 for their first key block before they load the length; ``--merge-splits`` the most splits a sequence may have for the
-split kernel to merge them itself (0: never), ``--merge-step`` how many it merges at a time;
+dims it merges (0: the whole head); ``--prefetch-first-block 0,1`` Triton's single-pass plans
+asking L2 for their first key block before they load the length; ``--merge-splits`` the most splits
+a sequence may have for the split kernel to merge them itself (0: never), ``--merge-step`` how many
+it merges at a time;
 ``--dependent-combine 0,1`` the combine as a programmatic dependent launch; ``--triton-resident`` the split programs Triton assumes an SM
 holds at the case's head dim (the row of ``Tuning.triton_resident_programs`` it takes, for paged
 caches too: single-sequence grids and the register cap follow); ``--underfilled-caps 8:256,none``

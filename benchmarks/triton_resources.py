@@ -85,14 +85,22 @@ def compile_for_hopper(kernel, tensors, scalars, constexprs, options):
     return triton.compile(source, target=HOPPER, options=options)
 
 
-def resource_usage(compiled) -> str:
-    """cuobjdump's resource line of the compiled cubin (registers, stack bytes a thread, ...)."""
-    cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+#: The cuobjdump Triton's package carries (absent: no SASS or resource report on this machine).
+CUOBJDUMP = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+
+
+def cuobjdump(compiled, flag: str) -> str:
+    """What ``cuobjdump FLAG`` prints for the compiled kernel's cubin (``-sass``, ``-res-usage``)."""
     with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
         cubin.write(compiled.asm["cubin"])
         cubin.flush()
-        report = subprocess.run([cuobjdump, "-res-usage", cubin.name], capture_output=True, text=True, check=True)
-    return next((line.strip() for line in report.stdout.splitlines() if "REG:" in line), report.stdout.strip())
+        return subprocess.run([CUOBJDUMP, flag, cubin.name], capture_output=True, text=True, check=True).stdout
+
+
+def resource_usage(compiled) -> str:
+    """cuobjdump's resource line of the compiled cubin (registers, stack bytes a thread, ...)."""
+    report = cuobjdump(compiled, "-res-usage")
+    return next((line.strip() for line in report.splitlines() if "REG:" in line), report.strip())
 
 
 def main():

@@ -239,7 +239,6 @@ def merging_context():
     import dataclasses
 
     from flashdecode import DecodeContext
-    from flashdecode.kernels.triton.backend import prefetch_points
     from flashdecode.hardware import current
 
     return DecodeContext("cuda", tuning=dataclasses.replace(current().tuning, max_splits_merged_in_split=10_000,

@@ -359,10 +359,9 @@ def test_dependent_combine_reads_only_the_lengths_before_it_waits():
 #: all come before the first global load (the length's) in the PTX, and in the SASS (None where
 #: Triton carries no cuobjdump).
 PREFETCH_PTX_SCRIPT = textwrap.dedent("""
-    import dataclasses, json, os, subprocess, sys, tempfile
+    import dataclasses, json, os, sys
     sys.path.insert(0, "benchmarks")
-    import triton
-    from triton_resources import compile_for_hopper, plan_launches
+    from triton_resources import CUOBJDUMP, compile_for_hopper, cuobjdump, plan_launches
     from flashdecode.hardware import PROFILES
     from flashdecode.kernels import get_backend
     from flashdecode.kernels.triton.backend import prefetch_points
@@ -370,20 +369,15 @@ PREFETCH_PTX_SCRIPT = textwrap.dedent("""
     from flashdecode.planner import plan
     from flashdecode.problem import Problem
     backend, found = get_backend("triton"), {}
-    cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
 
     def prefetching(problem, prefetch=True):
         config = dataclasses.replace(plan(problem, PROFILES["h200"], backend).config, prefetch_first_block=prefetch)
         return plan(problem, PROFILES["h200"], backend, config=config)
 
-    def sass_in_order(cubin):
-        if not os.path.exists(cuobjdump):
+    def sass_in_order(kernel):
+        if not os.path.exists(CUOBJDUMP):
             return None
-        with tempfile.NamedTemporaryFile(suffix=".cubin") as handle:
-            handle.write(cubin)
-            handle.flush()
-            lines = subprocess.run([cuobjdump, "-sass", handle.name], capture_output=True, text=True).stdout
-        lines = lines.splitlines()
+        lines = cuobjdump(kernel, "-sass").splitlines()
         prefetches = [i for i, line in enumerate(lines) if "CCTL.E.PF2" in line]
         return all(i < next(j for j, line in enumerate(lines) if "LDG" in line) for i in prefetches)
 
@@ -402,7 +396,7 @@ PREFETCH_PTX_SCRIPT = textwrap.dedent("""
             first_load = next(i for i, line in enumerate(lines) if "ld.global" in line)
             found[f"{name}, {prefetch}"] = [constexprs["PREFETCH_POINTS"], len(prefetches),
                                             all(i < first_load for i in prefetches),
-                                            sass_in_order(kernel.asm["cubin"]) if prefetches else True]
+                                            sass_in_order(kernel) if prefetches else True]
     # block 0's address needs a load, or block 0 is not the first block read: no prefetch
     for name, problem in {"pages": Problem(4, 256, 32, 4, 128, "bfloat16", page_size=256),
                           "batch index": Problem(4, 256, 32, 4, 128, "bfloat16", batch_idx=True),
