@@ -54,6 +54,8 @@ def _add_bench(subparsers) -> None:
     parser.add_argument("--json", metavar="PATH", help="write the whole run as JSON")
     parser.add_argument("--csv", metavar="PATH", help="write one CSV row per (case, variant, system)")
     parser.add_argument("--plot", metavar="PATH.png", help="plot achieved bandwidth per case and system")
+    parser.add_argument("--markdown", metavar="PATH.md",
+                        help="write the run's markdown page (provenance, tables, summary; as docs/benchmarks.md)")
     parser.add_argument("--record", metavar="PATH",
                         help="append one JSON line per (case, variant, our backend) to PATH (default: none)")
     parser.set_defaults(handler=_run_bench, command_parser=parser)
@@ -109,6 +111,8 @@ def _run_bench(args) -> int:
         report.write_csv(run, args.csv)
     if args.plot:
         report.write_plot(run, args.plot)
+    if args.markdown:
+        report.write_markdown(run, args.markdown)
     if args.record:
         report.append_records(run, args.record)
     failed = [f"case {c.case.label} {c.variant.name} {r.system}" for c in run.cases for r in c.results

@@ -621,6 +621,99 @@ def test_table_shows_every_result_and_the_file_baseline(fake_run):
     assert "case 2 q4 sdpa: plain decode only" in table and "b64 s8192 hk1 g32 uniform" in table
 
 
+# --- the markdown page (docs/benchmarks.md) -------------------------------------------------------
+
+def _page_run(fa2_graph_us=(20.0, 9.0), floor_us=5.0):
+    """A run as --json writes it: FA2 and our two backends on two plain cases (FA2's medians 20 and
+    10 us, TileLang's 10 and 20, Triton's 16 and 8, our GPU times half the median) and their q4 calls
+    (case 2's: TileLang skipped, Triton wrong)."""
+    def result(kind, median, graph, correct=True, skipped=None):
+        if skipped:
+            return {"kind": kind, "compiled": False, "correct": False, "skipped": skipped, "error": None}
+        return {"kind": kind, "compiled": True, "correct": correct, "median_us": median, "graph_us": graph,
+                "host_overhead_us": 12.0, "host_launch_us": 8.0, "eager_us": median, "bandwidth_gbps": 500.0,
+                "fraction_of_ceiling": 0.5, "speedup": None, "rel_err": 1e-3 if correct else "nan",
+                "skipped": None, "error": None, "plan": {"kernel": "split"} if kind == "ours" else None}
+
+    def case(label, variant, size, fa2, tilelang, triton):
+        shape = {"batch": 4, "seqlen_cache": 4096, "nheads_k": 8, "group": 4, "nheads": 32, "headdim": 128,
+                 "lengths": "matrix"}
+        return {"case": label, "matrix": "cases", "variant": variant, "shape": shape, "matrix_shape": shape,
+                "bytes": size, "baseline_us": fa2 and fa2["median_us"], "baseline_source": "fa2 timed in this run",
+                "baseline_system": "fa2", "results": {"fa2": fa2, "tilelang": tilelang, "triton": triton}}
+
+    systems = [{"name": name, "kind": kind, "version": "v1", "description": f"{name} call"}
+               for name, kind in (("tilelang", "ours"), ("triton", "ours"), ("fa2", "peer"))]
+    return {"device": "Fake GPU", "cuda": True, "versions": {"torch": "2.11", "fa2": "flash_attn 2.8.3"},
+            "git_commit": "abc123", "source_digest": "digest0", "extension_digest": "digest1",
+            "date": "2026-12-05T00:00:00+00:00",
+            "settings": {"iters": 50, "warmup": 10, "cold_l2": True, "flush_bytes": 2 ** 28,
+                         "torch_launch_us": 8.0, "torch_launch_gpu_us": floor_us, "rel_err_threshold": 0.02},
+            "ceiling": {"what": "fake read", "bytes": 2 ** 31, "median_us": 500.0, "gbps": 1000.0},
+            "systems": systems, "skipped": ["flex: not installed"], "notes": ["a note"],
+            "cases": [case("1", "plain", 100e6, result("peer", 20.0, fa2_graph_us[0]), result("ours", 10.0, 5.0),
+                           result("ours", 16.0, 8.0)),
+                      case("2", "plain", 1e3, result("peer", 10.0, fa2_graph_us[1]), result("ours", 20.0, 10.0),
+                           result("ours", 8.0, 4.0)),
+                      case("1", "q4", 100e6, result("peer", 10.0, 9.0), result("ours", 12.0, 6.0),
+                           result("ours", 12.0, 7.0)),
+                      case("2", "q4", 1e3, result("peer", 10.0, 9.0), result("ours", 0, 0, skipped="no q4 here"),
+                           result("ours", 12.0, 6.0, correct=False))]}
+
+
+def test_speedups_count_wins_per_backend_and_for_the_faster_of_ours():
+    table = report.speedups(_page_run())
+    assert table[("plain", "cold median", "tilelang")] == pytest.approx([2.0, 0.5])
+    assert table[("plain", "cold median", "triton")] == pytest.approx([1.25, 1.25])
+    assert table[("plain", "cold median", "best")] == pytest.approx([2.0, 1.25])  # the faster per case
+    assert table[("plain", "GPU time", "best")] == pytest.approx([4.0, 2.25])
+    assert table[("q4", "cold median", "triton")] == pytest.approx([10 / 12])  # case 2's is wrong: none
+    assert table[("q4", "cold median", "best")] == pytest.approx([10 / 12])  # case 1's; case 2 has none
+
+
+def test_page_headroom_bounds_every_case_by_the_ceiling_and_one_launch():
+    run = _page_run(fa2_graph_us=(200.0, 10.0))
+    bounds = report.headroom(run, fractions=(1.0, 0.5))
+    assert bounds[1.0] == pytest.approx(2.0)  # 200 / 100 us at the ceiling, 10 / 5 us at the floor
+    assert bounds[0.5] == pytest.approx(math.sqrt(2.0))  # the big case at 200 us: level with FA2
+    run["settings"]["torch_launch_gpu_us"] = None
+    assert report.headroom(run) == {}
+
+
+def test_markdown_page_states_provenance_times_summary_and_failures():
+    page = report.markdown(_page_run())
+    assert "commit `abc123`, sources digest `digest0`, extension digest `digest1`" in page
+    assert "2026-12-05T00:00:00+00:00" in page and "Versions: torch 2.11." in page  # peers' in their table
+    assert "| fa2 (peer) | v1 | fa2 call |" in page and "Left out: flex: not installed" in page
+    assert "| 1 | 4, 4096, 8, 4, 128 (lengths S/4..S) | 100 | 20.0 / 20.0 / 12.0 / 20.0 | 10.0 / 5.00 / 12.0 / 10.0" \
+        in page
+    assert "| 2.00× (tilelang) / 4.00× (tilelang) |" in page
+    assert "| 2 q4 |" in page and "skipped | FAIL |" in page
+    assert "- plain, GPU time: the faster of our backends faster than the baseline on 2 of 2 cases, geometric " \
+           "mean 3.00×." in page
+    assert "- tilelang: host time per call over the torch launch timed beside it 1.50-1.50×" in page
+    assert "10 of 11 timed results passed; failed:\n- 2 q4 triton: relative error nan" in page
+    assert "- tilelang on 2 q4: no q4 here" in page
+    assert "| case | plain µs | q4 |\n|---|---|---|\n| 1 | 5.00 | 1.20 |\n" in page  # 6 over 5 us; case 2: none
+    assert page.endswith("```\n")
+
+
+def test_markdown_machine_lines_are_those_of_the_run(fake_run):
+    assert report.machine_lines_of(report.run_to_dict(fake_run)) == report.machine_lines(fake_run)
+
+
+def test_markdown_is_written_by_the_bench_and_from_a_json(fake_run, tmp_path, capsys):
+    report.write_markdown(fake_run, tmp_path / "run.md")
+    report.write_json(fake_run, tmp_path / "run.json")
+    report.main([str(tmp_path / "run.json")])
+    assert capsys.readouterr().out == (tmp_path / "run.md").read_text()
+
+
+def test_docs_benchmarks_md_is_the_committed_runs_page():
+    docs = pathlib.Path(__file__).parent.parent / "docs"
+    assert (docs / "benchmarks.md").read_text() == report.markdown(json.loads((docs / "benchmarks.json").read_text()))
+
+
 def test_progress_counter_without_tqdm(monkeypatch):
     monkeypatch.setitem(sys.modules, "tqdm", None)  # makes "from tqdm import tqdm" fail
     stream = io.StringIO()

@@ -1,10 +1,14 @@
-"""Everything a benchmark run writes: terminal table, machine lines, JSON, CSV, plot, jsonl record.
+"""Everything a benchmark run writes: terminal table, machine lines, JSON, CSV, plot, jsonl record,
+and the markdown page of a run (``docs/benchmarks.md``).
 
 Works on a :class:`~flashdecode.bench.results.BenchRun` without importing the runner (and Triton),
-so the formats can be read, tested and reused on their own.
+so the formats can be read, tested and reused on their own. The markdown page is computed from the
+run as ``--json`` writes it, so an existing JSON regenerates it:
+``python -m flashdecode.bench.report docs/benchmarks.json > docs/benchmarks.md``.
 """
 from __future__ import annotations
 
+import argparse
 import csv
 import dataclasses
 import json
@@ -280,6 +284,306 @@ def format_table(run) -> str:
     return "\n".join(lines)
 
 
+# --- the markdown page of a run (docs/benchmarks.md) ----------------------------------------------
+
+#: Where a cell of the markdown page lacks a value (the system skipped the call, failed or was not timed).
+MISSING = "-"
+#: Host time per call over the plain torch launch timed beside it above which the page names the case.
+HOST_RATIO_LIMIT = 1.5
+#: Fractions of the in-run ceiling at which the page states the headroom over FA2.
+HEADROOM_FRACTIONS = (1.0, 0.9)
+
+
+def _value(result, key):
+    """A timing of a result dict as a float, None where absent or not a finite number."""
+    value = (result or {}).get(key)
+    return value if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) else None
+
+
+def _us(value) -> str:
+    """Microseconds with two decimals below 10 us, one above."""
+    return MISSING if value is None else f"{value:.2f}" if value < 10 else f"{value:.1f}"
+
+
+def geomean(values) -> float:
+    return math.exp(sum(map(math.log, values)) / len(values))
+
+
+def _timed(result) -> bool:
+    """Whether a result dict holds a correct, timed call."""
+    return bool(result and result.get("correct") and _value(result, "median_us") is not None)
+
+
+def _our_systems(run) -> list[str]:
+    return [system["name"] for system in run["systems"] if system["kind"] == "ours"]
+
+
+def _case_name(case) -> str:
+    return case["case"] + ("" if case["variant"] == "plain" else f" {case['variant']}")
+
+
+def _fastest(case, names, key):
+    """(name, time) of the correct system among ``names`` with the lowest ``key`` time, or (None, None)."""
+    times = [(name, _value(case["results"].get(name), key)) for name in names if _timed(case["results"].get(name))]
+    return min(((name, time) for name, time in times if time is not None), key=lambda item: item[1],
+               default=(None, None))
+
+
+def _baseline(case, key):
+    """The baseline's time of a case: the cold median the run recorded (``baseline_us``, also from the
+    anchor file) or, for GPU (graph) time, the baseline system's in this run; None where absent."""
+    if key == "median_us":
+        return _value(case, "baseline_us")
+    result = case["results"].get(case.get("baseline_system") or "")
+    return _value(result, key) if _timed(result) else None
+
+
+#: How the shape cell names each length rule of ``cases.case_seqlens`` (batches of one are always full).
+LENGTHS = {"matrix": "lengths S/4..S", "equal": "full", "uniform": "lengths 1..S", "skewed": "skewed lengths"}
+
+
+def _shape_cell(shape) -> str:
+    full = shape["batch"] == 1 or shape["lengths"] == "equal"
+    return (f"{shape['batch']}, {shape['seqlen_cache']}, {shape['nheads_k']}, {shape['group']}, {shape['headdim']}"
+            + ("" if full else f" ({LENGTHS.get(shape['lengths'], shape['lengths'])})"))
+
+
+def _timings_cell(result) -> str:
+    """"median / GPU / host / eager" of a result dict."""
+    if not result or result.get("skipped"):
+        return "skipped" if result else MISSING
+    if not _timed(result):
+        return "FAIL" if result.get("compiled") else "ERROR"
+    return " / ".join(_us(_value(result, key)) for key in ("median_us", "graph_us", "host_overhead_us", "eager_us"))
+
+
+def speedups(run) -> dict:
+    """{(variant, measure, who): [baseline time / ours per case]}: measure "cold median" or "GPU time",
+    who one of our systems or "best" (the faster of ours on that measure), over the cases where the
+    baseline and ours have a time."""
+    ours, table = _our_systems(run), {}
+    for case in run["cases"]:
+        for measure, key in (("cold median", "median_us"), ("GPU time", "graph_us")):
+            baseline = _baseline(case, key)
+            if baseline is None:
+                continue
+            candidates = [(name, _value(case["results"][name], key)) for name in ours
+                          if _timed(case["results"].get(name))]
+            candidates += [("best", _fastest(case, ours, key)[1])]
+            for who, time in candidates:
+                if time is not None:
+                    table.setdefault((case["variant"], measure, who), []).append(baseline / time)
+    return table
+
+
+def host_ratios(run) -> dict:
+    """{our system: [(case name, host time per call / the torch launch timed beside it)]}."""
+    ratios = {}
+    for name in _our_systems(run):
+        for case in run["cases"]:
+            result = case["results"].get(name)
+            host, launch = _value(result, "host_overhead_us"), _value(result, "host_launch_us")
+            if host is not None and launch:
+                ratios.setdefault(name, []).append((_case_name(case), host / launch))
+    return ratios
+
+
+def headroom(run, fractions=HEADROOM_FRACTIONS) -> dict:
+    """{fraction: geometric mean over FA2's GPU (graph) time} that a system would reach with every plain
+    case reading its bytes at ``fraction`` of the in-run ceiling and none below the GPU time of one
+    plain torch launch (``torch_launch_gpu_us``, the floor of a one-kernel call), over the plain cases
+    FA2 ran correctly in the run; {} where the run lacks FA2 or that floor. Nothing reads at the
+    ceiling, so the value at 1.0 bounds every system's geometric mean over FA2 in that run."""
+    floor, bytes_per_us = run["settings"].get("torch_launch_gpu_us"), run["ceiling"]["gbps"] * 1e3
+    fa2 = [(case["bytes"], _value(case["results"]["fa2"], "graph_us")) for case in run["cases"]
+           if case["variant"] == "plain" and _timed(case["results"].get("fa2"))
+           and _value(case["results"]["fa2"], "graph_us")]
+    if floor is None or not fa2:
+        return {}
+    return {fraction: geomean([graph / max(size / (fraction * bytes_per_us), floor) for size, graph in fa2])
+            for fraction in fractions}
+
+
+def _against_plain(run) -> list[str]:
+    """Each variant's fastest GPU time of ours over the plain call's, per case (where the run has both)."""
+    ours = _our_systems(run)
+    plain = {case["case"]: _fastest(case, ours, "graph_us")[1] for case in run["cases"] if case["variant"] == "plain"}
+    variants = list(dict.fromkeys(case["variant"] for case in run["cases"] if case["variant"] != "plain"))
+    rows = {}
+    for case in run["cases"]:
+        graph = _fastest(case, ours, "graph_us")[1]
+        if case["variant"] != "plain" and plain.get(case["case"]) and graph is not None:
+            rows.setdefault(case["case"], {})[case["variant"]] = f"{graph / plain[case['case']]:.2f}"
+    if not rows:
+        return []
+    return ["", "### Variants against the plain call", "",
+            "The fastest GPU time of our backends on each variant over that on the plain call of the same case:",
+            "", "| case | plain µs | " + " | ".join(variants) + " |", "|---|---|" + "---|" * len(variants)] + [
+        f"| {label} | {_us(plain[label])} | " + " | ".join(row.get(name, MISSING) for name in variants) + " |"
+        for label, row in rows.items()]
+
+
+def _provenance(run) -> list[str]:
+    settings, ceiling = run["settings"], run["ceiling"]
+    commit = run.get("git_commit") or "unknown"
+    peers = {system["name"] for system in run["systems"] if system["kind"] == "peer"}
+    versions = ", ".join(f"{name} {version}" for name, version in run["versions"].items()
+                         if version is not None and name not in peers)  # the peers' are in the systems' table
+    lines = ["## The run", "",
+             f"- Device: {run['device']}; date (UTC): {run['date']}.",
+             f"- Code: commit `{commit}`, sources digest `{run.get('source_digest') or 'unknown'}`, extension digest "
+             f"`{run.get('extension_digest') or 'unknown'}` (`flashdecode.bench.provenance`: the digests name the "
+             "code that ran where git's view of the checkout was stale).",
+             f"- Versions: {versions}.",
+             f"- Timing: {settings.get('iters')} timed runs after {settings.get('warmup')} warm-up runs, median; "
+             + (f"L2 flushed ({settings['flush_bytes'] / 2 ** 20:.0f} MiB written) before every run"
+                if settings.get("cold_l2") else "L2 not flushed") + f"; {settings.get('dtype', 'bfloat16')}.",
+             f"- Ceiling: {ceiling['what']}: {ceiling['gbps']:.0f} GB/s.",
+             f"- One plain torch launch (`q.add_(0)`): {_us(settings.get('torch_launch_us'))} µs of host time per call, "
+             f"{_us(settings.get('torch_launch_gpu_us'))} µs of GPU time (graph, cold L2): the floor of a one-kernel "
+             "call's GPU time."]
+    lines += [f"- Note: {note}" for note in run["notes"]]
+    lines += [f"- Left out: {reason}" for reason in run["skipped"]]
+    lines += ["", "| system | version | what is timed |", "|---|---|---|"]
+    lines += [f"| {s['name']} ({s['kind']}) | {s['version']} | {s['description']} |" for s in run["systems"]]
+    return lines
+
+
+def _results(run) -> list[str]:
+    ours = _our_systems(run)
+    head = ["FA2" if name == "fa2" else name for name in (["fa2"] if _has(run, "fa2") else []) + ours]
+    lines = ["", "## Results", "",
+             "Times in µs: cold median / GPU time (the call replayed from a CUDA graph) / host time per call / "
+             "eager loop per call. \"best ×FA2\": the baseline over the faster of our backends, on cold medians "
+             "and on GPU time. \"of ceiling\": the faster backend's bytes per second over the in-run ceiling.", "",
+             "| case | batch, seqlen_cache, Hk, G, D | MB read | " + " | ".join(head)
+             + " | kernels (" + ", ".join(ours) + ") | best ×FA2 (median / GPU) | of ceiling |",
+             "|---|---|---|" + "---|" * (len(head) + 3)]
+    for case in run["cases"]:
+        results = case["results"]
+        cells = [_timings_cell(results.get("fa2"))] if _has(run, "fa2") else []
+        if "fa2" not in results and _has(run, "fa2") and case.get("baseline_us") is not None:
+            cells = [f"{_us(case['baseline_us'])} (file)"]
+        cells += [_timings_cell(results.get(name)) for name in ours]
+        kernels = ", ".join(((results.get(name) or {}).get("plan") or {}).get("kernel", MISSING) for name in ours)
+        ratios = []
+        for key in ("median_us", "graph_us"):
+            baseline, best = _baseline(case, key), _fastest(case, ours, key)
+            ratios.append(MISSING if baseline is None or best[1] is None else f"{baseline / best[1]:.2f}× ({best[0]})")
+        name, median = _fastest(case, ours, "median_us")
+        fraction = MISSING if name is None or not _value(results[name], "fraction_of_ceiling") else \
+            f"{results[name]['fraction_of_ceiling']:.2f}"
+        lines.append(f"| {_case_name(case)} | {_shape_cell(case['shape'])} | {case['bytes'] / 1e6:.3g} | "
+                     + " | ".join(cells) + f" | {kernels} | {' / '.join(ratios)} | {fraction} |")
+    return lines
+
+
+def _has(run, name) -> bool:
+    return any(system["name"] == name for system in run["systems"])
+
+
+def _every_system(run) -> list[str]:
+    names = [system["name"] for system in run["systems"]]
+    lines = ["", "## Every system", "", "Cold median / GPU time in µs, every system of the run:", "",
+             "| case | " + " | ".join(names) + " |", "|---|" + "---|" * len(names)]
+    for case in run["cases"]:
+        cells = []
+        for name in names:
+            result = case["results"].get(name)
+            cells.append(" / ".join(_us(_value(result, key)) for key in ("median_us", "graph_us")) if _timed(result)
+                         else _timings_cell(result))
+        lines.append(f"| {_case_name(case)} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def _summary(run) -> list[str]:
+    sources = ", ".join(dict.fromkeys(case["baseline_source"] for case in run["cases"]))
+    lines = ["", "## Summary", "", f"Baseline: {sources}.", ""]
+    for (variant, measure, who), values in speedups(run).items():
+        whom = "the faster of our backends" if who == "best" else who
+        lines.append(f"- {variant}, {measure}: {whom} faster than the baseline on {sum(v > 1 for v in values)} "
+                     f"of {len(values)} cases, geometric mean {geomean(values):.2f}×.")
+    for name, ratios in host_ratios(run).items():
+        above = [f"{label} ({ratio:.2f}×)" for label, ratio in ratios if ratio > HOST_RATIO_LIMIT]
+        lines.append(f"- {name}: host time per call over the torch launch timed beside it "
+                     f"{min(r for _, r in ratios):.2f}-{max(r for _, r in ratios):.2f}×; above {HOST_RATIO_LIMIT}×: "
+                     f"{', '.join(above) or 'none'}.")
+    bounds = headroom(run)
+    if bounds:
+        lines.append("- Headroom: with every plain case at " + ", ".join(
+            f"{fraction:.0%} of the ceiling a system would reach {value:.2f}×" for fraction, value in bounds.items())
+            + f" FA2's GPU time (geometric mean; no case below one torch launch's "
+              f"{_us(run['settings']['torch_launch_gpu_us'])} µs).")
+    return lines + _against_plain(run)
+
+
+def _correctness(run) -> list[str]:
+    threshold = run["settings"].get("rel_err_threshold")
+    timed = [(case, name, result) for case in run["cases"] for name, result in case["results"].items()
+             if not result.get("skipped")]
+    wrong = [f"{_case_name(case)} {name}: {result.get('error') or 'relative error ' + str(result.get('rel_err'))}"
+             for case, name, result in timed if not result.get("correct")]
+    skipped = {}  # (system, reason) -> the cases
+    for case in run["cases"]:
+        for name, result in case["results"].items():
+            if result.get("skipped"):
+                skipped.setdefault((name, result["skipped"]), []).append(_case_name(case))
+    lines = ["", "## Correctness", "",
+             f"Every result is checked in the run against `flashdecode.reference` (relative L2 error at most "
+             f"{threshold}) on the timed inputs, the graph replay and fresh inputs. "
+             + (f"All {len(timed)} timed results passed." if not wrong else
+                f"{len(timed) - len(wrong)} of {len(timed)} timed results passed; failed:")]
+    lines += [f"- {line}" for line in wrong]
+    if skipped:
+        lines += ["", "Calls a system does not take (skipped):", ""] + [
+            f"- {name} on {', '.join(labels)}: {reason}" for (name, reason), labels in skipped.items()]
+    return lines
+
+
+def machine_lines_of(run) -> list[str]:
+    """The machine lines of a run as ``--json`` writes it (:func:`machine_lines` of the BenchRun)."""
+    lines = []
+    for case in run["cases"]:
+        token = int(case["case"]) if case["matrix"] == "cases" and case["variant"] == "plain" else \
+            case["case"] + ("" if case["variant"] == "plain" else f"/{case['variant']}")
+        for name in _our_systems(run):
+            result = case["results"].get(name)
+            if not result or result.get("skipped"):
+                continue
+            median = _value(result, "median_us")
+            lines.append(format_machine_line({
+                "case": token, "compiled": result["compiled"], "correct": result["correct"], "backend": name,
+                "runtime": _rounded(median and median / 1e3, 4),
+                "ref_runtime": _rounded(case["baseline_us"] and case["baseline_us"] / 1e3, 4),
+                "speedup": _rounded(_value(result, "speedup"), 4),
+                "bw_gbps": _rounded(_value(result, "bandwidth_gbps"), None),
+                "bw_fraction": _rounded(_value(result, "fraction_of_ceiling"), 2)}))
+    return lines
+
+
+def markdown(run: dict) -> str:
+    """The markdown page of a run as ``--json`` writes it (:func:`run_to_dict`): provenance, the times
+    of our backends and the baseline, every system's, the summary figures the run supports (wins and
+    geometric means over the baseline, host time against a torch launch, the headroom over FA2),
+    correctness and the machine lines. Computed from the run alone, so a page never cites a number
+    its run does not hold."""
+    lines = ["# Benchmarks", "",
+             "<!-- Generated from the run's JSON by flashdecode/bench/report.py (`flashdecode bench --markdown` or "
+             "`python -m flashdecode.bench.report RUN.json`); edit the generator, not this page. -->", "",
+             f"`flashdecode bench` on {run['device']}: {len(run['cases'])} calls "
+             f"({', '.join(dict.fromkeys(case['matrix'] for case in run['cases']))} matrix; variants "
+             f"{', '.join(dict.fromkeys(case['variant'] for case in run['cases']))}), "
+             f"{len(run['systems'])} systems timed in the same process.", ""]
+    lines += _provenance(run) + _results(run) + _every_system(run) + _summary(run) + _correctness(run)
+    lines += ["", "## Machine lines", "", "```"] + machine_lines_of(run) + ["```"]
+    return "\n".join(lines) + "\n"
+
+
+def write_markdown(run, path) -> None:
+    """The markdown page of a BenchRun (``flashdecode bench --markdown PATH``)."""
+    pathlib.Path(path).write_text(markdown(run_to_dict(run)))
+
+
 class Progress:
     """Progress on stderr: tqdm when it imports, else a counter."""
 
@@ -306,3 +610,14 @@ class Progress:
             self._bar.close()
         elif self.stream.isatty():
             print(file=self.stream)
+
+
+def main(argv=None) -> None:
+    """``python -m flashdecode.bench.report RUN.json``: print the run's markdown page."""
+    parser = argparse.ArgumentParser(prog="python -m flashdecode.bench.report", description=main.__doc__)
+    parser.add_argument("run", type=pathlib.Path, help="a run's JSON (flashdecode bench --json)")
+    print(markdown(json.loads(parser.parse_args(argv).run.read_text())), end="")
+
+
+if __name__ == "__main__":
+    main()
