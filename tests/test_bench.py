@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from flashdecode import cases
-from flashdecode.bench import Unsupported, peers, report
+from flashdecode.bench import Unsupported, correctness, peers, report
 from flashdecode.bench.results import BenchRun, CaseRun, Ceiling, Result, System
 from flashdecode.bench.timing import Timer, Timing, summarize
 from flashdecode.reference import reference_attention, relative_error
@@ -312,7 +312,7 @@ def test_measure_checks_times_skips_and_survives_failures(runner):
     variant = cases.VARIANTS["append"]
     layers = [cases.make_call(SMALL, variant, dtype=torch.float16, seed=seed) for seed in (1, 7)]
     fresh = cases.make_call(SMALL, variant, dtype=torch.float16, seed=runner.FRESH_SEED)
-    references = _reference(layers[0]), _reference(fresh)
+    references = correctness.expected(layers[0]), correctness.expected(fresh)
     timer = Timer(torch.device("cpu"), iters=2, warmup=0)
     made = []
 
@@ -341,14 +341,93 @@ def test_measure_checks_times_skips_and_survives_failures(runner):
     assert not broken.compiled and not broken.correct and "ZeroDivisionError" in broken.error
 
 
+#: A large batch of short sequences (1-4 tokens) and one of 256 (row 0), bf16 as on the GPU.
+PLANTED = cases.Case(0, 64, 256, 8, 4, 64, "skewed")
+PLANTED_HEAD = 13
+
+
+def _planted(call, honest, plant: str):
+    """(out, lse) of the float32 reference (``honest``) with one head of one sequence wrong: zeroed;
+    the last key of a sequence of a few tokens dropped; the softmax scale 1% off on the long sequence."""
+    out, lse = (tensor.clone() for tensor in honest)
+    lengths = call.cache_seqlens
+    if plant == "zeroed":
+        out[5, :, PLANTED_HEAD] = 0
+        return out, lse
+    sequence = int(torch.nonzero((lengths >= 2) & (lengths <= 4))[0]) if plant == "key_short" else 0
+    kwargs = call.kwargs()
+    if plant == "key_short":
+        kwargs["cache_seqlens"] = lengths - (torch.arange(len(lengths)) == sequence).to(lengths.dtype)
+    else:
+        kwargs["softmax_scale"] = 1.01 * call.q.shape[-1] ** -0.5
+    wrong_out, wrong_lse = reference_attention(call.q, call.k_cache, call.v_cache, **kwargs)
+    out[sequence, :, PLANTED_HEAD] = wrong_out[sequence, :, PLANTED_HEAD]
+    lse[sequence, PLANTED_HEAD] = wrong_lse[sequence, PLANTED_HEAD]
+    return out, lse
+
+
+@pytest.fixture(scope="module")
+def planted_call():
+    """PLANTED's inputs, what they are judged against, and the float32 reference's (out, lse)."""
+    call = cases.make_call(PLANTED, cases.VARIANTS["plain"], dtype=torch.bfloat16)
+    expected = correctness.expected(call)
+    return call, expected, (expected.out, expected.lse)
+
+
+@pytest.mark.parametrize("plant", ["zeroed", "key_short", "scale"])
+def test_one_wrong_head_in_a_large_batch_is_not_correct(runner, planted_call, plant):
+    """Each plant passes the old whole-tensor check (||out-ref||/||ref|| <= 0.02) and fails the
+    per-row one (out rows; lse for the scale, whose out moves less than bf16 rounding), through
+    measure and its machine line; the honest reference passes. (The same inputs serve as the
+    fresh ones here.)"""
+    call, expected, honest = planted_call
+    planted = _planted(call, honest, plant)
+    verdict = correctness.judge(planted, expected)
+    assert verdict.rel_err <= 0.02 and not verdict.correct
+    if plant == "scale":
+        assert verdict.lse_error > correctness.LSE_ATOL
+    else:
+        assert verdict.failed_rows >= 1 and verdict.row_ratio > 1
+
+    def system(output):
+        return System(plant, "ours", "0", "test", lambda layer: None, lambda layers: [lambda: output[0]] * len(layers),
+                      setup_with_lse=lambda layers: [lambda: output] * len(layers))
+
+    timer = Timer(torch.device("cpu"), iters=1, warmup=0)
+    wrong, right = runner.measure([system(planted), system(honest)], [call], call, (expected, expected), timer,
+                                  _selection(runner))
+    assert not wrong.correct and right.correct and right.row_ratio == 0.0 and right.lse_error == 0.0
+    run = CaseRun(PLANTED, PLANTED, cases.VARIANTS["plain"], 0, None, "none", None, [wrong, right])
+    assert [line.split()[2] for line in report.machine_lines(types.SimpleNamespace(cases=[run]))] == [
+        "CORRECT:False", "CORRECT:True"]
+
+
+def test_row_tolerance_comes_from_a_same_dtype_run():
+    """A row's tolerance is 3x the bf16 torch run's error on it plus eps x its largest value; NaN fails."""
+    call = cases.make_call(SMALL, cases.VARIANTS["plain"], dtype=torch.bfloat16)
+    expected = correctness.expected(call)
+    same = reference_attention(call.q, call.k_cache, call.v_cache, **call.kwargs(), compute_dtype=torch.bfloat16)[0]
+    floor = torch.finfo(torch.bfloat16).eps * expected.out.float().abs().amax(-1) + correctness.OUT_ATOL
+    row_error = (same.float() - expected.out.float()).abs().amax(-1)
+    assert row_error.max() > 0 and torch.allclose(expected.row_tolerance, 3 * row_error + floor)
+    assert correctness.judge((expected.out, expected.lse), expected).correct
+    broken = expected.out.clone()
+    broken[0, 0, 0, 0] = float("nan")
+    assert correctness.judge(broken, expected).row_ratio == float("inf")
+    assert not correctness.judge(broken, expected).correct
+
+
 def test_our_backend_system_checks_with_plan_for(runner):
-    """Our systems ask flashdecode.plan_for: its Plan is recorded, a call the backend cannot take is Unsupported."""
-    check, setup, _ = runner.call_ours("triton")
+    """Our systems ask flashdecode.plan_for: its Plan is recorded, a call the backend cannot take is
+    Unsupported; the timed call returns out, the checked one (out, lse), which the per-row check passes."""
+    check, setup, _, setup_with_lse = runner.call_ours("triton")
     call = cases.make_call(SMALL, cases.VARIANTS["q4"], dtype=torch.float16)
     plan = check(call)
     assert plan["kernel"] and plan["config"]["block_n"] > 0
-    out = setup([call])[0]()
-    assert relative_error(out, _reference(cases.make_call(SMALL, cases.VARIANTS["q4"], dtype=torch.float16))) < 2e-2
+    expected = correctness.expected(cases.make_call(SMALL, cases.VARIANTS["q4"], dtype=torch.float16))
+    assert isinstance(setup([call])[0](), torch.Tensor)
+    verdict = correctness.judge(setup_with_lse([call])[0](), expected)
+    assert verdict.correct and verdict.lse_error is not None
     if not torch.cuda.is_available():
         with pytest.raises(Unsupported, match="tilelang"):
             runner.call_ours("tilelang")[0](call)
@@ -528,7 +607,7 @@ def test_measure_counts_host_path_hits_over_the_host_time_loop_only(runner, monk
     system whose calls hit everywhere but in that loop reads as the Python path."""
     layers = [cases.make_call(SMALL, cases.VARIANTS["plain"], dtype=torch.float16)]
     fresh = cases.make_call(SMALL, cases.VARIANTS["plain"], dtype=torch.float16, seed=runner.FRESH_SEED)
-    references = _reference(layers[0]), _reference(fresh)
+    references = correctness.expected(layers[0]), correctness.expected(fresh)
     hits = [0]
     in_loop = [False]
 
@@ -577,7 +656,7 @@ def test_measure_interleaves_the_systems_and_drops_one_that_fails_while_timed(ru
     are timed again without it."""
     layers = [cases.make_call(SMALL, cases.VARIANTS["plain"], dtype=torch.float16)]
     fresh = cases.make_call(SMALL, cases.VARIANTS["plain"], dtype=torch.float16, seed=runner.FRESH_SEED)
-    references = _reference(layers[0]), _reference(fresh)
+    references = correctness.expected(layers[0]), correctness.expected(fresh)
     timer = Timer(torch.device("cpu"), iters=3, warmup=1)
     order = []
 

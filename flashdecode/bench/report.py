@@ -91,6 +91,7 @@ def _result_dict(result) -> dict:
               **_timing_fields(result),
               "bandwidth_gbps": result.bandwidth_gbps, "fraction_of_ceiling": result.fraction,
               "speedup": result.speedup, "rel_err": result.rel_err, "fresh_rel_err": result.fresh_rel_err,
+              "row_ratio": result.row_ratio, "failed_rows": result.failed_rows, "lse_error": result.lse_error,
               "skipped": result.skipped, "error": result.error}
     if result.kind == "ours":
         fields["plan"] = result.plan
@@ -135,7 +136,7 @@ def write_json(run, path) -> None:
 CSV_COLUMNS = ("case", "matrix", "variant", "shape", "bytes", "system", "kind", "compiled", "correct", "median_us",
                "min_us", "p80_us", "runs", "graph_us", "host_overhead_us", "host_launch_us", "host_path", "eager_us",
                "eager_layers", "bandwidth_gbps", "fraction_of_ceiling", "speedup", "rel_err", "fresh_rel_err",
-               "baseline_us", "baseline_source", "skipped", "error")
+               "row_ratio", "failed_rows", "lse_error", "baseline_us", "baseline_source", "skipped", "error")
 
 
 def write_csv(run, path) -> None:
@@ -227,7 +228,9 @@ def _correct_cell(result) -> str:
     if result.skipped:
         return "skipped"
     if result.compiled and result.rel_err is not None:
-        return f"{'ok' if result.correct else 'FAIL'} {result.rel_err:.1e}/{_number(result.fresh_rel_err, '.1e')}"
+        rows = "" if result.correct or not result.failed_rows else f" {result.failed_rows} rows"
+        return (f"{'ok' if result.correct else 'FAIL'} {result.rel_err:.1e}/{_number(result.fresh_rel_err, '.1e')} "
+                f"row {_number(result.row_ratio, '.2f')} lse {_number(result.lse_error, '.0e')}{rows}")
     return "ERROR"
 
 
@@ -247,7 +250,7 @@ def format_table(run) -> str:
     lines += [f"note: {note}" for note in run.notes]
     header = (f"{'case':>4} {'variant':<8} {'shape':<28} {'system':<17} {'median us':>10} {'min us':>10} "
               f"{'p80 us':>10} {'graph us':>9} {'host us':>8} {'launch':>6} {'eager us':>13} {'GB/s':>6} {'ceil':>5} "
-              f"{'speedup':>8}  correct (rel err timed/fresh)")
+              f"{'speedup':>8}  correct (rel err timed/fresh, worst row error / tolerance, lse error)")
     lines += ["", header, "-" * len(header)]
     errors, skipped, python_path = [], [], []
     for c in run.cases:
