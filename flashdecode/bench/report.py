@@ -11,9 +11,11 @@ import json
 import math
 import pathlib
 import sys
-import uuid
 
-#: Machine-line fields in order: (key, how a value is written). None is written "n/a".
+from . import candidates
+
+#: Machine-line fields in order: (key, how a value is written). None is written "n/a". The parser
+#: also takes the short line of the optimisation loop's spec, without CASE and the bandwidth.
 MACHINE_FIELDS = (
     ("CASE", str), ("COMPILED", str), ("CORRECT", str), ("BACKEND", str),
     ("RUNTIME", "{:.4f}".format), ("REF_RUNTIME", "{:.4f}".format), ("SPEEDUP", "{:.4f}x".format),
@@ -25,7 +27,8 @@ _PARSERS = {
     "RUNTIME": float, "REF_RUNTIME": float, "SPEEDUP": lambda v: float(v.removesuffix("x")),
     "BW_GBPS": int, "BW_FRACTION": float,
 }
-TECHNIQUE = "split-kv gqa-packed"
+#: Fields the short line leaves out (None when parsed from it).
+OPTIONAL_MACHINE_FIELDS = ("CASE", "BW_GBPS", "BW_FRACTION")
 
 
 def _rounded(value, digits):
@@ -53,17 +56,18 @@ def format_machine_line(fields: dict) -> str:
 
 
 def parse_machine_line(line: str) -> dict:
-    """Inverse of :func:`format_machine_line`: lower-case keys, typed values, None for n/a."""
+    """Inverse of :func:`format_machine_line`: lower-case keys, typed values, None for n/a; also the
+    6-field line ``COMPILED CORRECT BACKEND RUNTIME REF_RUNTIME SPEEDUP`` (the others None)."""
     fields = {}
     for item in line.split():
         key, _, value = item.partition(":")
         if key not in _PARSERS:
             raise ValueError(f"unknown machine-line field {key!r} in {line!r}")
         fields[key.lower()] = None if value == "n/a" else _PARSERS[key](value)
-    missing = [key for key, _ in MACHINE_FIELDS if key.lower() not in fields]
+    missing = [key for key, _ in MACHINE_FIELDS if key.lower() not in fields and key not in OPTIONAL_MACHINE_FIELDS]
     if missing:
         raise ValueError(f"machine line lacks {missing}: {line!r}")
-    return fields
+    return {key.lower(): fields.get(key.lower()) for key, _ in MACHINE_FIELDS}
 
 
 def machine_lines(run) -> list[str]:
@@ -189,19 +193,9 @@ def write_plot(run, path) -> None:
 
 
 def candidate_records(run) -> list[dict]:
-    """One record per (case, variant, our backend) that took the call, for a candidates log."""
-    return [
-        _finite({"id": uuid.uuid4().hex, "timestamp": run.environment["date"],
-                 "git_commit": run.environment["git_commit"],
-                 "source_digest": run.environment.get("source_digest"),
-                 "extension_digest": run.environment.get("extension_digest"), "device": run.environment["device"],
-                 "case": c.token, "matrix": c.case.matrix, "variant": c.variant.name, "backend": r.system,
-                 "technique": f"{TECHNIQUE} {r.system}",
-                 "config": r.plan, "validation": "pass" if r.correct else "fail",
-                 "runtime_ms": r.timing and r.timing.median_us / 1e3,
-                 "ref_runtime_ms": c.baseline_us and c.baseline_us / 1e3, "speedup": r.speedup})
-        for c in run.cases for r in c.results if r.kind == "ours" and not r.skipped
-    ]
+    """One record per (case, variant, our backend) that took the call, for a candidates log
+    (``candidates.records`` of the run's JSON form)."""
+    return candidates.records(run_to_dict(run))
 
 
 def append_records(run, path) -> None:
