@@ -115,6 +115,25 @@ def test_c500_shared_memory_model_against_the_plan_in_view():
     assert get_backend("tilelang").resident_programs(problem, dataclasses.replace(view, num_stages=1), C500) == 2
 
 
+@pytest.mark.parametrize("name, headdim", [
+    ("triton", 64), ("triton", 128), ("triton", 256), ("tilelang", 64), ("tilelang", 128),
+    pytest.param("tilelang", 256, marks=pytest.mark.xfail(
+        strict=True, reason="TileLang's 64-row q tile and 16-token stages need 66 KiB at head dim 256: over the "
+                            "C500's 64 KiB (docs/hardware/c500.md)")),
+])
+def test_c500_resident_programs_fit_its_shared_memory(name, headdim):
+    """A backend's resident split programs on the C500 fit its 64 KiB per AP together."""
+    from flashdecode.kernels.triton.backend import padded_headdim, shared_bytes
+
+    problem = shape.Shape(cases.Case(0, 8, 32768, 8, 4), headdim).problem()
+    backend = get_backend(name)
+    plan = planner.plan(problem, C500, backend)
+    resident = backend.resident_programs(problem, plan.config, C500)
+    need = shared_bytes(plan.config, padded_headdim(headdim), 2, C500) if name == "triton" else \
+        tilelang_occupancy.split_shared_bytes(problem, plan.config, C500)
+    assert resident >= 1 and resident * need <= C500.shared_memory_per_multiprocessor, (resident, need)
+
+
 def test_c500_profile_plans_with_its_own_units():
     occupancy = _plan_section(12, C500)["dimensions"]["occupancy"]["figures"]
     assert occupancy["multiprocessors"] == 104
