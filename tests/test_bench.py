@@ -417,6 +417,32 @@ def test_row_tolerance_comes_from_a_same_dtype_run():
     assert not correctness.judge(broken, expected).correct
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["triton", "tilelang"])
+def test_our_backends_pass_the_per_row_check_on_the_matrix(runner, backend):
+    """On the GPU, bf16: every case of the 14-case matrix plain, and cases 3, 7 and 10 under every
+    variant, pass the per-row check (rows of out and lse) the benchmark applies, through the calls
+    it times and checks; a call the backend cannot take is left out."""
+    check, _, _, setup_with_lse = runner.call_ours(backend)
+    calls = [(case, "plain") for case in cases.CASES]
+    calls += [(cases.CASES_BY_NUMBER[n], variant) for n in (3, 7, 10) for variant in cases.VARIANTS if variant != "plain"]
+    judged = []
+    for case, variant in calls:
+        call = cases.make_call(case, cases.VARIANTS[variant], "cuda")
+        try:
+            check(call)
+        except Unsupported:
+            continue
+        expected = correctness.expected(call)
+        verdict = correctness.judge(setup_with_lse([call])[0](), expected)
+        judged.append((case.label, variant, verdict.row_ratio, verdict.lse_error))
+        assert verdict.correct, (case.label, variant, verdict)
+    if not judged:
+        pytest.skip(f"backend {backend!r} takes none of the calls here")
+    print(f"{backend}: worst row error / tolerance {max(j[2] for j in judged):.3f}, "
+          f"worst lse error {max(j[3] for j in judged):.2e} over {len(judged)} calls")
+
+
 def test_our_backend_system_checks_with_plan_for(runner):
     """Our systems ask flashdecode.plan_for: its Plan is recorded, a call the backend cannot take is
     Unsupported; the timed call returns out, the checked one (out, lse), which the per-row check passes."""
