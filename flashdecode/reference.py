@@ -253,7 +253,7 @@ def _attend_sequence(query, k_cache, v_cache, b, first, end, positions_q, cache_
         scores = scores - slopes * (positions_q[:, None] - positions_k[None, :]).abs()
     visible = window_mask(positions_q, positions_k, window_left, window_right).expand_as(scores)
     probs, lse = _softmax_rows(scores, visible)
-    probs = probs.view(nheads_k, rows, end - first)
+    probs = probs.view(nheads_k, rows, end - first).to(query.dtype)  # ALiBi's float32 slopes promote the scores
     out = sum(probs[..., lo - first:hi - first] @ keys(v_cache, lo, hi) for lo, hi in chunks)
     out = out.view(nheads_k * group, seqlen_q, headdim).transpose(0, 1)
     return out, lse.reshape(nheads_k * group, seqlen_q)
