@@ -158,7 +158,7 @@ def plan_only(shape: Shape, backend: str | None) -> dict:
              ", ".join(f"{s['hardware']} {s['backend']}" for s in sections))
     notes = ["PLAN ONLY: no CUDA device here, so nothing was run or measured; dimensions 1 and 2 come "
              "from the planner for each hardware profile (flashdecode.hardware.PROFILES), with the plan and "
-             f"residency of {which} (computed, not measured)."]
+             f"residency of {which}: computed, not measured."]
     return build(shape, backend, "plan-only", sections, notes, {})
 
 
