@@ -48,7 +48,11 @@ def _add_bench(subparsers) -> None:
                              "all that import); a named peer that cannot run is an error")
     parser.add_argument("--iters", type=positive_int, default=None,
                         help="timed runs per result (default 100 on CUDA, at least 50; 3 on CPU)")
-    parser.add_argument("--warm-cache", action="store_true", help="do not flush L2 before each timed run")
+    cache = parser.add_mutually_exclusive_group()
+    cache.add_argument("--cold-cache", dest="warm_cache", action="store_false", default=False,
+                       help="flush L2 before each timed run (the default)")
+    cache.add_argument("--warm-cache", dest="warm_cache", action="store_true",
+                       help="do not flush L2 before each timed run")
     parser.add_argument("--machine", action="store_true",
                         help="print one CASE:... BACKEND:... line per (case, variant, our backend) after the table")
     parser.add_argument("--json", metavar="PATH", help="write the whole run as JSON")
@@ -136,11 +140,60 @@ def _add_profile(subparsers) -> None:
     parser.set_defaults(handler=command.run, command_parser=parser)
 
 
+def _add_candidates(subparsers) -> None:
+    from .bench import candidates
+
+    parser = subparsers.add_parser(
+        "candidates", help="rank the candidates log per case by technique; flag cases that stopped improving",
+        description="Read a candidates log (bench --record) and print, per case and device, its techniques "
+                    "(backend, kernel, tile config, merge flags) ranked by their best passing runtime; a case whose "
+                    f"last {candidates.STALL_CANDIDATES} candidates (or --stall) brought no gain of "
+                    f"{candidates.MIN_GAIN:.0%} is flagged STAGNATING with the next steps (docs/optimising.md).")
+    parser.add_argument("--file", default="results/candidates.jsonl", metavar="PATH",
+                        help="the candidates log (default: %(default)s)")
+    parser.add_argument("--case", type=_names, default=(),
+                        help="cases as machine lines name them, e.g. 10,W3,7/q4 (default: all)")
+    parser.add_argument("--top", type=positive_int, default=5, help="techniques shown per case (default %(default)s)")
+    parser.add_argument("--stall", type=positive_int, default=candidates.STALL_CANDIDATES,
+                        help="candidates without a gain that flag a case (default %(default)s)")
+    parser.add_argument("--from-runs", nargs="+", metavar="RUN.json",
+                        help="first rebuild --file from these bench runs (--json files), replacing it")
+    parser.set_defaults(handler=_run_candidates, command_parser=parser)
+
+
+def _run_candidates(args) -> int:
+    """Print the ranking; exit 0 (a stagnating case is advice, not a failure)."""
+    from .bench import candidates
+
+    if args.from_runs:
+        try:
+            rebuilt, left_out = candidates.from_runs(args.from_runs)
+        except (OSError, ValueError) as error:
+            args.command_parser.error(f"--from-runs: {error}")
+        candidates.write(rebuilt, args.file)
+        for reason in left_out:
+            print(f"flashdecode candidates: left out {reason}", file=sys.stderr)
+        print(f"flashdecode candidates: wrote {len(rebuilt)} records to {args.file}", file=sys.stderr)
+    try:
+        found = candidates.read(args.file)
+    except OSError as error:
+        args.command_parser.error(f"--file: cannot read {args.file}: {error.strerror}")
+    except ValueError as error:
+        args.command_parser.error(f"--file: {args.file} is not a jsonl log: {error}")
+    if args.case:
+        found = [record for record in found if str(record["case"]) in args.case]
+        if not found:
+            args.command_parser.error(f"--case: no candidate of {', '.join(args.case)} in {args.file}")
+    print(candidates.format_rankings(candidates.rank(found, args.stall), args.top))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="flashdecode", description="flashdecode command-line tools")
     subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     _add_bench(subparsers)
     _add_profile(subparsers)
+    _add_candidates(subparsers)
     return parser
 
 

@@ -193,7 +193,10 @@ PROFILES: dict[str, HardwareProfile] = {
                             dependent_launch=True),
     "h200": HardwareProfile("h200", 132, 228 * KIB, 60 * MIB, 32, 64 * KIB, 4.8e12, HOPPER_TUNING,
                             dependent_launch=True),
-    "c500": HardwareProfile("c500", 104, 64 * KIB, 8 * MIB, 64, 64 * KIB, 1.8e12),
+    # Triton's resident programs computed from its split program's shared memory (35-41 KB at head
+    # dims 64-256) against 64 KiB per AP, not measured (docs/hardware/c500.md).
+    "c500": HardwareProfile("c500", 104, 64 * KIB, 8 * MIB, 64, 64 * KIB, 1.8e12,
+                            Tuning(triton_resident_programs=((64, 1), (128, 1), (256, 1)))),
 }
 
 

@@ -165,14 +165,16 @@ def _key_slots(b, positions, cache_rows, block_table, page_size):
 def reference_attention(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None,
                         cache_seqlens=None, cache_batch_idx=None, cache_leftpad=None, block_table=None,
                         softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
-                        rotary_interleaved=True, alibi_slopes=None):
+                        rotary_interleaved=True, alibi_slopes=None, compute_dtype=torch.float32):
     """``flash_attn_with_kvcache``'s whole surface in float32 (``docs/design.md``, "Semantics").
 
     Appends ``k`` (rotated) and ``v`` into the caches in place, at positions ``[cache_seqlens[b],
     + seqlen_new)`` of cache row ``cache_batch_idx[b]`` or of the pages of ``block_table[b]``, then
     attends each sequence over only the keys it can see. ``cache_seqlens``: None (every row at
     capacity), an int, or a (B,) tensor. Assumes validated arguments. Returns out (B, Sq, H, D) in
-    q's dtype and lse (B, H, Sq) float32.
+    q's dtype and lse (B, H, Sq) float32. ``compute_dtype=q.dtype`` computes scores, probabilities
+    and values in the inputs' dtype instead: a same-dtype run whose error sets the benchmark's
+    tolerance (``bench.correctness``), as ``attention_ref(upcast=False)`` does in the tests.
     """
     batch, seqlen_q, nheads, headdim = q.shape
     nheads_k = k_cache.shape[2]
@@ -219,7 +221,7 @@ def reference_attention(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, ro
         slopes = None
         if alibi_slopes is not None:
             slopes = (alibi_slopes if alibi_slopes.dim() == 1 else alibi_slopes[b]).float().view(nheads_k, group, 1, 1)
-        query = q[b].float().permute(1, 0, 2).reshape(nheads_k, group * seqlen_q, headdim)
+        query = q[b].to(compute_dtype).permute(1, 0, 2).reshape(nheads_k, group * seqlen_q, headdim)
         positions_q = end - seqlen_q + torch.arange(seqlen_q, device=device)
         out[b], lse[b] = _attend_sequence(query, k_cache, v_cache, b, first, end, positions_q, cache_rows,
                                           block_table, page_size, scale, softcap, window_left, window_right, slopes)
@@ -229,18 +231,18 @@ def reference_attention(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, ro
 def _attend_sequence(query, k_cache, v_cache, b, first, end, positions_q, cache_rows, block_table, page_size,
                      scale, softcap, window_left, window_right, slopes):
     """(out (Sq, H, D), lse (H, Sq)) of one sequence over its keys [first, end): scores chunk by
-    chunk, one masked softmax, then the values chunk by chunk. query: (Hk, G * Sq, D) float32."""
+    chunk, one masked softmax, then the values chunk by chunk, in query's dtype. query: (Hk, G * Sq, D)."""
     nheads_k, rows, headdim = query.shape
     seqlen_q = positions_q.shape[0]
     group = rows // seqlen_q
     chunks = [(lo, min(lo + KEY_CHUNK, end)) for lo in range(first, end, KEY_CHUNK)]
     device = query.device
 
-    def keys(cache, lo, hi):  # (Hk, hi - lo, D) float32
+    def keys(cache, lo, hi):  # (Hk, hi - lo, D) in query's dtype
         if block_table is None:
-            return cache[cache_rows[b], lo:hi].float().permute(1, 0, 2)
+            return cache[cache_rows[b], lo:hi].to(query.dtype).permute(1, 0, 2)
         slots = _key_slots(b, torch.arange(lo, hi, device=device), cache_rows, block_table, page_size)
-        return cache[slots].float().permute(1, 0, 2)
+        return cache[slots].to(query.dtype).permute(1, 0, 2)
 
     scores = torch.cat([query @ keys(k_cache, lo, hi).transpose(1, 2) for lo, hi in chunks], dim=-1)
     scores = scores.view(nheads_k, group, seqlen_q, end - first) * scale
@@ -251,7 +253,7 @@ def _attend_sequence(query, k_cache, v_cache, b, first, end, positions_q, cache_
         scores = scores - slopes * (positions_q[:, None] - positions_k[None, :]).abs()
     visible = window_mask(positions_q, positions_k, window_left, window_right).expand_as(scores)
     probs, lse = _softmax_rows(scores, visible)
-    probs = probs.view(nheads_k, rows, end - first)
+    probs = probs.view(nheads_k, rows, end - first).to(query.dtype)  # ALiBi's float32 slopes promote the scores
     out = sum(probs[..., lo - first:hi - first] @ keys(v_cache, lo, hi) for lo, hi in chunks)
     out = out.view(nheads_k * group, seqlen_q, headdim).transpose(0, 1)
     return out, lse.reshape(nheads_k * group, seqlen_q)

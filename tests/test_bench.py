@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from flashdecode import cases
-from flashdecode.bench import Unsupported, peers, report
+from flashdecode.bench import Unsupported, candidates, correctness, peers, report
 from flashdecode.bench.results import BenchRun, CaseRun, Ceiling, Result, System
 from flashdecode.bench.timing import Timer, Timing, summarize
 from flashdecode.reference import reference_attention, relative_error
@@ -312,7 +312,7 @@ def test_measure_checks_times_skips_and_survives_failures(runner):
     variant = cases.VARIANTS["append"]
     layers = [cases.make_call(SMALL, variant, dtype=torch.float16, seed=seed) for seed in (1, 7)]
     fresh = cases.make_call(SMALL, variant, dtype=torch.float16, seed=runner.FRESH_SEED)
-    references = _reference(layers[0]), _reference(fresh)
+    references = correctness.expected(layers[0]), correctness.expected(fresh)
     timer = Timer(torch.device("cpu"), iters=2, warmup=0)
     made = []
 
@@ -341,14 +341,119 @@ def test_measure_checks_times_skips_and_survives_failures(runner):
     assert not broken.compiled and not broken.correct and "ZeroDivisionError" in broken.error
 
 
+#: A large batch of short sequences (1-4 tokens) and one of 256 (row 0), bf16 as on the GPU.
+PLANTED = cases.Case(0, 64, 256, 8, 4, 64, "skewed")
+PLANTED_HEAD = 13
+
+
+def _planted(call, honest, plant: str):
+    """(out, lse) of the float32 reference (``honest``) with one head of one sequence wrong: zeroed;
+    the last key of a sequence of a few tokens dropped; the softmax scale 1% off on the long sequence."""
+    out, lse = (tensor.clone() for tensor in honest)
+    lengths = call.cache_seqlens
+    if plant == "zeroed":
+        out[5, :, PLANTED_HEAD] = 0
+        return out, lse
+    sequence = int(torch.nonzero((lengths >= 2) & (lengths <= 4))[0]) if plant == "key_short" else 0
+    kwargs = call.kwargs()
+    if plant == "key_short":
+        kwargs["cache_seqlens"] = lengths - (torch.arange(len(lengths)) == sequence).to(lengths.dtype)
+    else:
+        kwargs["softmax_scale"] = 1.01 * call.q.shape[-1] ** -0.5
+    wrong_out, wrong_lse = reference_attention(call.q, call.k_cache, call.v_cache, **kwargs)
+    out[sequence, :, PLANTED_HEAD] = wrong_out[sequence, :, PLANTED_HEAD]
+    lse[sequence, PLANTED_HEAD] = wrong_lse[sequence, PLANTED_HEAD]
+    return out, lse
+
+
+@pytest.fixture(scope="module")
+def planted_call():
+    """PLANTED's inputs, what they are judged against, and the float32 reference's (out, lse)."""
+    call = cases.make_call(PLANTED, cases.VARIANTS["plain"], dtype=torch.bfloat16)
+    expected = correctness.expected(call)
+    return call, expected, (expected.out, expected.lse)
+
+
+@pytest.mark.parametrize("plant", ["zeroed", "key_short", "scale"])
+def test_one_wrong_head_in_a_large_batch_is_not_correct(runner, planted_call, plant):
+    """Each plant passes the old whole-tensor check (||out-ref||/||ref|| <= 0.02) and fails the
+    per-row one (out rows; lse for the scale, whose out moves less than bf16 rounding), through
+    measure and its machine line; the honest reference passes. (The same inputs serve as the
+    fresh ones here.)"""
+    call, expected, honest = planted_call
+    planted = _planted(call, honest, plant)
+    verdict = correctness.judge(planted, expected)
+    assert verdict.rel_err <= 0.02 and not verdict.correct
+    if plant == "scale":
+        assert verdict.lse_error > correctness.LSE_ATOL
+    else:
+        assert verdict.failed_rows >= 1 and verdict.row_ratio > 1
+
+    def system(output):
+        return System(plant, "ours", "0", "test", lambda layer: None, lambda layers: [lambda: output[0]] * len(layers),
+                      setup_with_lse=lambda layers: [lambda: output] * len(layers))
+
+    timer = Timer(torch.device("cpu"), iters=1, warmup=0)
+    wrong, right = runner.measure([system(planted), system(honest)], [call], call, (expected, expected), timer,
+                                  _selection(runner))
+    assert not wrong.correct and right.correct and right.row_ratio == 0.0 and right.lse_error == 0.0
+    run = CaseRun(PLANTED, PLANTED, cases.VARIANTS["plain"], 0, None, "none", None, [wrong, right])
+    assert [line.split()[2] for line in report.machine_lines(types.SimpleNamespace(cases=[run]))] == [
+        "CORRECT:False", "CORRECT:True"]
+
+
+def test_row_tolerance_comes_from_a_same_dtype_run():
+    """A row's tolerance is 3x the bf16 torch run's error on it plus eps x its largest value; NaN fails."""
+    call = cases.make_call(SMALL, cases.VARIANTS["plain"], dtype=torch.bfloat16)
+    expected = correctness.expected(call)
+    same = reference_attention(call.q, call.k_cache, call.v_cache, **call.kwargs(), compute_dtype=torch.bfloat16)[0]
+    floor = torch.finfo(torch.bfloat16).eps * expected.out.float().abs().amax(-1) + correctness.OUT_ATOL
+    row_error = (same.float() - expected.out.float()).abs().amax(-1)
+    assert row_error.max() > 0 and torch.allclose(expected.row_tolerance, 3 * row_error + floor)
+    assert correctness.judge((expected.out, expected.lse), expected).correct
+    broken = expected.out.clone()
+    broken[0, 0, 0, 0] = float("nan")
+    assert correctness.judge(broken, expected).row_ratio == float("inf")
+    assert not correctness.judge(broken, expected).correct
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["triton", "tilelang"])
+def test_our_backends_pass_the_per_row_check_on_the_matrix(runner, backend):
+    """On the GPU, bf16: every case of the 14-case matrix plain, and cases 3, 7 and 10 under every
+    variant, pass the per-row check (rows of out and lse) the benchmark applies, through the calls
+    it times and checks; a call the backend cannot take is left out."""
+    check, _, _, setup_with_lse = runner.call_ours(backend)
+    calls = [(case, "plain") for case in cases.CASES]
+    calls += [(cases.CASES_BY_NUMBER[n], variant) for n in (3, 7, 10) for variant in cases.VARIANTS if variant != "plain"]
+    judged = []
+    for case, variant in calls:
+        call = cases.make_call(case, cases.VARIANTS[variant], "cuda")
+        try:
+            check(call)
+        except Unsupported:
+            continue
+        expected = correctness.expected(call)
+        verdict = correctness.judge(setup_with_lse([call])[0](), expected)
+        judged.append((case.label, variant, verdict.row_ratio, verdict.lse_error))
+        assert verdict.correct, (case.label, variant, verdict)
+    if not judged:
+        pytest.skip(f"backend {backend!r} takes none of the calls here")
+    print(f"{backend}: worst row error / tolerance {max(j[2] for j in judged):.3f}, "
+          f"worst lse error {max(j[3] for j in judged):.2e} over {len(judged)} calls")
+
+
 def test_our_backend_system_checks_with_plan_for(runner):
-    """Our systems ask flashdecode.plan_for: its Plan is recorded, a call the backend cannot take is Unsupported."""
-    check, setup, _ = runner.call_ours("triton")
+    """Our systems ask flashdecode.plan_for: its Plan is recorded, a call the backend cannot take is
+    Unsupported; the timed call returns out, the checked one (out, lse), which the per-row check passes."""
+    check, setup, _, setup_with_lse = runner.call_ours("triton")
     call = cases.make_call(SMALL, cases.VARIANTS["q4"], dtype=torch.float16)
     plan = check(call)
     assert plan["kernel"] and plan["config"]["block_n"] > 0
-    out = setup([call])[0]()
-    assert relative_error(out, _reference(cases.make_call(SMALL, cases.VARIANTS["q4"], dtype=torch.float16))) < 2e-2
+    expected = correctness.expected(cases.make_call(SMALL, cases.VARIANTS["q4"], dtype=torch.float16))
+    assert isinstance(setup([call])[0](), torch.Tensor)
+    verdict = correctness.judge(setup_with_lse([call])[0](), expected)
+    assert verdict.correct and verdict.lse_error is not None
     if not torch.cuda.is_available():
         with pytest.raises(Unsupported, match="tilelang"):
             runner.call_ours("tilelang")[0](call)
@@ -420,6 +525,16 @@ def test_machine_lines_of_a_run_parse_back(fake_run):
     assert wide["case"] == "W3" and "CASE:W3 " in lines[2]
 
 
+def test_parse_machine_line_takes_the_six_field_line():
+    """The loop's short line (no CASE, no bandwidth) parses, the missing fields None."""
+    fields = report.parse_machine_line("COMPILED:True CORRECT:False BACKEND:triton RUNTIME:0.0500 "
+                                       "REF_RUNTIME:0.0618 SPEEDUP:1.2360x")
+    assert fields == {"case": None, "compiled": True, "correct": False, "backend": "triton", "runtime": 0.05,
+                      "ref_runtime": 0.0618, "speedup": 1.236, "bw_gbps": None, "bw_fraction": None}
+    with pytest.raises(ValueError, match="SPEEDUP"):
+        report.parse_machine_line("COMPILED:True CORRECT:True BACKEND:triton RUNTIME:0.05 REF_RUNTIME:0.06")
+
+
 def test_parse_machine_line_rejects_garbage():
     with pytest.raises(ValueError):
         report.parse_machine_line("CASE:1 FOO:2")
@@ -437,7 +552,8 @@ def _result(system, kind, median, correct=True, speedup=None, error=None, skippe
                   fresh_rel_err=1e-3, timing=timing, graph=Timing(median / 2, median / 2, median / 2, 100),
                   host_overhead_us=9.5, eager=Timing(median * 0.8, median * 0.7, median * 0.9, 20), eager_layers=32,
                   bandwidth_gbps=18432 / median / 1e3, fraction=0.5, speedup=speedup,
-                  plan={"block_n": 64, "programs_per_head": 1, "forced_splits": 0, "can_split": False}
+                  plan={"kernel": "split", "config": {"block_n": 64, "block_m": 16, "merge_step": None},
+                        "programs_per_head": 3, "forced_splits": 0, "merge_in_split": True, "dependent_combine": False}
                   if kind == "ours" else None, error=error)
 
 
@@ -477,7 +593,7 @@ def test_json_has_the_whole_run(fake_run, tmp_path):
     triton = first["results"]["triton"]
     assert triton["median_us"] == 12.3456 and triton["graph_us"] == 12.3456 / 2 and triton["host_overhead_us"] == 9.5
     assert triton["eager_us"] == pytest.approx(12.3456 * 0.8) and triton["eager_layers"] == 32
-    assert triton["plan"]["block_n"] == 64 and "plan" not in first["results"]["sdpa"]
+    assert triton["plan"]["config"]["block_n"] == 64 and "plan" not in first["results"]["sdpa"]
     assert data["cases"][1]["results"]["triton"]["rel_err"] == "nan"  # JSON has no NaN
     assert data["cases"][1]["variant"] == "q4" and data["cases"][1]["results"]["sdpa"]["skipped"] == "plain decode only"
     assert data["cases"][2]["case"] == "W3" and data["cases"][2]["matrix"] == "wide"
@@ -508,11 +624,12 @@ def test_records_append_and_keep_earlier_lines(fake_run, tmp_path):
     text = path.read_text()
     assert text.startswith(first) and len(text.splitlines()) == 6
     records = [json.loads(line) for line in text.splitlines()]
-    assert len({record["id"] for record in records}) == 6
+    assert len({record["id"] for record in records}) == 3  # an id names the run, case and backend
     good, failed, wide = records[:3]
     assert good["validation"] == "pass" and failed["validation"] == "fail" and failed["speedup"] is None
     assert good["runtime_ms"] == pytest.approx(0.0123456) and good["ref_runtime_ms"] == pytest.approx(0.00806)
-    assert good["technique"] == "split-kv gqa-packed triton" and good["config"]["block_n"] == 64
+    assert good["technique"] == "triton split(block_n=64, block_m=16) +merge_in_split"
+    assert good["config"]["config"]["block_n"] == 64
     assert good["device"] == "Fake GPU" and good["git_commit"] == "abc" and good["case"] == 1
     assert (failed["case"], failed["variant"]) == ("2/q4", "q4") and (wide["case"], wide["matrix"]) == ("W3", "wide")
 
@@ -528,7 +645,7 @@ def test_measure_counts_host_path_hits_over_the_host_time_loop_only(runner, monk
     system whose calls hit everywhere but in that loop reads as the Python path."""
     layers = [cases.make_call(SMALL, cases.VARIANTS["plain"], dtype=torch.float16)]
     fresh = cases.make_call(SMALL, cases.VARIANTS["plain"], dtype=torch.float16, seed=runner.FRESH_SEED)
-    references = _reference(layers[0]), _reference(fresh)
+    references = correctness.expected(layers[0]), correctness.expected(fresh)
     hits = [0]
     in_loop = [False]
 
@@ -577,7 +694,7 @@ def test_measure_interleaves_the_systems_and_drops_one_that_fails_while_timed(ru
     are timed again without it."""
     layers = [cases.make_call(SMALL, cases.VARIANTS["plain"], dtype=torch.float16)]
     fresh = cases.make_call(SMALL, cases.VARIANTS["plain"], dtype=torch.float16, seed=runner.FRESH_SEED)
-    references = _reference(layers[0]), _reference(fresh)
+    references = correctness.expected(layers[0]), correctness.expected(fresh)
     timer = Timer(torch.device("cpu"), iters=3, warmup=1)
     order = []
 
@@ -910,3 +1027,61 @@ def test_headroom_bounds_every_case_by_the_ceiling_and_one_launch(summary_table)
     assert bounds[1.0] == pytest.approx(2.0)  # 200 / 100 us at the ceiling, 10 / 5 us at the floor
     assert bounds[0.5] == pytest.approx(math.sqrt(2.0))  # the big case at 200 us: level with FA2
     assert summary_table.headroom(_bounded_run(None)) == {}
+
+
+# --- the candidates log ---------------------------------------------------------------------------
+
+def _record(case, runtime_ms, day, technique="triton split(block_n=64)", validation="pass", device="H200"):
+    return {"case": case, "device": device, "timestamp": f"2026-12-{day:02d}T00:00:00+00:00", "git_commit": "c0ffee",
+            "technique": technique, "validation": validation, "runtime_ms": runtime_ms, "speedup": 1.0}
+
+
+def test_technique_names_backend_kernel_config_and_flags():
+    plan = {"kernel": "split", "config": {"block_n": 64, "num_warps": 4, "merge_step": None},
+            "programs_per_head": 57, "merge_in_split": False, "dependent_combine": True}
+    assert candidates.technique("triton", plan) == "triton split(block_n=64, num_warps=4) +dependent_combine"
+    assert candidates.technique("tilelang", None) == "tilelang"
+
+
+def test_rank_orders_techniques_per_case_by_their_best_passing_runtime():
+    found = [_record(10, 0.020, 1, "a"), _record(10, 0.016, 2, "b"), _record(10, 0.018, 3, "a"),
+             _record(10, 0.001, 4, "c", validation="fail"), _record(10, 0.030, 1, "a", device="C500"),
+             _record("10/q4", 0.050, 1, "a")]
+    h200, c500, q4 = candidates.rank(found)
+    assert (h200.device, h200.case, c500.device, q4.case) == ("H200", 10, "C500", "10/q4")
+    assert [(t.technique, t.best["runtime_ms"], t.candidates) for t in h200.techniques] == [
+        ("b", 0.016, 1), ("a", 0.018, 2)]
+    assert (h200.candidates, h200.failed) == (3, 1)
+    assert "1. " in candidates.format_rankings([h200], top=1) and "a" not in \
+        candidates.format_rankings([h200], top=1).split("b")[-1]
+
+
+def test_a_case_stagnates_after_three_candidates_without_a_one_percent_gain():
+    improving = [_record(7, runtime, day) for day, runtime in enumerate((0.100, 0.090, 0.080, 0.070), start=1)]
+    assert not candidates.rank(improving)[0].stagnating
+    flat = [_record(7, runtime, day) for day, runtime in enumerate((0.100, 0.080, 0.0795, 0.081, 0.0799), start=1)]
+    ranking = candidates.rank(flat)[0]
+    assert ranking.since_gain == 3 and ranking.stagnating and ranking.last_gain["runtime_ms"] == 0.080
+    text = candidates.format_rankings([ranking], top=5)
+    assert "STAGNATING: 3 candidates since the last gain (2026-12-02, 80.00 us)" in text
+    assert "flashdecode profile --case 7" in text and "A-M" in text and "docs/patterns/" in text
+    assert not candidates.rank(flat, stall=4)[0].stagnating
+
+
+def test_records_rebuild_from_run_json_files(fake_run, tmp_path):
+    """A run's JSON gives the records its live run appends; runs whose plans lack the kernel are left out."""
+    report.write_json(fake_run, tmp_path / "run.json")
+    old = json.loads((tmp_path / "run.json").read_text())
+    for case in old["cases"]:
+        for result in case["results"].values():
+            if result.get("plan"):
+                result["plan"] = {"block_n": 64}
+    (tmp_path / "old.json").write_text(json.dumps(old))
+    (tmp_path / "other.json").write_text("[]")
+    found, left_out = candidates.from_runs([tmp_path / "run.json", tmp_path / "old.json", tmp_path / "other.json",
+                                            tmp_path / "run.json"])
+    assert found == report.candidate_records(fake_run)
+    assert [reason.split(": ", 1)[1] for reason in left_out] == ["its plans do not name their kernel",
+                                                                 "not a bench run"]
+    candidates.write(found, tmp_path / "log" / "candidates.jsonl")
+    assert candidates.read(tmp_path / "log" / "candidates.jsonl") == found

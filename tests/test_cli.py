@@ -130,3 +130,47 @@ def test_end_to_end_variants_and_wide_matrix(tmp_path):
     own = json.loads((tmp_path / "shapes.json").read_text())["cases"]
     assert [(case["case"], case["matrix"]) for case in own] == [("S1", "shapes")]
     assert own[0]["results"]["triton"]["correct"] and "S1 plain" in stdout
+
+
+def test_cold_cache_is_accepted_and_is_the_default(capsys):
+    from flashdecode import cli
+
+    parser = cli.build_parser()
+    assert parser.parse_args(["bench"]).warm_cache is False
+    assert parser.parse_args(["bench", "--cold-cache"]).warm_cache is False
+    assert parser.parse_args(["bench", "--warm-cache"]).warm_cache is True
+    cli_fails(capsys, ["bench", "--cold-cache", "--warm-cache"], "not allowed with argument")
+
+
+def test_candidates_ranks_the_log_and_flags_a_stagnating_case(capsys, tmp_path):
+    from flashdecode import cli
+
+    log = tmp_path / "candidates.jsonl"
+    rows = [(10, "a", 0.020), (10, "b", 0.016), (10, "a", 0.0161), (10, "b", 0.0162), (10, "a", 0.0165), (3, "a", 0.006)]
+    log.write_text("".join(json.dumps({"case": case, "device": "H200", "timestamp": f"2026-12-0{day}T00:00:00",
+                                       "technique": technique, "validation": "pass", "runtime_ms": runtime,
+                                       "speedup": None, "git_commit": None}) + "\n"
+                           for day, (case, technique, runtime) in enumerate(rows, start=1)))
+    assert cli.main(["candidates", "--file", str(log)]) == 0
+    out = capsys.readouterr().out
+    assert "case 10 on H200: 5 passing candidates, 0 failed, 2 techniques" in out
+    assert out.index("16.00 us") < out.index("16.10 us") and "case 3 on H200" in out
+    assert out.count("STAGNATING") == 1 and "flashdecode profile --case 10" in out
+    assert cli.main(["candidates", "--file", str(log), "--case", "3"]) == 0
+    assert "case 10" not in capsys.readouterr().out
+    cli_fails(capsys, ["candidates", "--file", str(log), "--case", "W1"], "--case: no candidate of W1")
+    cli_fails(capsys, ["candidates", "--file", str(tmp_path / "none.jsonl")], "--file: cannot read")
+
+
+def test_candidates_rebuilds_the_log_from_the_committed_runs(capsys, tmp_path):
+    """docs/benchmarks.json gives one record per case and backend, with the plan's technique."""
+    from flashdecode import cli
+
+    log = tmp_path / "log.jsonl"
+    assert cli.main(["candidates", "--file", str(log), "--from-runs", str(REPO / "docs" / "benchmarks.json")]) == 0
+    records = [json.loads(line) for line in log.read_text().splitlines()]
+    assert {record["case"] for record in records} == set(range(1, 15))
+    assert {record["backend"] for record in records} == {"tilelang", "triton"}
+    assert all(record["technique"].startswith(f"{record['backend']} {record['config']['kernel']}(")
+               for record in records)
+    assert "wrote 28 records" in capsys.readouterr().err

@@ -22,7 +22,7 @@ from conftest import cli_fails
 from flashdecode import cases, cli, hardware, plan_for, planner
 from flashdecode.profile import catalogue, geometry, ncu, report, shape, timeline
 from flashdecode.kernels import get_backend
-from flashdecode.profile.report import PLAN_BACKEND
+from flashdecode.kernels.tilelang import occupancy as tilelang_occupancy
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 FIXTURES = sorted((REPO / "tests" / "fixtures").glob("ncu_case12_*.csv"))
@@ -34,8 +34,8 @@ def _shape(number: int) -> shape.Shape:
     return shape.Shape(cases.CASES_BY_NUMBER[number])
 
 
-def _plan_section(number: int, profile=H200) -> dict:
-    return report.section(_shape(number), profile)
+def _plan_section(number: int, profile=H200, backend=None) -> dict:
+    return report.section(_shape(number), profile, backend=backend)
 
 
 # --- plan-based dimensions ----------------------------------------------------------------------
@@ -50,9 +50,9 @@ def test_schedule_on_known_work():
     assert geometry.schedule([0.0, 0.0], 2) == (0.0, 0.0)
 
 
-def _planning(problem, profile=H200):
-    """The plan and residency a plan-only report shows: those of its planning backend."""
-    backend = get_backend(PLAN_BACKEND)
+def _planning(problem, profile=H200, backend=None):
+    """The plan and residency a plan-only report shows: those of ``backend``, else of the one auto runs there."""
+    backend = get_backend(backend or report.auto_backend(problem, profile))
     plan = planner.plan(problem, profile, backend)
     return plan, backend.resident_programs(problem, plan.config, profile)
 
@@ -85,8 +85,8 @@ def test_unsplit_single_block_case_is_a_small_grid():
 
 
 def test_one_long_sequence_fills_exactly_one_wave():
-    dims = _plan_section(13)["dimensions"]  # b1 s58966 hk8: splits x 8 heads = one wave of slots
-    slots = 132 * _planning(_shape(13).problem())[1]
+    dims = _plan_section(13, backend="tilelang")["dimensions"]  # b1 s58966 hk8: splits x 8 heads = one wave
+    slots = 132 * _planning(_shape(13).problem(), backend="tilelang")[1]
     extra = slots // 8  # the planner's P - B
     assert dims["occupancy"]["figures"]["programs_with_work"] == extra * 8
     assert dims["occupancy"]["figures"]["waves_with_work"] == pytest.approx(extra * 8 / slots)
@@ -94,6 +94,44 @@ def test_one_long_sequence_fills_exactly_one_wave():
     assert dims["tail"]["figures"]["max_over_mean_work"] < 1.05
     assert dims["tail"]["figures"]["last_wave_idle_fraction"] < 0.25
     assert dims["tail"]["patterns"] == []
+
+
+def test_c500_shared_memory_model_against_the_plan_in_view():
+    """The C500 plan in view runs 32 q rows on 32-token K/V tiles (head dim 128, bf16). Its two
+    pipelined K/V stages are the 32 KiB the block_n rule gives each of two programs (64 KiB per
+    AP); with the q tile, P, the length scan and the launch reserve a program needs 44 KiB, so the
+    model holds one per AP; single-staged it needs 28 KiB and holds two. docs/hardware/c500.md
+    says what would have to be true of the AP for two double-staged programs."""
+    problem = _shape(12).problem()
+    plan = planner.plan(problem, C500, get_backend("tilelang"))
+    assert plan.block_n == 32 and tilelang_occupancy.largest_block_n(problem, C500) == 32
+    view = dataclasses.replace(plan.config, block_m=32, block_n=32)
+    stages = view.num_stages * 2 * 32 * problem.headdim * 2
+    assert view.num_stages == 2 and 2 * stages == C500.shared_memory_per_multiprocessor
+    double = tilelang_occupancy.split_shared_bytes(problem, view, C500)
+    single = tilelang_occupancy.split_shared_bytes(problem, dataclasses.replace(view, num_stages=1), C500)
+    assert (double, single) == (44 * 1024, 28 * 1024)
+    assert get_backend("tilelang").resident_programs(problem, view, C500) == 1
+    assert get_backend("tilelang").resident_programs(problem, dataclasses.replace(view, num_stages=1), C500) == 2
+
+
+@pytest.mark.parametrize("name, headdim", [
+    ("triton", 64), ("triton", 128), ("triton", 256), ("tilelang", 64), ("tilelang", 128),
+    pytest.param("tilelang", 256, marks=pytest.mark.xfail(
+        strict=True, reason="TileLang's 64-row q tile and 16-token stages need 66 KiB at head dim 256: over the "
+                            "C500's 64 KiB (docs/hardware/c500.md)")),
+])
+def test_c500_resident_programs_fit_its_shared_memory(name, headdim):
+    """A backend's resident split programs on the C500 fit its 64 KiB per AP together."""
+    from flashdecode.kernels.triton.backend import padded_headdim, shared_bytes
+
+    problem = shape.Shape(cases.Case(0, 8, 32768, 8, 4), headdim).problem()
+    backend = get_backend(name)
+    plan = planner.plan(problem, C500, backend)
+    resident = backend.resident_programs(problem, plan.config, C500)
+    need = shared_bytes(plan.config, padded_headdim(headdim), 2, C500) if name == "triton" else \
+        tilelang_occupancy.split_shared_bytes(problem, plan.config, C500)
+    assert resident >= 1 and resident * need <= C500.shared_memory_per_multiprocessor, (resident, need)
 
 
 def test_c500_profile_plans_with_its_own_units():
@@ -142,6 +180,48 @@ def test_named_thresholds():
     assert launch.triggered({"kernel_time_us": 60.0, "gap_share": 0.1}) is False
     tail = next(p for p in catalogue.PATTERNS if p.key == "wave_tail")
     assert tail.triggered({"last_wave_idle_fraction": 0.26}) and not tail.triggered({"last_wave_idle_fraction": 0.25})
+
+
+def test_thirteen_patterns_lettered_a_to_m_each_pointing_into_the_library():
+    assert [p.letter for p in catalogue.PATTERNS] == list("ABCDEFGHIJKLM")
+    assert catalogue.PATTERNS[0].key == "small_grid"
+    assert len({p.key for p in catalogue.PATTERNS}) == 13
+    for pattern in catalogue.PATTERNS:
+        assert pattern.library and pattern.c500 and pattern.fix
+        for entry in pattern.library:
+            name, _, anchor = entry.partition("#")
+            text = (REPO / "docs" / "patterns" / name).read_text()
+            assert f'<a id="{anchor}"></a>' in text, f"{entry} (pattern {pattern.letter}) is not in docs/patterns"
+
+
+def _recorded_figures(counters: ncu.NcuResult) -> dict:
+    """Every figure of case 12's report from a recorded capture, with the plan of the backend it captured."""
+    measured = report.Measurements(ceiling_gbps=4484.5, call_us=190.0, counters=counters)
+    backend = "tilelang" if ncu.main_kernel(counters.kernels).name.startswith("decode_") else "triton"
+    dims = report.section(_shape(12), H200, measured, backend=backend)["dimensions"]
+    return {key: value for dim in dims.values() for key, value in dim["figures"].items()}
+
+
+#: Per pattern, the recorded figures it reads, set as a run that shows it would record them.
+SHOWN = {
+    "A": {"programs_per_sm": 0.24}, "B": {"residency_vs_plan": 0.5}, "C": {"achieved_over_theoretical": 0.3},
+    "D": {"last_wave_idle_fraction": 0.6}, "E": {"max_over_mean_work": 3.0}, "F": {"ceiling_fraction": 0.4},
+    "G": {"long_scoreboard_share": 0.7, "dram_fraction_of_ceiling": 0.4}, "H": {"barrier_share": 0.5},
+    "I": {"bank_conflict_ratio": 0.6}, "J": {"local_over_problem": 0.2}, "K": {"tensor_active_pct": 2.0},
+    "L": {"gap_share": 0.45}, "M": {"dram_read_over_problem": 4.0},
+}
+
+
+@pytest.mark.parametrize("letter", list("ABCDEFGHIJKLM"))
+def test_each_pattern_fires_on_recorded_counters_that_show_it(recorded, letter):
+    """The recorded capture of case 12, with the figures one pattern reads moved past its threshold:
+    that pattern fires in its dimension's diagnosis, by letter; moved to the other side, it does not."""
+    pattern = catalogue.BY_LETTER[letter]
+    figures = _recorded_figures(recorded)
+    line, fired = catalogue.diagnose(pattern.dimension, {**figures, **SHOWN[letter]})
+    assert pattern.key in fired and line.count(f"{letter}. {pattern.title}") == 1
+    quiet = {condition.figure: _side(condition, False) for condition in pattern.conditions}
+    assert pattern.key not in catalogue.diagnose(pattern.dimension, {**figures, **quiet})[1]
 
 
 def test_missing_figures_leave_patterns_open():
@@ -394,10 +474,28 @@ def test_profile_argument_errors(capsys, argv, message):
     cli_fails(capsys, argv, message)
 
 
-@pytest.mark.skipif(not NO_CUDA, reason="checks the message of a machine without CUDA")
-def test_tilelang_without_cuda_is_an_error(capsys, tmp_path):
-    cli_fails(capsys, ["profile", "--case", "12", "--backend", "tilelang", "--out", str(tmp_path)], "needs a CUDA device")
-    assert not (tmp_path / "report.json").exists()
+@pytest.mark.skipif(not NO_CUDA, reason="the plan-only report is what a machine without CUDA writes")
+@pytest.mark.parametrize("backend", [None, "triton", "tilelang"])
+def test_plan_only_report_honours_the_backend(capsys, tmp_path, backend):
+    """Case 10: auto runs Triton's split kernel on either profile; a named backend's plan is shown."""
+    argv = ["profile", "--case", "10", "--out", str(tmp_path)] + (["--backend", backend] if backend else [])
+    assert cli.main(argv) == 0
+    data = json.loads((tmp_path / "report.json").read_text())
+    problem = _shape(10).problem()
+    for section in data["sections"]:
+        profile = hardware.PROFILES[section["hardware"]]
+        expected = backend or report.auto_backend(problem, profile)
+        assert section["backend"] == expected and section["backend_source"] == ("named" if backend else "auto")
+        assert section["plan"] == dataclasses.asdict(planner.plan(problem, profile, get_backend(expected)))
+    assert [s["backend"] for s in data["sections"]] == [backend or "triton"] * 2
+    out = capsys.readouterr().out
+    assert f"## h200 (plan only), backend {backend or 'triton'} ({'named' if backend else 'auto'})" in out
+
+
+def test_auto_backend_of_a_plan_is_what_auto_runs_on_the_h200():
+    """The choices docs/design.md documents: TileLang's short caches on cases 1-4, Triton from case 5 on."""
+    assert [report.auto_backend(_shape(n).problem(), H200) for n in (1, 4, 5, 10, 12)] == [
+        "tilelang", "tilelang", "triton", "triton", "triton"]
 
 
 @pytest.mark.skipif(not NO_CUDA, reason="the plan-only report is what a machine without CUDA writes")
@@ -411,7 +509,8 @@ def test_cli_plan_only_report_end_to_end(tmp_path):
     for section in data["sections"]:
         assert section["plan_only"] and list(section["dimensions"]) == ["occupancy", "tail"]
     text = (tmp_path / "report.md").read_text()
-    assert "PLAN ONLY" in text and "## h200 (plan only)" in text and "## c500 (plan only)" in text
+    assert "PLAN ONLY" in text and "## h200 (plan only), backend triton (auto)" in text
+    assert "## c500 (plan only), backend triton (auto)" in text
     assert "### 1. Occupancy and launch geometry" in text and "### 2. Tail effect" in text
     assert "### 1. Occupancy and launch geometry" in done.stdout
 

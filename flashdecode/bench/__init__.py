@@ -2,8 +2,9 @@
 
 Modules: ``timing`` (the one timing helper, shared with the profiler), ``ceiling`` (the in-run
 bandwidth ceiling), ``peers`` (other decode implementations), ``provenance`` (what ran where),
-``runner`` (the run itself), ``results`` (the data it produces) and ``report`` (table, machine
-lines, JSON, CSV, plot, jsonl record). Importing ``ceiling`` or ``runner`` imports Triton, so on a
+``runner`` (the run itself), ``correctness`` (the per-row check of every output), ``results`` (the
+data it produces), ``report`` (table, machine lines, JSON, CSV, plot, jsonl record) and
+``candidates`` (the candidates log: techniques ranked per case, stagnation). Importing ``ceiling`` or ``runner`` imports Triton, so on a
 machine without CUDA set ``TRITON_INTERPRET=1`` first (the CLI does).
 """
 

@@ -15,9 +15,11 @@ import json
 import math
 import pathlib
 import sys
-import uuid
 
-#: Machine-line fields in order: (key, how a value is written). None is written "n/a".
+from . import candidates
+
+#: Machine-line fields in order: (key, how a value is written). None is written "n/a". The parser
+#: also takes the short line of the optimisation loop's spec, without CASE and the bandwidth.
 MACHINE_FIELDS = (
     ("CASE", str), ("COMPILED", str), ("CORRECT", str), ("BACKEND", str),
     ("RUNTIME", "{:.4f}".format), ("REF_RUNTIME", "{:.4f}".format), ("SPEEDUP", "{:.4f}x".format),
@@ -29,7 +31,8 @@ _PARSERS = {
     "RUNTIME": float, "REF_RUNTIME": float, "SPEEDUP": lambda v: float(v.removesuffix("x")),
     "BW_GBPS": int, "BW_FRACTION": float,
 }
-TECHNIQUE = "split-kv gqa-packed"
+#: Fields the short line leaves out (None when parsed from it).
+OPTIONAL_MACHINE_FIELDS = ("CASE", "BW_GBPS", "BW_FRACTION")
 
 
 def _rounded(value, digits):
@@ -57,17 +60,18 @@ def format_machine_line(fields: dict) -> str:
 
 
 def parse_machine_line(line: str) -> dict:
-    """Inverse of :func:`format_machine_line`: lower-case keys, typed values, None for n/a."""
+    """Inverse of :func:`format_machine_line`: lower-case keys, typed values, None for n/a; also the
+    6-field line ``COMPILED CORRECT BACKEND RUNTIME REF_RUNTIME SPEEDUP`` (the others None)."""
     fields = {}
     for item in line.split():
         key, _, value = item.partition(":")
         if key not in _PARSERS:
             raise ValueError(f"unknown machine-line field {key!r} in {line!r}")
         fields[key.lower()] = None if value == "n/a" else _PARSERS[key](value)
-    missing = [key for key, _ in MACHINE_FIELDS if key.lower() not in fields]
+    missing = [key for key, _ in MACHINE_FIELDS if key.lower() not in fields and key not in OPTIONAL_MACHINE_FIELDS]
     if missing:
         raise ValueError(f"machine line lacks {missing}: {line!r}")
-    return fields
+    return {key.lower(): fields.get(key.lower()) for key, _ in MACHINE_FIELDS}
 
 
 def machine_lines(run) -> list[str]:
@@ -95,6 +99,7 @@ def _result_dict(result) -> dict:
               **_timing_fields(result),
               "bandwidth_gbps": result.bandwidth_gbps, "fraction_of_ceiling": result.fraction,
               "speedup": result.speedup, "rel_err": result.rel_err, "fresh_rel_err": result.fresh_rel_err,
+              "row_ratio": result.row_ratio, "failed_rows": result.failed_rows, "lse_error": result.lse_error,
               "skipped": result.skipped, "error": result.error}
     if result.kind == "ours":
         fields["plan"] = result.plan
@@ -139,7 +144,7 @@ def write_json(run, path) -> None:
 CSV_COLUMNS = ("case", "matrix", "variant", "shape", "bytes", "system", "kind", "compiled", "correct", "median_us",
                "min_us", "p80_us", "runs", "graph_us", "host_overhead_us", "host_launch_us", "host_path", "eager_us",
                "eager_layers", "bandwidth_gbps", "fraction_of_ceiling", "speedup", "rel_err", "fresh_rel_err",
-               "baseline_us", "baseline_source", "skipped", "error")
+               "row_ratio", "failed_rows", "lse_error", "baseline_us", "baseline_source", "skipped", "error")
 
 
 def write_csv(run, path) -> None:
@@ -192,19 +197,9 @@ def write_plot(run, path) -> None:
 
 
 def candidate_records(run) -> list[dict]:
-    """One record per (case, variant, our backend) that took the call, for a candidates log."""
-    return [
-        _finite({"id": uuid.uuid4().hex, "timestamp": run.environment["date"],
-                 "git_commit": run.environment["git_commit"],
-                 "source_digest": run.environment.get("source_digest"),
-                 "extension_digest": run.environment.get("extension_digest"), "device": run.environment["device"],
-                 "case": c.token, "matrix": c.case.matrix, "variant": c.variant.name, "backend": r.system,
-                 "technique": f"{TECHNIQUE} {r.system}",
-                 "config": r.plan, "validation": "pass" if r.correct else "fail",
-                 "runtime_ms": r.timing and r.timing.median_us / 1e3,
-                 "ref_runtime_ms": c.baseline_us and c.baseline_us / 1e3, "speedup": r.speedup})
-        for c in run.cases for r in c.results if r.kind == "ours" and not r.skipped
-    ]
+    """One record per (case, variant, our backend) that took the call, for a candidates log
+    (``candidates.records`` of the run's JSON form)."""
+    return candidates.records(run_to_dict(run))
 
 
 def append_records(run, path) -> None:
@@ -231,7 +226,9 @@ def _correct_cell(result) -> str:
     if result.skipped:
         return "skipped"
     if result.compiled and result.rel_err is not None:
-        return f"{'ok' if result.correct else 'FAIL'} {result.rel_err:.1e}/{_number(result.fresh_rel_err, '.1e')}"
+        rows = "" if result.correct or not result.failed_rows else f" {result.failed_rows} rows"
+        return (f"{'ok' if result.correct else 'FAIL'} {result.rel_err:.1e}/{_number(result.fresh_rel_err, '.1e')} "
+                f"row {_number(result.row_ratio, '.2f')} lse {_number(result.lse_error, '.0e')}{rows}")
     return "ERROR"
 
 
@@ -251,7 +248,7 @@ def format_table(run) -> str:
     lines += [f"note: {note}" for note in run.notes]
     header = (f"{'case':>4} {'variant':<8} {'shape':<28} {'system':<17} {'median us':>10} {'min us':>10} "
               f"{'p80 us':>10} {'graph us':>9} {'host us':>8} {'launch':>6} {'eager us':>13} {'GB/s':>6} {'ceil':>5} "
-              f"{'speedup':>8}  correct (rel err timed/fresh)")
+              f"{'speedup':>8}  correct (rel err timed/fresh, worst row error / tolerance, lse error)")
     lines += ["", header, "-" * len(header)]
     errors, skipped, python_path = [], [], []
     for c in run.cases:

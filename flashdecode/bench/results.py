@@ -18,7 +18,9 @@ class System:
     variant, same lengths) and returns one zero-argument function per call, each giving ``out``.
     ``launch_path(call)`` (our backends only): (calls the compiled host path launched so far in the
     context that takes ``call``, why that path is off there or None), so the report can say which
-    path the host time measured."""
+    path the host time measured. ``setup_with_lse(calls)`` (where the system can return lse): the
+    same calls returning (out, lse), for the correctness check (``correctness``); without it a
+    system is judged on out alone."""
 
     name: str
     kind: str  # "ours" | "peer" | "reference"
@@ -27,6 +29,7 @@ class System:
     check: Callable
     setup: Callable
     launch_path: Callable | None = None
+    setup_with_lse: Callable | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,9 +50,14 @@ class Result:
     system: str
     kind: str
     compiled: bool = False  # the first call returned
+    #: every row of out within its tolerance and lse within its own, on the timed inputs, the graph
+    #: replay and fresh inputs (``correctness``)
     correct: bool = False
-    rel_err: float | None = None  # worst of the timed call and its graph replay
+    rel_err: float | None = None  # ||out - ref|| / ||ref||, worst of the timed call and its graph replay
     fresh_rel_err: float | None = None
+    row_ratio: float | None = None  # worst row's error / its tolerance over the three checks (> 1: wrong)
+    failed_rows: int | None = None  # rows over their tolerance, in the worst check
+    lse_error: float | None = None  # worst |lse - ref| over the three checks; None: no lse returned
     timing: Timing | None = None  # cold L2, one call per event pair
     graph: Timing | None = None  # replayed from a CUDA graph: GPU time
     host_overhead_us: float | None = None  # host time per call

@@ -5,10 +5,10 @@ A *system* is one of our backends (the public call ``flash_attn_with_kvcache(...
 a peer (``peers.py``) or, on CPU only, the torch reference through the same call. Each is asked
 whether it takes the call (ours: ``flashdecode.plan_for``, whose Plan is recorded), set up on the
 case's inputs and on those of the other layers of the eager loop, called once (compilation, first
-check against ``flashdecode.reference.reference_attention``), timed four ways (cold-L2 median;
-CUDA-graph replay, i.e. GPU time; host time per call; per call of an eager loop over layers),
-checked again on fresh inputs, and given bandwidth, fraction of the in-run ceiling and speedup over
-the baseline.
+check against ``flashdecode.reference.reference_attention``, row by row: ``correctness``), timed
+four ways (cold-L2 median; CUDA-graph replay, i.e. GPU time; host time per call; per call of an
+eager loop over layers), checked again on the graph's output and on fresh inputs, and given
+bandwidth, fraction of the in-run ceiling and speedup over the baseline.
 
 Without CUDA the run is a smoke test: Triton's interpreter on scaled-down float16 cases, timed on
 the CPU. Set ``TRITON_INTERPRET=1`` before importing this module there (it imports Triton).
@@ -26,9 +26,8 @@ import triton
 import flashdecode
 from flashdecode import cases
 from flashdecode.context import default_context
-from flashdecode.reference import reference_attention, relative_error
 
-from . import BenchError, Unsupported
+from . import BenchError, Unsupported, correctness
 from .ceiling import measure_ceiling
 from .peers import select_peers
 from .provenance import environment, version
@@ -36,8 +35,6 @@ from .results import BenchRun, CaseRun, Result, System
 from .timing import INTERLEAVE_ROUNDS, CallFailed, Timer, summarize
 
 OUR_BACKENDS = ("tilelang", "triton")
-#: A result is correct when ||out - ref|| / ||ref|| (float32) is at most this, for bf16 and fp16.
-REL_ERR_THRESHOLD = 2e-2
 #: Seed of the second correctness check; the timed inputs use make_inputs' default seed.
 FRESH_SEED = 2
 #: Layer i >= 1 of the eager loop draws its inputs with seed LAYER_SEED + i (layer 0: the timed inputs).
@@ -104,7 +101,8 @@ _OURS_CALL = "flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=,
 
 
 def call_ours(backend: str):
-    """System.check and System.setup of the public call with ``backend``."""
+    """System.check, System.setup, System.launch_path and System.setup_with_lse of the public call
+    with ``backend``: the timed calls return out, the checked ones (out, lse)."""
     def check(call):
         try:
             route = flashdecode.plan_for(call.q, call.k_cache, call.v_cache, **call.kwargs(), backend=backend)
@@ -112,18 +110,23 @@ def call_ours(backend: str):
             raise Unsupported(str(error)) from error
         return dataclasses.asdict(route.plan)
 
+    def bind(call, lse: bool):
+        q, k_cache, v_cache, kwargs = call.q, call.k_cache, call.v_cache, call.kwargs()
+        return lambda: flashdecode.flash_attn_with_kvcache(q, k_cache, v_cache, **kwargs, backend=backend,
+                                                           return_softmax_lse=lse)
+
     def setup(calls):
-        def bind(call):
-            q, k_cache, v_cache, kwargs = call.q, call.k_cache, call.v_cache, call.kwargs()
-            return lambda: flashdecode.flash_attn_with_kvcache(q, k_cache, v_cache, **kwargs, backend=backend)
-        return [bind(call) for call in calls]
+        return [bind(call, False) for call in calls]
+
+    def setup_with_lse(calls):
+        return [bind(call, True) for call in calls]
 
     def launch_path(call):
         context = default_context(call.q)
         host = context.host_path
         return (0 if host is None else host.hits), context.host_path_off_because
 
-    return check, setup, launch_path
+    return check, setup, launch_path, setup_with_lse
 
 
 def _our_backend(name: str, cuda: bool) -> System:
@@ -131,7 +134,7 @@ def _our_backend(name: str, cuda: bool) -> System:
     device = torch.device("cuda" if cuda else "cpu")
     probe = cases.make_call(cases.Case(0, 1, 64, 1, 4), cases.VARIANTS["plain"], device,
                             cases.DTYPE if cuda else CPU_DTYPE)
-    check, setup, launch_path = call_ours(name)
+    check, setup, launch_path, setup_with_lse = call_ours(name)
     try:
         check(probe)
     except Unsupported as error:
@@ -139,7 +142,7 @@ def _our_backend(name: str, cuda: bool) -> System:
     mode = "" if cuda or name != "triton" else " (interpreter)"
     package = triton.__version__ if name == "triton" else version(name)
     return System(name, "ours", f"flashdecode {flashdecode.__version__}, {name} {package}{mode}",
-                  _OURS_CALL.format(name), check, setup, launch_path if cuda else None)
+                  _OURS_CALL.format(name), check, setup, launch_path if cuda else None, setup_with_lse)
 
 
 def _peer_check(limitation):
@@ -173,9 +176,10 @@ def select(options: Options) -> Selection:
             raise BenchError(f"unknown backends {bad}; backends are {', '.join(OUR_BACKENDS)}")
         systems = [_our_backend(name, cuda) for name in options.backends]
     if not cuda:
-        check, setup, _ = call_ours("reference")
+        check, setup, _, setup_with_lse = call_ours("reference")
         systems.append(System("reference", "reference", f"torch {torch.__version__}",
-                              _OURS_CALL.format("reference") + ": the float32 torch reference", check, setup))
+                              _OURS_CALL.format("reference") + ": the float32 torch reference", check, setup,
+                              setup_with_lse=setup_with_lse))
     peers, skipped_peers = select_peers(None if options.peers is None else list(options.peers), cuda)
     systems += [System(peer.name, "peer", peer_version, peer.description, _peer_check(peer.limitation), peer.setup)
                 for peer, peer_version in peers]
@@ -247,17 +251,14 @@ def layer_count(call: cases.Call, selection: Selection) -> int:
     return max(1, min(selection.eager_layers, 1 + int(free * EAGER_MEMORY_SHARE) // call.storage_bytes()))
 
 
-def _reference(call: cases.Call) -> torch.Tensor:
-    return reference_attention(call.q, call.k_cache, call.v_cache, **call.kwargs())[0]
-
-
 def case_inputs(case: cases.Case, variant: cases.Variant, selection: Selection, device) -> tuple:
-    """(shape run, the eager loop's layers with the timed inputs first, fresh inputs, the references of
-    the timed and the fresh inputs) of one case and variant, as every system of the run gets them."""
+    """(shape run, the eager loop's layers with the timed inputs first, fresh inputs, what the timed
+    and the fresh inputs' outputs are judged against: ``correctness.Expected``) of one case and
+    variant, as every system of the run gets them."""
     shape, dtype = _as_run(case, selection.cuda)
     call = cases.make_call(shape, variant, device, dtype)
     fresh = cases.make_call(shape, variant, device, dtype, seed=FRESH_SEED)
-    references = _reference(call), _reference(fresh)
+    references = correctness.expected(call), correctness.expected(fresh)
     layers = [call] + [cases.make_call(shape, variant, device, dtype, seed=LAYER_SEED + index)
                        for index in range(1, layer_count(call, selection))]
     return shape, layers, fresh, references
@@ -283,7 +284,10 @@ def _run_case(case, variant, selection, timer, ceiling, anchor, advance) -> Case
 def measure(systems: list[System], layers: list[cases.Call], fresh: cases.Call, references, timer: Timer,
             selection: Selection, advance: Callable[[str], None] = lambda system: None) -> list[Result]:
     """Check, set up, time and re-check each system on one case and variant (``layers[0]``: the
-    timed inputs); a call a system cannot take ends up in its ``skipped``, a failure in ``error``.
+    timed inputs; ``references``: the timed and the fresh inputs' ``correctness.Expected``); a call
+    a system cannot take ends up in its ``skipped``, a failure in ``error``. Outputs are judged on
+    the first call, the graph replay (of the call returning lse where the system has one: the same
+    kernels) and fresh inputs.
     The cold-L2 runs of all systems are timed in rounds, then their graph replays
     (``Timer.interleaved``: blocks of consecutive runs, each system in turn): on the H200 the first
     graph timed on a case's inputs read up to 10% high when the systems were timed one after
@@ -291,7 +295,8 @@ def measure(systems: list[System], layers: list[cases.Call], fresh: cases.Call, 
     ``advance(name)`` is called as each system is done."""
     results = [Result(system.name, system.kind) for system in systems]
     calls: list = [None] * len(systems)
-    errors: list[list[float]] = [[] for _ in systems]
+    checked: list = [None] * len(systems)  # the call on the timed inputs whose output is judged
+    verdicts: list[list[correctness.Verdict]] = [[] for _ in systems]
 
     def failed(index: int, error: Exception) -> None:
         calls[index] = None
@@ -304,17 +309,18 @@ def measure(systems: list[System], layers: list[cases.Call], fresh: cases.Call, 
         try:
             results[index].plan = system.check(layers[0])
             calls[index] = system.setup(layers)
-            out = calls[index][0]()
+            checked[index] = system.setup_with_lse([layers[0]])[0] if system.setup_with_lse else calls[index][0]
+            result = checked[index]()
             timer.synchronize()
             results[index].compiled = True
-            errors[index].append(relative_error(out, references[0]))
+            verdicts[index].append(correctness.judge(result, references[0]))
         except Exception as error:  # noqa: BLE001 - a failing system is reported, the run goes on
             failed(index, error)
     while True:
         live = [index for index, found in enumerate(calls) if found is not None]
         try:
             timings = timer.interleaved([calls[index][0] for index in live])
-            graphs = timer.time_graphs([calls[index][0] for index in live])
+            graphs = timer.time_graphs([checked[index] for index in live])
             break
         except CallFailed as failure:  # time the others again without it
             failed(live[failure.index], failure.error)
@@ -322,12 +328,12 @@ def measure(systems: list[System], layers: list[cases.Call], fresh: cases.Call, 
         results[index].timing = summarize(samples)
         if graph is not None:
             results[index].graph, graph_out = graph
-            errors[index].append(relative_error(graph_out, references[0]))
+            verdicts[index].append(correctness.judge(graph_out, references[0]))
     launch = plain_launch(timer.device)
     for index, system in enumerate(systems):
         if calls[index] is not None:
             try:
-                _finish(results[index], system, calls[index], layers, fresh, references[1], errors[index], launch,
+                _finish(results[index], system, calls[index], layers, fresh, references[1], verdicts[index], launch,
                         timer, selection)
             except Exception as error:  # noqa: BLE001
                 failed(index, error)
@@ -335,8 +341,9 @@ def measure(systems: list[System], layers: list[cases.Call], fresh: cases.Call, 
     return results
 
 
-def _finish(result: Result, system: System, calls: list, layers, fresh, fresh_reference, errors: list[float],
-            launch: Callable[[], object], timer: Timer, selection: Selection) -> None:
+def _finish(result: Result, system: System, calls: list, layers, fresh, fresh_reference: correctness.Expected,
+            verdicts: list[correctness.Verdict], launch: Callable[[], object], timer: Timer,
+            selection: Selection) -> None:
     """Host time (its loops alternating with a plain torch launch's), the eager loop and the check
     on fresh inputs of one system that was timed."""
     before = system.launch_path(layers[0]) if system.launch_path else None
@@ -346,9 +353,15 @@ def _finish(result: Result, system: System, calls: list, layers, fresh, fresh_re
         result.host_path = host_path_of(before, system.launch_path(layers[0]),
                                         selection.host_calls * selection.host_loops)
     result.eager, result.eager_layers = timer.eager_loop(calls, selection.eager_repeats), len(calls)
-    result.rel_err = max(errors)
-    result.fresh_rel_err = relative_error(system.setup([fresh])[0](), fresh_reference)
-    result.correct = all(error <= REL_ERR_THRESHOLD for error in (*errors, result.fresh_rel_err))
+    fresh_verdict = correctness.judge((system.setup_with_lse or system.setup)([fresh])[0](), fresh_reference)
+    verdicts = [*verdicts, fresh_verdict]
+    result.rel_err = max(verdict.rel_err for verdict in verdicts[:-1])
+    result.fresh_rel_err = fresh_verdict.rel_err
+    result.row_ratio = max(verdict.row_ratio for verdict in verdicts)
+    result.failed_rows = max(verdict.failed_rows for verdict in verdicts)
+    lse_errors = [verdict.lse_error for verdict in verdicts if verdict.lse_error is not None]
+    result.lse_error = max(lse_errors) if lse_errors else None
+    result.correct = all(verdict.correct for verdict in verdicts)
 
 
 def host_path_of(before: tuple, after: tuple, calls: int) -> str:
@@ -388,14 +401,18 @@ def _settings(selection: Selection, timer: Timer, launch_us: float, launch_gpu_u
             "eager_layers": selection.eager_layers, "eager_repeats": selection.eager_repeats,
             "eager_memory_share": EAGER_MEMORY_SHARE if selection.cuda else None,
             "variants": [variant.name for variant in selection.variants],
-            "rel_err_threshold": REL_ERR_THRESHOLD, "fresh_seed": FRESH_SEED,
+            "out_error_factor": correctness.OUT_ERROR_FACTOR, "out_atol": correctness.OUT_ATOL,
+            "lse_atol": correctness.LSE_ATOL, "fresh_seed": FRESH_SEED,
             "dtype": str(cases.DTYPE if selection.cuda else CPU_DTYPE).removeprefix("torch.")}
 
 
 def _notes(selection: Selection, launch_us: float) -> list[str]:
     """What a reader must know to interpret the numbers."""
-    notes = [f"correct: ||out-ref||/||ref|| <= {REL_ERR_THRESHOLD:g} (float32, vs flashdecode.reference) on the "
-             f"timed inputs, the graph replay and fresh inputs (seed {FRESH_SEED})",
+    notes = [f"correct: on every (sequence, query, head) row, max |out-ref| <= {correctness.OUT_ERROR_FACTOR:g} x a "
+             f"same-dtype torch run's + eps(dtype) x the row's max |ref| + {correctness.OUT_ATOL:g}, and "
+             f"|lse-ref| <= {correctness.LSE_ATOL:g} where the system returns lse (ours), against the float32 "
+             f"flashdecode.reference, on the timed inputs, the graph replay and fresh inputs (seed {FRESH_SEED}); "
+             f"err: ||out-ref||/||ref|| (timed / fresh), shown only",
              f"host us: host time per call, median of {selection.host_loops} loops of {selection.host_calls} calls "
              f"back to back, GPU work not waited for inside a loop; "
              f"one plain torch launch (q.add_(0)) takes {launch_us:.1f} us here; launch us: that launch's host "

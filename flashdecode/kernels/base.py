@@ -106,6 +106,11 @@ class Backend(abc.ABC):
     def limitation(self, problem: Problem, device: torch.device) -> str | None:
         """What this call needs that the backend lacks, as "needs ..." text, or None if it can take it."""
 
+    def problem_limitation(self, problem: Problem) -> str | None:
+        """The part of ``limitation`` that the problem alone decides (on any device the backend
+        runs on), for plans made without the device (``flashdecode profile``'s plan-only report)."""
+        return None
+
     @abc.abstractmethod
     def kernels(self, problem: Problem) -> frozenset[str]:
         """The plan kernels (``planner.KERNELS``) the backend has for this problem."""
@@ -219,21 +224,27 @@ def select(requested: str, problem: Problem, device: torch.device, profile: Hard
         return get_backend(requested)
     if device.type != "cuda":
         return get_backend("reference")
+    return get_backend(auto_choice(problem, profile, lambda name: why_not(name, problem, device) is None))
+
+
+def auto_choice(problem: Problem, profile: HardwareProfile, can_take) -> str:
+    """The name of the backend ``auto`` runs on a device of ``profile``: the first of its
+    ``auto_order`` whose rule admits the call and for whose backend ``can_take(name)`` holds;
+    "reference" when none."""
     plans: dict = {}  # backend name -> its plan for this call (None: it cannot take it), made once
 
     def plan_of(name):
         if name not in plans:
-            plans[name] = None if why_not(name, problem, device) is not None else \
-                planner.plan(problem, profile, get_backend(name))
+            plans[name] = planner.plan(problem, profile, get_backend(name)) if can_take(name) else None
         return plans[name]
 
     for rule in profile.tuning.auto_order:
-        if (rule.admits(problem) and why_not(rule.backend, problem, device) is None
+        if (rule.admits(problem) and can_take(rule.backend)
                 and not any(_splits(plan_of(name)) for name in rule.unsplit_by)
                 and not any(_pipelines_deeper(name, plan_of(name), problem, profile)
                             for name in rule.not_pipelined_by)):
-            return get_backend(rule.backend)
-    return get_backend("reference")
+            return rule.backend
+    return "reference"
 
 
 def _splits(plan) -> bool:

@@ -30,6 +30,8 @@ STALL_FORMS = (("smsp__average_warps_issue_stalled_", "_per_issue_active.ratio")
                ("smsp__average_warp_latency_issue_stalled_", ".ratio"))
 OCCUPANCY_LIMITS = ("registers", "shared_mem", "warps", "blocks")
 TENSOR_PIPES = ("hmma", "gmma")
+#: Bytes loaded and stored through local memory: register spills (pattern J).
+LOCAL_METRICS = ("l1tex__t_bytes_pipe_lsu_mem_local_op_ld.sum", "l1tex__t_bytes_pipe_lsu_mem_local_op_st.sum")
 METRICS = (
     "gpu__time_duration.sum",
     "launch__grid_size", "launch__block_size", "launch__registers_per_thread",
@@ -42,6 +44,7 @@ METRICS = (
     *(f"sm__inst_executed_pipe_tensor_op_{pipe}.sum" for pipe in TENSOR_PIPES),
     "l1tex__data_bank_conflicts_pipe_lsu_mem_shared.sum", "l1tex__data_pipe_lsu_wavefronts_mem_shared.sum",
     "dram__bytes_read.sum", "dram__bytes_write.sum", "dram__throughput.avg.pct_of_peak_sustained_elapsed",
+    *LOCAL_METRICS,
 )
 TIMEOUT_S = 600
 #: Runs at most: each failed run naming metrics it does not know drops them and runs again.
@@ -185,12 +188,15 @@ def _shared_bytes(kernel: KernelCounters) -> float | None:
 
 def occupancy_figures(kernel: KernelCounters) -> dict:
     """Dimension 1's counters for the main kernel."""
+    theoretical = kernel.get("sm__maximum_warps_per_active_cycle_pct")
+    achieved = kernel.get("sm__warps_active.avg.pct_of_peak_sustained_active")
     return {
         "registers_per_thread": kernel.get("launch__registers_per_thread"),
         "shared_mem_per_program": _shared_bytes(kernel),
         "occupancy_limits": {limit: kernel.get(f"launch__occupancy_limit_{limit}") for limit in OCCUPANCY_LIMITS},
         "theoretical_occupancy_pct": kernel.get("sm__maximum_warps_per_active_cycle_pct"),
-        "achieved_occupancy_pct": kernel.get("sm__warps_active.avg.pct_of_peak_sustained_active"),
+        "achieved_occupancy_pct": achieved,
+        "achieved_over_theoretical": achieved / theoretical if achieved is not None and theoretical else None,
         "ncu_waves_per_sm": kernel.get("launch__waves_per_multiprocessor"),
     }
 
@@ -212,6 +218,13 @@ def stall_figures(kernel: KernelCounters) -> dict:
         "shared_wavefronts": wavefronts,
         "bank_conflict_ratio": ratio,
     }
+
+
+def local_bytes(kernels: list[KernelCounters]) -> float | None:
+    """Bytes all kernels moved through local memory (spills), or None when ncu gave no such metric."""
+    values = [kernel.get(metric) for kernel in kernels for metric in LOCAL_METRICS]
+    known = [value for value in values if value is not None]
+    return sum(known) if known else None
 
 
 def tensor_figures(kernel: KernelCounters) -> dict:

@@ -17,8 +17,6 @@ from . import geometry, ncu
 from .catalogue import DIMENSIONS, diagnose
 from .shape import Shape
 
-#: The backend whose plan a report shows when none ran: the one ``auto`` prefers on the H200.
-PLAN_BACKEND = "tilelang"
 from .timeline import Activity, figures as timeline_figures
 
 PLAN_ONLY_PROFILES = ("h200", "c500")
@@ -39,18 +37,33 @@ def _dimension(figures: dict, source: str, unavailable: str | None = None) -> di
     return {"source": source, "figures": figures, "unavailable": unavailable}
 
 
+def auto_backend(problem, profile: HardwareProfile) -> str:
+    """The backend ``auto`` runs the problem with on a device of ``profile`` (``kernels.base.auto_choice``),
+    taking each backend installed here as able to run there: only what the problem alone rules out
+    (``Backend.problem_limitation``) counts; "reference" when no backend takes it."""
+    from ..kernels import get_backend
+    from ..kernels.base import auto_choice
+
+    def can_take(name: str) -> bool:
+        backend = get_backend(name)
+        return backend.unavailable() is None and backend.problem_limitation(problem) is None
+
+    return auto_choice(problem, profile, can_take)
+
+
 def section(shape: Shape, profile: HardwareProfile, measured: Measurements | None = None,
             backend: str | None = None) -> dict:
     """One hardware profile's dimensions with their diagnoses; plan-only when ``measured`` is None.
 
-    The plan is ``backend``'s (``planner.plan`` over that backend's capabilities; PLAN_BACKEND when
-    none is named); residency comes from ncu when it was measured, else from the backend's own count."""
+    The plan is ``backend``'s (``planner.plan`` over that backend's capabilities; when none is
+    named, the one ``auto`` runs on that profile: :func:`auto_backend`); residency comes from ncu
+    when it was measured, else from the backend's own count."""
     from ..kernels import get_backend
 
     problem, lengths = shape.problem(), shape.lengths()
     kernels = measured.counters.kernels if measured and measured.counters else []
     main = ncu.main_kernel(kernels) if kernels else None
-    planning = get_backend(backend or PLAN_BACKEND)
+    planning = get_backend(backend or auto_backend(problem, profile))
     plan = planner.plan(problem, profile, planning)
     planned = planning.resident_programs(problem, plan.config, profile)
     resident = ncu.resident_programs(main) if main else None
@@ -70,6 +83,7 @@ def section(shape: Shape, profile: HardwareProfile, measured: Measurements | Non
         else:
             dim["diagnosis"], dim["patterns"] = diagnose(key, figures)
     return {"hardware": profile.name, "plan_only": measured is None, "backend": planning.name,
+            "backend_source": "named" if backend else "auto",
             "plan": dataclasses.asdict(plan),
             "dimensions": {key: dict(title=title, **dims[key]) for key, title in DIMENSIONS if key in dims}}
 
@@ -121,7 +135,10 @@ def _memory_figures(problem_bytes: int, measured: Measurements, kernels: list, m
     total = sum(read) if None not in read else None
     main_read, main_ns = main.get("dram__bytes_read.sum"), main.get("gpu__time_duration.sum")
     dram_gbps = main_read / main_ns if main_read is not None and main_ns else None  # bytes per ns = GB/s
+    local = ncu.local_bytes(kernels)
     figures.update({
+        "local_memory_bytes": local,
+        "local_over_problem": local / problem_bytes if local is not None else None,
         "dram_read_bytes": total,
         "dram_read_bytes_main": main_read,
         "dram_write_bytes": main.get("dram__bytes_write.sum"),
@@ -134,12 +151,15 @@ def _memory_figures(problem_bytes: int, measured: Measurements, kernels: list, m
 
 
 def plan_only(shape: Shape, backend: str | None) -> dict:
-    """The report of a machine without a device: dimensions 1 and 2 for the H200 and the C500."""
+    """The report of a machine without a device: dimensions 1 and 2 for the H200 and the C500, with
+    ``backend``'s plan, or (None) the plan of the backend ``auto`` runs on each."""
+    sections = [section(shape, PROFILES[name], backend=backend) for name in PLAN_ONLY_PROFILES]
+    which = (f"backend {backend!r} (named)" if backend else "the backend auto runs on each profile: " +
+             ", ".join(f"{s['hardware']} {s['backend']}" for s in sections))
     notes = ["PLAN ONLY: no CUDA device here, so nothing was run or measured; dimensions 1 and 2 come "
              "from the planner for each hardware profile (flashdecode.hardware.PROFILES), with the plan and "
-             f"residency of backend {backend or PLAN_BACKEND!r} (computed, not measured)."]
-    return build(shape, backend, "plan-only", [section(shape, PROFILES[name]) for name in PLAN_ONLY_PROFILES],
-                 notes, {})
+             f"residency of {which}: computed, not measured."]
+    return build(shape, backend, "plan-only", sections, notes, {})
 
 
 def notes_for(measured: Measurements) -> list[str]:
@@ -199,7 +219,8 @@ def to_markdown(report: dict) -> str:
     lines += [f"- {note}" for note in report["notes"]]
     for section_ in report["sections"]:
         kind = "plan only" if section_["plan_only"] else "measured"
-        lines += ["", f"## {section_['hardware']} ({kind}): plan {_format(section_['plan'])}"]
+        lines += ["", f"## {section_['hardware']} ({kind}), backend {section_['backend']} "
+                      f"({section_['backend_source']}): plan {_format(section_['plan'])}"]
         for dim in section_["dimensions"].values():
             lines += ["", f"### {dim['title']}", "", f"**Diagnosis:** {dim['diagnosis']}", "",
                       f"Source: {dim['source']}"]

@@ -99,6 +99,9 @@ class TileLangBackend(Backend):
             return reason
         if device.type != "cuda" or not self._is_hopper(device):
             return "a Hopper GPU (compute capability 9.x)"
+        return self.problem_limitation(problem)
+
+    def problem_limitation(self, problem) -> str | None:
         return problem_limitation(problem)
 
     def block_ids_read_from(self, plan) -> int:
