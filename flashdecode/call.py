@@ -92,7 +92,6 @@ ARGUMENTS = (
     Argument("out", None, TENSOR, None, keyword_only=True),
 )
 NAMES = tuple(argument.name for argument in ARGUMENTS)
-BY_NAME = {argument.name: argument for argument in ARGUMENTS}
 #: Position of each argument in a Call.
 POSITION = {name: position for position, name in enumerate(NAMES)}
 
