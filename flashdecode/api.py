@@ -12,12 +12,13 @@ import dataclasses
 from torch import Tensor
 
 from .call import DECODE_POSITIONAL, Call, define, parameters
-from .compat import is_compiling
-from .context import DecodeContext, default_context, new_call, read_scalars
-from .ops import traced_call
+# (F401: names only the generated functions below use, as their globals)
+from .compat import is_compiling  # noqa: F401
+from .context import DecodeContext, default_context, new_call, read_scalars  # noqa: F401
+from .ops import traced_call  # noqa: F401
 from .planner import Plan
 from .problem import Problem
-from .validate import value_checks_enabled
+from .validate import value_checks_enabled  # noqa: F401
 
 _CALL = """
 def {name}({parameters}, context=None):
