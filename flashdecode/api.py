@@ -1,24 +1,46 @@
 """The public calls: FlashAttention 2's ``flash_attn_with_kvcache``, its project name, and the route
-a call would take. Each is validate -> select -> plan -> launch through a DecodeContext."""
+a call would take. Each is validate -> select -> plan -> launch through a DecodeContext.
+
+Their signatures come from the declared argument list (``call.ARGUMENTS``), generated with
+``call.define``: the plain call is one Python frame in front of the compiled host path's
+``HostPath.run`` (the extension's own function) on a repeat call.
+"""
 from __future__ import annotations
 
 import dataclasses
 
-import torch
+from torch import Tensor
 
-from . import compat
-from .context import DecodeContext, default_context
+from .call import DECODE_POSITIONAL, Call, define, parameters
+# (F401: names only the generated functions below use, as their globals)
+from .compat import is_compiling  # noqa: F401
+from .context import DecodeContext, default_context, new_call, read_scalars  # noqa: F401
+from .ops import traced_call  # noqa: F401
 from .planner import Plan
 from .problem import Problem
-from .validate import tensor_scalars, value_checks_enabled
+from .validate import value_checks_enabled  # noqa: F401
 
+_CALL = """
+def {name}({parameters}, context=None):
+    if is_compiling():
+        return traced_call(Call({arguments}))  # (a plain namedtuple for torch.compile to trace)
+    if not isinstance(q, Tensor):
+        raise TypeError(f"q must be a torch.Tensor, got {{type(q).__name__}}")
+    if context is not None:
+        return context.run({arguments})
+    context = default_context(q)  # bound to q's device and the current stream
+    host = context.host_path  # its compiled host path, once a call made it (None where off)
+    if host is not None and not value_checks_enabled():
+        # a repeat call: straight to the extension (no frame of the context's in between)
+        found = host.run({arguments}, context.stream)
+        if found is not None:
+            return found
+    # the first call of a metadata, a capture, scalars of other types: the Python path
+    return context.run_call(new_call(({arguments},)))
+"""
 
-def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None,
-                            cache_seqlens=None, cache_batch_idx=None, cache_leftpad=None, block_table=None,
-                            softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
-                            rotary_interleaved=True, alibi_slopes=None, num_splits=0, return_softmax_lse=False,
-                            *, backend="auto", out=None, context=None):
-    """Attention of a few new query tokens per sequence over a KV cache: FlashAttention 2's call,
+flash_attn_with_kvcache = define(_CALL, globals(), "flash_attn_with_kvcache", doc="""\
+    Attention of a few new query tokens per sequence over a KV cache: FlashAttention 2's call,
     with its arguments, positional order, defaults and return shapes (``docs/design.md``,
     "Semantics"; the README documents every argument).
 
@@ -32,45 +54,12 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     Beyond FlashAttention: ``backend`` ("auto", "tilelang", "triton", "reference"), ``out`` (a
     preallocated output) and ``context`` (a :class:`DecodeContext` owning the workspace; default: one
     per host thread and stream).
-    """
-    if compat.is_compiling():
-        from . import ops
+    """)
 
-        return ops.traced_call(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
-                               cache_leftpad, block_table, softmax_scale, causal, window_size, softcap,
-                               rotary_interleaved, alibi_slopes, num_splits, return_softmax_lse, backend, out)
-    if not isinstance(q, torch.Tensor):
-        raise TypeError(f"q must be a torch.Tensor, got {type(q).__name__}")
-    if context is not None:
-        run = context.run
-    else:
-        context = default_context(q)  # bound to q's device and the current stream
-        host = context._host  # its compiled host path, once a call made it (None where off)
-        if host is not None and not value_checks_enabled():
-            # a repeat call: straight to the extension (no frame of the context's in between)
-            found = host.run(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
-                             cache_leftpad, block_table, softmax_scale, causal, window_size, softcap,
-                             rotary_interleaved, alibi_slopes, num_splits, return_softmax_lse, backend, out,
-                             context._stream)
-            if found is not None:
-                return found
-        run = context._run  # the first call of a metadata, a capture, scalars of other types: the Python path
-    return run(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad,
-               block_table, softmax_scale, causal, window_size, softcap, rotary_interleaved, alibi_slopes, num_splits,
-               return_softmax_lse, backend, out)
-
-
-def flash_decode_with_kvcache(q, k_cache, v_cache, cache_seqlens=None, *, k=None, v=None, rotary_cos=None,
-                              rotary_sin=None, cache_batch_idx=None, cache_leftpad=None, block_table=None,
-                              softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
-                              rotary_interleaved=True, alibi_slopes=None, num_splits=0, return_softmax_lse=False,
-                              backend="auto", out=None, context=None):
-    """The same call as :func:`flash_attn_with_kvcache`, with ``cache_seqlens`` as the fourth
-    positional argument and every other argument keyword-only (flashdecode's own name)."""
-    return flash_attn_with_kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
-                                   cache_leftpad, block_table, softmax_scale, causal, window_size, softcap,
-                                   rotary_interleaved, alibi_slopes, num_splits, return_softmax_lse,
-                                   backend=backend, out=out, context=context)
+flash_decode_with_kvcache = define(_CALL, globals(), "flash_decode_with_kvcache",
+                                   parameters=parameters(positional=DECODE_POSITIONAL), doc="""\
+    The same call as :func:`flash_attn_with_kvcache`, with ``cache_seqlens`` as the fourth
+    positional argument and every other argument keyword-only (flashdecode's own name).""")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,18 +71,17 @@ class Route:
     plan: Plan
 
 
-def plan_for(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None, cache_seqlens=None,
-             cache_batch_idx=None, cache_leftpad=None, block_table=None, softmax_scale=None, causal=False,
-             window_size=(-1, -1), softcap=0.0, rotary_interleaved=True, alibi_slopes=None, num_splits=0,
-             *, backend="auto", out=None, context=None) -> Route:
-    """The Route the same call to :func:`flash_attn_with_kvcache` takes (validated; nothing runs)."""
-    if not isinstance(q, torch.Tensor):
-        raise TypeError(f"q must be a torch.Tensor, got {type(q).__name__}")
-    ctx = context if context is not None else DecodeContext(q.device)
-    softmax_scale, causal, softcap, rotary_interleaved, num_splits = tensor_scalars(
-        softmax_scale, causal, softcap, rotary_interleaved, num_splits)
-    problem, chosen, plan, _, _ = ctx.resolve(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens,
-                                              cache_batch_idx, cache_leftpad, block_table, softmax_scale, causal,
-                                              window_size, softcap, rotary_interleaved, alibi_slopes, num_splits,
-                                              backend, out)
+def _route(call: Call, context: DecodeContext | None) -> Route:
+    """``plan_for`` of a Call."""
+    if not isinstance(call.q, Tensor):
+        raise TypeError(f"q must be a torch.Tensor, got {type(call.q).__name__}")
+    context = context if context is not None else DecodeContext(call.q.device)
+    problem, chosen, plan, _, _ = context.resolve(read_scalars(call))
     return Route(chosen.name, problem, plan)
+
+
+plan_for = define("""
+def {name}({parameters}, context=None) -> Route:
+    return _route(new_call(({arguments},)), context)
+""", globals(), "plan_for", doc="""\
+    The Route the same call to :func:`flash_attn_with_kvcache` takes (validated; nothing runs).""")
