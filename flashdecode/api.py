@@ -17,7 +17,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                             cache_seqlens=None, cache_batch_idx=None, cache_leftpad=None, block_table=None,
                             softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
                             rotary_interleaved=True, alibi_slopes=None, num_splits=0, return_softmax_lse=False,
-                            *, backend="auto", out=None, context=None):
+                            *, backend="auto", out=None, context=None, k_descale=None, v_descale=None):
     """Attention of a few new query tokens per sequence over a KV cache: FlashAttention 2's call,
     with its arguments, positional order, defaults and return shapes (``docs/design.md``,
     "Semantics"; the README documents every argument).
@@ -31,7 +31,10 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
 
     Beyond FlashAttention: ``backend`` ("auto", "tilelang", "triton", "reference"), ``out`` (a
     preallocated output) and ``context`` (a :class:`DecodeContext` owning the workspace; default: one
-    per host thread and stream).
+    per host thread and stream). fp8 caches (float8_e4m3fn, float8_e5m2): ``k_descale``, ``v_descale``
+    (FA3's float32 (batch, nheads_k), or (nheads_k,), a 0-d tensor or a number; None: 1) read the
+    cache as ``cache * descale``; appended k/v are stored as ``k / k_descale`` saturated to the fp8
+    range.
     """
     if compat.is_compiling():
         from . import ops
@@ -41,8 +44,12 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                                rotary_interleaved, alibi_slopes, num_splits, return_softmax_lse, backend, out)
     if not isinstance(q, torch.Tensor):
         raise TypeError(f"q must be a torch.Tensor, got {type(q).__name__}")
+    descales = {} if k_descale is None and v_descale is None else dict(k_descale=k_descale, v_descale=v_descale)
     if context is not None:
         run = context.run
+    elif descales:  # the compiled host path takes no descales
+        context = default_context(q)
+        run = context._run
     else:
         context = default_context(q)  # bound to q's device and the current stream
         host = context._host  # its compiled host path, once a call made it (None where off)
@@ -57,20 +64,21 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         run = context._run  # the first call of a metadata, a capture, scalars of other types: the Python path
     return run(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad,
                block_table, softmax_scale, causal, window_size, softcap, rotary_interleaved, alibi_slopes, num_splits,
-               return_softmax_lse, backend, out)
+               return_softmax_lse, backend, out, **descales)
 
 
 def flash_decode_with_kvcache(q, k_cache, v_cache, cache_seqlens=None, *, k=None, v=None, rotary_cos=None,
                               rotary_sin=None, cache_batch_idx=None, cache_leftpad=None, block_table=None,
                               softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
                               rotary_interleaved=True, alibi_slopes=None, num_splits=0, return_softmax_lse=False,
-                              backend="auto", out=None, context=None):
+                              backend="auto", out=None, context=None, k_descale=None, v_descale=None):
     """The same call as :func:`flash_attn_with_kvcache`, with ``cache_seqlens`` as the fourth
     positional argument and every other argument keyword-only (flashdecode's own name)."""
     return flash_attn_with_kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
                                    cache_leftpad, block_table, softmax_scale, causal, window_size, softcap,
                                    rotary_interleaved, alibi_slopes, num_splits, return_softmax_lse,
-                                   backend=backend, out=out, context=context)
+                                   backend=backend, out=out, context=context, k_descale=k_descale,
+                                   v_descale=v_descale)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,7 +93,7 @@ class Route:
 def plan_for(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None, cache_seqlens=None,
              cache_batch_idx=None, cache_leftpad=None, block_table=None, softmax_scale=None, causal=False,
              window_size=(-1, -1), softcap=0.0, rotary_interleaved=True, alibi_slopes=None, num_splits=0,
-             *, backend="auto", out=None, context=None) -> Route:
+             *, backend="auto", out=None, context=None, k_descale=None, v_descale=None) -> Route:
     """The Route the same call to :func:`flash_attn_with_kvcache` takes (validated; nothing runs)."""
     if not isinstance(q, torch.Tensor):
         raise TypeError(f"q must be a torch.Tensor, got {type(q).__name__}")
@@ -95,5 +103,5 @@ def plan_for(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=No
     problem, chosen, plan, _, _ = ctx.resolve(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens,
                                               cache_batch_idx, cache_leftpad, block_table, softmax_scale, causal,
                                               window_size, softcap, rotary_interleaved, alibi_slopes, num_splits,
-                                              backend, out)
+                                              backend, out, k_descale, v_descale)
     return Route(chosen.name, problem, plan)

@@ -63,7 +63,7 @@ class DecodeContext:
     # -- what runs -------------------------------------------------------------------------------
     def resolve(self, q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
                 cache_leftpad, block_table, softmax_scale, causal, window_size, softcap, rotary_interleaved,
-                alibi_slopes, num_splits, backend, out):
+                alibi_slopes, num_splits, backend, out, k_descale=None, v_descale=None):
         """(Problem, backend, Plan, whether index values are checked on the host, whether the call
         runs on ``contiguous_copies``) of a call: the checks, ``kernels.select`` and
         ``planner.plan``, memoized per call metadata (one dict lookup on a repeat: host time is what
@@ -80,7 +80,7 @@ class DecodeContext:
                softmax_scale, type(softmax_scale), causal, type(causal), softcap, type(softcap),
                rotary_interleaved, type(rotary_interleaved), num_splits, type(num_splits), backend,
                window_size if type(window_size) is tuple and all(type(side) is int for side in window_size)
-               else scalar_meta(window_size))
+               else scalar_meta(window_size), tensor_meta("k_descale", k_descale), tensor_meta("v_descale", v_descale))
         try:
             entry = self._calls.get(key)
         except TypeError:  # an unhashable argument (a list, ...): checked, and rejected, unmemoized
@@ -97,7 +97,8 @@ class DecodeContext:
                 _copied_meta("block_table", block_table), scalar_meta(softmax_scale), scalar_meta(causal),
                 scalar_meta(window_size), scalar_meta(softcap), scalar_meta(rotary_interleaved),
                 tensor_meta("alibi_slopes", alibi_slopes), scalar_meta(num_splits), scalar_meta(backend),
-                tensor_meta("out", out))
+                tensor_meta("out", out), k_descale=tensor_meta("k_descale", k_descale),
+                v_descale=tensor_meta("v_descale", v_descale))
             chosen, plan = self._route(problem, backend, int(num_splits), q.device)
             on_host = [t for t in (cache_seqlens, cache_batch_idx, cache_leftpad, block_table)
                        if isinstance(t, torch.Tensor) and t.device.type == "cpu"]
@@ -219,20 +220,36 @@ class DecodeContext:
             _remember(self._uniform_lengths, key, tensor)
         return tensor
 
+    def descale(self, problem, descale, device, capturing=None) -> torch.Tensor:
+        """An fp8 cache's descale as the float32 (B, Hk) view the kernels read (``reference.descale_table``):
+        a tensor expanded, a number (None: 1.0) made once per value on the device (fresh under capture)."""
+        if isinstance(descale, torch.Tensor):
+            return descale.expand(problem.batch, problem.nheads_k)
+        value = 1.0 if descale is None else float(descale)
+        if _capturing(device) if capturing is None else capturing:
+            return torch.full((), value, dtype=torch.float32, device=device).expand(problem.batch, problem.nheads_k)
+        key = ("descale", value)
+        tensor = self._uniform_lengths.get(key)
+        if tensor is None:
+            tensor = torch.full((), value, dtype=torch.float32, device=device)
+            _remember(self._uniform_lengths, key, tensor)
+        return tensor.expand(problem.batch, problem.nheads_k)
+
     # -- the call ----------------------------------------------------------------------------------
     def run(self, q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None, cache_seqlens=None,
             cache_batch_idx=None, cache_leftpad=None, block_table=None, softmax_scale=None, causal=False,
             window_size=(-1, -1), softcap=0.0, rotary_interleaved=True, alibi_slopes=None, num_splits=0,
-            return_softmax_lse=False, backend="auto", out=None):
+            return_softmax_lse=False, backend="auto", out=None, k_descale=None, v_descale=None):
         """validate -> route -> launch; returns out (and lse (B, Hq, Sq) when asked for)."""
         on_bound_stream = self._bind(q.device)
         return self._run(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
                          cache_leftpad, block_table, softmax_scale, causal, window_size, softcap, rotary_interleaved,
-                         alibi_slopes, num_splits, return_softmax_lse, backend, out, on_bound_stream)
+                         alibi_slopes, num_splits, return_softmax_lse, backend, out, on_bound_stream, k_descale,
+                         v_descale)
 
     def _run(self, q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad,
              block_table, softmax_scale, causal, window_size, softcap, rotary_interleaved, alibi_slopes, num_splits,
-             return_softmax_lse, backend, out, on_bound_stream=True):
+             return_softmax_lse, backend, out, on_bound_stream=True, k_descale=None, v_descale=None):
         """``run`` on a context already bound to q's device (``default_context`` returns it so, on
         its current stream; ``on_bound_stream`` False: on another stream, which is capturing)."""
         if not (type(softmax_scale) in _PLAIN_SCALARS and type(causal) in _PLAIN_SCALARS and type(softcap) in
@@ -240,8 +257,8 @@ class DecodeContext:
             # (type membership: 74 ns on the CPU machine, where an isinstance of each took 307)
             softmax_scale, causal, softcap, rotary_interleaved, num_splits = tensor_scalars(
                 softmax_scale, causal, softcap, rotary_interleaved, num_splits)
-        if value_checks_enabled() or not on_bound_stream:
-            host = None
+        if value_checks_enabled() or not on_bound_stream or k_descale is not None or v_descale is not None:
+            host = None  # (the compiled host path takes no descales)
         elif self._host_tried:
             host = self._host
         else:  # the first call: not under a capture, where building the extension would stall it
@@ -260,7 +277,7 @@ class DecodeContext:
         problem, chosen, plan, host_checks, copies = self.resolve(
             q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad,
             block_table, softmax_scale, causal, window_size, softcap, rotary_interleaved, alibi_slopes, num_splits,
-            backend, out)
+            backend, out, k_descale, v_descale)
         if copies:
             q, k, v, cache_seqlens, cache_batch_idx, cache_leftpad, block_table = contiguous_copies(
                 q, k, v, cache_seqlens, cache_batch_idx, cache_leftpad, block_table)
@@ -274,7 +291,9 @@ class DecodeContext:
         arguments = base.LaunchArgs(
             q, k_cache, v_cache, self.lengths(problem, cache_seqlens, device, capturing), result, lse, part_o, part_lse,
             scale, float(softcap), k, v, rotary_cos, rotary_sin, cache_batch_idx, cache_leftpad, block_table,
-            alibi_slopes, self.tickets(plan, problem, device, capturing))
+            alibi_slopes, self.tickets(plan, problem, device, capturing),
+            *(() if problem.cache_dtype is None else (self.descale(problem, k_descale, device, capturing),
+                                                      self.descale(problem, v_descale, device, capturing))))
         chosen.launch(plan, problem, arguments)
         if arguments.tickets is not None and value_checks_enabled() and not capturing:
             _check_counters_left_at_zero(arguments.tickets)
