@@ -1,7 +1,7 @@
 """FlashAttention's ``test_flash_attn_kvcache`` grid against the public call (``tests/fa_grid.py``
 says what is checked and where it departs from FlashAttention's list).
 
-CPU tier (unmarked): a seeded sample of 32 float16 combos with seqlen_k <= 1024, and 12 of the fp8
+CPU tier (unmarked): a seeded sample of 32 float16 combos with seqlen_k <= 1024, and 8 (seqlen_k <= 800) of the fp8
 part of the grid (``fa_grid.FP8_AXES``: fp8 caches x softcap over every other axis), each for the
 "reference" backend and for "triton" (under its interpreter without CUDA; bfloat16 is wrong there).
 GPU tier (``gpu`` marker): "triton" and "tilelang", float16 and bfloat16, on FLASHDECODE_FA_GRID=
@@ -42,7 +42,7 @@ GRID_SIZE = os.environ.get("FLASHDECODE_FA_GRID", "sample")
 GRID_SEED = int(os.environ.get("FLASHDECODE_FA_GRID_SEED", "2025"))
 if GRID_SIZE not in ("sample", "full") and not GRID_SIZE.isdigit():
     raise ValueError(f"FLASHDECODE_FA_GRID must be 'sample', 'full' or a number of sampled combos, got {GRID_SIZE!r}")
-CPU_FP8_COMBOS = fa_grid.sample(12, seed=2026, dtypes=("float16",), max_seqlen_k=1024, restrict=fa_grid.FP8_AXES)
+CPU_FP8_COMBOS = fa_grid.sample(8, seed=2095, dtypes=("float16",), max_seqlen_k=800, restrict=fa_grid.FP8_AXES)
 GPU_COMBOS = (fa_grid.full_grid() if GRID_SIZE == "full" else
               fa_grid.sample(2000 if GRID_SIZE == "sample" else int(GRID_SIZE), seed=GRID_SEED)) + \
     fa_grid.sample(int(os.environ.get("FLASHDECODE_FA_GRID_FP8", "400")), seed=GRID_SEED + 3, restrict=fa_grid.FP8_AXES)
@@ -165,13 +165,14 @@ def test_problem_of_a_combo_is_what_the_call_validates(combo):
 
 def test_sample_covers_every_value_several_times():
     """The CPU sample's stratification: each axis value of its restricted grid in >= 3 combos; the fp8
-    sample holds both fp8 dtypes and softcap on and off with pages, appends and splits."""
+    sample (its seed: the cheapest under the interpreter that does) holds both fp8 dtypes, softcap on
+    and off, pages, appends, windows, splits, causal and batch indices."""
     for axis, values in fa_grid.AXES.items():
         for value in values:
             if axis == "dtype" and value != "float16" or axis == "seqlens" and value[1] > 1024:
                 continue
             assert sum(getattr(combo, axis) == value for combo in CPU_COMBOS) >= 3, (axis, value)
-    for axis in ("kv_dtype", "softcap", "paged_kv_block_size", "new_kv", "num_splits", "local"):
+    for axis in ("kv_dtype", "softcap", "paged_kv_block_size", "new_kv", "num_splits", "local", "causal", "has_batch_idx"):
         assert len({getattr(combo, axis) for combo in CPU_FP8_COMBOS}) == 2, axis
 
 
