@@ -1,24 +1,45 @@
 """The public calls: FlashAttention 2's ``flash_attn_with_kvcache``, its project name, and the route
-a call would take. Each is validate -> select -> plan -> launch through a DecodeContext."""
+a call would take. Each is validate -> select -> plan -> launch through a DecodeContext.
+
+Their signatures come from the declared argument list (``call.ARGUMENTS``), generated with
+``call.define``: the plain call is one Python frame in front of the compiled host path's
+``HostPath.run`` (the extension's own function) on a repeat call.
+"""
 from __future__ import annotations
 
 import dataclasses
 
-import torch
+from torch import Tensor
 
-from . import compat
-from .context import DecodeContext, default_context
+from .call import DECODE_POSITIONAL, Call, define, parameters
+from .compat import is_compiling
+from .context import DecodeContext, default_context, new_call, read_scalars
+from .ops import traced_call
 from .planner import Plan
 from .problem import Problem
-from .validate import tensor_scalars, value_checks_enabled
+from .validate import value_checks_enabled
 
+_CALL = """
+def {name}({parameters}, context=None):
+    if is_compiling():
+        return traced_call(new_call(({arguments},)))
+    if not isinstance(q, Tensor):
+        raise TypeError(f"q must be a torch.Tensor, got {{type(q).__name__}}")
+    if context is not None:
+        return context.run({arguments})
+    context = default_context(q)  # bound to q's device and the current stream
+    host = context.host_path  # its compiled host path, once a call made it (None where off)
+    if host is not None and not value_checks_enabled():
+        # a repeat call: straight to the extension (no frame of the context's in between)
+        found = host.run({arguments}, context.stream)
+        if found is not None:
+            return found
+    # the first call of a metadata, a capture, scalars of other types: the Python path
+    return context.run_call(new_call(({arguments},)))
+"""
 
-def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None,
-                            cache_seqlens=None, cache_batch_idx=None, cache_leftpad=None, block_table=None,
-                            softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
-                            rotary_interleaved=True, alibi_slopes=None, num_splits=0, return_softmax_lse=False,
-                            *, backend="auto", out=None, context=None, k_descale=None, v_descale=None):
-    """Attention of a few new query tokens per sequence over a KV cache: FlashAttention 2's call,
+flash_attn_with_kvcache = define(_CALL, globals(), "flash_attn_with_kvcache", doc="""\
+    Attention of a few new query tokens per sequence over a KV cache: FlashAttention 2's call,
     with its arguments, positional order, defaults and return shapes (``docs/design.md``,
     "Semantics"; the README documents every argument).
 
@@ -31,54 +52,16 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
 
     Beyond FlashAttention: ``backend`` ("auto", "tilelang", "triton", "reference"), ``out`` (a
     preallocated output) and ``context`` (a :class:`DecodeContext` owning the workspace; default: one
-    per host thread and stream). fp8 caches (float8_e4m3fn, float8_e5m2): ``k_descale``, ``v_descale``
-    (FA3's float32 (batch, nheads_k), or (nheads_k,), a 0-d tensor or a number; None: 1) read the
-    cache as ``cache * descale``; appended k/v are stored as ``k / k_descale`` saturated to the fp8
-    range.
-    """
-    if compat.is_compiling():
-        from . import ops
+    per host thread and stream). fp8 caches (float8_e4m3fn, float8_e5m2, q float16/bfloat16), as
+    FlashAttention 3: ``k_descale``, ``v_descale`` (float32 (batch, nheads_k), (nheads_k,) or (), or a
+    number; None: 1) read the caches as ``cache * descale``; appended k/v (q's dtype) are stored as
+    ``x / descale`` saturated to the fp8 range, rounded to nearest even.
+    """)
 
-        return ops.traced_call(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
-                               cache_leftpad, block_table, softmax_scale, causal, window_size, softcap,
-                               rotary_interleaved, alibi_slopes, num_splits, return_softmax_lse, backend, out)
-    if not isinstance(q, torch.Tensor):
-        raise TypeError(f"q must be a torch.Tensor, got {type(q).__name__}")
-    descales = {} if k_descale is None and v_descale is None else dict(k_descale=k_descale, v_descale=v_descale)
-    if context is not None:
-        run = context.run
-    elif descales:  # the compiled host path takes no descales
-        context = default_context(q)
-        run = context._run
-    else:
-        context = default_context(q)  # bound to q's device and the current stream
-        host = context._host  # its compiled host path, once a call made it (None where off)
-        if host is not None and not value_checks_enabled():
-            # a repeat call: straight to the extension (no frame of the context's in between)
-            found = host.run(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
-                             cache_leftpad, block_table, softmax_scale, causal, window_size, softcap,
-                             rotary_interleaved, alibi_slopes, num_splits, return_softmax_lse, backend, out,
-                             context._stream)
-            if found is not None:
-                return found
-        run = context._run  # the first call of a metadata, a capture, scalars of other types: the Python path
-    return run(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad,
-               block_table, softmax_scale, causal, window_size, softcap, rotary_interleaved, alibi_slopes, num_splits,
-               return_softmax_lse, backend, out, **descales)
-
-
-def flash_decode_with_kvcache(q, k_cache, v_cache, cache_seqlens=None, *, k=None, v=None, rotary_cos=None,
-                              rotary_sin=None, cache_batch_idx=None, cache_leftpad=None, block_table=None,
-                              softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
-                              rotary_interleaved=True, alibi_slopes=None, num_splits=0, return_softmax_lse=False,
-                              backend="auto", out=None, context=None, k_descale=None, v_descale=None):
-    """The same call as :func:`flash_attn_with_kvcache`, with ``cache_seqlens`` as the fourth
-    positional argument and every other argument keyword-only (flashdecode's own name)."""
-    return flash_attn_with_kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
-                                   cache_leftpad, block_table, softmax_scale, causal, window_size, softcap,
-                                   rotary_interleaved, alibi_slopes, num_splits, return_softmax_lse,
-                                   backend=backend, out=out, context=context, k_descale=k_descale,
-                                   v_descale=v_descale)
+flash_decode_with_kvcache = define(_CALL, globals(), "flash_decode_with_kvcache",
+                                   parameters=parameters(positional=DECODE_POSITIONAL), doc="""\
+    The same call as :func:`flash_attn_with_kvcache`, with ``cache_seqlens`` as the fourth
+    positional argument and every other argument keyword-only (flashdecode's own name).""")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,18 +73,17 @@ class Route:
     plan: Plan
 
 
-def plan_for(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None, cache_seqlens=None,
-             cache_batch_idx=None, cache_leftpad=None, block_table=None, softmax_scale=None, causal=False,
-             window_size=(-1, -1), softcap=0.0, rotary_interleaved=True, alibi_slopes=None, num_splits=0,
-             *, backend="auto", out=None, context=None, k_descale=None, v_descale=None) -> Route:
-    """The Route the same call to :func:`flash_attn_with_kvcache` takes (validated; nothing runs)."""
-    if not isinstance(q, torch.Tensor):
-        raise TypeError(f"q must be a torch.Tensor, got {type(q).__name__}")
-    ctx = context if context is not None else DecodeContext(q.device)
-    softmax_scale, causal, softcap, rotary_interleaved, num_splits = tensor_scalars(
-        softmax_scale, causal, softcap, rotary_interleaved, num_splits)
-    problem, chosen, plan, _, _ = ctx.resolve(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens,
-                                              cache_batch_idx, cache_leftpad, block_table, softmax_scale, causal,
-                                              window_size, softcap, rotary_interleaved, alibi_slopes, num_splits,
-                                              backend, out, k_descale, v_descale)
+def _route(call: Call, context: DecodeContext | None) -> Route:
+    """``plan_for`` of a Call."""
+    if not isinstance(call.q, Tensor):
+        raise TypeError(f"q must be a torch.Tensor, got {type(call.q).__name__}")
+    context = context if context is not None else DecodeContext(call.q.device)
+    problem, chosen, plan, _, _ = context.resolve(read_scalars(call))
     return Route(chosen.name, problem, plan)
+
+
+plan_for = define("""
+def {name}({parameters}, context=None) -> Route:
+    return _route(new_call(({arguments},)), context)
+""", globals(), "plan_for", doc="""\
+    The Route the same call to :func:`flash_attn_with_kvcache` takes (validated; nothing runs).""")

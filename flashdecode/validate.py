@@ -49,10 +49,6 @@ def value_checks_enabled() -> bool:
     return _ValueChecks.enabled
 
 
-#: The name this switch had when it covered ``cache_seqlens`` only.
-set_seqlens_check = set_value_checks
-
-
 def tensor_meta(name, tensor):
     """What the checks read of an argument: (dtype, device, shape, strides, 16-byte aligned) of a
     tensor, None for None, (type, value) of anything else (rejected by the checks)."""

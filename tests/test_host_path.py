@@ -119,6 +119,43 @@ def test_out_and_lse_given_or_allocated(module):
     assert path.run(*make_call(out=mine)) is mine and kernel.calls == [[mine.data_ptr()]]
 
 
+def test_a_truthy_return_softmax_lse_gets_the_lse_as_on_the_python_path(module):
+    """``return_softmax_lse=1`` returns (out, lse) from a record too (the Python path reads it for its truth)."""
+    kernel = Kernel(module)
+    path = host_path.HostPath(module, max_records=4, real_launches=False)
+    first = make_call(return_lse=1)
+    result, lse = torch.empty_like(first[0]), torch.empty(2, 4, 1)
+    assert path.add(first, [FfiLaunch(kernel.function, (result, lse.view(2, 4)))], result, lse, (2, 4, 1))
+    out, lse_out = path.run(*make_call(return_lse=1))
+    assert kernel.calls == [[out.data_ptr(), lse_out.data_ptr()]]
+
+
+def test_an_argument_only_the_python_path_takes_is_keyed_as_none_only(module):
+    """A layout with one more argument the host path takes only as None (``Argument(host_path=False)``):
+    a call passing it gets no record and misses one; with None it hits. A layout whose first argument
+    is not a tensor (q) is refused."""
+    kernel = Kernel(module)
+    keys, out, return_lse = host_path.LAYOUT
+    native = module.HostPath(4, False, [*keys, host_path.KEY_NONE_ONLY], out, return_lse)
+    run = native.run_function()
+
+    def extended(extra):
+        call = make_call()
+        return (*call[:-1], extra, call[-1])
+
+    first = extended(None)
+    result = torch.empty_like(first[0])
+    launch = ("ffi", kernel.function, [first[0], result], [0, host_path.CALL_TENSORS.index("out")])
+    assert not native.add(extended(torch.zeros(2)), [launch], [2, 4, 1])
+    assert native.add(first, [launch], [2, 4, 1])
+    assert run(*extended(torch.zeros(2))) is None and run(*extended(0.5)) is None
+    second = extended(None)
+    got = run(*second)
+    assert kernel.calls == [[second[0].data_ptr(), got.data_ptr()]]
+    with pytest.raises(ValueError, match="q must be a tensor"):
+        module.HostPath(4, False, [host_path.KEY_SCALAR, *keys[1:]], out, return_lse)
+
+
 def test_aliased_call_tensors_get_no_record(module):
     path = host_path.HostPath(module, max_records=4, real_launches=False)
     call = make_call()
@@ -246,9 +283,9 @@ def stand_in_context(module, monkeypatch, verified=True):
     monkeypatch.setattr(ReferenceBackend, "host_launches", lambda self, plan, problem, args: [
         FfiLaunch(kernel.function, (args.q, args.out))], raising=False)
     context = DecodeContext("cpu")
-    context._host_tried, context._host = True, host_path.HostPath(module, max_records=4, real_launches=False)
+    context._host_tried, context.host_path = True, host_path.HostPath(module, max_records=4, real_launches=False)
     if verified:
-        context._host._verified.add("ffi")
+        context.host_path._verified.add("ffi")
     return context
 
 
@@ -281,10 +318,10 @@ def test_a_call_run_on_copies_gets_no_record(module, monkeypatch):
 def test_a_captured_call_adds_no_record(module, monkeypatch):
     """A call made while its stream captures takes the Python path and leaves no record: later eager
     calls would launch into the graph's own buffers."""
-    from flashdecode import context as context_module
+    from flashdecode import workspace
 
     context = stand_in_context(module, monkeypatch)
-    monkeypatch.setattr(context_module, "_capturing", lambda device: True)
+    monkeypatch.setattr(workspace, "stream_capturing", lambda device: True)
     context.run(torch.randn(2, 1, 4, 8).half(), *small_cache(), cache_seqlens=5, backend="reference")
     assert len(context.host_path) == 0
 
@@ -292,13 +329,13 @@ def test_a_captured_call_adds_no_record(module, monkeypatch):
 def test_a_call_off_the_bound_stream_takes_no_record(module, monkeypatch):
     """An explicit context called from another stream (which it allows only while that stream
     captures) neither launches from its records nor adds one."""
-    from flashdecode import context as context_module
+    from flashdecode import context as context_module, workspace
 
     context = stand_in_context(module, monkeypatch)
     q, (k_cache, v_cache) = torch.randn(2, 1, 4, 8).half(), small_cache()
     context.run(q, k_cache, v_cache, cache_seqlens=5, backend="reference")
     assert len(context.host_path) == 1
-    monkeypatch.setattr(context_module, "_capturing", lambda device: True)
+    monkeypatch.setattr(workspace, "stream_capturing", lambda device: True)
     monkeypatch.setattr(context_module.DecodeContext, "_bind", lambda self, device: False)
     context.run(q, k_cache, v_cache, cache_seqlens=5, backend="reference")
     assert context.host_path.hits == 0 and len(context.host_path) == 1
@@ -349,7 +386,7 @@ def test_run_takes_the_calls_arguments_positionally_and_keeps_its_path_alive(mod
     result = torch.empty_like(first[0])
     assert path.add(first, [FfiLaunch(kernel.function, (first[0], result))], result, None, (2, 4, 1))
     run = path.run
-    with pytest.raises(TypeError, match="22 arguments, got 1"):
+    with pytest.raises(TypeError, match=f"takes {len(first)} arguments .*, got 1"):
         run(make_call())
     del path
     gc.collect()
