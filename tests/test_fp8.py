@@ -16,13 +16,22 @@ reference on the same cache is that of a 16-bit call (``test_triton_interpreter`
 """
 from __future__ import annotations
 
+import json
+import os
+import pathlib
+import subprocess
+import sys
+import textwrap
+import types
+
 import pytest
 import torch
 import triton
 import triton.language as tl
 
 from conftest import HAS_CUDA
-from flashdecode import flash_attn_with_kvcache, plan_for
+from flashdecode import cases, flash_attn_with_kvcache, plan_for
+from flashdecode.bench import peers
 from flashdecode.kernels.base import get_backend, select
 from flashdecode.kernels.tilelang.backend import problem_limitation
 from flashdecode.kernels.triton.attend import quantise as triton_quantise
@@ -320,6 +329,121 @@ def test_error_within_twice_a_16_bit_calls(fp8):
                                          return_softmax_lse=True, backend="triton")
     out, _, _, _ = run(call, "triton")
     assert relative_error(out, want) <= 2 * relative_error(sixteen, want)
+
+
+#: Compiles the Triton kernels of fp8 plans for sm_90a (Triton's own ptxas, no GPU) and prints, per
+#: launch, the fp8 conversions in its PTX and cuobjdump's resource line (None without cuobjdump).
+COMPILE_SCRIPT = textwrap.dedent("""
+    import json, os, sys
+    sys.path.insert(0, "benchmarks")
+    from triton_resources import CUOBJDUMP, compile_for_hopper, plan_launches, resource_usage
+    from flashdecode.hardware import PROFILES
+    from flashdecode.kernels import get_backend
+    from flashdecode.kernels.triton.launch import _without_ceiling
+    from flashdecode.planner import plan
+    from flashdecode.problem import Problem
+    problems = {
+        "case 7": Problem(64, 2048, 32, 8, 128, "bfloat16", cache_dtype="float8_e4m3fn"),
+        "pages of 16, e5m2, float16": Problem(16, 4096, 32, 8, 128, "float16", page_size=16, offsets_32=True,
+                                              cache_dtype="float8_e5m2"),
+        "append, rotary, window, softcap": Problem(4, 2048, 16, 4, 128, "bfloat16", seqlen_q=4, seqlen_new=4,
+                                                   rotary_dim=64, window_left=100, window_right=0, softcap=True,
+                                                   cache_dtype="float8_e4m3fn"),
+    }
+    found = {}
+    for name, problem in problems.items():
+        the_plan = plan(problem, PROFILES["h200"], get_backend("triton"))
+        for index, (kernel, _, tensors, scalars, constexprs, options) in enumerate(plan_launches(problem, the_plan)):
+            compiled = compile_for_hopper(kernel, tensors, scalars, constexprs, _without_ceiling(options))
+            conversions = sorted({line.split()[0] for line in compiled.asm["ptx"].splitlines()
+                                  if line.strip().startswith("cvt") and ("e4m3" in line or "e5m2" in line)})
+            found[f"{name} {index}"] = [conversions, resource_usage(compiled) if os.path.exists(CUOBJDUMP) else None]
+    print(json.dumps(found))
+""")
+
+
+def test_fp8_kernels_compile_for_hopper():
+    """The fp8 plans' kernels compile for sm_90a: the split kernels convert fp8 pairs to float16 in
+    registers (cvt ...f16x2.e4m3x2 / e5m2x2), the appending one also stores with the saturating
+    conversion (exact there: the value is on the grid already), and none spills (no stack)."""
+    environment = {name: value for name, value in os.environ.items() if name != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-c", COMPILE_SCRIPT], cwd=pathlib.Path(__file__).resolve().parents[1],
+                          env=environment, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-2000:]
+    found = json.loads(done.stdout.strip().splitlines()[-1])
+    assert found["case 7 0"][0] == ["cvt.rn.f16x2.e4m3x2"]
+    assert found["pages of 16, e5m2, float16 0"][0] == ["cvt.rn.f16x2.e5m2x2"]
+    assert found["append, rotary, window, softcap 0"][0] == ["cvt.rn.f16x2.e4m3x2", "cvt.rn.satfinite.e4m3x2.f32"]
+    for name, (_, resources) in found.items():
+        assert resources is None or "STACK:0" in resources.replace(" ", ""), (name, resources)
+
+
+# -- the benchmark's fp8 variant and FlashInfer's fp8 decode ---------------------------------------------
+
+SMALL = cases.Case(0, 3, 40, 2, 4, 64, lengths="uniform")
+
+
+def test_fp8_variant_is_the_plain_cache_quantised():
+    """The ``fp8`` variant: the plain call's cache in e4m3 with one amax / 448 descale in every KV head,
+    1 byte a K/V element in the bytes moved, and a reference close to the plain call's."""
+    plain = cases.make_call(SMALL, cases.VARIANTS["plain"], dtype=torch.float32)
+    fp8 = cases.make_call(SMALL, cases.VARIANTS["fp8"], dtype=torch.float32)
+    assert fp8.k_cache.dtype == torch.float8_e4m3fn and fp8.k_descale.shape == (SMALL.nheads_k,)
+    torch.testing.assert_close(fp8.k_descale, (plain.k_cache.abs().amax() / 448).expand(2))
+    assert fp8.k_cache.float().abs().max() == 448  # the largest element lands on the range's end
+    assert cases.VARIANTS["fp8"].problem(SMALL).cache_dtype == "float8_e4m3fn"
+    row = SMALL.nheads_k * 64
+    assert plain.bytes_moved() - fp8.bytes_moved() == sum(fp8.lengths) * row * 2 * (4 - 1)
+    want = reference_attention(plain.q, plain.k_cache, plain.v_cache, cache_seqlens=plain.cache_seqlens)[0]
+    got = reference_attention(fp8.q, fp8.k_cache, fp8.v_cache, **fp8.kwargs())[0]
+    assert 0 < relative_error(got, want) < 0.1
+
+
+def _fake_flashinfer_fp8(scales):
+    """A stand-in flashinfer whose decode wrapper records the kv dtype it is planned with and the
+    scales it runs with, and dequantises as FlashInfer does (scores by k_scale, output by v_scale)."""
+    module = types.ModuleType("flashinfer")
+
+    class Wrapper:
+        def __init__(self, workspace, layout, use_cuda_graph, use_tensor_cores, paged_kv_indptr_buffer,
+                     paged_kv_indices_buffer, paged_kv_last_page_len_buffer):
+            self.buffers = paged_kv_indptr_buffer, paged_kv_indices_buffer, paged_kv_last_page_len_buffer
+
+        def plan(self, indptr, indices, last, nheads, nheads_k, headdim, page_size, q_data_type, kv_data_type):
+            scales["kv_data_type"], self.page_size = kv_data_type, page_size
+
+        def run(self, q, caches, k_scale=None, v_scale=None):
+            scales.update(k_scale=k_scale, v_scale=v_scale)
+            indptr, indices, last = (t.tolist() for t in self.buffers)
+            outs = []
+            for b in range(q.shape[0]):
+                pages = indices[indptr[b]:indptr[b + 1]]
+                length = (len(pages) - 1) * self.page_size + last[b]
+                k, v = (cache[pages].flatten(0, 1)[:length].float() for cache in caches)
+                outs.append(reference_attention(q[b][None, None], k[None] * k_scale, v[None] * v_scale)[0][0, 0])
+            return torch.stack(outs)
+
+    module.BatchDecodeWithPagedKVCacheWrapper = Wrapper
+    return module
+
+
+def test_flashinfer_fp8_decode_is_the_fp8_variants_peer(monkeypatch):
+    """FlashInfer's wrapper is planned with the fp8 kv dtype and run with the descales as its float
+    k_scale/v_scale; calls with per-head descales of several values, and the other peers, say why not."""
+    scales = {}
+    monkeypatch.setitem(sys.modules, "flashinfer", _fake_flashinfer_fp8(scales))
+    call = cases.make_call(SMALL, cases.VARIANTS["fp8"], dtype=torch.float32)
+    peer = peers.PEERS["flashinfer-tc"]
+    assert peer.limitation(call) is None
+    out = peer.setup([call])[0]()
+    assert scales == dict(kv_data_type=torch.float8_e4m3fn, k_scale=float(call.k_descale[0]),
+                          v_scale=float(call.v_descale[0]))
+    want = reference_attention(call.q, call.k_cache, call.v_cache, **call.kwargs())[0]
+    assert relative_error(out, want) < 1e-6
+    call.k_descale = torch.tensor([0.5, 0.25])
+    assert "one float k_scale" in peer.limitation(call)
+    for name in ("fa2", "sdpa", "flex"):
+        assert "fp8" in peers.PEERS[name].limitation(call), name
 
 
 # -- GPU tier ---------------------------------------------------------------------------------------------
