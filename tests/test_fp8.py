@@ -32,6 +32,7 @@ import triton.language as tl
 from conftest import HAS_CUDA
 from flashdecode import cases, flash_attn_with_kvcache, plan_for
 from flashdecode.bench import peers
+from flashdecode.context import default_context
 from flashdecode.kernels.base import get_backend, select
 from flashdecode.kernels.tilelang.backend import problem_limitation
 from flashdecode.kernels.triton.attend import quantise as triton_quantise
@@ -473,3 +474,20 @@ def test_benchmark_cases_in_e4m3_keep_the_accuracy_rule(case_number):
     out = flash_attn_with_kvcache(call.q, call.k_cache, call.v_cache, **call.kwargs())
     live = call.cache_seqlens.cpu() > 0
     assert relative_error(out[live], want[live]) <= 2 * relative_error(bf16[live], want[live])
+
+
+@pytest.mark.gpu
+def test_fp8_repeats_take_the_compiled_host_path_only_without_descales():
+    """An fp8 call without descales (1.0, the workspace's tensor) repeats through the compiled host
+    path with the same result; one with descales always takes the Python path."""
+    q, k_cache, v_cache, kwargs = make_call(descale=None, dtype=torch.bfloat16)
+    first = flash_attn_with_kvcache(q, k_cache, v_cache, **kwargs)
+    host = default_context(q).host_path
+    if host is None:
+        pytest.skip(default_context(q).host_path_off_because)
+    hits = host.hits
+    assert torch.equal(flash_attn_with_kvcache(q, k_cache, v_cache, **kwargs), first) and host.hits == hits + 1
+    scaled = dict(kwargs, k_descale=torch.ones(2, 2, device="cuda"), v_descale=1.0)
+    for _ in range(2):
+        assert torch.equal(flash_attn_with_kvcache(q, k_cache, v_cache, **scaled), first)
+    assert host.hits == hits + 1

@@ -281,12 +281,11 @@ def append_tokens(k_head, v_head, table_row, num_pages, stride_kp, stride_kt, st
             partner, column, sign, rotated = rotary_columns(ROTARY_DIM, ROTARY_INTERLEAVED, HEAD_PAD)
             rotating = given[:, None] & rotated[None, :]
             k_partner = tl.load(k_new + j[:, None] * stride_nkt + partner[None, :], mask=rotating, other=0.0)
-            k = rotate(k, k_partner, positions, Cos, Sin, rotary_rows, column, sign, rotating,
-                       ROTARY_DIM).to(k_new.dtype.element_ty)
-        if FP8:
-            k = quantise(k, k_scale, k_head.dtype.element_ty)
+            k = rotate(k, k_partner, positions, Cos, Sin, rotary_rows, column, sign, rotating, ROTARY_DIM)
+        if FP8:  # rounded to k's dtype first, as the reference rotates
+            k = quantise(k.to(k_new.dtype.element_ty), k_scale, k_head.dtype.element_ty)
         written = tile_mask(write, d, HEAD_DIM, HEAD_PAD)
-        tl.store(k_head + k_offs[:, None] + d[None, :], k, mask=written)
+        tl.store(k_head + k_offs[:, None] + d[None, :], k.to(k_head.dtype.element_ty), mask=written)
         v = tl.load(v_new + j[:, None] * stride_nvt + d[None, :], mask=read, other=0.0)
         if FP8:
             v = quantise(v, v_scale, v_head.dtype.element_ty)
