@@ -315,6 +315,25 @@ def test_a_call_run_on_copies_gets_no_record(module, monkeypatch):
         torch.testing.assert_close(out, expected)
 
 
+def test_the_plain_call_goes_straight_to_its_default_contexts_record(module, monkeypatch):
+    """``flash_attn_with_kvcache`` without a context: the first call records on the default context,
+    the second launches from the record (``HostPath.run`` with the context's stream, no frame of the
+    context's) into an out of its own."""
+    from flashdecode import flash_attn_with_kvcache
+    from flashdecode.context import default_context
+
+    q, (k_cache, v_cache) = torch.randn(2, 1, 4, 8).half(), small_cache()
+    stand_in = stand_in_context(module, monkeypatch)
+    context = default_context(q)
+    monkeypatch.setattr(context, "_host_tried", True)
+    monkeypatch.setattr(context, "host_path", stand_in.host_path)
+    first = flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=5, backend="reference")
+    assert len(context.host_path) == 1 and context.host_path.hits == 0
+    monkeypatch.setattr(type(context), "run_call", lambda *arguments: pytest.fail("took the Python path"))
+    second = flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=5, backend="reference")
+    assert context.host_path.hits == 1 and second.shape == first.shape and second.data_ptr() != first.data_ptr()
+
+
 def test_a_captured_call_adds_no_record(module, monkeypatch):
     """A call made while its stream captures takes the Python path and leaves no record: later eager
     calls would launch into the graph's own buffers."""
@@ -329,7 +348,8 @@ def test_a_captured_call_adds_no_record(module, monkeypatch):
 def test_a_call_off_the_bound_stream_takes_no_record(module, monkeypatch):
     """An explicit context called from another stream (which it allows only while that stream
     captures) neither launches from its records nor adds one."""
-    from flashdecode import context as context_module, workspace
+    from flashdecode import context as context_module
+    from flashdecode import workspace
 
     context = stand_in_context(module, monkeypatch)
     q, (k_cache, v_cache) = torch.randn(2, 1, 4, 8).half(), small_cache()
