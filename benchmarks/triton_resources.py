@@ -36,20 +36,29 @@ HOPPER = GPUTarget("cuda", 90, 32)
 
 def plan_launches(problem: Problem, the_plan) -> list:
     """``backend.launches`` of ``the_plan`` for ``problem`` on CPU tensors (a paged problem gets a
-    page pool and block table of its capacity): what to compile, never to run."""
+    page pool and block table of its capacity; appended tokens, rotary tables and an fp8 cache's
+    descales where the problem has them): what to compile, never to run."""
     dtype = getattr(torch, problem.dtype)
-    q = torch.empty(problem.batch, 1, problem.nheads, problem.headdim, dtype=dtype)
+    cache_dtype = dtype if problem.cache_dtype is None else getattr(torch, problem.cache_dtype)
+    q = torch.empty(problem.batch, problem.seqlen_q, problem.nheads, problem.headdim, dtype=dtype)
     table = None
     if problem.paged:
         pages = problem.seqlen_cache // problem.page_size
-        cache = torch.empty(problem.batch * pages, problem.page_size, problem.nheads_k, problem.headdim, dtype=dtype)
+        cache = torch.empty(problem.batch * pages, problem.page_size, problem.nheads_k, problem.headdim,
+                            dtype=cache_dtype)
         table = torch.empty(problem.batch, pages, dtype=torch.int32)
     else:
-        cache = torch.empty(problem.batch, problem.seqlen_cache, problem.nheads_k, problem.headdim, dtype=dtype)
+        cache = torch.empty(problem.batch, problem.seqlen_cache, problem.nheads_k, problem.headdim, dtype=cache_dtype)
+    new = torch.empty(problem.batch, problem.seqlen_new, problem.nheads_k, problem.headdim, dtype=dtype) \
+        if problem.seqlen_new else None
+    rotary = torch.empty(problem.seqlen_cache, problem.rotary_dim // 2, dtype=dtype) if problem.rotary_dim else None
+    descale = torch.empty(problem.batch, problem.nheads_k) if problem.cache_dtype else None
     args = LaunchArgs(q=q, k_cache=cache, v_cache=cache, cache_seqlens=torch.empty(problem.batch, dtype=torch.int32),
-                      out=torch.empty_like(q), lse=torch.empty(problem.batch, problem.nheads, 1),
+                      out=torch.empty_like(q), lse=torch.empty(problem.batch, problem.nheads, problem.seqlen_q),
                       part_o=torch.empty(1, 1, problem.headdim), part_lse=torch.empty(1, 1), softmax_scale=0.1,
-                      block_table=table, tickets=torch.zeros(the_plan.ticket_count(problem), dtype=torch.int32))
+                      softcap=1.0, k_new=new, v_new=new, rotary_cos=rotary, rotary_sin=rotary, block_table=table,
+                      tickets=torch.zeros(the_plan.ticket_count(problem), dtype=torch.int32), k_descale=descale,
+                      v_descale=descale)
     return get_backend("triton").launches(the_plan, problem, args)
 
 

@@ -53,7 +53,10 @@ flash_attn_with_kvcache = define(_CALL, globals(), "flash_attn_with_kvcache", do
 
     Beyond FlashAttention: ``backend`` ("auto", "tilelang", "triton", "reference"), ``out`` (a
     preallocated output) and ``context`` (a :class:`DecodeContext` owning the workspace; default: one
-    per host thread and stream).
+    per host thread and stream). fp8 caches (float8_e4m3fn, float8_e5m2, q float16/bfloat16), as
+    FlashAttention 3: ``k_descale``, ``v_descale`` (float32 (batch, nheads_k), (nheads_k,) or (), or a
+    number; None: 1) read the caches as ``cache * descale``; appended k/v (q's dtype) are stored as
+    ``x / descale`` saturated to the fp8 range, rounded to nearest even.
     """)
 
 flash_decode_with_kvcache = define(_CALL, globals(), "flash_decode_with_kvcache",

@@ -91,6 +91,9 @@ ARGUMENTS = (
     Argument("return_softmax_lse", False, FLAG, None),
     Argument("backend", "auto", SCALAR, "str", keyword_only=True),
     Argument("out", None, TENSOR, None, keyword_only=True),
+    # fp8 caches: float32 (batch, nheads_k), (nheads_k,) or () tensors, or numbers (eager calls only)
+    Argument("k_descale", None, TENSOR, "Tensor?", keyword_only=True, host_path=False),
+    Argument("v_descale", None, TENSOR, "Tensor?", keyword_only=True, host_path=False),
 )
 NAMES = tuple(argument.name for argument in ARGUMENTS)
 #: Position of each argument in a Call.

@@ -9,7 +9,8 @@ M1-M16, the heads one GPU holds for public models' attention configs (MHA, group
 3, 5, 6, 7 and 12, head dims 64, 80, 96, 128 and 256) at batches and lengths a server meets.
 
 A variant changes how a case is called (``docs/design.md``, "Semantics"): ``plain`` decode, the
-cache in shuffled pages of 16/64/256 tokens, 4 causal query tokens, or one appended k/v token.
+cache in shuffled pages of 16/64/256 tokens, 4 causal query tokens, one appended k/v token, or the
+cache in fp8 (e4m3) with per-head descales.
 """
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ import math
 import torch
 
 from .problem import Problem, offsets_fit_32
+from .reference import quantise
 
 NHEADS = 32
 HEADDIM = 128
@@ -207,13 +209,14 @@ def make_inputs(case: Case, device="cpu", dtype=DTYPE, headdim=None, seed=1):
 
 
 def bytes_read(case_or_lengths, nheads_k: int, nheads: int, headdim: int = HEADDIM, element_bytes: int = 2,
-               seqlen_q: int = 1, seqlen_new: int = 0) -> int:
+               seqlen_q: int = 1, seqlen_new: int = 0, cache_element_bytes: int | None = None) -> int:
     """Bytes a call must move: K and V of every key a sequence sees (``lengths``: cache_seqlens +
     seqlen_new; cached keys read from the cache, new ones from k/v), the new rows written into the
-    cache, q read and out written."""
+    cache, q read and out written. K/V elements take ``cache_element_bytes`` (1 for an fp8 cache;
+    default ``element_bytes``, q's)."""
     total_tokens = int(sum(case_or_lengths))
     batch = len(case_or_lengths)
-    row = nheads_k * headdim * element_bytes
+    row = nheads_k * headdim * (element_bytes if cache_element_bytes is None else cache_element_bytes)
     return (total_tokens * row * 2 + batch * seqlen_new * row * 2
             + 2 * batch * seqlen_q * nheads * headdim * element_bytes)
 
@@ -228,6 +231,7 @@ class Variant:
     seqlen_q: int = 1  # > 1: causal
     seqlen_new: int = 0  # k/v tokens appended
     pages_in_order: bool = False  # the block table in page order (a diagnostic: the shuffle's cost)
+    cache_dtype: str | None = None  # an fp8 dtype's name: the cache quantised to it (``fp8_descales``)
 
     @property
     def causal(self) -> bool:
@@ -241,7 +245,8 @@ class Variant:
             capacity = -(-capacity // self.page_size) * self.page_size
         return Problem(case.batch, capacity, case.nheads, case.nheads_k, case.headdim, dtype, seqlen_q=self.seqlen_q,
                        page_size=self.page_size, seqlen_new=self.seqlen_new, window_right=0 if self.causal else -1,
-                       offsets_32=offsets_fit_32((case.batch, capacity, case.nheads_k, case.headdim)))
+                       offsets_32=offsets_fit_32((case.batch, capacity, case.nheads_k, case.headdim)),
+                       cache_dtype=self.cache_dtype)
 
 
 VARIANTS = {variant.name: variant for variant in (
@@ -254,6 +259,9 @@ VARIANTS = {variant.name: variant for variant in (
     Variant("q4", "seqlen_q = 4, causal=True", seqlen_q=4),
     Variant("append", "k/v of 1 new token appended: cache_seqlens = lengths - 1 (idempotent: same token, "
                       "same slot)", seqlen_new=1),
+    Variant("fp8", "the cache in float8_e4m3fn, k_descale/v_descale of shape (nheads_k,): the cache's amax / 448 "
+                   "in every head (one calibrated scale per tensor, as vLLM's, which FlashInfer's float k_scale "
+                   "and v_scale also take)", cache_dtype="float8_e4m3fn"),
 )}
 
 
@@ -270,17 +278,22 @@ class Call:
     k: torch.Tensor | None = None
     v: torch.Tensor | None = None
     causal: bool = False
+    k_descale: torch.Tensor | None = None  # float32 (nheads_k,) of an fp8 cache
+    v_descale: torch.Tensor | None = None
 
     def kwargs(self) -> dict:
-        """Every argument after q, k_cache, v_cache, by keyword."""
-        return {"k": self.k, "v": self.v, "cache_seqlens": self.cache_seqlens, "block_table": self.block_table,
-                "causal": self.causal}
+        """Every argument after q, k_cache, v_cache, by keyword (the descales only where given)."""
+        kwargs = {"k": self.k, "v": self.v, "cache_seqlens": self.cache_seqlens, "block_table": self.block_table,
+                  "causal": self.causal}
+        if self.k_descale is not None:
+            kwargs.update(k_descale=self.k_descale, v_descale=self.v_descale)
+        return kwargs
 
     def bytes_moved(self) -> int:
-        """:func:`bytes_read` of this call."""
+        """:func:`bytes_read` of this call (K/V at the cache's element size)."""
         _, seqlen_q, nheads, headdim = self.q.shape
         return bytes_read(self.lengths, self.k_cache.shape[2], nheads, headdim, self.q.element_size(),
-                          seqlen_q, 0 if self.k is None else self.k.shape[1])
+                          seqlen_q, 0 if self.k is None else self.k.shape[1], self.k_cache.element_size())
 
     def storage_bytes(self) -> int:
         """Device memory its tensors hold."""
@@ -319,4 +332,16 @@ def make_call(case: Case, variant: Variant, device="cpu", dtype=DTYPE, seed=1) -
         call.k_cache = _pages(k_cache, _randn(generator, device, dtype, *tail), variant.page_size, order)
         call.v_cache = _pages(v_cache, _randn(generator, device, dtype, *tail), variant.page_size, order)
         call.block_table = order.view(case.batch, blocks).to(torch.int32)
+    if variant.cache_dtype:
+        fp8 = getattr(torch, variant.cache_dtype)
+        call.k_descale, call.v_descale = (fp8_descales(cache, fp8) for cache in (call.k_cache, call.v_cache))
+        call.k_cache = quantise(call.k_cache, call.k_descale, fp8)
+        call.v_cache = quantise(call.v_cache, call.v_descale, fp8)
     return call
+
+
+def fp8_descales(cache: torch.Tensor, fp8: torch.dtype) -> torch.Tensor:
+    """float32 (nheads_k,) descales of ``cache`` in ``fp8``: its largest magnitude over the fp8 range,
+    the same in every head (a per-tensor calibration, given per head)."""
+    scale = cache.abs().amax().float() / torch.finfo(fp8).max
+    return scale.expand(cache.shape[2]).contiguous()

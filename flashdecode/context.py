@@ -163,7 +163,9 @@ class DecodeContext:
             memory.lengths(problem, launched.cache_seqlens, device, capturing), result, lse, part_o, part_lse, scale,
             float(call.softcap), launched.k, launched.v, launched.rotary_cos, launched.rotary_sin,
             launched.cache_batch_idx, launched.cache_leftpad, launched.block_table, launched.alibi_slopes,
-            memory.tickets(plan, problem, device, capturing))
+            memory.tickets(plan, problem, device, capturing),
+            *(() if problem.cache_dtype is None else (memory.descale(problem, call.k_descale, device, capturing),
+                                                      memory.descale(problem, call.v_descale, device, capturing))))
         chosen.launch(plan, problem, arguments)
         if arguments.tickets is not None and value_checks_enabled() and not capturing:
             _check_counters_left_at_zero(arguments.tickets)

@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import dataclasses
 
-DTYPE_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4}
+DTYPE_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4, "float8_e4m3fn": 1, "float8_e5m2": 1}
+#: fp8 cache dtypes (q stays float16/bfloat16): each dequantised in registers (``Problem.cache_dtype``).
+FP8_DTYPES = ("float8_e4m3fn", "float8_e5m2")
 
 #: ``Problem.alibi`` values: no ALiBi, one slope per query head, one per (sequence, query head).
 ALIBI_NONE, ALIBI_PER_HEAD, ALIBI_PER_SEQUENCE = 0, 1, 2
@@ -63,6 +65,8 @@ class Problem(DerivedSizes):
     #: cache_batch_idx or block_table, a cache of exactly batch rows)
     dense: bool = True
     offsets_32: bool = False  # every K/V element lies within 2**31 - 1 elements of its cache's start (offsets_fit_32)
+    #: None: the caches hold q's dtype; else one of FP8_DTYPES, dequantised as cache * k_descale/v_descale
+    cache_dtype: str | None = None
 
     @property
     def group(self) -> int:
@@ -78,6 +82,11 @@ class Problem(DerivedSizes):
     def causal(self) -> bool:
         return self.window_left < 0 and self.window_right == 0
 
+    @property
+    def cache_element_bytes(self) -> int:
+        """Bytes of one K or V element in the caches (1 for fp8, else ``element_bytes``)."""
+        return self.element_bytes if self.cache_dtype is None else DTYPE_BYTES[self.cache_dtype]
+
     def key_span(self) -> int:
         """Most keys one sequence's rows can see together: the capacity, or fewer under a left window."""
         if self.window_left < 0:
@@ -86,7 +95,7 @@ class Problem(DerivedSizes):
 
     def cache_bytes(self) -> int:
         """Bytes of K and V a call could read: the whole capacity of every sequence."""
-        return 2 * self.batch * self.seqlen_cache * self.nheads_k * self.headdim * self.element_bytes
+        return 2 * self.batch * self.seqlen_cache * self.nheads_k * self.headdim * self.cache_element_bytes
 
     def features(self) -> tuple[str, ...]:
         """The names of the features beyond plain decode this call uses (for capability checks)."""
@@ -96,7 +105,8 @@ class Problem(DerivedSizes):
         for name, used in (("paged", self.paged), ("append", self.seqlen_new > 0), ("rotary", self.rotary_dim > 0),
                            ("causal", self.causal), ("window", self.windowed and not self.causal),
                            ("softcap", self.softcap), ("alibi", self.alibi != ALIBI_NONE),
-                           ("leftpad", self.leftpad), ("batch_idx", self.batch_idx)):
+                           ("leftpad", self.leftpad), ("batch_idx", self.batch_idx),
+                           ("fp8", self.cache_dtype is not None)):
             if used:
                 names.append(name)
         return tuple(names)

@@ -154,6 +154,23 @@ def per_sequence(value, batch, default):
     return [int(item) for item in value.tolist()]
 
 
+def descale_table(descale, batch: int, nheads_k: int, device) -> torch.Tensor:
+    """A descale argument as float32 (batch, nheads_k) (an expanded view: no copy): None (1.0), a
+    number, or a float32 tensor of shape (), (nheads_k,) or (batch, nheads_k), FA3's."""
+    if descale is None:
+        descale = 1.0
+    table = torch.as_tensor(descale, dtype=torch.float32, device=device)
+    return table.expand(batch, nheads_k)
+
+
+def quantise(x, descale, dtype) -> torch.Tensor:
+    """``x`` (..., Hk, D) stored in an fp8 cache of ``dtype``: ``x / descale`` (descale (Hk,)) in
+    float32, saturated to the dtype's finite range, rounded to nearest even (FA3's and vLLM's
+    convention: the cache holds x / descale, read back as cache * descale)."""
+    largest = torch.finfo(dtype).max
+    return (x.float() / descale[:, None]).clamp(-largest, largest).to(dtype)
+
+
 def _key_slots(b, positions, cache_rows, block_table, page_size):
     """Index tuple into a cache for sequence b's key positions: (row, position) of a contiguous
     cache, (page, slot) of a paged one (``docs/design.md``, "Semantics", Keys)."""
@@ -165,7 +182,8 @@ def _key_slots(b, positions, cache_rows, block_table, page_size):
 def reference_attention(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None,
                         cache_seqlens=None, cache_batch_idx=None, cache_leftpad=None, block_table=None,
                         softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
-                        rotary_interleaved=True, alibi_slopes=None, compute_dtype=torch.float32):
+                        rotary_interleaved=True, alibi_slopes=None, compute_dtype=torch.float32, *,
+                        k_descale=None, v_descale=None):
     """``flash_attn_with_kvcache``'s whole surface in float32 (``docs/design.md``, "Semantics").
 
     Appends ``k`` (rotated) and ``v`` into the caches in place, at positions ``[cache_seqlens[b],
@@ -194,6 +212,9 @@ def reference_attention(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, ro
     scale = headdim ** -0.5 if softmax_scale is None else softmax_scale
     device = q.device
     starts = torch.tensor(lengths, device=device)
+    fp8 = k_cache.dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
+    k_scales = descale_table(k_descale, batch, nheads_k, device) if fp8 else None
+    v_scales = descale_table(v_descale, batch, nheads_k, device) if fp8 else None
 
     if rotary_cos is not None:
         if windowed:  # query row i at cache_seqlens[b] + i, else every row at cache_seqlens[b]
@@ -208,8 +229,12 @@ def reference_attention(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, ro
             positions = torch.arange(lengths[b], lengths[b] + seqlen_new, device=device)
             kept = positions < capacity  # writes past the capacity are skipped
             slots = _key_slots(b, positions[kept], cache_rows, block_table, page_size)
-            k_cache[slots] = k[b][kept]
-            v_cache[slots] = v[b][kept]
+            if fp8:
+                k_cache[slots] = quantise(k[b][kept], k_scales[b], k_cache.dtype)
+                v_cache[slots] = quantise(v[b][kept], v_scales[b], v_cache.dtype)
+            else:
+                k_cache[slots] = k[b][kept]
+                v_cache[slots] = v[b][kept]
 
     out = torch.zeros(batch, seqlen_q, nheads, headdim, dtype=torch.float32, device=device)
     lse = torch.full((batch, nheads, seqlen_q), float("-inf"), dtype=torch.float32, device=device)
@@ -223,28 +248,35 @@ def reference_attention(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, ro
             slopes = (alibi_slopes if alibi_slopes.dim() == 1 else alibi_slopes[b]).float().view(nheads_k, group, 1, 1)
         query = q[b].to(compute_dtype).permute(1, 0, 2).reshape(nheads_k, group * seqlen_q, headdim)
         positions_q = end - seqlen_q + torch.arange(seqlen_q, device=device)
+        descales = None if not fp8 else (k_scales[b].view(nheads_k, 1, 1), v_scales[b].view(nheads_k, 1, 1))
         out[b], lse[b] = _attend_sequence(query, k_cache, v_cache, b, first, end, positions_q, cache_rows,
-                                          block_table, page_size, scale, softcap, window_left, window_right, slopes)
+                                          block_table, page_size, scale, softcap, window_left, window_right, slopes,
+                                          descales)
     return out.to(q.dtype), lse
 
 
 def _attend_sequence(query, k_cache, v_cache, b, first, end, positions_q, cache_rows, block_table, page_size,
-                     scale, softcap, window_left, window_right, slopes):
+                     scale, softcap, window_left, window_right, slopes, descales=None):
     """(out (Sq, H, D), lse (H, Sq)) of one sequence over its keys [first, end): scores chunk by
-    chunk, one masked softmax, then the values chunk by chunk, in query's dtype. query: (Hk, G * Sq, D)."""
+    chunk, one masked softmax, then the values chunk by chunk, in query's dtype. query: (Hk, G * Sq, D);
+    descales: None, or the (k, v) descales (Hk, 1, 1) of an fp8 cache, which each chunk is
+    dequantised by (in float32, before the cast to query's dtype).
     nheads_k, rows, headdim = query.shape
     seqlen_q = positions_q.shape[0]
     group = rows // seqlen_q
     chunks = [(lo, min(lo + KEY_CHUNK, end)) for lo in range(first, end, KEY_CHUNK)]
     device = query.device
 
-    def keys(cache, lo, hi):  # (Hk, hi - lo, D) in query's dtype
+    def keys(cache, lo, hi, descale):  # (Hk, hi - lo, D) in query's dtype
         if block_table is None:
-            return cache[cache_rows[b], lo:hi].to(query.dtype).permute(1, 0, 2)
-        slots = _key_slots(b, torch.arange(lo, hi, device=device), cache_rows, block_table, page_size)
-        return cache[slots].to(query.dtype).permute(1, 0, 2)
+            chunk = cache[cache_rows[b], lo:hi].float().permute(1, 0, 2)
+        else:
+            slots = _key_slots(b, torch.arange(lo, hi, device=device), cache_rows, block_table, page_size)
+            chunk = cache[slots].float().permute(1, 0, 2)
+        return (chunk if descale is None else chunk * descale).to(query.dtype)
 
-    scores = torch.cat([query @ keys(k_cache, lo, hi).transpose(1, 2) for lo, hi in chunks], dim=-1)
+    k_descale, v_descale = (None, None) if descales is None else descales
+    scores = torch.cat([query @ keys(k_cache, lo, hi, k_descale).transpose(1, 2) for lo, hi in chunks], dim=-1)
     scores = scores.view(nheads_k, group, seqlen_q, end - first) * scale
     if softcap > 0:
         scores = torch.tanh(scores / softcap) * softcap
@@ -254,6 +286,6 @@ def _attend_sequence(query, k_cache, v_cache, b, first, end, positions_q, cache_
     visible = window_mask(positions_q, positions_k, window_left, window_right).expand_as(scores)
     probs, lse = _softmax_rows(scores, visible)
     probs = probs.view(nheads_k, rows, end - first).to(query.dtype)  # ALiBi's float32 slopes promote the scores
-    out = sum(probs[..., lo - first:hi - first] @ keys(v_cache, lo, hi) for lo, hi in chunks)
+    out = sum(probs[..., lo - first:hi - first] @ keys(v_cache, lo, hi, v_descale) for lo, hi in chunks)
     out = out.view(nheads_k * group, seqlen_q, headdim).transpose(0, 1)
     return out, lse.reshape(nheads_k * group, seqlen_q)

@@ -19,10 +19,13 @@ import os
 import torch
 
 from .planner import key_range
-from .problem import ALIBI_NONE, ALIBI_PER_HEAD, ALIBI_PER_SEQUENCE, Problem, contiguous_strides, offsets_fit_32
+from .problem import (ALIBI_NONE, ALIBI_PER_HEAD, ALIBI_PER_SEQUENCE, FP8_DTYPES, Problem, contiguous_strides,
+                      offsets_fit_32)
 from .reference import per_sequence
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
+#: Cache dtypes besides q's: fp8, dequantised by k_descale/v_descale (``Problem.cache_dtype``).
+FP8_CACHE_DTYPES = tuple(getattr(torch, name) for name in FP8_DTYPES)
 MAX_HEADDIM = 256
 #: Page sizes besides powers of two: FlashAttention 2 takes any multiple of this many tokens.
 FA_PAGE_MULTIPLE = 256
@@ -136,6 +139,39 @@ def _require_like_q(name, meta, q_dtype, device):
         _fail(ValueError, f"{name} must be contiguous in its last dimension, got strides {meta[3]}")
 
 
+def _require_cache(name, meta, q_dtype, device):
+    """A cache of q's dtype or of an fp8 dtype (``FP8_CACHE_DTYPES``), otherwise as ``_require_like_q``."""
+    if meta[0] in FP8_CACHE_DTYPES:
+        meta = (q_dtype, *meta[1:])
+    elif meta[0] != q_dtype:
+        _fail(TypeError, f"{name} must have q's dtype {q_dtype} or be float8_e4m3fn or float8_e5m2, got {meta[0]}")
+    _require_like_q(name, meta, q_dtype, device)
+
+
+def _check_descale(name, meta, cache_dtype, batch, nheads_k, device):
+    """``k_descale``/``v_descale``: only with fp8 caches; a finite number > 0, or a float32 tensor of
+    shape (), (nheads_k,) or (batch, nheads_k) (FA3's) on q's device."""
+    if meta is None:
+        return
+    if cache_dtype not in FP8_CACHE_DTYPES:
+        _fail(ValueError, f"{name} applies to float8 caches only, got k_cache of {cache_dtype}")
+    if isinstance(meta[0], type):
+        kind, value = meta
+        if kind is bool or not issubclass(kind, numbers.Real):
+            _fail(TypeError, f"{name} must be a float32 tensor of shape ({batch}, {nheads_k}), ({nheads_k},) or (), "
+                             f"or a number, got {_type_name(kind)}")
+        if not (math.isfinite(value) and value > 0):
+            _fail(ValueError, f"{name} must be finite and > 0, got {value!r}")
+        return
+    dtype, tensor_device, shape, _, _ = meta
+    if dtype != torch.float32:
+        _fail(TypeError, f"{name} must be float32, got {dtype}")
+    if tuple(shape) not in ((), (nheads_k,), (batch, nheads_k)):
+        _fail(ValueError, f"{name} must have shape ({batch}, {nheads_k}), ({nheads_k},) or (), got {tuple(shape)}")
+    if tensor_device != device:
+        _fail(ValueError, f"{name} must be on q's device {device}, got {tensor_device}")
+
+
 def _int_value(name, meta, low=None):
     kind, value = meta
     if kind is bool or not issubclass(kind, numbers.Integral):
@@ -163,9 +199,10 @@ def _window(meta, causal, seqlen_q, capacity):
 
 def check_call(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad,
                block_table, softmax_scale, causal, window_size, softcap, rotary_interleaved, alibi_slopes,
-               num_splits, backend, out) -> Problem:
+               num_splits, backend, out, k_descale=None, v_descale=None) -> Problem:
     """Every metadata check of a call; the Problem it describes. Tensor arguments come as
-    ``tensor_meta``, scalars as ``scalar_meta``. Raises TypeError/ValueError naming the argument."""
+    ``tensor_meta``, scalars as ``scalar_meta`` (``k_descale``/``v_descale``: either, by what was
+    passed). Raises TypeError/ValueError naming the argument."""
     _require_tensor("q", q, 4, _BSHD)
     q_dtype, device, (batch, seqlen_q, nheads, headdim), q_stride, q_aligned = q
     if q_dtype not in SUPPORTED_DTYPES:
@@ -180,7 +217,9 @@ def check_call(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens,
     cache_layout = "(num_pages, page_size, nheads_k, headdim)" if paged else "(batch_cache, seqlen_cache, nheads_k, headdim)"
     for name, meta in (("k_cache", k_cache), ("v_cache", v_cache)):
         _require_tensor(name, meta, 4, cache_layout)
-        _require_like_q(name, meta, q_dtype, device)
+        _require_cache(name, meta, q_dtype, device)
+    if v_cache[0] != k_cache[0]:
+        _fail(TypeError, f"v_cache must have k_cache's dtype {k_cache[0]}, got {v_cache[0]}")
     if v_cache[2] != k_cache[2]:
         _fail(ValueError, f"v_cache must have k_cache's shape {tuple(k_cache[2])}, got {tuple(v_cache[2])}")
     rows, slots, nheads_k, cache_headdim = k_cache[2]
@@ -287,6 +326,8 @@ def check_call(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens,
             or not math.isfinite(softcap_value):
         _fail(ValueError, f"softcap must be a finite float >= 0 (0: off), got {softcap_value!r}")
     _int_value("num_splits", num_splits, low=0)
+    _check_descale("k_descale", k_descale, k_cache[0], batch, nheads_k, device)
+    _check_descale("v_descale", v_descale, k_cache[0], batch, nheads_k, device)
     if backend[1] not in BACKENDS:
         _fail(ValueError, f"backend must be one of {BACKENDS}, got {backend[1]!r}")
 
@@ -307,7 +348,8 @@ def check_call(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens,
                    rotary_interleaved=bool(rotary_interleaved[1]) and rotary_dim > 0,
                    window_left=window_left, window_right=window_right, softcap=softcap_value > 0, alibi=alibi,
                    leftpad=cache_leftpad is not None, batch_idx=cache_batch_idx is not None, dense=bool(dense),
-                   offsets_32=offsets_32)
+                   offsets_32=offsets_32,
+                   cache_dtype=str(k_cache[0]).removeprefix("torch.") if k_cache[0] in FP8_CACHE_DTYPES else None)
 
 
 def check_values(problem: Problem, k_cache, cache_seqlens, cache_batch_idx, cache_leftpad, block_table,

@@ -43,7 +43,7 @@ def device_index(device: torch.device) -> int:
 
 
 class Workspace:
-    """Partials, ticket counters, lse sink and lengths tensors for calls queued on one stream.
+    """Partials, ticket counters, lse sink, lengths and descale tensors for calls queued on one stream.
 
     Each method takes ``capturing`` (whether the call's stream captures a CUDA graph; None: asked),
     and under capture returns buffers of the graph's own."""
@@ -56,6 +56,7 @@ class Workspace:
         self._tickets = None
         self._ticket_views: dict = {}
         self._uniform_lengths: dict = {}
+        self._descales: dict = {}  # number -> 0-d float32 tensor (``descale``)
 
     def partials(self, plan, problem, device, capturing=None):
         """part_o (W, Hk * q_rows, D) and part_lse (W, Hk * q_rows), float32 views of one buffer; empty
@@ -140,6 +141,20 @@ class Workspace:
             tensor = torch.full((problem.batch,), value, dtype=torch.int32, device=device)
             remember(self._uniform_lengths, key, tensor)
         return tensor
+
+    def descale(self, problem, descale, device, capturing=None) -> torch.Tensor:
+        """An fp8 cache's descale as the float32 (B, Hk) view the kernels read: a tensor expanded, a
+        number (None: 1.0) made once per value (``reference.descale_table``'s rule)."""
+        if isinstance(descale, torch.Tensor):
+            return descale.expand(problem.batch, problem.nheads_k)
+        value = 1.0 if descale is None else float(descale)
+        if stream_capturing(device) if capturing is None else capturing:
+            return torch.full((), value, dtype=torch.float32, device=device).expand(problem.batch, problem.nheads_k)
+        tensor = self._descales.get(value)
+        if tensor is None:
+            tensor = torch.full((), value, dtype=torch.float32, device=device)
+            remember(self._descales, value, tensor)
+        return tensor.expand(problem.batch, problem.nheads_k)
 
 
 def _grown(buffer: torch.Tensor | None, need: int, make) -> torch.Tensor:

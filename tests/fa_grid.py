@@ -12,6 +12,14 @@ Beyond FlashAttention's list: dtypes float16 and bfloat16 (its list has float16 
 ``has_batch_idx`` True too (its list has only False, True commented out), and the lse is checked by
 the same rule as the output. ALiBi's bias is ``-slope * |p_i - t|`` for every row (FlashAttention's
 causal variant differs from it by a per-row constant, which no softmax sees; this one also fixes lse).
+
+fp8 caches (``FP8_AXES``, drawn with ``restrict``): two more axes, the cache dtype (float8_e4m3fn,
+float8_e5m2; q stays float16/bfloat16) and a softcap (0 or 30; FlashAttention's list has none). The
+caches are drawn as above and quantised with per-(sequence, KV head) descales (the call's k_descale,
+v_descale); the oracle and the same-dtype PyTorch run see the dequantised caches (the latter rounded
+to q's dtype), and the appended tokens as the cache stores them (``reference.quantise``). After the
+call the cache must hold v exactly and k within one fp8 step (a rotation rounded otherwise may land
+on the neighbour).
 """
 from __future__ import annotations
 
@@ -31,7 +39,7 @@ import pytest
 import torch
 
 from flashdecode.problem import ALIBI_PER_SEQUENCE, Problem, offsets_fit_32
-from flashdecode.reference import apply_rotary, attention_ref
+from flashdecode.reference import apply_rotary, attention_ref, quantise
 
 SEQLEN_PAIRS = ((1, 128), (1, 339), (3, 1024), (64, 800), (64, 256), (3, 799), (64, 2048), (16, 20000),
                 (1, 128 * 1024), (16, 128 * 1024), (128, 128))
@@ -56,6 +64,8 @@ AXES = {
 }
 BATCH, NHEADS = 2, 6
 NHEADS_K = {"mha": 6, "mqa": 1, "gqa": 3}
+#: The fp8 part of the grid: ``restrict`` of ``sample`` with these adds the cache dtype and softcap axes.
+FP8_AXES = {"kv_dtype": ("float8_e4m3fn", "float8_e5m2"), "softcap": (0.0, 30.0)}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,6 +87,8 @@ class Combo:
     has_batch_idx: bool
     d: int
     seqlens: tuple
+    kv_dtype: str | None = None  # None: the caches in q's dtype; else an fp8 dtype (FP8_AXES)
+    softcap: float = 0.0
 
     @property
     def id(self) -> str:
@@ -90,12 +102,18 @@ class Combo:
             flags.append(f"rot{self.rotary_fraction}{'i' if self.rotary_interleaved else 'h'}")
         if self.paged_kv_block_size:
             flags.append(f"page{self.paged_kv_block_size}")
+        if self.kv_dtype:
+            flags.append(self.kv_dtype.replace("_", ""))
+        if self.softcap:
+            flags.append(f"softcap{self.softcap}")
         return "-".join([f"{self.dtype}", f"q{seqlen_q}k{seqlen_k}", f"d{self.d}", self.mha_type,
                          f"splits{self.num_splits}", *flags])
 
     def features(self) -> list[str]:
-        """``axis=value`` of every axis: the keys of the report."""
-        return [f"{axis}={getattr(self, axis)}" for axis in AXES]
+        """``axis=value`` of every axis: the keys of the report (FP8_AXES' for fp8 combos only, so the
+        other combos' samples stay as they were)."""
+        axes = [*AXES, *FP8_AXES] if self.kv_dtype else AXES
+        return [f"{axis}={getattr(self, axis)}" for axis in axes]
 
     @classmethod
     def from_id(cls, text: str) -> Combo:
@@ -105,10 +123,12 @@ class Combo:
         seqlen_q, seqlen_k = lengths.removeprefix("q").split("k")
         rotary = next((flag for flag in flags if flag.startswith("rot")), None)
         page = next((flag for flag in flags if flag.startswith("page")), None)
+        fp8 = next((name for name in FP8_AXES["kv_dtype"] if name.replace("_", "") in flags), None)
+        softcap = next((float(flag[7:]) for flag in flags if flag.startswith("softcap")), 0.0)
         return cls(dtype, int(splits.removeprefix("splits")), mha_type, "newkv" in flags, "alibi" in flags,
                    "local" in flags, "causal" in flags, "newlt" not in flags, rotary is not None and rotary[-1] == "i",
                    float(rotary[3:-1]) if rotary else 0.0, int(page[4:]) if page else None, "leftpad" in flags,
-                   "bidx" in flags, int(d.removeprefix("d")), (int(seqlen_q), int(seqlen_k)))
+                   "bidx" in flags, int(d.removeprefix("d")), (int(seqlen_q), int(seqlen_k)), fp8, softcap)
 
 
 def skip_reason(combo: Combo) -> str | None:
@@ -191,9 +211,9 @@ def problem_of(combo: Combo) -> Problem:
                    seqlen_new=int(combo.new_kv), rotary_dim=int(combo.rotary_fraction * combo.d) // 16 * 16
                    if combo.new_kv else 0, rotary_interleaved=combo.rotary_interleaved and combo.new_kv
                    and combo.rotary_fraction > 0, window_left=left, window_right=right,
-                   alibi=ALIBI_PER_SEQUENCE if combo.alibi else 0, leftpad=combo.has_leftpad,
-                   batch_idx=combo.has_batch_idx,
-                   offsets_32=offsets_fit_32((*cache, NHEADS_K[combo.mha_type], combo.d)))
+                   softcap=combo.softcap > 0, alibi=ALIBI_PER_SEQUENCE if combo.alibi else 0,
+                   leftpad=combo.has_leftpad, batch_idx=combo.has_batch_idx,
+                   offsets_32=offsets_fit_32((*cache, NHEADS_K[combo.mha_type], combo.d)), cache_dtype=combo.kv_dtype)
 
 
 def padding_mask(seqlen_k, ends, leftpads=None):
@@ -283,6 +303,22 @@ def make_case(combo: Combo, device) -> Case:
     batch_idx = None
     if combo.has_batch_idx:
         batch_idx = torch.randperm(batch_cache, generator=generator, device=device)[:BATCH].to(torch.int32)
+    descales = {}
+    if combo.kv_dtype:  # each sequence's pages or row stored by its descales (others by sequence 0's)
+        fp8 = getattr(torch, combo.kv_dtype)
+        descales = {name: 0.5 + torch.rand(BATCH, nheads_k, generator=generator, device=device)
+                    for name in ("k_descale", "v_descale")}
+        owned = block_table if block_table is not None else \
+            (batch_idx if batch_idx is not None else torch.arange(BATCH, device=device))[:, None]
+
+        def stored(rows, descale):
+            row_scales = descale[0].expand(rows.shape[0], nheads_k).clone()
+            row_scales[owned.long()] = descale[:, None, :]
+            return torch.stack([quantise(row, scales, fp8) for row, scales in zip(rows, row_scales)])
+
+        k_pages, v_pages = stored(k_pages, descales["k_descale"]), stored(v_pages, descales["v_descale"])
+        k_cache, v_cache = (materialize_pages(k_pages, block_table, seqlen_k), materialize_pages(
+            v_pages, block_table, seqlen_k)) if block_table is not None else (k_pages, v_pages)
     slopes = bias = None
     if combo.alibi:
         slopes = torch.rand(BATCH, NHEADS, generator=generator, device=device) * 0.3
@@ -302,18 +338,28 @@ def make_case(combo: Combo, device) -> Case:
     k_cache_ref, v_cache_ref = k_cache[selected].clone(), v_cache[selected].clone()
     if combo.new_kv:
         for b, start in enumerate(cache_seqlens.tolist()):
-            k_cache_ref[b, start:start + seqlen_new] = k_ro[b]
-            v_cache_ref[b, start:start + seqlen_new] = v[b]
+            if combo.kv_dtype:
+                k_cache_ref[b, start:start + seqlen_new] = quantise(k_ro[b], descales["k_descale"][b], fp8)
+                v_cache_ref[b, start:start + seqlen_new] = quantise(v[b], descales["v_descale"][b], fp8)
+            else:
+                k_cache_ref[b, start:start + seqlen_new] = k_ro[b]
+                v_cache_ref[b, start:start + seqlen_new] = v[b]
+    k_seen, v_seen = k_cache_ref, v_cache_ref
+    if combo.kv_dtype:  # the dequantised caches
+        k_seen = k_cache_ref.float() * descales["k_descale"][:, None, :, None]
+        v_seen = v_cache_ref.float() * descales["v_descale"][:, None, :, None]
     group = NHEADS // nheads_k
-    k_rep, v_rep = k_cache_ref.repeat_interleave(group, dim=2), v_cache_ref.repeat_interleave(group, dim=2)
+    k_rep, v_rep = k_seen.repeat_interleave(group, dim=2), v_seen.repeat_interleave(group, dim=2)
     masks = dict(key_padding_mask=key_padding_mask, attn_bias=bias, causal=combo.causal, window_size=window,
-                 key_leftpad=leftpad)
+                 key_leftpad=leftpad, softcap=combo.softcap)
     out_ref, lse_ref = attention_ref(q_ro, k_rep, v_rep, **masks)
-    out_pt, lse_pt = attention_ref(q_ro, k_rep, v_rep, **masks, upcast=False, reorder_ops=True)
+    out_pt, lse_pt = attention_ref(q_ro, k_rep.to(dtype), v_rep.to(dtype), **masks, upcast=False, reorder_ops=True)
     call = dict(q=q, k_cache=k_pages, v_cache=v_pages, k=k, v=v, rotary_cos=cos, rotary_sin=sin,
                 cache_seqlens=cache_seqlens, cache_batch_idx=batch_idx, cache_leftpad=leftpad, block_table=block_table,
                 causal=combo.causal, window_size=window, rotary_interleaved=combo.rotary_interleaved,
-                alibi_slopes=slopes, num_splits=combo.num_splits, return_softmax_lse=True)
+                alibi_slopes=slopes, num_splits=combo.num_splits, return_softmax_lse=True, **descales)
+    if combo.softcap:
+        call["softcap"] = combo.softcap
     return Case(call, k_cache_ref, v_cache_ref, out_ref, lse_ref, out_pt, lse_pt)
 
 
@@ -343,10 +389,18 @@ def check_combo(combo: Combo, device, function) -> None:
         else:
             selected = slice(None) if call["cache_batch_idx"] is None else call["cache_batch_idx"].long()
             k_cache, v_cache = call["k_cache"][selected], call["v_cache"][selected]
-        # FlashAttention's 1e-3, for float16; bfloat16's ulp is 8x wider (a rotation rounded otherwise)
+        # FlashAttention's 1e-3, for float16; bfloat16's ulp is 8x wider (a rotation rounded otherwise);
+        # fp8: one step of its grid (the smallest subnormal of e4m3 near zero)
         tolerance = 1e-3 if combo.dtype == "float16" else 8e-3
-        assert torch.allclose(k_cache, case.k_cache_ref, rtol=tolerance, atol=tolerance), "k_cache after the append"
-        assert torch.equal(v_cache, case.v_cache_ref), "v_cache after the append"
+        if combo.kv_dtype:
+            tolerance = 2.0 ** -(3 if combo.kv_dtype == "float8_e4m3fn" else 2)
+            k_cache, v_cache = k_cache.float(), v_cache.float()
+            k_want, v_want = case.k_cache_ref.float(), case.v_cache_ref.float()
+        else:
+            k_want, v_want = case.k_cache_ref, case.v_cache_ref
+        assert torch.allclose(k_cache, k_want, rtol=tolerance, atol=min(tolerance, 2.0 ** -9)), \
+            "k_cache after the append"
+        assert torch.equal(v_cache, v_want), "v_cache after the append"
     mult = 5 if combo.alibi else 3
     assert not out.isnan().any(), "NaN in the output"
     within_rule("out", out, case.out_ref, case.out_pt, mult)

@@ -33,7 +33,8 @@ def test_the_traced_ops_and_the_host_path_take_the_declared_arguments():
     keys, out, return_lse = host_path.LAYOUT
     assert len(keys) == len(call.ARGUMENTS) and call.NAMES[out] == "out"
     assert call.NAMES[return_lse] == "return_softmax_lse"
-    assert host_path.CALL_TENSORS == tuple(argument.name for argument in call.ARGUMENTS if argument.kind == call.TENSOR)
+    assert host_path.CALL_TENSORS == tuple(argument.name for argument in call.ARGUMENTS
+                                           if argument.kind == call.TENSOR and argument.host_path)
 
 
 ADDED = '    Argument("sinks", None, TENSOR, "Tensor?", keyword_only=True, host_path=False),\n'

@@ -1,11 +1,13 @@
 """FlashAttention's ``test_flash_attn_kvcache`` grid against the public call (``tests/fa_grid.py``
 says what is checked and where it departs from FlashAttention's list).
 
-CPU tier (unmarked): a seeded sample of 32 float16 combos with seqlen_k <= 1024, each for the
+CPU tier (unmarked): a seeded sample of 32 float16 combos with seqlen_k <= 1024, and 8 (seqlen_k <= 800) of the fp8
+part of the grid (``fa_grid.FP8_AXES``: fp8 caches x softcap over every other axis), each for the
 "reference" backend and for "triton" (under its interpreter without CUDA; bfloat16 is wrong there).
 GPU tier (``gpu`` marker): "triton" and "tilelang", float16 and bfloat16, on FLASHDECODE_FA_GRID=
 "sample" (default: 2000 combos stratified over pairs of features), N (that many) or "full" (all
-506,880 combos per backend: about a million tests, hours). FLASHDECODE_FA_GRID_SEED (default 2025)
+506,880 combos per backend: about a million tests, hours), plus FLASHDECODE_FA_GRID_FP8 combos of the
+fp8 part (default 400; "full" is not drawn there). FLASHDECODE_FA_GRID_SEED (default 2025)
 draws another sample, so that runs cut by a time limit cover new combos, not the same first ones.
 Two more GPU tiers on the part of the grid TileLang implements: "tilelang" on its own sample
 (FLASHDECODE_FA_GRID_TILELANG combos, or "full") and ``backend="auto"`` on another
@@ -40,8 +42,10 @@ GRID_SIZE = os.environ.get("FLASHDECODE_FA_GRID", "sample")
 GRID_SEED = int(os.environ.get("FLASHDECODE_FA_GRID_SEED", "2025"))
 if GRID_SIZE not in ("sample", "full") and not GRID_SIZE.isdigit():
     raise ValueError(f"FLASHDECODE_FA_GRID must be 'sample', 'full' or a number of sampled combos, got {GRID_SIZE!r}")
-GPU_COMBOS = fa_grid.full_grid() if GRID_SIZE == "full" else \
-    fa_grid.sample(2000 if GRID_SIZE == "sample" else int(GRID_SIZE), seed=GRID_SEED)
+CPU_FP8_COMBOS = fa_grid.sample(8, seed=2095, dtypes=("float16",), max_seqlen_k=800, restrict=fa_grid.FP8_AXES)
+GPU_COMBOS = (fa_grid.full_grid() if GRID_SIZE == "full" else
+              fa_grid.sample(2000 if GRID_SIZE == "sample" else int(GRID_SIZE), seed=GRID_SEED)) + \
+    fa_grid.sample(int(os.environ.get("FLASHDECODE_FA_GRID_FP8", "400")), seed=GRID_SEED + 3, restrict=fa_grid.FP8_AXES)
 #: The part of the grid the TileLang kernels implement (no rotary, ALiBi, cache_leftpad or
 #: cache_batch_idx; head dims 64, 128, 256); query rows over its q tile are still skipped. Its own
 #: sample (FLASHDECODE_FA_GRID_TILELANG combos, default 60), as the whole grid's sample holds few.
@@ -123,7 +127,7 @@ def run(tier, backend, combo):
         fa_grid.check_combo(combo, DEVICE, public_call(backend))
 
 
-@pytest.mark.parametrize("combo", CPU_COMBOS, ids=lambda combo: combo.id)
+@pytest.mark.parametrize("combo", CPU_COMBOS + CPU_FP8_COMBOS, ids=lambda combo: combo.id)
 @pytest.mark.parametrize("backend", ["reference", "triton"])
 def test_kvcache_grid_sample(backend, combo):
     run("cpu", backend, combo)
@@ -148,7 +152,7 @@ def test_kvcache_grid_auto_gpu(combo):
     run("gpu-auto", "auto", combo)
 
 
-@pytest.mark.parametrize("combo", CPU_COMBOS[:12], ids=lambda combo: combo.id)
+@pytest.mark.parametrize("combo", CPU_COMBOS[:12] + CPU_FP8_COMBOS[:4], ids=lambda combo: combo.id)
 def test_problem_of_a_combo_is_what_the_call_validates(combo):
     """``fa_grid.problem_of`` (the prebuild script's view of a combo) matches the validated call."""
     call = {name: value for name, value in fa_grid.make_case(combo, "cpu").call.items()
@@ -160,12 +164,16 @@ def test_problem_of_a_combo_is_what_the_call_validates(combo):
 
 
 def test_sample_covers_every_value_several_times():
-    """The CPU sample's stratification: each axis value of its restricted grid in >= 3 combos."""
+    """The CPU sample's stratification: each axis value of its restricted grid in >= 3 combos; the fp8
+    sample (its seed: the cheapest under the interpreter that does) holds both fp8 dtypes, softcap on
+    and off, pages, appends, windows, splits, causal and batch indices."""
     for axis, values in fa_grid.AXES.items():
         for value in values:
             if axis == "dtype" and value != "float16" or axis == "seqlens" and value[1] > 1024:
                 continue
             assert sum(getattr(combo, axis) == value for combo in CPU_COMBOS) >= 3, (axis, value)
+    for axis in ("kv_dtype", "softcap", "paged_kv_block_size", "new_kv", "num_splits", "local", "causal", "has_batch_idx"):
+        assert len({getattr(combo, axis) for combo in CPU_FP8_COMBOS}) == 2, axis
 
 
 def test_report_is_written_after_every_combo_and_merges_across_workers(tmp_path):
@@ -191,8 +199,8 @@ def test_report_is_written_after_every_combo_and_merges_across_workers(tmp_path)
 
 
 def test_a_combo_is_read_back_from_its_id():
-    """``Combo.from_id`` inverts ``Combo.id`` over a sample of the whole grid (every axis value)."""
-    for combo in fa_grid.sample(300, seed=7):
+    """``Combo.from_id`` inverts ``Combo.id`` over a sample of the whole grid and of its fp8 part (every axis value)."""
+    for combo in fa_grid.sample(300, seed=7) + fa_grid.sample(100, seed=7, restrict=fa_grid.FP8_AXES):
         assert fa_grid.Combo.from_id(combo.id).id == combo.id
 
 

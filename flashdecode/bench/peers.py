@@ -10,9 +10,13 @@ nheads, headdim). ``limitation(call)`` says why the peer cannot take a call, or 
   ``benchmarks/build_fa2.py`` to import it from; else an installed flash_attn.
 - flashinfer-tc / flashinfer-cc: FlashInfer's BatchDecodeWithPagedKVCacheWrapper with tensor cores
   on / off, plain (the contiguous cache viewed as pages of 16 tokens without a copy; a capacity off
-  a multiple of 16 is padded up by a copy at setup, untimed) and paged (the call's page table).
+  a multiple of 16 is padded up by a copy at setup, untimed) and paged (the call's page table); an
+  fp8 cache (the ``fp8`` variant) planned with its kv dtype and run with one float k_scale/v_scale,
+  FlashInfer's fp8 decode (the variant's descales are one value in every head).
 - flashinfer-single: FlashInfer's single_decode_with_kv_cache (tensor cores), plain batch-1 cases.
 - sdpa, flex: torch, plain only.
+
+FlashAttention 2, flashinfer-single, sdpa and flex take no fp8 cache.
 """
 from __future__ import annotations
 
@@ -60,6 +64,8 @@ def _variant_parts(call) -> tuple[int, int, int]:
 
 
 def _plain_only(call) -> str | None:
+    if call.k_descale is not None:
+        return "no fp8 caches"
     return None if _variant_parts(call) == (0, 1, 0) else "plain decode only (no pages, seqlen_q 1, no append)"
 
 
@@ -88,6 +94,8 @@ def _fa2_build(folder: str | None) -> dict | None:
 
 
 def _fa2_limitation(call) -> str | None:
+    if call.k_descale is not None:
+        return "FlashAttention 2 has no fp8 caches"
     page = _variant_parts(call)[0]
     if page % FA2_PAGE_MULTIPLE:
         return f"FlashAttention 2 takes pages of a multiple of {FA2_PAGE_MULTIPLE} tokens, got {page}"
@@ -120,6 +128,8 @@ def _flashinfer_limitation(call) -> str | None:
     _, seqlen_q, seqlen_new = _variant_parts(call)
     if seqlen_q > 1 or seqlen_new:
         return "FlashInfer's decode wrapper: one query token over the cache as it is (no q4, no append)"
+    if call.k_descale is not None and (call.k_descale.unique().numel() > 1 or call.v_descale.unique().numel() > 1):
+        return "FlashInfer's decode takes one float k_scale and v_scale, the call has per-head descales"
     return None
 
 
@@ -171,7 +181,9 @@ def _setup_flashinfer_batch(calls, tensor_cores: bool):
 
     def bind(call, k_pages, v_pages):
         q3 = call.q[:, 0]
-        return lambda: wrapper.run(q3, (k_pages, v_pages)).unsqueeze(1)
+        scales = {} if call.k_descale is None else {"k_scale": float(call.k_descale[0]),
+                                                    "v_scale": float(call.v_descale[0])}
+        return lambda: wrapper.run(q3, (k_pages, v_pages), **scales).unsqueeze(1)
 
     return [bind(call, k, v) for call, (k, v, _, _) in zip(calls, pages)]
 

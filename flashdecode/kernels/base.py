@@ -25,7 +25,8 @@ class LaunchArgs:
     q, out: (B, Sq, Hq, D); k_cache, v_cache: (B_cache, S, Hk, D) or pages (num_pages, page, Hk, D);
     k_new, v_new: (B, Sq_new, Hk, D); rotary_cos/sin: (S_ro, rotary_dim / 2); cache_seqlens,
     cache_batch_idx, cache_leftpad: int32 (B,); block_table: int32 (B, max_blocks); alibi_slopes:
-    float32 (Hq,) or (B, Hq); lse: float32 (B, Hq, Sq); part_o (W, Hk * Sq * G, D) and part_lse
+    float32 (Hq,) or (B, Hq); k_descale, v_descale: float32 (B, Hk) (fp8 caches); lse: float32
+    (B, Hq, Sq); part_o (W, Hk * Sq * G, D) and part_lse
     (W, Hk * Sq * G) float32, rows ``h * Sq * G + i * G + g``."""
 
     q: torch.Tensor
@@ -47,6 +48,9 @@ class LaunchArgs:
     block_table: torch.Tensor | None = None
     alibi_slopes: torch.Tensor | None = None
     tickets: torch.Tensor | None = None  # int32 zeros, ``Plan.ticket_count`` of them (a merging split kernel)
+    #: fp8 caches: float32 (B, Hk) views (``reference.descale_table``): cache values read as cache * descale
+    k_descale: torch.Tensor | None = None
+    v_descale: torch.Tensor | None = None
 
 
 @dataclasses.dataclass(frozen=True)

@@ -46,6 +46,7 @@ class ReferenceBackend(Backend):
             rotary_cos=args.rotary_cos, rotary_sin=args.rotary_sin, cache_seqlens=args.cache_seqlens,
             cache_batch_idx=args.cache_batch_idx, cache_leftpad=args.cache_leftpad, block_table=args.block_table,
             softmax_scale=args.softmax_scale, window_size=(problem.window_left, problem.window_right),
-            softcap=args.softcap, rotary_interleaved=problem.rotary_interleaved, alibi_slopes=args.alibi_slopes)
+            softcap=args.softcap, rotary_interleaved=problem.rotary_interleaved, alibi_slopes=args.alibi_slopes,
+            k_descale=args.k_descale, v_descale=args.v_descale)
         args.out.copy_(out)
         args.lse.copy_(lse)

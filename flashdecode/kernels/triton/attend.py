@@ -2,7 +2,9 @@
 
 Every feature is a constexpr flag, so the plain specialization compiles none of their code
 (``docs/design.md``, "Semantics", defines each feature). Scores are kept in base 2 (log2(e) folded
-into the scale, the softcap and the ALiBi slopes) with float32 accumulators.
+into the scale, the softcap and the ALiBi slopes) with float32 accumulators. fp8 caches (FP8) are
+converted to q's dtype in registers; their k descale is folded into the scale by the caller and
+their v descale into the output, and appended tokens are ``quantise``d as the cache stores them.
 """
 from __future__ import annotations
 
@@ -51,6 +53,24 @@ def rotate(x, x_partner, positions, Cos, Sin, rotary_rows, column, sign, rotatin
     cos = tl.load(Cos + table, mask=rotating, other=1.0).to(tl.float32)
     sin = tl.load(Sin + table, mask=rotating, other=0.0).to(tl.float32)
     return x.to(tl.float32) * cos + x_partner.to(tl.float32) * (sin * sign[None, :])
+
+
+@triton.jit
+def quantise(x, descale, dtype: tl.constexpr):
+    """``x / descale`` in float32, saturated to the fp8 ``dtype``'s finite range and rounded to the
+    nearest even value of its grid, as ``dtype`` (``reference.quantise``). The rounding is done in
+    float32 (adding and taking away 1.5 * 2^(23 + e) rounds to multiples of 2^e, e the grid step
+    at the value): the conversion then only changes the type, exact whether compiled or interpreted
+    (Triton 3.9's interpreter truncates its fp8 conversions)."""
+    if dtype.is_fp8e4nv():
+        largest: tl.constexpr = 448.0
+    else:
+        largest: tl.constexpr = 57344.0
+    y = tl.clamp(tl.div_rn(x.to(tl.float32), descale), -largest, largest, propagate_nan=tl.PropagateNan.ALL)
+    exponent = ((y.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
+    step = tl.maximum(exponent, 1 - dtype.exponent_bias) - dtype.fp_mantissa_width  # log2 of the grid step
+    magic = ((step + 150) << 23 | (1 << 22)).to(tl.float32, bitcast=True)  # 1.5 * 2^(23 + step)
+    return ((y + magic) - magic).to(dtype)
 
 
 @triton.jit
@@ -136,11 +156,11 @@ def prefetch_first_rows(head, capacity, stride_t, HEAD_DIM: tl.constexpr, BLOCK_
 def attend_block(acc, m, l, q, block_start, start, end, new_from,
                  k_head, v_head, table_row, num_pages, stride_kp, stride_kt, stride_vp, stride_vt,
                  k_new, v_new, stride_nkt, stride_nvt, Cos, Sin, rotary_rows,
-                 row_pos, slopes, window_left, window_right, scale_log2, softcap_in, softcap_out,
+                 row_pos, slopes, window_left, window_right, scale_log2, softcap_in, softcap_out, k_scale, v_scale,
                  ROW_MASKS: tl.constexpr, PAGE_SIZE: tl.constexpr, OFFSETS_32: tl.constexpr, APPEND: tl.constexpr,
                  ROTARY_DIM: tl.constexpr, ROTARY_INTERLEAVED: tl.constexpr, WINDOW_LEFT: tl.constexpr,
                  WINDOW_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, LEFTPAD: tl.constexpr,
-                 HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr, BLOCK_N: tl.constexpr):
+                 FP8: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr, BLOCK_N: tl.constexpr):
     """One KV block folded into the online softmax (acc, m, l). Keys outside [start, end) are
     dropped (a column mask). Without ROW_MASKS (the main loop) every key is cached and seen by
     every row. With ROW_MASKS (the head and tail blocks) keys outside each row's window are dropped
@@ -150,7 +170,10 @@ def attend_block(acc, m, l, q, block_start, start, end, new_from,
 
     k_head/v_head: the KV head's base (a cache row's, or the pages' with the block table row);
     row_pos: each query row's absolute position; slopes: ALiBi slopes * log2(e); scale_log2:
-    softmax_scale * log2(e); softcap_in/out: the softcap's inner and outer factors."""
+    softmax_scale * log2(e); softcap_in/out: the softcap's inner and outer factors (k's descale
+    folded into scale_log2 and softcap_in). FP8: cached K/V are converted to q's dtype as loaded,
+    appended tokens are ``quantise``d by k_scale/v_scale (the descales) and converted so, and the
+    caller multiplies the output by v's descale."""
     tokens = block_start + tl.arange(0, BLOCK_N)
     d = tl.arange(0, HEAD_PAD)
     in_range = tokens < end
@@ -163,14 +186,28 @@ def attend_block(acc, m, l, q, block_start, start, end, new_from,
     if ROW_MASKS and APPEND:  # appended tokens come from k_new/v_new: the cache rows are being written
         fresh = tokens >= new_from
         new_rows = (tokens - new_from)[:, None]
-        k_ptrs = tl.where(fresh[:, None], k_new + new_rows * stride_nkt + d[None, :], k_ptrs)
-        v_ptrs = tl.where(fresh[:, None], v_new + new_rows * stride_nvt + d[None, :], v_ptrs)
-    k = tl.load(k_ptrs, mask=tile_mask(in_range, d, HEAD_DIM, HEAD_PAD), other=0.0)
-    if ROW_MASKS and APPEND and ROTARY_DIM > 0:
-        partner, column, sign, rotated = rotary_columns(ROTARY_DIM, ROTARY_INTERLEAVED, HEAD_PAD)
-        rotating = (in_range & fresh)[:, None] & rotated[None, :]
-        k_partner = tl.load(k_new + new_rows * stride_nkt + partner[None, :], mask=rotating, other=0.0)
-        k = rotate(k, k_partner, tokens, Cos, Sin, rotary_rows, column, sign, rotating, ROTARY_DIM).to(k.dtype)
+        if FP8:  # a cache token and a new one differ in type: two loads, one of them masked off
+            k = tl.load(k_ptrs, mask=tile_mask(in_range & ~fresh, d, HEAD_DIM, HEAD_PAD), other=0.0).to(q.dtype)
+            k_fresh = tl.load(k_new + new_rows * stride_nkt + d[None, :],
+                              mask=tile_mask(in_range & fresh, d, HEAD_DIM, HEAD_PAD), other=0.0)
+        else:
+            k_ptrs = tl.where(fresh[:, None], k_new + new_rows * stride_nkt + d[None, :], k_ptrs)
+            v_ptrs = tl.where(fresh[:, None], v_new + new_rows * stride_nvt + d[None, :], v_ptrs)
+            k_fresh = tl.load(k_ptrs, mask=tile_mask(in_range, d, HEAD_DIM, HEAD_PAD), other=0.0)
+        if ROTARY_DIM > 0:
+            partner, column, sign, rotated = rotary_columns(ROTARY_DIM, ROTARY_INTERLEAVED, HEAD_PAD)
+            rotating = (in_range & fresh)[:, None] & rotated[None, :]
+            k_partner = tl.load(k_new + new_rows * stride_nkt + partner[None, :], mask=rotating, other=0.0)
+            k_fresh = rotate(k_fresh, k_partner, tokens, Cos, Sin, rotary_rows, column, sign, rotating,
+                             ROTARY_DIM).to(k_fresh.dtype)
+        if FP8:
+            k = tl.where(fresh[:, None], quantise(k_fresh, k_scale, k_head.dtype.element_ty).to(q.dtype), k)
+        else:
+            k = k_fresh
+    else:
+        k = tl.load(k_ptrs, mask=tile_mask(in_range, d, HEAD_DIM, HEAD_PAD), other=0.0)
+        if FP8:
+            k = k.to(q.dtype)
 
     scores = tl.dot(q, tl.trans(k))
     if SOFTCAP:  # softcap * tanh(s / softcap), tanh(x) = 1 - 2 / (exp(2x) + 1)
@@ -196,7 +233,15 @@ def attend_block(acc, m, l, q, block_start, start, end, new_from,
         p = tl.exp2(scores - m_new[:, None])
     l = l * alpha + tl.sum(p, 1)
 
-    v = tl.load(v_ptrs, mask=tile_mask(in_range, d, HEAD_DIM, HEAD_PAD), other=0.0)
+    if ROW_MASKS and APPEND and FP8:
+        v = tl.load(v_ptrs, mask=tile_mask(in_range & ~fresh, d, HEAD_DIM, HEAD_PAD), other=0.0).to(q.dtype)
+        v_fresh = tl.load(v_new + new_rows * stride_nvt + d[None, :],
+                          mask=tile_mask(in_range & fresh, d, HEAD_DIM, HEAD_PAD), other=0.0)
+        v = tl.where(fresh[:, None], quantise(v_fresh, v_scale, v_head.dtype.element_ty).to(q.dtype), v)
+    else:
+        v = tl.load(v_ptrs, mask=tile_mask(in_range, d, HEAD_DIM, HEAD_PAD), other=0.0)
+        if FP8:
+            v = v.to(q.dtype)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
     return acc, m_new, l
 
@@ -204,11 +249,13 @@ def attend_block(acc, m, l, q, block_start, start, end, new_from,
 @triton.jit
 def append_tokens(k_head, v_head, table_row, num_pages, stride_kp, stride_kt, stride_vp, stride_vt,
                   k_new, v_new, stride_nkt, stride_nvt, Cos, Sin, rotary_rows, first_position, seqlen_new, capacity,
-                  PAGE_SIZE: tl.constexpr, ROTARY_DIM: tl.constexpr, ROTARY_INTERLEAVED: tl.constexpr,
-                  HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Write the appended tokens (k rotated at its position) into the cache at positions
+                  k_scale, v_scale, PAGE_SIZE: tl.constexpr, ROTARY_DIM: tl.constexpr,
+                  ROTARY_INTERLEAVED: tl.constexpr, FP8: tl.constexpr, HEAD_DIM: tl.constexpr,
+                  HEAD_PAD: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Write the appended tokens (k rotated at its position, in k's dtype) into the cache at positions
     ``first_position + j``, skipping positions outside [0, capacity) and pages with a bad block id,
-    which it reports. Arguments as for ``attend_block``."""
+    which it reports; an fp8 cache (FP8) takes them ``quantise``d by k_scale/v_scale. Arguments as
+    for ``attend_block``."""
     d = tl.arange(0, HEAD_PAD)
     bad = tl.zeros([], tl.int32)
     for j0 in range(0, seqlen_new, BLOCK_N):
@@ -235,8 +282,12 @@ def append_tokens(k_head, v_head, table_row, num_pages, stride_kp, stride_kt, st
             rotating = given[:, None] & rotated[None, :]
             k_partner = tl.load(k_new + j[:, None] * stride_nkt + partner[None, :], mask=rotating, other=0.0)
             k = rotate(k, k_partner, positions, Cos, Sin, rotary_rows, column, sign, rotating, ROTARY_DIM)
+        if FP8:  # rounded to k's dtype first, as the reference rotates
+            k = quantise(k.to(k_new.dtype.element_ty), k_scale, k_head.dtype.element_ty)
         written = tile_mask(write, d, HEAD_DIM, HEAD_PAD)
         tl.store(k_head + k_offs[:, None] + d[None, :], k.to(k_head.dtype.element_ty), mask=written)
         v = tl.load(v_new + j[:, None] * stride_nvt + d[None, :], mask=read, other=0.0)
+        if FP8:
+            v = quantise(v, v_scale, v_head.dtype.element_ty)
         tl.store(v_head + v_offs[:, None] + d[None, :], v, mask=written)
     return bad

@@ -62,11 +62,14 @@ class TritonConfig:
     prefetch_first_block: bool = False
 
 
-def shared_bytes(config: TritonConfig, headdim: int, element_bytes: int, profile: HardwareProfile) -> int:
+def shared_bytes(config: TritonConfig, headdim: int, element_bytes: int, profile: HardwareProfile,
+                 cache_element_bytes: int | None = None) -> int:
     """Shared memory one split program needs, as Triton lays it out: stages - 1 buffered K and V
-    tiles, the q tile, the driver's reserve (padded ``headdim``)."""
-    tiles = (config.num_stages - 1) * 2 * config.block_n + config.block_m
-    return tiles * headdim * element_bytes + profile.driver_reserved_shared_per_program
+    tiles (of ``cache_element_bytes``, 1 for fp8; default ``element_bytes``), the q tile, the
+    driver's reserve (padded ``headdim``)."""
+    kv_bytes = element_bytes if cache_element_bytes is None else cache_element_bytes
+    kv_tiles = (config.num_stages - 1) * 2 * config.block_n * kv_bytes
+    return (kv_tiles + config.block_m * element_bytes) * headdim + profile.driver_reserved_shared_per_program
 
 
 def resident_by_headdim(headdim: int, profile: HardwareProfile, paged: bool = False) -> int:
@@ -176,7 +179,8 @@ class TritonBackend(Backend):
         config = TritonConfig(block_n, block_m, num_warps, num_stages,
                               COMBINE_STEP_ONE_SEQUENCE if one_sequence else COMBINE_STEP_BATCH,
                               combine_dims=min(COMBINE_DIMS_ONE_SEQUENCE, headdim) if one_sequence else None)
-        while shared_bytes(config, headdim, problem.element_bytes, profile) > profile.shared_memory_per_multiprocessor:
+        while shared_bytes(config, headdim, problem.element_bytes, profile, problem.cache_element_bytes) > \
+                profile.shared_memory_per_multiprocessor:
             if config.block_n > 16:
                 config = dataclasses.replace(config, block_n=config.block_n // 2)
             elif config.num_stages > 2:
@@ -201,7 +205,8 @@ class TritonBackend(Backend):
             return config
         deeper = dataclasses.replace(config, num_stages=stages)
         per_multiprocessor = min(resident_by_headdim(headdim, profile), profile.shared_memory_per_multiprocessor //
-                                 shared_bytes(deeper, headdim, problem.element_bytes, profile))
+                                 shared_bytes(deeper, headdim, problem.element_bytes, profile,
+                                              problem.cache_element_bytes))
         return deeper if programs <= per_multiprocessor * profile.multiprocessors else config
 
     def merges_in_split(self, problem: Problem) -> bool:
@@ -243,6 +248,10 @@ class TritonBackend(Backend):
                              f"counters (Plan.ticket_count), got {got}")
         q, k_cache, v_cache, out = args.q, args.k_cache, args.v_cache, args.out
         k_new, v_new, cos, table, alibi = args.k_new, args.v_new, args.rotary_cos, args.block_table, args.alibi_slopes
+        k_descale, v_descale = args.k_descale, args.v_descale  # (B, Hk) views with fp8 caches, else None
+        if problem.cache_dtype is not None and (k_descale is None or v_descale is None):
+            raise ValueError("k_descale, v_descale: an fp8 cache needs both as float32 (batch, nheads_k) views "
+                             "(LaunchArgs)")
         softcap_in = softcap_out = None
         if problem.softcap:
             softcap_in = 2.0 * LOG2E * args.softmax_scale / args.softcap
@@ -255,10 +264,12 @@ class TritonBackend(Backend):
             *((None,) * 3 if k_new is None else k_new.stride()[:3]),
             *((None,) * 3 if v_new is None else v_new.stride()[:3]),
             None if table is None else table.stride(0),
-            alibi.stride(0) if alibi is not None and alibi.dim() == 2 else None)
+            alibi.stride(0) if alibi is not None and alibi.dim() == 2 else None,
+            *((None,) * 2 if k_descale is None else k_descale.stride()),
+            *((None,) * 2 if v_descale is None else v_descale.stride()))
         tensors = (q, k_cache, v_cache, args.cache_seqlens, out, args.lse, args.part_o, args.part_lse,
                    k_new, v_new, args.cache_batch_idx, args.cache_leftpad, table, cos, args.rotary_sin, alibi,
-                   args.tickets)
+                   args.tickets, k_descale, v_descale)
         launches = [(split_kernel, spec.split_grid, tensors, scalars, spec.split_constexprs, spec.split_options)]
         if spec.combine_grid is not None:
             launches.append((
@@ -290,7 +301,7 @@ def prefetch_points(config: TritonConfig, plan, problem: Problem) -> int:
     if (not config.prefetch_first_block or INTERPRETED or plan.can_split or problem.paged or problem.batch_idx
             or problem.leftpad or problem.window_left >= 0):
         return 0
-    row_bytes = problem.headdim * problem.element_bytes
+    row_bytes = problem.headdim * problem.cache_element_bytes
     if row_bytes % 128 == 0:
         return row_bytes // 128
     return triton.next_power_of_2(-(-row_bytes // 128) + 1)
@@ -318,7 +329,8 @@ def _make_spec(plan, problem: Problem) -> _LaunchSpec:
         WINDOW_LEFT=window_left, WINDOW_RIGHT=window_right, SOFTCAP=problem.softcap, ALIBI=problem.alibi,
         LEFTPAD=leftpad, BATCH_IDX=problem.batch_idx and not problem.paged, MERGE_IN_SPLIT=plan.merge_in_split,
         MERGE_STEP=(config.merge_step or merge_step_for(config.block_m)) if plan.merge_in_split else 1,
-        DEPENDENT_COMBINE=plan.dependent_combine, PREFETCH_POINTS=prefetch_points(config, plan, problem))
+        DEPENDENT_COMBINE=plan.dependent_combine, PREFETCH_POINTS=prefetch_points(config, plan, problem),
+        FP8=problem.cache_dtype is not None)
     head_chunk = config.combine_dims or head_pad
     if head_chunk & (head_chunk - 1) or head_chunk > head_pad:
         raise ValueError(f"triton: combine_dims must be a power of two of at most the padded head dim {head_pad}, "

@@ -9,7 +9,8 @@ that need per-row masks (a window starts or ends inside them) or hold appended t
 second, masked loop, compiled only when the problem has windows or appended tokens. A sequence
 served by one program writes out/lse; the others write float32 partials that the combine kernel
 merges. Bad values (lengths, left pads, batch indices, block ids) are clamped for every access and
-make the program's rows NaN.
+make the program's rows NaN. fp8 caches (FP8): the program's k descale multiplies the score scale
+(and the softcap's inner factor), its v descale the output, before any partial is written.
 """
 from __future__ import annotations
 
@@ -31,19 +32,19 @@ _RUNTIME_INTS = ["batch", "capacity", "num_programs", "forced_splits", "min_chun
 
 @triton.jit(do_not_specialize=_RUNTIME_INTS)
 def split_kernel(Q, K, V, Lens, Out, Lse, PartO, PartLse, KNew, VNew, BatchIdx, LeftPad, BlockTable, Cos, Sin, Alibi,
-                 Tickets, scale_log2, softcap_in, softcap_out,
+                 Tickets, KDescale, VDescale, scale_log2, softcap_in, softcap_out,
                  batch, capacity, num_programs, forced_splits, min_chunk,
                  seqlen_new, window_left, window_right, cache_rows, rotary_rows,
                  stride_qb, stride_qi, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
                  stride_ob, stride_oi, stride_oh, stride_nkb, stride_nkt, stride_nkh, stride_nvb, stride_nvt,
-                 stride_nvh, stride_table, stride_alibi,
+                 stride_nvh, stride_table, stride_alibi, stride_kdb, stride_kdh, stride_vdb, stride_vdh,
                  GROUP: tl.constexpr, SEQLEN_Q: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr,
                  BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BATCH_PAD: tl.constexpr, CAN_SPLIT: tl.constexpr,
                  PAGE_SIZE: tl.constexpr, OFFSETS_32: tl.constexpr, APPEND: tl.constexpr, ROTARY_DIM: tl.constexpr,
                  ROTARY_INTERLEAVED: tl.constexpr, ROTARY_PER_ROW: tl.constexpr, WINDOW_LEFT: tl.constexpr,
                  WINDOW_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, LEFTPAD: tl.constexpr,
                  BATCH_IDX: tl.constexpr, MERGE_IN_SPLIT: tl.constexpr, MERGE_STEP: tl.constexpr,
-                 DEPENDENT_COMBINE: tl.constexpr, PREFETCH_POINTS: tl.constexpr):
+                 DEPENDENT_COMBINE: tl.constexpr, PREFETCH_POINTS: tl.constexpr, FP8: tl.constexpr):
     if DEPENDENT_COMBINE:  # the combine may be scheduled once every program has started
         gdc_launch_dependents()
     pid = tl.program_id(0)
@@ -87,6 +88,14 @@ def split_kernel(Q, K, V, Lens, Out, Lse, PartO, PartLse, KNew, VNew, BatchIdx, 
             k_head = K + cache_row.to(tl.int64) * stride_kb + head_k.to(tl.int64) * stride_kh
             v_head = V + cache_row.to(tl.int64) * stride_vb + head_k.to(tl.int64) * stride_vh
         bad = tl.zeros([], tl.int32)  # a bad block id was used
+        k_scale = 1.0
+        v_scale = 1.0
+        if FP8:  # the descales of (sequence, KV head)
+            k_scale = tl.load(KDescale + seq * stride_kdb + head_k * stride_kdh)
+            v_scale = tl.load(VDescale + seq * stride_vdb + head_k * stride_vdh)
+            scale_log2 = scale_log2 * k_scale
+            if SOFTCAP:
+                softcap_in = softcap_in * k_scale
         k_new = KNew
         v_new = VNew
         new_from = hi
@@ -99,8 +108,8 @@ def split_kernel(Q, K, V, Lens, Out, Lse, PartO, PartLse, KNew, VNew, BatchIdx, 
             if (tile == 0) & (split == 0) & writable:
                 bad = append_tokens(k_head, v_head, table_row, cache_rows, stride_kb, stride_kt, stride_vb, stride_vt,
                                     k_new, v_new, stride_nkt, stride_nvt, Cos, Sin, rotary_rows,
-                                    raw_len, seqlen_new, capacity,
-                                    PAGE_SIZE, ROTARY_DIM, ROTARY_INTERLEAVED, HEAD_DIM, HEAD_PAD, BLOCK_N)
+                                    raw_len, seqlen_new, capacity, k_scale, v_scale,
+                                    PAGE_SIZE, ROTARY_DIM, ROTARY_INTERLEAVED, FP8, HEAD_DIM, HEAD_PAD, BLOCK_N)
 
         rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
         row_live = rows < GROUP * SEQLEN_Q
@@ -162,8 +171,8 @@ def split_kernel(Q, K, V, Lens, Out, Lse, PartO, PartLse, KNew, VNew, BatchIdx, 
                 acc, m, l, q, block_start, start, end, new_from, k_head, v_head, table_row, cache_rows,
                 stride_kb, stride_kt, stride_vb, stride_vt, k_new, v_new, stride_nkt, stride_nvt, Cos, Sin,
                 rotary_rows, row_pos, slopes, window_left, window_right, scale_log2, softcap_in, softcap_out,
-                False, PAGE_SIZE, OFFSETS_32, APPEND, ROTARY_DIM, ROTARY_INTERLEAVED, WINDOW_LEFT, WINDOW_RIGHT,
-                SOFTCAP, ALIBI, LEFTPAD, HEAD_DIM, HEAD_PAD, BLOCK_N)
+                k_scale, v_scale, False, PAGE_SIZE, OFFSETS_32, APPEND, ROTARY_DIM, ROTARY_INTERLEAVED, WINDOW_LEFT,
+                WINDOW_RIGHT, SOFTCAP, ALIBI, LEFTPAD, FP8, HEAD_DIM, HEAD_PAD, BLOCK_N)
         if WINDOW_LEFT or WINDOW_RIGHT or APPEND:  # the head [block_lo, main_lo), then the tail [main_hi, block_hi)
             head_blocks = (main_lo - block_lo) // BLOCK_N
             # Not pipelined: a second pipeline's buffers and registers cost the main loop occupancy
@@ -174,12 +183,14 @@ def split_kernel(Q, K, V, Lens, Out, Lse, PartO, PartLse, KNew, VNew, BatchIdx, 
                     acc, m, l, q, block_start, start, end, new_from, k_head, v_head, table_row, cache_rows,
                     stride_kb, stride_kt, stride_vb, stride_vt, k_new, v_new, stride_nkt, stride_nvt, Cos, Sin,
                     rotary_rows, row_pos, slopes, window_left, window_right, scale_log2, softcap_in, softcap_out,
-                    True, PAGE_SIZE, OFFSETS_32, APPEND, ROTARY_DIM, ROTARY_INTERLEAVED, WINDOW_LEFT, WINDOW_RIGHT,
-                    SOFTCAP, ALIBI, LEFTPAD, HEAD_DIM, HEAD_PAD, BLOCK_N)
+                    k_scale, v_scale, True, PAGE_SIZE, OFFSETS_32, APPEND, ROTARY_DIM, ROTARY_INTERLEAVED,
+                    WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP, ALIBI, LEFTPAD, FP8, HEAD_DIM, HEAD_PAD, BLOCK_N)
 
         # Only l == 0 means "no key": a NaN in the data makes l NaN, and NaN must come out.
         empty = l == 0
         o = tl.where(empty[:, None], 0.0, acc / tl.where(empty, 1.0, l)[:, None])
+        if FP8:
+            o = o * v_scale
         o = tl.where(valid & (bad == 0), o, float("nan"))
         lse2 = tl.where(empty, float("-inf"), m + tl.log2(tl.where(empty, 1.0, l)))
         stored = tile_mask(row_live, d, HEAD_DIM, HEAD_PAD)
