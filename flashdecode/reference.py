@@ -260,7 +260,7 @@ def _attend_sequence(query, k_cache, v_cache, b, first, end, positions_q, cache_
     """(out (Sq, H, D), lse (H, Sq)) of one sequence over its keys [first, end): scores chunk by
     chunk, one masked softmax, then the values chunk by chunk, in query's dtype. query: (Hk, G * Sq, D);
     descales: None, or the (k, v) descales (Hk, 1, 1) of an fp8 cache, which each chunk is
-    dequantised by (in float32, before the cast to query's dtype).
+    dequantised by (in float32, before the cast to query's dtype)."""
     nheads_k, rows, headdim = query.shape
     seqlen_q = positions_q.shape[0]
     group = rows // seqlen_q
