@@ -324,7 +324,7 @@ def compiled_findings(script: str) -> dict:
 #: the combine's griddepcontrol.wait, and whether the split kernel signals its dependents.
 DEPENDENT_PTX_SCRIPT = textwrap.dedent("""
     import json, sys
-    sys.path.insert(0, "benchmarks")
+    sys.path.insert(0, "tools")
     from triton_resources import compile_for_hopper, plan_launches
     from flashdecode.hardware import PROFILES
     from flashdecode.kernels import get_backend
@@ -360,7 +360,7 @@ def test_dependent_combine_reads_only_the_lengths_before_it_waits():
 #: Triton carries no cuobjdump).
 PREFETCH_PTX_SCRIPT = textwrap.dedent("""
     import dataclasses, json, os, sys
-    sys.path.insert(0, "benchmarks")
+    sys.path.insert(0, "tools")
     from triton_resources import CUOBJDUMP, compile_for_hopper, cuobjdump, plan_launches
     from flashdecode.hardware import PROFILES
     from flashdecode.kernels import get_backend
@@ -428,7 +428,7 @@ def test_the_first_block_prefetch_is_issued_before_the_length_is_loaded():
 
 TRITON_PTX_SCRIPT = textwrap.dedent("""
     import json, pathlib, shutil, sys, tempfile
-    sys.path.insert(0, "benchmarks")
+    sys.path.insert(0, "tools")
     import triton_ptx
     import flashdecode
     from flashdecode.problem import Problem
@@ -452,7 +452,7 @@ TRITON_PTX_SCRIPT = textwrap.dedent("""
 
 
 def test_triton_ptx_writes_instructions_without_source_locations():
-    """benchmarks/triton_ptx.py: a plan's kernel written as its instructions only (no .loc lines,
+    """tools/triton_ptx.py: a plan's kernel written as its instructions only (no .loc lines,
     debug labels or sections), so two trees compare equal where they compile alike; a changed
     file differs, and a file one folder alone has is named; the kernels are the script's tree's."""
     found = compiled_findings(TRITON_PTX_SCRIPT)

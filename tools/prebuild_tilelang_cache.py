@@ -3,11 +3,11 @@
 TileLang caches compiled kernels on disk, keyed by the kernel, the target and TileLang's version;
 the kernels build for {"kind": "cuda", "arch": "sm_90a"} here and on the H200 alike, so carrying
 this folder (packed: `tar -cJf .tl-cache.tar.xz .tl-cache`, then `carry: [".tl-cache.tar.xz"]`, see
-benchmarks/device.sh) saves the ~15-20 s per kernel the GPU machine would spend compiling, out of
+tools/device.sh) saves the ~15-20 s per kernel the GPU machine would spend compiling, out of
 the session's device time. A cache entry that does not load there is treated by TileLang as a miss
 and rebuilt.
 
-Usage: python benchmarks/prebuild_tilelang_cache.py [--stages 2,3 --q-rows 64,16 --block-n 32] [--shard I/N]
+Usage: python tools/prebuild_tilelang_cache.py [--stages 2,3 --q-rows 64,16 --block-n 32] [--shard I/N]
 (about 10 s per kernel on 2 cores; the default builds the shipped configs, a list builds sweep
 variants of the split kernel's config)
 """

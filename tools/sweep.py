@@ -3,7 +3,7 @@ and tile configs, timed from a CUDA graph (cold L2) and checked against the refe
 logs the plan that ran.
 
 Variants are values given to a ``DecodeContext(tuning=..., config=...)``; nothing is reassigned.
-Usage: python benchmarks/sweep.py --backend tilelang,triton --ppsm 2,3,4 --block-n 32,64
+Usage: python tools/sweep.py --backend tilelang,triton --ppsm 2,3,4 --block-n 32,64
        [--tl-stages 2,3 --tl-rows 64,16 --tl-producer-regs 24,0 --warps 4,8 --max-registers 0,128
        --merge-splits 0,16 --merge-step 1,2] [--matrix wide] [--cases 7,12]
        [--shapes 64x4096x8x4x256:uniform,...] [--variant plain,paged256] [--log FILE]

@@ -6,8 +6,8 @@ compiled (``triton_resources.compile_for_hopper``) and its PTX written to DIR wi
 locates source lines (``.loc``, ``.file``, debug labels and sections), so two trees compare equal
 when they compile to the same instructions. Run it on each tree, then compare:
 
-Usage: python benchmarks/triton_ptx.py DIR                  # write DIR/<problem>-<launch>.ptx
-       python benchmarks/triton_ptx.py DIR --compare OTHER  # and say which differ from OTHER's
+Usage: python tools/triton_ptx.py DIR                  # write DIR/<problem>-<launch>.ptx
+       python tools/triton_ptx.py DIR --compare OTHER  # and say which differ from OTHER's
 The kernels compiled are those of the tree this script lies in (its folder's parent goes first on
 the import path, ahead of an installed flashdecode): run each tree's own copy.
 """
