@@ -39,27 +39,20 @@ INTERPRETED = not isinstance(split_kernel, JITFunction)
 
 @dataclasses.dataclass(frozen=True)
 class TritonConfig:
-    """Tile config of the split kernel (and the combine's and the merge's steps)."""
+    """Tile config of the split kernel and of the combine (a split kernel that merges loads
+    ``merge_step_for(block_m)`` partials at once)."""
 
     block_n: int  # keys per KV block
     block_m: int  # packed query rows per program: the grid has ceil(seqlen_q * group / block_m) row tiles
     num_warps: int
     num_stages: int  # software pipeline depth of the main loop's K/V loads
     combine_step: int  # partials the combine kernel loads at once
-    #: Partials a split kernel that merges (``Plan.merge_in_split``) has in flight at once; None: by
-    #: the row tile (``merge_step_for``).
-    merge_step: int | None = None
     #: Registers a thread may use: a kernel the compiler gives more is compiled again with this cap
     #: (Triton's ``maxnreg``, ``launch.register_options``); None: the compiler's choice.
     max_registers: int | None = None
     #: Head dims one combine program merges (a power of two; None: the whole padded head): smaller
     #: chunks spread a row's partials over more programs.
     combine_dims: int | None = None
-    #: Single-pass plans of a contiguous cache (no batch index, left pad or left window) ask L2 for
-    #: their first key block before they load the length (``prefetch_points``): the block's loads,
-    #: which wait on the length, then hit L2 instead of DRAM. Off until measured (``docs/design.md``,
-    #: "The schedule").
-    prefetch_first_block: bool = False
 
 
 def shared_bytes(config: TritonConfig, headdim: int, element_bytes: int, profile: HardwareProfile) -> int:
@@ -279,23 +272,6 @@ class TritonBackend(Backend):
         return entry[2]
 
 
-def prefetch_points(config: TritonConfig, plan, problem: Problem) -> int:
-    """Addresses a row of block 0 the split kernel asks L2 for before it loads the length
-    (``TritonConfig.prefetch_first_block``; 0: none), spread from the row's first element to its
-    last: one a 128-byte line where a row fills whole lines, else enough that one falls in each
-    line a row may straddle (a power of two). Only where block 0 is the first block the program
-    reads whatever the length (one program a sequence, no left pad or left window), its address
-    needs no load (a contiguous cache, row b for sequence b), and the kernel is compiled (the
-    interpreter runs no inline PTX)."""
-    if (not config.prefetch_first_block or INTERPRETED or plan.can_split or problem.paged or problem.batch_idx
-            or problem.leftpad or problem.window_left >= 0):
-        return 0
-    row_bytes = problem.headdim * problem.element_bytes
-    if row_bytes % 128 == 0:
-        return row_bytes // 128
-    return triton.next_power_of_2(-(-row_bytes // 128) + 1)
-
-
 def _make_spec(plan, problem: Problem) -> _LaunchSpec:
     config = plan.config
     page = problem.page_size
@@ -317,8 +293,8 @@ def _make_spec(plan, problem: Problem) -> _LaunchSpec:
         ROTARY_DIM=problem.rotary_dim, ROTARY_INTERLEAVED=problem.rotary_interleaved, ROTARY_PER_ROW=problem.windowed,
         WINDOW_LEFT=window_left, WINDOW_RIGHT=window_right, SOFTCAP=problem.softcap, ALIBI=problem.alibi,
         LEFTPAD=leftpad, BATCH_IDX=problem.batch_idx and not problem.paged, MERGE_IN_SPLIT=plan.merge_in_split,
-        MERGE_STEP=(config.merge_step or merge_step_for(config.block_m)) if plan.merge_in_split else 1,
-        DEPENDENT_COMBINE=plan.dependent_combine, PREFETCH_POINTS=prefetch_points(config, plan, problem))
+        MERGE_STEP=merge_step_for(config.block_m) if plan.merge_in_split else 1,
+        DEPENDENT_COMBINE=plan.dependent_combine)
     head_chunk = config.combine_dims or head_pad
     if head_chunk & (head_chunk - 1) or head_chunk > head_pad:
         raise ValueError(f"triton: combine_dims must be a power of two of at most the padded head dim {head_pad}, "
