@@ -19,8 +19,8 @@ from the case's planned config: without ``--tl-stages`` it keeps that plan's pip
 ``num_warps``; ``--max-registers`` Triton's register cap (0: none; -1: the shipped rule's for the tile);
 ``--combine-step`` and ``--combine-dims`` Triton's combine: partials a program loads at once, head
 dims it merges (0: the whole head); ``--merge-splits`` the most splits a sequence may have for the
-split kernel to merge them itself (0: never);
-``--dependent-combine 0,1`` the combine as a programmatic dependent launch; ``--triton-resident`` the split programs Triton assumes an SM
+split kernel to merge them itself (0: never); ``--dependent-combine 0,1`` the combine as a
+programmatic dependent launch; ``--triton-resident`` the split programs Triton assumes an SM
 holds at the case's head dim (the row of ``Tuning.triton_resident_programs`` it takes, for paged
 caches too: single-sequence grids and the register cap follow); ``--underfilled-caps 8:256,none``
 ``Tuning.underfilled_merge_caps`` (none: that rule off; ``--min-chunk`` sets the combine's minimum

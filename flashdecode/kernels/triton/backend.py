@@ -26,8 +26,8 @@ LOG2E = 1.0 / math.log(2.0)
 #: Query rows of one program at most; more rows take more row tiles (programs).
 MAX_BLOCK_M = 64
 #: Partials the combine kernel loads at once: 16 for a batch, 128 for one sequence, whose programs
-#: merge 32 head dims each (a batch's the whole head), measured on the H200 (``docs/design.md``,
-#: "Measured choices"): one sequence's 50-400 splits load in 1-4 steps over 4x the programs.
+#: merge 32 head dims each (a batch's the whole head): one sequence's 50-400 splits load in 1-4 steps
+#: over 4x the programs (docs/tuning.md).
 COMBINE_STEP_BATCH, COMBINE_STEP_ONE_SEQUENCE, COMBINE_DIMS_ONE_SEQUENCE = 16, 128, 32
 #: fp32 output values a thread holds at most: past it the default config doubles its warps (head dim
 #: 256 with 64 query rows: 8 warps; every measured tile of ``triton_tiles`` stays within it).
@@ -74,9 +74,8 @@ def register_cap(config: TritonConfig, headdim: int, profile: HardwareProfile, p
     """Registers a thread may use so that ``resident_by_headdim`` programs fit a multiprocessor;
     None where no cap is needed (the compiler's limit already lets them fit) or where the fp32
     output tile alone would take more than a quarter of it (a paged cache's tile then takes the
-    contiguous cache's cap). Features add registers: on Triton 3.6 (ncu, case 7) the head-dim-128
-    kernel takes 80 contiguous, 104-112 with pages of 16-64, and 168 with 32 query rows (compiled
-    for sm_90a), i.e. fewer programs per SM and a second wave (``docs/design.md``, "Measured choices")."""
+    contiguous cache's cap). Features add registers (pages, appended tokens, 32 query rows), i.e.
+    fewer programs per SM and a second wave without the cap (docs/tuning.md)."""
     resident = resident_by_headdim(headdim, profile, paged)
     threads = profile.wave_width * config.num_warps
     cap = profile.registers_per_multiprocessor // (resident * threads) // 8 * 8
@@ -88,9 +87,8 @@ def register_cap(config: TritonConfig, headdim: int, profile: HardwareProfile, p
 
 
 def merge_step_for(block_m: int) -> int:
-    """Partials the merging program loads at once: 4 for row tiles of up to 16 rows, 2 above. On
-    Triton 3.6 the head-dim-64/128 kernels stay at their plain registers (96-110; 128 for 32 rows),
-    while 4 partials of 32 rows spill (head dim 128) or take 255 registers (head dim 256)."""
+    """Partials the merging program loads at once: 4 for row tiles of up to 16 rows, 2 above, where
+    4 would spill (docs/tuning.md)."""
     return 4 if block_m <= 16 else 2
 
 
@@ -187,7 +185,7 @@ class TritonBackend(Backend):
         shared memory over lets each program keep several of its blocks in flight instead of
         waiting on memory once a block. A grid that fills the device keeps the table's stages:
         fewer programs an SM would cost it a second wave. Only where measured: contiguous caches
-        without appended tokens or rotary, head dims 64-128 (``docs/design.md``, "The schedule")."""
+        without appended tokens or rotary, head dims 64-128 (docs/tuning.md)."""
         stages, headdim = profile.tuning.triton_pipelined_stages, padded_headdim(problem.headdim)
         if (not stages or blocks < stages - 1 or config.num_stages >= stages or problem.paged
                 or problem.seqlen_new > 0 or problem.rotary_dim > 0 or headdim not in (64, 128)):
