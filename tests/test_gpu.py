@@ -51,7 +51,7 @@ def test_case(backend, case):
 
 #: (dtype, head dim, nheads_k, group) of the random-shape test: every dtype, head dim and a spread of
 #: groups, a fixed list because each is a compiled TileLang specialisation (~15 s to build on the
-#: H200 machine, so tools/prebuild_tilelang_cache.py builds them ahead). Batch, capacity,
+#: H200 machine, so tools/warmup_tests.py builds them ahead). Batch, capacity,
 #: lengths and splits are runtime values and vary freely.
 KERNEL_SHAPES = [
     (torch.float16, 64, 1, 1), (torch.bfloat16, 64, 2, 32), (torch.float16, 128, 4, 5),

@@ -28,7 +28,8 @@ export PYTHONUNBUFFERED=1
 mkdir -p /tmp/tl && tar -xJf .gpu-bundle/tilelang-cp312.tar.xz -C /tmp/tl
 export PYTHONPATH=$PWD:/tmp/tl/tilelang_site${PYTHONPATH:+:$PYTHONPATH} CUDA_HOME=${CUDA_HOME:-/usr/local/cuda}
 OUT=${OUT:-/tmp/out}
-# Kernels prebuilt on the CPU machine (tools/prebuild_tilelang_cache.py), carried as
+# Kernels prebuilt on the CPU machine (flashdecode warmup --cache-dir .tl-cache for the bench's,
+# python tools/warmup_tests.py for the GPU tests'), carried as
 # .tl-cache.tar.xz (tar -cJf .tl-cache.tar.xz .tl-cache: ~2 MB instead of ~30 MB of the carry limit),
 # and any further .tl-cache-*.tar.xz of the same layout (e.g. one sample's kernels), unpacked into it.
 for cache in .tl-cache.tar.xz .tl-cache-*.tar.xz; do [ -f "$cache" ] && tar -xJf "$cache"; done
