@@ -12,7 +12,7 @@ Usage: python tools/tilelang_source.py DIR                  # write DIR/<problem
        python tools/tilelang_source.py DIR --compare OTHER  # and say which differ from OTHER's
 The kernels compiled are those of the tree this script lies in (its folder's parent goes first on
 the import path, ahead of an installed flashdecode): run each tree's own copy. About 10-30 s a
-kernel on 2 idle cores (13 plans, 22 kernels).
+kernel on 2 idle cores (13 plans, 20 kernels).
 """
 import argparse
 import pathlib
