@@ -185,6 +185,80 @@ def _run_candidates(args) -> int:
         if not found:
             args.command_parser.error(f"--case: no candidate of {', '.join(args.case)} in {args.file}")
     print(candidates.format_rankings(candidates.rank(found, args.stall), args.top))
+
+
+def _ints(text: str) -> tuple[int, ...]:
+    """argparse type: a comma-separated list of integers >= 0 ("" for none)."""
+    try:
+        values = tuple(int(item) for item in text.split(",") if item.strip())
+    except ValueError:
+        values = (-1,)
+    if any(value < 0 for value in values):
+        raise argparse.ArgumentTypeError(f"must be a comma list of integers >= 0, got {text!r}")
+    return values
+
+
+def _add_warmup(subparsers) -> None:
+    parser = subparsers.add_parser(
+        "warmup", help="build TileLang's kernels for a case matrix into TileLang's cache, ahead of the GPU",
+        description="Compile, for sm_90a and without a GPU, the TileLang kernels that the planner's plans (H200 "
+                    "profile) of a case matrix and its variants launch, forced splits included, into TileLang's "
+                    "disk cache (TILELANG_CACHE_DIR); a Hopper GPU then loads them instead of compiling each on "
+                    "its first call. Calls TileLang cannot take are skipped.")
+    parser.add_argument("--matrix", choices=tuple(cases.MATRICES), default="cases",
+                        help="cases (default), wide or models (see flashdecode bench --help)")
+    parser.add_argument("--cases", default="all", help="cases of the matrix, e.g. 1,3,7-9 (default: all; none "
+                                                       "with --shapes)")
+    parser.add_argument("--shapes", default="", help="cases of one's own, as for flashdecode bench --shapes")
+    parser.add_argument("--variant", type=_names, default=tuple(cases.VARIANTS),
+                        help=f"comma list of {', '.join(cases.VARIANTS)} (default: all)")
+    parser.add_argument("--splits", type=_ints, default=(),
+                        help="forced split counts each call is planned with, 0 for the planner's own choice "
+                             "(default: 0,2,3)")
+    parser.add_argument("--block-n", type=_ints, default=(), help="split-kernel block_n values to build too "
+                                                                  "(default: the planned one)")
+    parser.add_argument("--stages", type=_ints, default=(), help="split-kernel num_stages values (default: planned)")
+    parser.add_argument("--q-rows", type=_ints, default=(), help="split-kernel block_m values, fewest q-tile rows "
+                                                                 "(default: planned)")
+    parser.add_argument("--shard", default="0/1", help="I/N: build every N-th kernel from the I-th, for N processes "
+                                                       "(default: 0/1)")
+    parser.add_argument("--cache-dir", metavar="DIR", default=None,
+                        help="TileLang's cache folder (sets TILELANG_CACHE_DIR; default: TileLang's own)")
+    parser.set_defaults(handler=_run_warmup, command_parser=parser)
+
+
+def _run_warmup(args) -> int:
+    """Resolve the cases, variants and shard, then build (``kernels.tilelang.warmup``)."""
+    parser = args.command_parser
+    try:
+        shapes = cases.parse_shapes(args.shapes)
+        selected = () if shapes and args.cases.strip().lower() == "all" else cases.select(args.matrix, args.cases)
+    except ValueError as error:
+        parser.error(f"--cases/--shapes: {error}")
+    unknown = [name for name in args.variant if name not in cases.VARIANTS]
+    if unknown:
+        parser.error(f"unknown variants {unknown}; variants are {', '.join(cases.VARIANTS)}")
+    index, _, count = args.shard.partition("/")
+    if not (index.isdigit() and count.isdigit() and int(index) < int(count)):
+        parser.error(f"--shard must be I/N with 0 <= I < N, got {args.shard!r}")
+    if args.cache_dir:
+        os.environ["TILELANG_CACHE_DIR"] = os.path.abspath(args.cache_dir)
+    from .kernels.tilelang.backend import TileLangBackend
+
+    backend = TileLangBackend()
+    if backend.unavailable() is not None:
+        parser.error(f"building TileLang's kernels needs {backend.unavailable()}")
+    from tilelang import env
+
+    from .kernels.tilelang import warmup
+
+    problems = [cases.VARIANTS[name].problem(case) for case in tuple(selected) + shapes for name in args.variant]
+    variants = warmup.tile_variants(block_n=args.block_n, num_stages=args.stages, block_m=args.q_rows)
+    calls = [(problem, num_splits) for problem in problems for num_splits in args.splits or warmup.DEFAULT_SPLITS]
+    entries = warmup.kernels(calls, variants, backend=backend)
+    built = warmup.build(entries, shard=(int(index), int(count)), backend=backend,
+                         on_built=lambda kernel, problem, config: print("built", kernel, problem, config, flush=True))
+    print(f"flashdecode warmup: {built} of {len(entries)} kernels built into {env.TILELANG_CACHE_DIR}")
     return 0
 
 
@@ -194,6 +268,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_bench(subparsers)
     _add_profile(subparsers)
     _add_candidates(subparsers)
+    _add_warmup(subparsers)
     return parser
 
 

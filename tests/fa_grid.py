@@ -195,7 +195,7 @@ def sample(count, seed, dtypes=AXES["dtype"], max_seqlen_k=None, pool=16, restri
 
 def problem_of(combo: Combo) -> Problem:
     """The Problem the public call validates from ``make_case(combo).call``, without drawing the
-    inputs (the prebuild script compiles the TileLang kernels of a sample from it). Only the kernel
+    inputs (tools/warmup_tests.py compiles the TileLang kernels of a sample from it). Only the kernel
     shape is exact for appended tokens: ``seqlen_new`` is 1 where the combo draws it."""
     seqlen_q, seqlen_k = combo.seqlens
     pages = math.ceil(seqlen_k / combo.paged_kv_block_size) * 3 if combo.paged_kv_block_size else 0

@@ -255,7 +255,7 @@ def test_flashinfer_single_peer_and_limitations(monkeypatch):
 
 
 def test_fa2_peer_imports_the_built_folder_and_passes_every_argument(monkeypatch, tmp_path):
-    """FLASHDECODE_FA2_PATH names benchmarks/build_fa2.py's output: the probe imports flash_attn from
+    """FLASHDECODE_FA2_PATH names tools/build_fa2.py's output: the probe imports flash_attn from
     there and reports the build; the calls pass k/v, lengths, block table and causal."""
     package = tmp_path / "flash_attn"
     package.mkdir()
@@ -921,11 +921,11 @@ def test_source_digest_names_the_code_not_the_checkout(tmp_path, monkeypatch):
     assert provenance.extension_digest() != extension and provenance.source_digest() == python
 
 
-# --- benchmarks/build_fa2.py ----------------------------------------------------------------------
+# --- tools/build_fa2.py -------------------------------------------------------------------------
 
-def benchmark_script(name: str):
-    """``benchmarks/<name>.py`` imported as a module (the folder is no package)."""
-    spec = importlib.util.spec_from_file_location(name, REPO / "benchmarks" / f"{name}.py")
+def tool_script(name: str):
+    """``tools/<name>.py`` imported as a module (the folder is no package)."""
+    spec = importlib.util.spec_from_file_location(name, REPO / "tools" / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -933,7 +933,7 @@ def benchmark_script(name: str):
 
 @pytest.fixture(scope="module")
 def build_fa2():
-    return benchmark_script("build_fa2")
+    return tool_script("build_fa2")
 
 
 def test_fa2_build_selects_forward_kernels_of_three_head_dims(build_fa2):
@@ -1004,11 +1004,11 @@ def test_fa2_unbuilt_kernels_are_defined_as_errors(build_fa2):
     assert "run_mha_fwd_<cutlass::half_t, 128," not in source and "TORCH_CHECK(false" in source
 
 
-# --- benchmarks/summary_table.py ------------------------------------------------------------------
+# --- tools/summary_table.py ---------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
 def summary_table():
-    return benchmark_script("summary_table")
+    return tool_script("summary_table")
 
 
 def _bounded_run(floor_us):

@@ -174,3 +174,55 @@ def test_candidates_rebuilds_the_log_from_the_committed_runs(capsys, tmp_path):
     assert all(record["technique"].startswith(f"{record['backend']} {record['config']['kernel']}(")
                for record in records)
     assert "wrote 28 records" in capsys.readouterr().err
+# --- flashdecode warmup -------------------------------------------------------------------------
+
+@pytest.mark.parametrize("argv, message", [
+    (["warmup", "--cases", "15"], "unknown case 15"),
+    (["warmup", "--variant", "paged32"], "unknown variants ['paged32']"),
+    (["warmup", "--splits", "2,x"], "must be a comma list of integers >= 0"),
+    (["warmup", "--block-n", "-64"], "must be a comma list of integers >= 0"),
+    (["warmup", "--shard", "2/2"], "--shard must be I/N with 0 <= I < N"),
+    (["warmup", "--shard", "1"], "--shard must be I/N with 0 <= I < N"),
+])
+def test_warmup_argument_errors_exit_nonzero(capsys, argv, message):
+    cli_fails(capsys, argv, message)
+
+
+def test_warmup_lists_each_kernel_once():
+    """Case 5 (3 tiles: the short-cache kernel unforced, the split kernel and its combine forced
+    into 2 or 3 splits) and on pages of 1 (which TileLang does not take): the plain case's kernels
+    once each, whatever the splits; tile variants multiply the split kernel's."""
+    pytest.importorskip("tilelang")
+    from flashdecode.cases import CASES_BY_NUMBER, VARIANTS
+    from flashdecode.kernels.tilelang import warmup
+
+    problems = [VARIANTS["plain"].problem(CASES_BY_NUMBER[5]), VARIANTS["paged1"].problem(CASES_BY_NUMBER[5])]
+    entries = warmup.kernels([(problem, splits) for problem in problems for splits in warmup.DEFAULT_SPLITS])
+    assert [kernel for kernel, _, _ in entries] == ["short_cache", "split", "combine"]
+    assert all(problem == problems[0] for _, problem, _ in entries)
+    variants = warmup.tile_variants(block_n=(32, 64), num_stages=(2, 3), block_m=())
+    assert variants == [dict(block_n=32, num_stages=2), dict(block_n=32, num_stages=3),
+                        dict(block_n=64, num_stages=2), dict(block_n=64, num_stages=3)]
+    split = [config for kernel, _, config in warmup.kernels([(problems[0], 2)], variants) if kernel == "split"]
+    assert [(config.block_n, config.num_stages) for config in split] == [(32, 2), (32, 3), (64, 2), (64, 3)]
+    with pytest.raises(ValueError, match="tile fields must be among"):
+        warmup.tile_variants(warps=(4,))
+    with pytest.raises(ValueError, match="shard must be"):
+        warmup.build(entries, shard=(1, 1))
+
+
+@pytest.mark.slow
+def test_warmup_builds_a_tiny_case_into_the_given_cache(tmp_path):
+    """`flashdecode warmup` on one shape of one tile: one kernel compiled for sm_90a without a GPU,
+    into the folder --cache-dir names."""
+    pytest.importorskip("tilelang")
+    from flashdecode.kernels.tilelang.backend import TileLangBackend
+
+    if TileLangBackend().unavailable() is not None:
+        pytest.skip(f"building TileLang's kernels needs {TileLangBackend().unavailable()}")
+    done = subprocess.run([sys.executable, "-m", "flashdecode", "warmup", "--shapes", "1x32x1x1x64:uniform",
+                           "--variant", "plain", "--splits", "0", "--cache-dir", str(tmp_path / "cache")],
+                          cwd=REPO, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert f"1 of 1 kernels built into {tmp_path / 'cache'}" in done.stdout
+    assert any(path.is_file() for path in (tmp_path / "cache").rglob("*"))

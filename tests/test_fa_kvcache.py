@@ -154,7 +154,7 @@ def test_kvcache_grid_auto_gpu(combo):
 
 @pytest.mark.parametrize("combo", CPU_COMBOS[:12] + CPU_FP8_COMBOS[:4], ids=lambda combo: combo.id)
 def test_problem_of_a_combo_is_what_the_call_validates(combo):
-    """``fa_grid.problem_of`` (the prebuild script's view of a combo) matches the validated call."""
+    """``fa_grid.problem_of`` (tools/warmup_tests.py's view of a combo) matches the validated call."""
     call = {name: value for name, value in fa_grid.make_case(combo, "cpu").call.items()
             if name != "return_softmax_lse"}
     problem = flashdecode.plan_for(**call, backend="reference").problem

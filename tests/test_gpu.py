@@ -51,7 +51,7 @@ def test_case(backend, case):
 
 #: (dtype, head dim, nheads_k, group) of the random-shape test: every dtype, head dim and a spread of
 #: groups, a fixed list because each is a compiled TileLang specialisation (~15 s to build on the
-#: H200 machine, so benchmarks/prebuild_tilelang_cache.py builds them ahead). Batch, capacity,
+#: H200 machine, so tools/warmup_tests.py builds them ahead). Batch, capacity,
 #: lengths and splits are runtime values and vary freely.
 KERNEL_SHAPES = [
     (torch.float16, 64, 1, 1), (torch.bfloat16, 64, 2, 32), (torch.float16, 128, 4, 5),
@@ -312,44 +312,3 @@ def test_merge_in_split_is_deterministic_over_many_calls(batch, forced_splits):
     torch.cuda.synchronize()
     assert all(torch.equal(out, first) for out in outs)
     assert relative_error(first, reference_decode(q, k, v, seqlens)[0]) < TOLERANCE
-
-
-@pytest.mark.parametrize("capacity, headdim, extra_rows, append", [
-    (1, 128, 0, False), (17, 128, 3, False), (64, 64, 0, False), (65, 128, 0, True), (300, 59, 2, False),
-    (129, 160, 0, False), (0, 128, 0, False)])
-def test_the_first_block_prefetch_changes_no_bit(capacity, headdim, extra_rows, append):
-    """``TritonConfig.prefetch_first_block`` is a hint to L2 only: single-pass calls (lengths 0, 1, the
-    capacity and random; caches with more rows than sequences; an appended token; head dims whose
-    padding holds lines past the row, 160 of 256; an empty cache) give exactly the bits they give
-    without it, and the appended token lands in the cache alike."""
-    import dataclasses
-
-    from flashdecode import DecodeContext
-    from flashdecode.kernels.triton.backend import prefetch_points
-
-    generator = torch.Generator("cuda").manual_seed(capacity)
-    batch = 6
-    q = torch.randn(batch, 1, 8, headdim, device="cuda", generator=generator).half()
-    k_cache, v_cache = (torch.randn(batch + extra_rows, capacity + append, 2, headdim, device="cuda",
-                                    generator=generator).half() for _ in range(2))
-    new = dict(k=torch.randn(batch, 1, 2, headdim, device="cuda", generator=generator).half(),
-               v=torch.randn(batch, 1, 2, headdim, device="cuda", generator=generator).half()) if append else {}
-    seqlens = torch.randint(0, capacity + 1, (batch,), device="cuda", generator=generator, dtype=torch.int32)
-    seqlens[:3] = torch.tensor([0, min(1, capacity), capacity])
-    default = plan_for(q, k_cache, v_cache, cache_seqlens=seqlens, backend="triton", **new).plan
-    assert not default.can_split
-    results = []
-    for prefetch in (False, True):
-        context = DecodeContext("cuda", config=dataclasses.replace(default.config, prefetch_first_block=prefetch))
-        route = plan_for(q, k_cache, v_cache, cache_seqlens=seqlens, backend="triton", context=context, **new)
-        assert (prefetch_points(route.plan.config, route.plan, route.problem) > 0) == prefetch
-        caches = (k_cache.clone(), v_cache.clone())
-        out, lse = flash_attn_with_kvcache(q, *caches, cache_seqlens=seqlens, backend="triton", context=context,
-                                           return_softmax_lse=True, **new)
-        results.append((out, lse, *caches))
-    torch.cuda.synchronize()
-    assert all(torch.equal(without, with_prefetch) for without, with_prefetch in zip(*results))
-    keyed = seqlens > 0 if not append else torch.ones_like(seqlens, dtype=torch.bool)
-    if keyed.any():
-        expected = reference_attention(q, k_cache, v_cache, cache_seqlens=seqlens, **new)[0]
-        assert relative_error(results[1][0][keyed], expected[keyed]) < TOLERANCE

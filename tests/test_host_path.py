@@ -380,20 +380,6 @@ def test_a_record_misses_where_no_driver_says_the_stream_is_not_capturing(module
     assert len(path) == 1 and path.run(*make_call()) is None and path.hits == 0
 
 
-def test_the_phase_probe_still_patches_the_extension(monkeypatch):
-    """``benchmarks/host_phases.py`` times the extension from a patched copy of its source: it fails
-    here, not on the GPU machine, when the places it patches change."""
-    import importlib.util
-    import pathlib
-
-    path = pathlib.Path(__file__).parents[1] / "benchmarks" / "host_phases.py"
-    monkeypatch.syspath_prepend(str(path.parent))  # its neighbour host_calls, as when run as a script
-    spec = importlib.util.spec_from_file_location("host_phases", path)
-    probe = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(probe)
-    assert "MARK(6)" in probe.instrumented_source().read_text()
-
-
 def test_run_takes_the_calls_arguments_positionally_and_keeps_its_path_alive(module):
     """``HostPath.run`` is the extension's METH_FASTCALL function: the call's arguments and the stream
     as positional arguments (a count of them other than that is a TypeError that says so), usable

@@ -397,3 +397,58 @@ def test_a_bad_block_id_gives_nan_rows_of_its_sequence_only():
         out = flash_attn_with_kvcache(**tensors, num_splits=num_splits, backend="tilelang")
         assert out[1].isnan().all() and not out[[0, 2]].isnan().any()
         assert relative_error(out[[0, 2]], expected[[0, 2]]) < 1e-2
+
+
+def test_tilelang_source_names_workspaces_by_their_address(monkeypatch):
+    """Two builds of head dim 256's split kernel named its two workspaces at one address in either
+    order: tools/tilelang_source.py writes both alike, and leaves other names (workspace_rows) be."""
+    import importlib.util
+    import pathlib
+
+    path = pathlib.Path(__file__).parents[1] / "tools" / "tilelang_source.py"
+    monkeypatch.syspath_prepend(str(path.parent))  # its neighbour triton_ptx, as when run as a script
+    spec = importlib.util.spec_from_file_location("tilelang_source", path)
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    declared = ("  void* workspace = ((void*)((char*)buf_dyn_shmem + 512));\n"
+                "  void* workspace_1 = ((void*)((char*)buf_dyn_shmem + 512));\n")
+    first = declared + "  f(((float*)workspace)[0], workspace_rows);\n  g(((float*)workspace_1)[0]);\n"
+    second = declared + "  f(((float*)workspace_1)[0], workspace_rows);\n  g(((float*)workspace)[0]);\n"
+    assert first != second and tool.canonical(first) == tool.canonical(second)
+    assert "f(((float*)[((void*)((char*)buf_dyn_shmem + 512))])[0], workspace_rows);" in tool.canonical(first)
+
+
+#: tools/tilelang_source.py on one plan (case 1's one-tile short-cache kernel), in a process of its
+#: own (it turns TileLang's disk cache off): the file it writes, and the comparison of two folders.
+TILELANG_SOURCE_SCRIPT = """
+import json, pathlib, shutil, sys, tempfile
+sys.path.insert(0, "tools")
+import tilelang_source
+from flashdecode.problem import Problem
+tilelang_source.PROBLEMS = {"case1": Problem(1, 1, 32, 4, 128, "bfloat16")}
+folder = pathlib.Path(tempfile.mkdtemp()) / "mine"
+names = tilelang_source.write(folder)
+other = folder.with_name("other")
+shutil.copytree(folder, other)
+same = tilelang_source.compare(folder, other, "*.cu")
+(other / names[0]).write_text((folder / names[0]).read_text() + "// changed\\n")
+print(json.dumps(dict(names=names, kernel="__global__" in (folder / names[0]).read_text(), same=same,
+                      changed=tilelang_source.compare(folder, other, "*.cu"))))
+"""
+
+
+@pytest.mark.slow
+@needs_nvcc
+def test_tilelang_source_writes_the_generated_kernels_of_a_plan():
+    import json
+    import pathlib
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", TILELANG_SOURCE_SCRIPT], cwd=pathlib.Path(__file__).parents[1],
+                          capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-2000:]
+    found = json.loads(done.stdout.strip().splitlines()[-1])
+    assert found["names"] == ["case1-short_cache.cu"] and found["kernel"]
+    assert found["same"] == {"case1-short_cache.cu": "same"}
+    assert found["changed"] == {"case1-short_cache.cu": "differs"}

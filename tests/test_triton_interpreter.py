@@ -243,13 +243,13 @@ def test_features_through_the_public_call():
     assert_matches(through_api(call, num_splits=2), reference(call))
 
 
-@pytest.mark.parametrize("merge_step", [1, 2, 4, 8])
-def test_merge_steps(merge_step):
-    """The merging program takes its partials merge_step at a time: sequence 0's 7 splits leave a
-    partial last step for every step but 1 (windows, where a split can hold no key of a row, are
-    in ``test_feature``)."""
-    call = make_call(capacity=120, seqlen_q=3, causal=True, lengths=[117, 70], seed=merge_step)
-    config = dataclasses.replace(SMALL, merge_step=merge_step)
+@pytest.mark.parametrize("block_m", [16, 32])
+def test_merge_steps(block_m):
+    """The merging program takes its partials ``merge_step_for(block_m)`` at a time (4 from tiles of
+    16 rows, 2 from 32): sequence 0's 7 splits leave a partial last step for both (windows, where a
+    split can hold no key of a row, are in ``test_feature``)."""
+    call = make_call(capacity=120, seqlen_q=3, causal=True, lengths=[117, 70], seed=block_m)
+    config = dataclasses.replace(SMALL, block_m=block_m)
     problem = plan_for(call.q, call.k_cache, call.v_cache, **call.kwargs, num_splits=7, backend="triton").problem
     assert plan(problem, PROFILES["h200"], BACKEND, 7, config=config).max_splits(problem) == 7
     assert_matches(through_backend(call, num_splits=7, config=config, merge=True), reference(call))
@@ -533,7 +533,7 @@ def test_merge_step_by_row_tile(seqlen_q, merge_step):
     """A merging program loads 4 partials at a time from tiles of 16 rows, 2 from 32 (4 spill there)."""
     problem = Problem(4, 4096, 8, 1, 128, "float16", seqlen_q=seqlen_q)
     chosen = plan(problem, PROFILES["h200"], BACKEND, 3)
-    assert chosen.merge_in_split and chosen.config.merge_step is None
+    assert chosen.merge_in_split
     q = torch.empty(4, seqlen_q, 8, 128, dtype=torch.float16)
     cache = torch.empty(4, 4096, 1, 128, dtype=torch.float16)
     args = LaunchArgs(q, cache, cache, torch.empty(4, dtype=torch.int32), torch.empty_like(q), None, None, None, 0.1,

@@ -324,7 +324,7 @@ def compiled_findings(script: str) -> dict:
 #: the combine's griddepcontrol.wait, and whether the split kernel signals its dependents.
 DEPENDENT_PTX_SCRIPT = textwrap.dedent("""
     import json, sys
-    sys.path.insert(0, "benchmarks")
+    sys.path.insert(0, "tools")
     from triton_resources import compile_for_hopper, plan_launches
     from flashdecode.hardware import PROFILES
     from flashdecode.kernels import get_backend
@@ -354,81 +354,9 @@ def test_dependent_combine_reads_only_the_lengths_before_it_waits():
     assert len(found["before_wait"]) == 1 and "ld.global" in found["before_wait"][0], found["before_wait"]
 
 
-#: Compiles the split kernel of several plans for sm_90a with ``TritonConfig.prefetch_first_block``
-#: and prints, for each, its PREFETCH_POINTS, how many L2 prefetches its PTX issues, whether they
-#: all come before the first global load (the length's) in the PTX, and in the SASS (None where
-#: Triton carries no cuobjdump).
-PREFETCH_PTX_SCRIPT = textwrap.dedent("""
-    import dataclasses, json, os, sys
-    sys.path.insert(0, "benchmarks")
-    from triton_resources import CUOBJDUMP, compile_for_hopper, cuobjdump, plan_launches
-    from flashdecode.hardware import PROFILES
-    from flashdecode.kernels import get_backend
-    from flashdecode.kernels.triton.backend import prefetch_points
-    from flashdecode.kernels.triton.launch import _without_ceiling
-    from flashdecode.planner import plan
-    from flashdecode.problem import Problem
-    backend, found = get_backend("triton"), {}
-
-    def prefetching(problem, prefetch=True):
-        config = dataclasses.replace(plan(problem, PROFILES["h200"], backend).config, prefetch_first_block=prefetch)
-        return plan(problem, PROFILES["h200"], backend, config=config)
-
-    def sass_in_order(kernel):
-        if not os.path.exists(CUOBJDUMP):
-            return None
-        lines = cuobjdump(kernel, "-sass").splitlines()
-        prefetches = [i for i, line in enumerate(lines) if "CCTL.E.PF2" in line]
-        return all(i < next(j for j, line in enumerate(lines) if "LDG" in line) for i in prefetches)
-
-    compiled = {"one token": Problem(1, 1, 32, 4, 128, "bfloat16"),
-                "head dim 64": Problem(8, 300, 16, 2, 64, "float16"),
-                "head dim 59": Problem(8, 300, 16, 2, 59, "float16"),
-                "head dim 80": Problem(4, 200, 16, 2, 80, "bfloat16"),
-                "split": Problem(1, 8192, 32, 4, 128, "bfloat16")}
-    for name, problem in compiled.items():
-        for prefetch in (False, True):
-            the_plan = prefetching(problem, prefetch)
-            kernel, _, tensors, scalars, constexprs, options = plan_launches(problem, the_plan)[0]
-            kernel = compile_for_hopper(kernel, tensors, scalars, constexprs, _without_ceiling(options))
-            lines = [line.strip() for line in kernel.asm["ptx"].splitlines()]
-            prefetches = [i for i, line in enumerate(lines) if line.startswith("prefetch.global.L2")]
-            first_load = next(i for i, line in enumerate(lines) if "ld.global" in line)
-            found[f"{name}, {prefetch}"] = [constexprs["PREFETCH_POINTS"], len(prefetches),
-                                            all(i < first_load for i in prefetches),
-                                            sass_in_order(kernel) if prefetches else True]
-    # block 0's address needs a load, or block 0 is not the first block read: no prefetch
-    for name, problem in {"pages": Problem(4, 256, 32, 4, 128, "bfloat16", page_size=256),
-                          "batch index": Problem(4, 256, 32, 4, 128, "bfloat16", batch_idx=True),
-                          "left pad": Problem(4, 256, 32, 4, 128, "bfloat16", leftpad=True),
-                          "left window": Problem(4, 256, 32, 4, 128, "bfloat16", window_left=16)}.items():
-        the_plan = prefetching(problem)
-        found[name] = [prefetch_points(the_plan.config, the_plan, problem), 0, True, True]
-    print(json.dumps(found))
-""")
-
-
-def test_the_first_block_prefetch_is_issued_before_the_length_is_loaded():
-    """With ``prefetch_first_block``, a single-pass plan of a contiguous cache asks L2 for block 0's
-    K and V rows before its first global load, in the PTX and in the SASS, so nothing it issues
-    waits on the length: one address a 128-byte line where rows fill whole lines (128 bf16 dims:
-    2 a row, one instruction a thread for K and one for V over 128 threads; 64 fp16 dims: 1), else
-    enough that each line a row may straddle gets one (59 fp16 dims, 118 bytes: 2; 80 bf16, 160
-    bytes: 4). Split plans, pages, batch indices, left pads and left windows get none, nor does
-    the default config."""
-    found = compiled_findings(PREFETCH_PTX_SCRIPT)
-    # (addresses a row, prefetch instructions): 59 dims take 128-token blocks, 256 addresses a tensor
-    expected = {"one token": (2, 2), "head dim 64": (1, 2), "head dim 59": (2, 4), "head dim 80": (4, 4)}
-    for name, (points, instructions) in expected.items():
-        got_points, got_instructions, before_in_ptx, before_in_sass = found.pop(f"{name}, True")
-        assert (got_points, got_instructions) == (points, instructions), name
-        assert before_in_ptx and before_in_sass is not False, name  # None: no cuobjdump to read the SASS
-    assert all(points == 0 and instructions == 0 for points, instructions, _, _ in found.values()), found
-
-
 TRITON_PTX_SCRIPT = textwrap.dedent("""
     import json, pathlib, shutil, sys, tempfile
-    sys.path.insert(0, "benchmarks")
+    sys.path.insert(0, "tools")
     import triton_ptx
     import flashdecode
     from flashdecode.problem import Problem
@@ -452,7 +380,7 @@ TRITON_PTX_SCRIPT = textwrap.dedent("""
 
 
 def test_triton_ptx_writes_instructions_without_source_locations():
-    """benchmarks/triton_ptx.py: a plan's kernel written as its instructions only (no .loc lines,
+    """tools/triton_ptx.py: a plan's kernel written as its instructions only (no .loc lines,
     debug labels or sections), so two trees compare equal where they compile alike; a changed
     file differs, and a file one folder alone has is named; the kernels are the script's tree's."""
     found = compiled_findings(TRITON_PTX_SCRIPT)

@@ -7,7 +7,7 @@ nheads, headdim). ``limitation(call)`` says why the peer cannot take a call, or 
 
 - fa2: FlashAttention 2's flash_attn_with_kvcache, every variant whose pages are a multiple of 256
   tokens (its own rule). ``FLASHDECODE_FA2_PATH`` names a folder made by
-  ``benchmarks/build_fa2.py`` to import it from; else an installed flash_attn.
+  ``tools/build_fa2.py`` to import it from; else an installed flash_attn.
 - flashinfer-tc / flashinfer-cc: FlashInfer's BatchDecodeWithPagedKVCacheWrapper with tensor cores
   on / off, plain (the contiguous cache viewed as pages of 16 tokens without a copy; a capacity off
   a multiple of 16 is padded up by a copy at setup, untimed) and paged (the call's page table); an
@@ -80,14 +80,14 @@ def _probe_fa2() -> str:
     version = f"flash_attn {flash_attn.__version__}"
     build = _fa2_build(folder)
     if build is not None:
-        version += (f" (benchmarks/build_fa2.py: {build['arch']}, head dims {build['headdims']}, "
+        version += (f" (tools/build_fa2.py: {build['arch']}, head dims {build['headdims']}, "
                     f"without {', '.join(build['disabled']).lower()})")
     return version
 
 
 @functools.lru_cache(maxsize=None)
 def _fa2_build(folder: str | None) -> dict | None:
-    """The BUILD.json of a ``benchmarks/build_fa2.py`` build in ``folder``; None for any other
+    """The BUILD.json of a ``tools/build_fa2.py`` build in ``folder``; None for any other
     install (every head dim's kernels)."""
     record = pathlib.Path(folder or "", "BUILD.json")
     return json.loads(record.read_text()) if folder and record.is_file() else None
@@ -307,7 +307,7 @@ def select_peers(names: list[str] | None, cuda: bool) -> tuple[list[tuple[Peer, 
 def warm_up(name: str, headdim: int) -> None:
     """Call peer ``name`` once on a small bfloat16 CUDA case of head dim ``headdim``, so that its
     just-in-time modules (FlashInfer: 25-45 s each) are built before a benchmark, several in
-    parallel processes (``benchmarks/device.sh peers``)."""
+    parallel processes (``tools/device.sh peers``)."""
     from .. import cases
 
     peer = PEERS[name]

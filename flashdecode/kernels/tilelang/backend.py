@@ -25,13 +25,13 @@ HEAD_DIMS = (64, 128, 256)
 MAX_Q_ROWS = 64
 #: Fewest rows of the q tile of each kernel (wide heads excepted, below): 64 is one wgmma M tile; the
 #: short-cache kernel's few softmax steps are all latency, where a 16-row mma.sync tile measured
-#: faster (``docs/design.md``, "Measured choices").
+#: faster (docs/tuning.md).
 MIN_BLOCK_M = {SPLIT: 64, SINGLE_PASS: 64, SHORT_CACHE: 16}
 #: Wide heads: from WIDE_HEAD_DIM, a split or single-pass q tile of at most WIDE_HEAD_BLOCK_M rows
 #: runs mma.sync on tiles of WIDE_HEAD_BLOCK_N tokens (one program per SM), where one such program
-#: fits a multiprocessor: 15-19% less time than the 64-row wgmma tile on 32 tokens, whose output
-#: alone holds 128 registers per consumer thread (W9, W10 and two shapes of our own,
-#: ``docs/design.md``, "Measured choices"). Its 4 warps need WIDE_HEAD_MIN_BLOCK_N tokens per tile.
+#: fits a multiprocessor: faster than the 64-row wgmma tile on 32 tokens, whose output alone holds
+#: 128 registers per consumer thread (docs/tuning.md). Its 4 warps need WIDE_HEAD_MIN_BLOCK_N tokens
+#: per tile.
 WIDE_HEAD_DIM, WIDE_HEAD_BLOCK_M, WIDE_HEAD_BLOCK_N, WIDE_HEAD_MIN_BLOCK_N = 256, 16, 64, 32
 #: Problem features (``Problem.features``) the kernels implement (``features.py``); rotary, ALiBi,
 #: cache_leftpad and cache_batch_idx are left to the other backends.

@@ -3,7 +3,7 @@
 Nothing is cached here; :class:`~.backend.TileLangBackend` keeps what it builds. TileLang also keeps
 compiled kernels on disk, keyed by the kernel, the target, the compile flags and its version, so a
 kernel built for {"kind": "cuda", "arch": "sm_90a"} on a machine without the GPU
-(``benchmarks/prebuild_tilelang_cache.py``) loads on the H200.
+(``flashdecode warmup``, ``kernels.tilelang.warmup``) loads on the H200.
 
 Warp specialisation stays on: TileLang's other lowering, a cp.async software pipeline, gave wrong
 results for these kernels on the H200 (``docs/design.md``, "Measured choices").

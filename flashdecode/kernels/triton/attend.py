@@ -133,26 +133,6 @@ def tile_mask(token_mask, d, HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr):
 
 
 @triton.jit
-def prefetch_first_rows(head, capacity, stride_t, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
-                        POINTS: tl.constexpr):
-    """Ask L2 for the first BLOCK_N rows of a contiguous cache row: their addresses need no length,
-    so their lines come from DRAM while the length does, and the loads that wait on it hit L2
-    (``docs/design.md``, "The schedule"). POINTS addresses a row, spread from its first element to
-    its last, one in each 128-byte line the row touches (``backend.prefetch_points``); every address
-    is an element of the cache (rows past the capacity take its last). A hint: it reads nothing
-    into the kernel. Compiled kernels only (inline PTX)."""
-    if capacity > 0:
-        rows = tl.minimum(tl.arange(0, BLOCK_N), capacity - 1).to(tl.int64)
-        if POINTS == 1:
-            spots = tl.zeros([1], tl.int32)
-        else:
-            spots = tl.arange(0, POINTS) * (HEAD_DIM - 1) // (POINTS - 1)
-        tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l",
-                                  [head + rows[:, None] * stride_t + spots[None, :]], dtype=tl.int32,
-                                  is_pure=False, pack=1)
-
-
-@triton.jit
 def attend_block(acc, m, l, q, block_start, start, end, new_from,
                  k_head, v_head, table_row, num_pages, stride_kp, stride_kt, stride_vp, stride_vt,
                  k_new, v_new, stride_nkt, stride_nvt, Cos, Sin, rotary_rows,

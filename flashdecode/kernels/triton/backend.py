@@ -26,8 +26,8 @@ LOG2E = 1.0 / math.log(2.0)
 #: Query rows of one program at most; more rows take more row tiles (programs).
 MAX_BLOCK_M = 64
 #: Partials the combine kernel loads at once: 16 for a batch, 128 for one sequence, whose programs
-#: merge 32 head dims each (a batch's the whole head), measured on the H200 (``docs/design.md``,
-#: "Measured choices"): one sequence's 50-400 splits load in 1-4 steps over 4x the programs.
+#: merge 32 head dims each (a batch's the whole head): one sequence's 50-400 splits load in 1-4 steps
+#: over 4x the programs (docs/tuning.md).
 COMBINE_STEP_BATCH, COMBINE_STEP_ONE_SEQUENCE, COMBINE_DIMS_ONE_SEQUENCE = 16, 128, 32
 #: fp32 output values a thread holds at most: past it the default config doubles its warps (head dim
 #: 256 with 64 query rows: 8 warps; every measured tile of ``triton_tiles`` stays within it).
@@ -39,27 +39,20 @@ INTERPRETED = not isinstance(split_kernel, JITFunction)
 
 @dataclasses.dataclass(frozen=True)
 class TritonConfig:
-    """Tile config of the split kernel (and the combine's and the merge's steps)."""
+    """Tile config of the split kernel and of the combine (a split kernel that merges loads
+    ``merge_step_for(block_m)`` partials at once)."""
 
     block_n: int  # keys per KV block
     block_m: int  # packed query rows per program: the grid has ceil(seqlen_q * group / block_m) row tiles
     num_warps: int
     num_stages: int  # software pipeline depth of the main loop's K/V loads
     combine_step: int  # partials the combine kernel loads at once
-    #: Partials a split kernel that merges (``Plan.merge_in_split``) has in flight at once; None: by
-    #: the row tile (``merge_step_for``).
-    merge_step: int | None = None
     #: Registers a thread may use: a kernel the compiler gives more is compiled again with this cap
     #: (Triton's ``maxnreg``, ``launch.register_options``); None: the compiler's choice.
     max_registers: int | None = None
     #: Head dims one combine program merges (a power of two; None: the whole padded head): smaller
     #: chunks spread a row's partials over more programs.
     combine_dims: int | None = None
-    #: Single-pass plans of a contiguous cache (no batch index, left pad or left window) ask L2 for
-    #: their first key block before they load the length (``prefetch_points``): the block's loads,
-    #: which wait on the length, then hit L2 instead of DRAM. Off until measured (``docs/design.md``,
-    #: "The schedule").
-    prefetch_first_block: bool = False
 
 
 def shared_bytes(config: TritonConfig, headdim: int, element_bytes: int, profile: HardwareProfile,
@@ -84,9 +77,8 @@ def register_cap(config: TritonConfig, headdim: int, profile: HardwareProfile, p
     """Registers a thread may use so that ``resident_by_headdim`` programs fit a multiprocessor;
     None where no cap is needed (the compiler's limit already lets them fit) or where the fp32
     output tile alone would take more than a quarter of it (a paged cache's tile then takes the
-    contiguous cache's cap). Features add registers: on Triton 3.6 (ncu, case 7) the head-dim-128
-    kernel takes 80 contiguous, 104-112 with pages of 16-64, and 168 with 32 query rows (compiled
-    for sm_90a), i.e. fewer programs per SM and a second wave (``docs/design.md``, "Measured choices")."""
+    contiguous cache's cap). Features add registers (pages, appended tokens, 32 query rows), i.e.
+    fewer programs per SM and a second wave without the cap (docs/tuning.md)."""
     resident = resident_by_headdim(headdim, profile, paged)
     threads = profile.wave_width * config.num_warps
     cap = profile.registers_per_multiprocessor // (resident * threads) // 8 * 8
@@ -98,9 +90,8 @@ def register_cap(config: TritonConfig, headdim: int, profile: HardwareProfile, p
 
 
 def merge_step_for(block_m: int) -> int:
-    """Partials the merging program loads at once: 4 for row tiles of up to 16 rows, 2 above. On
-    Triton 3.6 the head-dim-64/128 kernels stay at their plain registers (96-110; 128 for 32 rows),
-    while 4 partials of 32 rows spill (head dim 128) or take 255 registers (head dim 256)."""
+    """Partials the merging program loads at once: 4 for row tiles of up to 16 rows, 2 above, where
+    4 would spill (docs/tuning.md)."""
     return 4 if block_m <= 16 else 2
 
 
@@ -198,7 +189,7 @@ class TritonBackend(Backend):
         shared memory over lets each program keep several of its blocks in flight instead of
         waiting on memory once a block. A grid that fills the device keeps the table's stages:
         fewer programs an SM would cost it a second wave. Only where measured: contiguous caches
-        without appended tokens or rotary, head dims 64-128 (``docs/design.md``, "The schedule")."""
+        without appended tokens or rotary, head dims 64-128 (docs/tuning.md)."""
         stages, headdim = profile.tuning.triton_pipelined_stages, padded_headdim(problem.headdim)
         if (not stages or blocks < stages - 1 or config.num_stages >= stages or problem.paged
                 or problem.seqlen_new > 0 or problem.rotary_dim > 0 or headdim not in (64, 128)):
@@ -290,23 +281,6 @@ class TritonBackend(Backend):
         return entry[2]
 
 
-def prefetch_points(config: TritonConfig, plan, problem: Problem) -> int:
-    """Addresses a row of block 0 the split kernel asks L2 for before it loads the length
-    (``TritonConfig.prefetch_first_block``; 0: none), spread from the row's first element to its
-    last: one a 128-byte line where a row fills whole lines, else enough that one falls in each
-    line a row may straddle (a power of two). Only where block 0 is the first block the program
-    reads whatever the length (one program a sequence, no left pad or left window), its address
-    needs no load (a contiguous cache, row b for sequence b), and the kernel is compiled (the
-    interpreter runs no inline PTX)."""
-    if (not config.prefetch_first_block or INTERPRETED or plan.can_split or problem.paged or problem.batch_idx
-            or problem.leftpad or problem.window_left >= 0):
-        return 0
-    row_bytes = problem.headdim * problem.cache_element_bytes
-    if row_bytes % 128 == 0:
-        return row_bytes // 128
-    return triton.next_power_of_2(-(-row_bytes // 128) + 1)
-
-
 def _make_spec(plan, problem: Problem) -> _LaunchSpec:
     config = plan.config
     page = problem.page_size
@@ -328,9 +302,8 @@ def _make_spec(plan, problem: Problem) -> _LaunchSpec:
         ROTARY_DIM=problem.rotary_dim, ROTARY_INTERLEAVED=problem.rotary_interleaved, ROTARY_PER_ROW=problem.windowed,
         WINDOW_LEFT=window_left, WINDOW_RIGHT=window_right, SOFTCAP=problem.softcap, ALIBI=problem.alibi,
         LEFTPAD=leftpad, BATCH_IDX=problem.batch_idx and not problem.paged, MERGE_IN_SPLIT=plan.merge_in_split,
-        MERGE_STEP=(config.merge_step or merge_step_for(config.block_m)) if plan.merge_in_split else 1,
-        DEPENDENT_COMBINE=plan.dependent_combine, PREFETCH_POINTS=prefetch_points(config, plan, problem),
-        FP8=problem.cache_dtype is not None)
+        MERGE_STEP=merge_step_for(config.block_m) if plan.merge_in_split else 1,
+        DEPENDENT_COMBINE=plan.dependent_combine, FP8=problem.cache_dtype is not None)
     head_chunk = config.combine_dims or head_pad
     if head_chunk & (head_chunk - 1) or head_chunk > head_pad:
         raise ValueError(f"triton: combine_dims must be a power of two of at most the padded head dim {head_pad}, "

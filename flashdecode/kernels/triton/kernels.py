@@ -17,8 +17,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .attend import (LOG2E, append_tokens, attend_block, bad_block_ids, prefetch_first_rows, rotary_columns,
-                     rotate, row_offsets, tile_mask)
+from .attend import (LOG2E, append_tokens, attend_block, bad_block_ids, rotary_columns, rotate, row_offsets,
+                     tile_mask)
 from .launch import gdc_launch_dependents, gdc_wait
 from .schedule import entry, key_range, locate, split_counts
 
@@ -44,18 +44,12 @@ def split_kernel(Q, K, V, Lens, Out, Lse, PartO, PartLse, KNew, VNew, BatchIdx, 
                  ROTARY_INTERLEAVED: tl.constexpr, ROTARY_PER_ROW: tl.constexpr, WINDOW_LEFT: tl.constexpr,
                  WINDOW_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, LEFTPAD: tl.constexpr,
                  BATCH_IDX: tl.constexpr, MERGE_IN_SPLIT: tl.constexpr, MERGE_STEP: tl.constexpr,
-                 DEPENDENT_COMBINE: tl.constexpr, PREFETCH_POINTS: tl.constexpr, FP8: tl.constexpr):
+                 DEPENDENT_COMBINE: tl.constexpr, FP8: tl.constexpr):
     if DEPENDENT_COMBINE:  # the combine may be scheduled once every program has started
         gdc_launch_dependents()
     pid = tl.program_id(0)
     head_k = tl.program_id(1)
     tile = tl.program_id(2)
-    if PREFETCH_POINTS > 0:  # one program a sequence: block 0 of cache row pid, asked for before the length
-        row = tl.minimum(pid, batch - 1).to(tl.int64)
-        prefetch_first_rows(K + row * stride_kb + head_k.to(tl.int64) * stride_kh, capacity, stride_kt, HEAD_DIM,
-                            BLOCK_N, PREFETCH_POINTS)
-        prefetch_first_rows(V + row * stride_vb + head_k.to(tl.int64) * stride_vh, capacity, stride_vt, HEAD_DIM,
-                            BLOCK_N, PREFETCH_POINTS)
     seq, split, num_splits, raw_len = locate(
         Lens, LeftPad, pid, batch, capacity, num_programs, forced_splits, min_chunk, seqlen_new, window_left,
         SEQLEN_Q, APPEND, LEFTPAD, WINDOW_LEFT, BLOCK_N, BATCH_PAD, CAN_SPLIT)

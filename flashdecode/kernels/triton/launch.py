@@ -247,9 +247,8 @@ def _without_ceiling(options: dict) -> dict:
 def register_options(kernel, grid: tuple, tensors: tuple, scalars: tuple, constexprs: dict, options: dict) -> dict:
     """Triton's options for a launch whose ``options`` carry a ``REGISTER_CEILING``: the others, plus
     ``maxnreg`` = the ceiling where the kernel compiled without it uses more registers a thread. A
-    cap always set costs speed where the compiler stays below it anyway (on the H200, case 7 with
-    Triton 3.6: 113.8 against 121.5 us); one set where it binds keeps the programs per SM the
-    planner counts on (``docs/design.md``, "Measured choices"). The count is read from a compile
+    cap always set costs speed where the compiler stays below it anyway; one set where it binds
+    keeps the programs per SM the planner counts on (docs/tuning.md). The count is read from a compile
     without a launch (``JITFunction.warmup``) and the compiled kernel's ``n_regs`` (private, loaded
     by ``_init_handles``); where either is missing the ceiling is dropped."""
     plain = _without_ceiling(options)

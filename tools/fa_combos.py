@@ -2,8 +2,8 @@
 id before it runs: under compute-sanitizer or after an illegal access, the last id printed is the
 culprit (the pytest grid cannot say which test's kernel faulted once the context is dead).
 
-    python benchmarks/fa_combos.py --backend triton float16-q64k800-d32-gqa-splits1-newkv-... [ID ...]
-    python benchmarks/fa_combos.py --backend triton --sample 40 --seed 2025
+    python tools/fa_combos.py --backend triton float16-q64k800-d32-gqa-splits1-newkv-... [ID ...]
+    python tools/fa_combos.py --backend triton --sample 40 --seed 2025
 """
 from __future__ import annotations
 

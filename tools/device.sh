@@ -5,14 +5,14 @@
 #   tests       every gpu-marked test (TESTS_K: a pytest -k filter; FLASHDECODE_FA_GRID: the FA grid's size)
 #   beforeafter ARGS  flashdecode bench ARGS on .before/ (an earlier tree's flashdecode/) then on this tree
 #   fa2build    build FlashAttention 2's kernels for the fa2 peer from the carried .fa2-src.tar.xz into
-#               .fa2-build/ (benchmarks/build_fa2.py, ~4 min on 16 cores) and pack it as
+#               .fa2-build/ (tools/build_fa2.py, ~4 min on 16 cores) and pack it as
 #               $OUT/fa2-build.tar.xz; copy that to .fa2-build.tar.xz here and carry it afterwards
 #   peers       make the peers importable for the steps after it: FlashInfer from the carried
 #               .fi-bundle/flashinfer-bundle.tar.xz (its JIT modules built now, in parallel, for
 #               head dims PEERS_HEADDIMS, default 128; 64,128,256 for --matrix wide), FlashAttention 2
 #               from .fa2-build/ (or the carried .fa2-build.tar.xz) through FLASHDECODE_FA2_PATH
 #   bench ARGS  flashdecode bench with the given arguments (quote them as one word)
-#   sweep ARGS  benchmarks/sweep.py with the given arguments
+#   sweep ARGS  tools/sweep.py with the given arguments
 #   sanitize    compute-sanitizer memcheck, racecheck, synccheck on a few cases (SANITIZE_BACKEND, default tilelang)
 #   profile N[:VARIANT]  flashdecode profile --case N [--variant VARIANT] for PROFILE_BACKENDS (default
 #               both) into $OUT/profiles.tar.gz
@@ -20,15 +20,16 @@
 # Carried inputs, each made once on the CPU machine in the repository root (all git-excluded):
 #   bash ../shared/gpu-bundle/make-bundle.sh .gpu-bundle        # .gpu-bundle/tilelang-cp312.tar.xz, 33 MiB
 #   bash ../shared/flashinfer-bundle/make-bundle.sh .fi-bundle  # .fi-bundle/flashinfer-bundle.tar.xz, 8 MiB
-#   python benchmarks/build_fa2.py prepare /tmp/fa/flash_attn-2.8.3.tar.gz  # .fa2-src.tar.xz, 0.4 MiB
+#   python tools/build_fa2.py prepare /tmp/fa/flash_attn-2.8.3.tar.gz  # .fa2-src.tar.xz, 0.4 MiB
 # e.g. carry [".gpu-bundle", ".fi-bundle", ".fa2-src.tar.xz"] and run
-#   bash benchmarks/device.sh fa2build peers bench "--variant plain,paged16,paged256,q4,append --json $OUT/run.json"
+#   bash tools/device.sh fa2build peers bench "--variant plain,paged16,paged256,q4,append --json $OUT/run.json"
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 mkdir -p /tmp/tl && tar -xJf .gpu-bundle/tilelang-cp312.tar.xz -C /tmp/tl
 export PYTHONPATH=$PWD:/tmp/tl/tilelang_site${PYTHONPATH:+:$PYTHONPATH} CUDA_HOME=${CUDA_HOME:-/usr/local/cuda}
 OUT=${OUT:-/tmp/out}
-# Kernels prebuilt on the CPU machine (benchmarks/prebuild_tilelang_cache.py), carried as
+# Kernels prebuilt on the CPU machine (flashdecode warmup --cache-dir .tl-cache for the bench's,
+# python tools/warmup_tests.py for the GPU tests'), carried as
 # .tl-cache.tar.xz (tar -cJf .tl-cache.tar.xz .tl-cache: ~2 MB instead of ~30 MB of the carry limit),
 # and any further .tl-cache-*.tar.xz of the same layout (e.g. one sample's kernels), unpacked into it.
 for cache in .tl-cache.tar.xz .tl-cache-*.tar.xz; do [ -f "$cache" ] && tar -xJf "$cache"; done
@@ -82,7 +83,7 @@ json.dump(fa_grid.merge_reports([json.load(open(p)) for p in paths]), open('$OUT
         tail -22 "$OUT/bench-$tree.log"
       done;;
     fa2build)
-      python3 benchmarks/build_fa2.py build --jobs "$(nproc)" > "$OUT/fa2_build.log" 2>&1
+      python3 tools/build_fa2.py build --jobs "$(nproc)" > "$OUT/fa2_build.log" 2>&1
       rc=$?
       tail -3 "$OUT/fa2_build.log"
       [ $rc -eq 0 ] && tar -cJf "$OUT/fa2-build.tar.xz" .fa2-build
@@ -120,11 +121,11 @@ json.dump(fa_grid.merge_reports([json.load(open(p)) for p in paths]), open('$OUT
     sweep)
       args=$1; shift
       # As for the bench: on the time limit, every Python thread's stack (a sweep hung once).
-      timeout -k 30 -s ABRT "${STEP_TIMEOUT:-400}" python3 -X faulthandler benchmarks/sweep.py $args 2>&1 | tee -a "$OUT/sweep.log" | tail -20
+      timeout -k 30 -s ABRT "${STEP_TIMEOUT:-400}" python3 -X faulthandler tools/sweep.py $args 2>&1 | tee -a "$OUT/sweep.log" | tail -20
       summary+=("sweep rc=${PIPESTATUS[0]}");;
     sanitize)
       for tool in memcheck racecheck synccheck; do
-        timeout "${STEP_TIMEOUT:-400}" compute-sanitizer --tool $tool python3 benchmarks/sanitize_target.py \
+        timeout "${STEP_TIMEOUT:-400}" compute-sanitizer --tool $tool python3 tools/sanitize_target.py \
           --backend "${SANITIZE_BACKEND:-tilelang}" 2>&1 | tee "$OUT/sanitize_$tool.log" | tail -6
         summary+=("sanitize $tool rc=${PIPESTATUS[0]}")
       done;;

@@ -6,8 +6,8 @@ compiled (``triton_resources.compile_for_hopper``) and its PTX written to DIR wi
 locates source lines (``.loc``, ``.file``, debug labels and sections), so two trees compare equal
 when they compile to the same instructions. Run it on each tree, then compare:
 
-Usage: python benchmarks/triton_ptx.py DIR                  # write DIR/<problem>-<launch>.ptx
-       python benchmarks/triton_ptx.py DIR --compare OTHER  # and say which differ from OTHER's
+Usage: python tools/triton_ptx.py DIR                  # write DIR/<problem>-<launch>.ptx
+       python tools/triton_ptx.py DIR --compare OTHER  # and say which differ from OTHER's
 The kernels compiled are those of the tree this script lies in (its folder's parent goes first on
 the import path, ahead of an installed flashdecode): run each tree's own copy.
 """
@@ -17,12 +17,6 @@ import sys
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
-from triton_resources import compile_for_hopper, plan_launches  # noqa: E402
-
-from flashdecode.hardware import PROFILES  # noqa: E402
-from flashdecode.kernels import get_backend  # noqa: E402
-from flashdecode.kernels.triton.launch import _without_ceiling  # noqa: E402
-from flashdecode.planner import plan  # noqa: E402
 from flashdecode.problem import Problem  # noqa: E402
 
 #: Plans of every kernel kind: single passes (cases 1 and 5, short caches at head dims 59-64, a
@@ -53,6 +47,13 @@ def instructions(ptx: str) -> str:
 
 def write(folder: pathlib.Path) -> list[str]:
     """Compile every launch of every problem's plan; write its instructions; return the file names."""
+    from triton_resources import compile_for_hopper, plan_launches
+
+    from flashdecode.hardware import PROFILES
+    from flashdecode.kernels import get_backend
+    from flashdecode.kernels.triton.launch import _without_ceiling
+    from flashdecode.planner import plan
+
     folder.mkdir(parents=True, exist_ok=True)
     names = []
     for label, problem in PROBLEMS.items():
@@ -64,9 +65,10 @@ def write(folder: pathlib.Path) -> list[str]:
     return names
 
 
-def compare(folder: pathlib.Path, other: pathlib.Path) -> dict:
-    """{file name: "same", "differs", or which folder alone has it} over both folders' PTX files."""
-    names = sorted({path.name for path in folder.glob("*.ptx")} | {path.name for path in other.glob("*.ptx")})
+def compare(folder: pathlib.Path, other: pathlib.Path, pattern: str = "*.ptx") -> dict:
+    """{file name: "same", "differs", or which folder alone has it} over both folders' files that
+    match ``pattern`` (``tilelang_source.py`` compares its CUDA sources with it)."""
+    names = sorted({path.name for path in folder.glob(pattern)} | {path.name for path in other.glob(pattern)})
     verdicts = {}
     for name in names:
         mine, theirs = folder / name, other / name

@@ -5,7 +5,7 @@ The kernel is compiled by the installed Triton (``triton.compile`` with an expli
 numbers are that Triton's; the GPU machine's may differ by version. Shapes are plain decode calls
 (contiguous cache, one query position) of ``--rows`` query rows per KV head.
 
-Usage: python benchmarks/triton_resources.py --headdim 256 --rows 16,64 [--warps 4,8 --block-n 32,64
+Usage: python tools/triton_resources.py --headdim 256 --rows 16,64 [--warps 4,8 --block-n 32,64
        --stages 2,3 --max-registers 0,128 --page-size 16 --batch 32 --kv-heads 8 --dump DIR]
        (each list crossed with the others; empty: the default config's value)
 """
@@ -29,7 +29,7 @@ from flashdecode.kernels.triton.backend import padded_headdim, retiled
 from flashdecode.kernels.triton.launch import REGISTER_CEILING
 from flashdecode.planner import SPLIT, plan
 from flashdecode.problem import Problem
-from sweep import values  # benchmarks/sweep.py: a comma list of ints, [None] when empty
+from sweep import values  # tools/sweep.py: a comma list of ints, [None] when empty
 
 HOPPER = GPUTarget("cuda", 90, 32)
 

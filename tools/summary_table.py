@@ -11,7 +11,7 @@ on both sides, per case (issue 13's "within 10% of the contiguous cache"). Last,
 geometric mean over FA2 that a system would reach with every case at the in-run ceiling and none
 below one torch launch's GPU time (``headroom``), against which a target over FA2 can be read.
 
-Usage: python benchmarks/summary_table.py docs/benchmarks.json [--plain docs/benchmarks.json]
+Usage: python tools/summary_table.py docs/benchmarks.json [--plain docs/benchmarks.json]
 """
 import argparse
 import json

@@ -1,10 +1,10 @@
 """How much of FlashAttention's grid has passed on the GPU: distinct combos per backend and outcome,
-and passes per feature value, from the pytest logs of GPU runs (``benchmarks/device.sh tests``).
+and passes per feature value, from the pytest logs of GPU runs (``tools/device.sh tests``).
 
 Logs are read in the order given; a combo's last outcome counts (a later run's pass replaces an
 earlier run's out-of-memory failure). Features are the grid's ``axis=value`` keys.
 
-Usage: python benchmarks/fa_grid_coverage.py docs/data/2026-12-01-s1[345]-gpu-tests-fa-grid.log
+Usage: python tools/fa_grid_coverage.py docs/data/2026-12-01-s1[345]-gpu-tests-fa-grid.log
 """
 import argparse
 import pathlib

@@ -1,0 +1,80 @@
+"""Build, on a machine without the GPU, the TileLang kernels the GPU tests need, into TileLang's cache
+(``flashdecode warmup`` builds the benchmark's: run both into one folder before a GPU run).
+
+The tests' calls are read from the test modules (the random-shape test's kernel shapes, the paged
+tests' calls, TileLang's feature cases, the FlashAttention grid's TileLang and auto samples, the
+empty cache); each is planned as ``flashdecode warmup`` plans a case (``kernels.tilelang.warmup``).
+Carry the folder packed (``tar -cJf .tl-cache.tar.xz .tl-cache``; ``tools/device.sh`` unpacks it).
+
+Usage: python tools/warmup_tests.py [--cache-dir .tl-cache] [--shard I/N]
+(about 10-30 s a kernel on 2 cores; needs pytest and hypothesis, which the test modules import)
+"""
+import argparse
+import itertools
+import os
+import pathlib
+import sys
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(REPO), str(REPO / "tests")]
+
+import torch  # noqa: E402
+
+from flashdecode import DecodeContext  # noqa: E402
+from flashdecode.kernels.tilelang import warmup  # noqa: E402
+from flashdecode.problem import Problem  # noqa: E402
+
+
+def problem_of_call(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None, cache_seqlens=None,
+                    cache_batch_idx=None, cache_leftpad=None, block_table=None, softmax_scale=None, causal=False,
+                    window_size=(-1, -1), softcap=0.0, rotary_interleaved=True, alibi_slopes=None):
+    """The Problem the public call validates from these (CPU) arguments."""
+    return DecodeContext().resolve(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens,
+                                   cache_batch_idx, cache_leftpad, block_table, softmax_scale, causal, window_size,
+                                   softcap, rotary_interleaved, alibi_slopes, 0, "reference", None)[0]
+
+
+def test_problems() -> list:
+    """(problem, forced split count) of every call the GPU tests make (``warmup.kernels`` keeps
+    TileLang's)."""
+    import fa_grid
+    import test_fa_kvcache
+    import test_gpu
+    import test_paged
+    import test_tilelang_compile
+
+    problems = [Problem(3, 1, 8, 2, 128, "bfloat16")]  # the empty-cache test's kernels (unsplit)
+    problems += [problem for problem, _ in test_tilelang_compile.GPU_CASES.values()]
+    for dtype, headdim, nheads_k, group in test_gpu.KERNEL_SHAPES:
+        for batch, capacity in itertools.product((1, 40), test_gpu.RANDOM_CAPACITIES + [70000]):
+            problems.append(Problem(batch, capacity, nheads_k * group, nheads_k, headdim,
+                                    str(dtype).removeprefix("torch.")))
+    paged_calls = [(page_size, dtype, variant, test_paged.GPU_SHAPE) for page_size, dtype, variant in
+                   itertools.product(test_paged.PAGE_SIZES, (torch.float16, torch.bfloat16),
+                                     test_paged.VARIANTS.values())]
+    paged_calls += [(page_size, torch.bfloat16, test_paged.VARIANTS[variant], shape)
+                    for shape in test_paged.GPU_WIDE_SHAPES.values() for page_size in (16, 256)
+                    for variant in ("plain", "serving")]
+    for page_size, dtype, variant, shape in paged_calls:
+        problems.append(problem_of_call(**test_paged.paged_call(page_size, variant, shape, dtype, 0)))
+    calls = [(problem, splits) for problem in problems for splits in warmup.DEFAULT_SPLITS]
+    return calls + [(fa_grid.problem_of(combo), combo.num_splits)
+                    for combo in test_fa_kvcache.TILELANG_COMBOS + test_fa_kvcache.AUTO_COMBOS]
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--cache-dir", default=str(REPO / ".tl-cache"), help="TileLang's cache folder "
+                        "(TILELANG_CACHE_DIR; default: .tl-cache in the repository)")
+    parser.add_argument("--shard", default="0/1", help="I/N: build every N-th kernel from the I-th (N processes)")
+    args = parser.parse_args()
+    os.environ["TILELANG_CACHE_DIR"] = os.path.abspath(args.cache_dir)
+    index, count = (int(part) for part in args.shard.split("/"))
+    entries = warmup.kernels(test_problems())
+    built = warmup.build(entries, shard=(index, count),
+                         on_built=lambda kernel, problem, config: print("built", kernel, problem, config, flush=True))
+    print(f"{built} of {len(entries)} kernels built into {args.cache_dir}")
+
+
+if __name__ == "__main__":
+    main()
