@@ -185,6 +185,7 @@ def _run_candidates(args) -> int:
         if not found:
             args.command_parser.error(f"--case: no candidate of {', '.join(args.case)} in {args.file}")
     print(candidates.format_rankings(candidates.rank(found, args.stall), args.top))
+    return 0
 
 
 def _ints(text: str) -> tuple[int, ...]:
