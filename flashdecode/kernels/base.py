@@ -47,6 +47,9 @@ class LaunchArgs:
     block_table: torch.Tensor | None = None
     alibi_slopes: torch.Tensor | None = None
     tickets: torch.Tensor | None = None  # int32 zeros, ``Plan.ticket_count`` of them (a merging split kernel)
+    sinks: torch.Tensor | None = None  # float32 (Hq,): each head's sink logit
+    #: int32 (B + 1,): ragged queries; q, out (total_q, Hq, D), k_new, v_new (total_q, Hk, D), lse (Hq, total_q)
+    cu_seqlens_q: torch.Tensor | None = None
 
 
 @dataclasses.dataclass(frozen=True)
