@@ -9,11 +9,15 @@ M1-M16, the heads one GPU holds for public models' attention configs (MHA, group
 3, 5, 6, 7 and 12, head dims 64, 80, 96, 128 and 256) at batches and lengths a server meets.
 
 A variant changes how a case is called (``docs/design.md``, "Semantics"): ``plain`` decode, the
-cache in shuffled pages of 16/64/256 tokens, 4 causal query tokens, or one appended k/v token.
+cache in shuffled pages of 16/64/256 tokens, 4 causal query tokens, one appended k/v token, a sink
+logit per head, or ragged drafts (speculative decoding's verify step: 1-8 causal query tokens per
+sequence, appended as they are scored, q packed by ``cu_seqlens_q``), with its two comparisons:
+the padded call of about as many query rows, and one call per draft length.
 """
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 
 import torch
@@ -228,10 +232,15 @@ class Variant:
     seqlen_q: int = 1  # > 1: causal
     seqlen_new: int = 0  # k/v tokens appended
     pages_in_order: bool = False  # the block table in page order (a diagnostic: the shuffle's cost)
+    sinks: bool = False  # a float32 sink logit per query head
+    #: > 0: draft lengths 1 to this drawn per sequence (sorted, so that each length's sequences are
+    #: adjacent), each sequence's drafts appended and scored causally; ``ragged`` says how it is called
+    max_draft: int = 0
+    ragged: str = ""  # "packed": cu_seqlens_q; "padded": ceil(drafts / batch) rows each; "per_length": a call per length
 
     @property
     def causal(self) -> bool:
-        return self.seqlen_q > 1
+        return self.seqlen_q > 1 or self.max_draft > 0
 
     def problem(self, case: Case, dtype: str = "bfloat16") -> Problem:
         """The Problem ``validate`` makes of :func:`make_call` (``case``, this variant): a paged
@@ -239,9 +248,12 @@ class Variant:
         capacity = case.seqlen_cache
         if self.page_size:
             capacity = -(-capacity // self.page_size) * self.page_size
+        if self.max_draft:
+            raise ValueError(f"variant {self.name}: its shape depends on the drafts drawn (validate the call instead)")
         return Problem(case.batch, capacity, case.nheads, case.nheads_k, case.headdim, dtype, seqlen_q=self.seqlen_q,
                        page_size=self.page_size, seqlen_new=self.seqlen_new, window_right=0 if self.causal else -1,
-                       offsets_32=offsets_fit_32((case.batch, capacity, case.nheads_k, case.headdim)))
+                       offsets_32=offsets_fit_32((case.batch, capacity, case.nheads_k, case.headdim)),
+                       sinks=self.sinks)
 
 
 VARIANTS = {variant.name: variant for variant in (
@@ -254,6 +266,13 @@ VARIANTS = {variant.name: variant for variant in (
     Variant("q4", "seqlen_q = 4, causal=True", seqlen_q=4),
     Variant("append", "k/v of 1 new token appended: cache_seqlens = lengths - 1 (idempotent: same token, "
                       "same slot)", seqlen_new=1),
+    Variant("sinks", "decode with a float32 sink logit per query head (gpt-oss)", sinks=True),
+    Variant("ragged", "draft lengths 1-8 per sequence, packed by cu_seqlens_q, appended and scored causally",
+            max_draft=8, ragged="packed"),
+    Variant("ragged-padded", "ragged's drafts as a padded call of ceil(total drafts / batch) causal rows per "
+                             "sequence (about as many query rows)", max_draft=8, ragged="padded"),
+    Variant("ragged-per-length", "ragged's call as one padded call per draft length (its sequences, adjacent)",
+            max_draft=8, ragged="per_length"),
 )}
 
 
@@ -270,21 +289,35 @@ class Call:
     k: torch.Tensor | None = None
     v: torch.Tensor | None = None
     causal: bool = False
+    sinks: torch.Tensor | None = None
+    cu_seqlens_q: torch.Tensor | None = None  # ragged: q, k, v packed (total_q, heads, headdim)
+    max_seqlen_q: int | None = None
+    #: "ragged-per-length": the calls that compute this one (each writes its rows of ``out``)
+    parts: list | None = None
+    out: torch.Tensor | None = None
 
     def kwargs(self) -> dict:
-        """Every argument after q, k_cache, v_cache, by keyword."""
+        """Every argument after q, k_cache, v_cache, by keyword (sinks and the ragged ones where given)."""
+        extra = {name: value for name, value in (("sinks", self.sinks), ("cu_seqlens_q", self.cu_seqlens_q),
+                                                 ("max_seqlen_q", self.max_seqlen_q)) if value is not None}
         return {"k": self.k, "v": self.v, "cache_seqlens": self.cache_seqlens, "block_table": self.block_table,
-                "causal": self.causal}
+                "causal": self.causal, **extra}
 
     def bytes_moved(self) -> int:
-        """:func:`bytes_read` of this call."""
-        _, seqlen_q, nheads, headdim = self.q.shape
+        """:func:`bytes_read` of this call (ragged: its query rows, one per appended token)."""
+        nheads, headdim = self.q.shape[-2:]
+        if self.cu_seqlens_q is not None:
+            rows = self.q.shape[0]
+            return bytes_read(self.lengths, self.k_cache.shape[2], nheads, headdim, self.q.element_size()) + \
+                2 * (rows - len(self.lengths)) * nheads * headdim * self.q.element_size() + \
+                2 * rows * self.k_cache.shape[2] * headdim * self.q.element_size()
+        seqlen_q = self.q.shape[1]
         return bytes_read(self.lengths, self.k_cache.shape[2], nheads, headdim, self.q.element_size(),
                           seqlen_q, 0 if self.k is None else self.k.shape[1])
 
     def storage_bytes(self) -> int:
         """Device memory its tensors hold."""
-        tensors = (self.q, self.k_cache, self.v_cache, self.cache_seqlens, self.block_table, self.k, self.v)
+        tensors = (self.q, self.k_cache, self.v_cache, self.cache_seqlens, self.block_table, self.k, self.v, self.out)
         return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
 
@@ -319,4 +352,46 @@ def make_call(case: Case, variant: Variant, device="cpu", dtype=DTYPE, seed=1) -
         call.k_cache = _pages(k_cache, _randn(generator, device, dtype, *tail), variant.page_size, order)
         call.v_cache = _pages(v_cache, _randn(generator, device, dtype, *tail), variant.page_size, order)
         call.block_table = order.view(case.batch, blocks).to(torch.int32)
+    if variant.sinks:
+        call.sinks = torch.randn(case.nheads, generator=generator, device=device, dtype=torch.float32)
+    if variant.max_draft:
+        _drafts(call, case, variant, generator, device, dtype)
     return call
+
+
+def _drafts(call: Call, case: Case, variant: Variant, generator, device, dtype) -> None:
+    """``call`` as a verify step of drafts of 1 to ``max_draft`` tokens per sequence (sorted), each
+    appended at cache_seqlens = lengths - draft and scored causally, called as ``variant.ragged``
+    says; every way holds the same tokens, so their outputs pack alike."""
+    drafts = sorted(torch.randint(1, variant.max_draft + 1, (case.batch,), generator=generator, device=device).tolist())
+    drafts = [min(draft, max(length, 1)) for draft, length in zip(drafts, call.lengths)]  # at most the keys
+    rows = sum(drafts)
+    q = _randn(generator, device, dtype, rows, case.nheads, case.headdim)
+    k, v = (_randn(generator, device, dtype, rows, case.nheads_k, case.headdim) for _ in range(2))
+    call.cache_seqlens = (call.cache_seqlens - torch.tensor(drafts, device=device, dtype=torch.int32)).clamp(min=0)
+    call.lengths = (call.cache_seqlens + torch.tensor(drafts, device=device, dtype=torch.int32)).tolist()
+    call.causal = True
+    call.q, call.k, call.v = q, k, v
+    call.cu_seqlens_q = torch.tensor([0, *itertools.accumulate(drafts)], dtype=torch.int32, device=device)
+    call.max_seqlen_q = variant.max_draft
+    if variant.ragged == "padded":  # about as many rows: ceil(rows / batch) each, the drafts' tokens first
+        width = -(-rows // case.batch)
+        call.q = _randn(generator, device, dtype, case.batch, width, case.nheads, case.headdim)
+        call.k, call.v = (_randn(generator, device, dtype, case.batch, width, case.nheads_k, case.headdim)
+                          for _ in range(2))
+        call.cache_seqlens = (torch.tensor(call.lengths, device=device, dtype=torch.int32) - width).clamp(min=0)
+        call.lengths = (call.cache_seqlens + width).clamp(max=case.seqlen_cache).tolist()
+        call.cu_seqlens_q = call.max_seqlen_q = None
+    elif variant.ragged == "per_length":
+        call.out = torch.empty_like(q)
+        call.parts = []
+        first = sequence = 0
+        for draft, run in itertools.groupby(drafts):
+            count = len(list(run))
+            batch, packed = slice(sequence, sequence + count), slice(first, first + count * draft)
+            call.parts.append(Call(q[packed].view(count, draft, case.nheads, case.headdim), call.k_cache[batch],
+                                   call.v_cache[batch], call.cache_seqlens[batch], call.lengths[batch],
+                                   k=k[packed].view(count, draft, case.nheads_k, case.headdim),
+                                   v=v[packed].view(count, draft, case.nheads_k, case.headdim), causal=True,
+                                   out=call.out[packed].view(count, draft, case.nheads, case.headdim)))
+            first, sequence = packed.stop, batch.stop

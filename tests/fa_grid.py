@@ -12,6 +12,12 @@ Beyond FlashAttention's list: dtypes float16 and bfloat16 (its list has float16 
 ``has_batch_idx`` True too (its list has only False, True commented out), and the lse is checked by
 the same rule as the output. ALiBi's bias is ``-slope * |p_i - t|`` for every row (FlashAttention's
 causal variant differs from it by a per-row constant, which no softmax sees; this one also fixes lse).
+
+Two axes beyond FlashAttention 2 (``EXTENSION_AXES``, off in its grid, drawn where a sample's
+``restrict`` names them): ``sinks`` (a float32 sink logit per head, ``attention_ref``'s ``sinks``)
+and ``ragged`` (q packed by ``cu_seqlens_q``, FlashAttention 3's layout: sequence b keeps the last
+``q_b`` of the grid's seqlen_q rows, drawn in [1, seqlen_q], and appends its first ``q_b`` new
+tokens; the oracle is the padded call's rows at the same positions, packed).
 """
 from __future__ import annotations
 
@@ -54,6 +60,8 @@ AXES = {
     "d": (32, 59, 64, 80, 128, 256),
     "seqlens": SEQLEN_PAIRS,
 }
+#: Axes beyond FlashAttention 2's grid: False in its combos, drawn only where ``restrict`` names them.
+EXTENSION_AXES = {"sinks": (False, True), "ragged": (False, True)}
 BATCH, NHEADS = 2, 6
 NHEADS_K = {"mha": 6, "mqa": 1, "gqa": 3}
 
@@ -77,13 +85,16 @@ class Combo:
     has_batch_idx: bool
     d: int
     seqlens: tuple
+    sinks: bool = False
+    ragged: bool = False
 
     @property
     def id(self) -> str:
         seqlen_q, seqlen_k = self.seqlens
         flags = [name for name, on in (("newkv", self.new_kv), ("alibi", self.alibi), ("local", self.local),
                                        ("causal", self.causal), ("leftpad", self.has_leftpad),
-                                       ("bidx", self.has_batch_idx)) if on]
+                                       ("bidx", self.has_batch_idx), ("sinks", self.sinks),
+                                       ("ragged", self.ragged)) if on]
         if self.new_kv:
             flags.append("neweq" if self.seqlen_new_eq_seqlen_q else "newlt")
         if self.rotary_fraction:
@@ -94,8 +105,9 @@ class Combo:
                          f"splits{self.num_splits}", *flags])
 
     def features(self) -> list[str]:
-        """``axis=value`` of every axis: the keys of the report."""
-        return [f"{axis}={getattr(self, axis)}" for axis in AXES]
+        """``axis=value`` of every axis (of the extension axes where on): the keys of the report."""
+        return [f"{axis}={getattr(self, axis)}" for axis in AXES] + \
+            [f"{axis}=True" for axis in EXTENSION_AXES if getattr(self, axis)]
 
     @classmethod
     def from_id(cls, text: str) -> Combo:
@@ -108,7 +120,8 @@ class Combo:
         return cls(dtype, int(splits.removeprefix("splits")), mha_type, "newkv" in flags, "alibi" in flags,
                    "local" in flags, "causal" in flags, "newlt" not in flags, rotary is not None and rotary[-1] == "i",
                    float(rotary[3:-1]) if rotary else 0.0, int(page[4:]) if page else None, "leftpad" in flags,
-                   "bidx" in flags, int(d.removeprefix("d")), (int(seqlen_q), int(seqlen_k)))
+                   "bidx" in flags, int(d.removeprefix("d")), (int(seqlen_q), int(seqlen_k)), "sinks" in flags,
+                   "ragged" in flags)
 
 
 def skip_reason(combo: Combo) -> str | None:
@@ -120,6 +133,8 @@ def skip_reason(combo: Combo) -> str | None:
         return "rotary without new k/v"
     if combo.paged_kv_block_size and (combo.has_batch_idx or combo.has_leftpad):
         return "paged with cache_batch_idx or cache_leftpad"
+    if combo.ragged and combo.new_kv and not combo.seqlen_new_eq_seqlen_q:
+        return "ragged queries append as many tokens as their rows"
     return None
 
 
@@ -130,11 +145,19 @@ def _axes(dtypes, max_seqlen_k):
     return axes
 
 
+def _split_axes(dtypes, max_seqlen_k, restrict):
+    """(the grid's axes, the extension axes ``restrict`` names), each with ``restrict``'s values."""
+    restrict = restrict or {}
+    axes = {**_axes(dtypes, max_seqlen_k), **{axis: values for axis, values in restrict.items() if axis in AXES}}
+    return axes, {axis: values for axis, values in restrict.items() if axis in EXTENSION_AXES}
+
+
 def full_grid(dtypes=AXES["dtype"], max_seqlen_k=None, restrict=None) -> list[Combo]:
     """Every combo FlashAttention runs (its skips removed), for these dtypes and sizes; ``restrict``
     as for ``sample``."""
-    axes = {**_axes(dtypes, max_seqlen_k), **(restrict or {})}
-    combos = (Combo(*values) for values in itertools.product(*axes.values()))
+    axes, extension = _split_axes(dtypes, max_seqlen_k, restrict)
+    combos = (dataclasses.replace(Combo(*values), **dict(zip(extension, extra)))
+              for values in itertools.product(*axes.values()) for extra in itertools.product(*extension.values()))
     return [combo for combo in combos if skip_reason(combo) is None]
 
 
@@ -147,8 +170,9 @@ def sample(count, seed, dtypes=AXES["dtype"], max_seqlen_k=None, pool=16, restri
     """``count`` distinct combos, deterministic for ``seed``, stratified over pairs of features:
     each pick is the one of ``pool`` random runnable combos whose (axis=value, axis=value) pairs
     have been seen least, so every value (and nearly every pair of values) appears evenly.
-    ``restrict``: {axis: values} drawn from instead of the grid's (a backend's part of the grid)."""
-    axes = {**_axes(dtypes, max_seqlen_k), **(restrict or {})}
+    ``restrict``: {axis: values} drawn from instead of the grid's (a backend's part of the grid), and
+    the values of the extension axes it names (``EXTENSION_AXES``; the others stay False)."""
+    axes, extension = _split_axes(dtypes, max_seqlen_k, restrict)
     rng = random.Random(seed)
     pair_counts = collections.Counter()
     chosen = {}
@@ -156,6 +180,7 @@ def sample(count, seed, dtypes=AXES["dtype"], max_seqlen_k=None, pool=16, restri
     def draw():
         while True:
             combo = Combo(*(rng.choice(values) for values in axes.values()))
+            combo = dataclasses.replace(combo, **{axis: rng.choice(values) for axis, values in extension.items()})
             if skip_reason(combo) is None:
                 return combo
 
@@ -193,7 +218,8 @@ def problem_of(combo: Combo) -> Problem:
                    and combo.rotary_fraction > 0, window_left=left, window_right=right,
                    alibi=ALIBI_PER_SEQUENCE if combo.alibi else 0, leftpad=combo.has_leftpad,
                    batch_idx=combo.has_batch_idx,
-                   offsets_32=offsets_fit_32((*cache, NHEADS_K[combo.mha_type], combo.d)))
+                   offsets_32=offsets_fit_32((*cache, NHEADS_K[combo.mha_type], combo.d)), sinks=combo.sinks,
+                   ragged=combo.ragged)
 
 
 def padding_mask(seqlen_k, ends, leftpads=None):
@@ -256,6 +282,9 @@ def make_case(combo: Combo, device) -> Case:
     window = tuple(randint(0, seqlen_k, (2,)).tolist()) if combo.local else (-1, -1)
     q = randn(BATCH, seqlen_q, NHEADS, d)
     seqlen_new = seqlen_q if combo.seqlen_new_eq_seqlen_q else int(randint(1, seqlen_q + 1))
+    # ragged: sequence b's rows are the last q_rows[b] of q's, its appended tokens the first of k's
+    q_rows = randint(1, seqlen_q + 1, (BATCH,)) if combo.ragged else torch.full((BATCH,), seqlen_q, device=device)
+    new_rows = q_rows if combo.ragged else torch.full((BATCH,), seqlen_new, device=device)
     k = randn(BATCH, seqlen_new, nheads_k, d) if combo.new_kv else None
     v = randn(BATCH, seqlen_new, nheads_k, d) if combo.new_kv else None
     block_table = None
@@ -279,7 +308,7 @@ def make_case(combo: Combo, device) -> Case:
     leftpad = None
     if combo.has_leftpad:
         leftpad = torch.cat([randint(0, n) if n > 0 else randint(0, 1) for n in cache_seqlens.tolist()])
-    key_padding_mask = padding_mask(seqlen_k, cache_seqlens + (seqlen_new if combo.new_kv else 0), leftpad)
+    key_padding_mask = padding_mask(seqlen_k, cache_seqlens + (new_rows if combo.new_kv else 0), leftpad)
     batch_idx = None
     if combo.has_batch_idx:
         batch_idx = torch.randperm(batch_cache, generator=generator, device=device)[:BATCH].to(torch.int32)
@@ -292,8 +321,8 @@ def make_case(combo: Combo, device) -> Case:
     if rotary_dim > 0:
         angle = torch.rand(rotary_rows, rotary_dim // 2, generator=generator, device=device) * 2 * math.pi
         cos, sin = torch.cos(angle).to(dtype), torch.sin(angle).to(dtype)
-        if combo.causal or combo.local:
-            q_ro = apply_rotary(q, cos, sin, cache_seqlens, combo.rotary_interleaved)
+        if combo.causal or combo.local:  # row i at cache_seqlens[b] + i (ragged: of its own rows)
+            q_ro = apply_rotary(q, cos, sin, cache_seqlens - (seqlen_q - q_rows), combo.rotary_interleaved)
         else:  # every query row at position cache_seqlens[b]
             rows = q.reshape(BATCH, 1, seqlen_q * NHEADS, d)
             q_ro = apply_rotary(rows, cos, sin, cache_seqlens, combo.rotary_interleaved).view_as(q)
@@ -301,20 +330,36 @@ def make_case(combo: Combo, device) -> Case:
     selected = slice(None) if batch_idx is None else batch_idx.long()
     k_cache_ref, v_cache_ref = k_cache[selected].clone(), v_cache[selected].clone()
     if combo.new_kv:
-        for b, start in enumerate(cache_seqlens.tolist()):
-            k_cache_ref[b, start:start + seqlen_new] = k_ro[b]
-            v_cache_ref[b, start:start + seqlen_new] = v[b]
+        for b, (start, count) in enumerate(zip(cache_seqlens.tolist(), new_rows.tolist())):
+            k_cache_ref[b, start:start + count] = k_ro[b, :count]
+            v_cache_ref[b, start:start + count] = v[b, :count]
     group = NHEADS // nheads_k
     k_rep, v_rep = k_cache_ref.repeat_interleave(group, dim=2), v_cache_ref.repeat_interleave(group, dim=2)
+    sinks = torch.randn(NHEADS, generator=generator, device=device) * 2 if combo.sinks else None
     masks = dict(key_padding_mask=key_padding_mask, attn_bias=bias, causal=combo.causal, window_size=window,
-                 key_leftpad=leftpad)
+                 key_leftpad=leftpad, sinks=sinks)
     out_ref, lse_ref = attention_ref(q_ro, k_rep, v_rep, **masks)
     out_pt, lse_pt = attention_ref(q_ro, k_rep, v_rep, **masks, upcast=False, reorder_ops=True)
     call = dict(q=q, k_cache=k_pages, v_cache=v_pages, k=k, v=v, rotary_cos=cos, rotary_sin=sin,
                 cache_seqlens=cache_seqlens, cache_batch_idx=batch_idx, cache_leftpad=leftpad, block_table=block_table,
                 causal=combo.causal, window_size=window, rotary_interleaved=combo.rotary_interleaved,
                 alibi_slopes=slopes, num_splits=combo.num_splits, return_softmax_lse=True)
+    if sinks is not None:
+        call["sinks"] = sinks
+    if combo.ragged:
+        counts = q_rows.tolist()
+        call.update(q=pack(q, counts, last=True), cu_seqlens_q=torch.tensor([0, *itertools.accumulate(counts)],
+                    dtype=torch.int32, device=device), max_seqlen_q=seqlen_q)
+        if combo.new_kv:
+            call.update(k=pack(k, counts, last=False), v=pack(v, counts, last=False))
+        out_ref, out_pt = pack(out_ref, counts, last=True), pack(out_pt, counts, last=True)
+        lse_ref, lse_pt = (pack(lse.transpose(1, 2), counts, last=True).transpose(0, 1) for lse in (lse_ref, lse_pt))
     return Case(call, k_cache_ref, v_cache_ref, out_ref, lse_ref, out_pt, lse_pt)
+
+
+def pack(padded, counts, last):
+    """(total, ...) from (B, S, ...): sequence b's last (or first) ``counts[b]`` rows, in order."""
+    return torch.cat([rows[-count:] if last else rows[:count] for rows, count in zip(padded, counts)])
 
 
 def within_rule(name, got, ref, pt, mult):

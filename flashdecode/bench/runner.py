@@ -104,19 +104,30 @@ _OURS_CALL = "flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=,
 
 
 def call_ours(backend: str):
-    """System.check and System.setup of the public call with ``backend``."""
+    """System.check and System.setup of the public call with ``backend`` (a call of ``parts``: each
+    part into its rows of the call's ``out``; the plan recorded is the first part's)."""
     def check(call):
+        first = call.parts[0] if call.parts else call
         try:
-            route = flashdecode.plan_for(call.q, call.k_cache, call.v_cache, **call.kwargs(), backend=backend)
+            route = flashdecode.plan_for(first.q, first.k_cache, first.v_cache, **first.kwargs(), backend=backend)
         except flashdecode.BackendError as error:
             raise Unsupported(str(error)) from error
         return dataclasses.asdict(route.plan)
 
     def setup(calls):
         def bind(call):
-            q, k_cache, v_cache, kwargs = call.q, call.k_cache, call.v_cache, call.kwargs()
-            return lambda: flashdecode.flash_attn_with_kvcache(q, k_cache, v_cache, **kwargs, backend=backend)
-        return [bind(call) for call in calls]
+            q, k_cache, v_cache, kwargs, out = call.q, call.k_cache, call.v_cache, call.kwargs(), call.out
+            return lambda: flashdecode.flash_attn_with_kvcache(q, k_cache, v_cache, **kwargs, backend=backend, out=out)
+
+        def bind_parts(call):
+            parts = [bind(part) for part in call.parts]
+
+            def run():
+                for part in parts:
+                    part()
+                return call.out
+            return run
+        return [bind_parts(call) if call.parts else bind(call) for call in calls]
 
     def launch_path(call):
         context = default_context(call.q)
@@ -144,6 +155,8 @@ def _our_backend(name: str, cuda: bool) -> System:
 
 def _peer_check(limitation):
     def check(call):
+        if call.sinks is not None or call.cu_seqlens_q is not None:
+            raise Unsupported("sinks and ragged queries are flashdecode's own arguments (no peer takes them)")
         reason = limitation(call)
         if reason is not None:
             raise Unsupported(reason)
@@ -248,7 +261,9 @@ def layer_count(call: cases.Call, selection: Selection) -> int:
 
 
 def _reference(call: cases.Call) -> torch.Tensor:
-    return reference_attention(call.q, call.k_cache, call.v_cache, **call.kwargs())[0]
+    kwargs = call.kwargs()
+    kwargs.pop("max_seqlen_q", None)  # the reference reads the rows from cu_seqlens_q
+    return reference_attention(call.q, call.k_cache, call.v_cache, **kwargs)[0]
 
 
 def case_inputs(case: cases.Case, variant: cases.Variant, selection: Selection, device) -> tuple:
