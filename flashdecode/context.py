@@ -20,6 +20,7 @@ this way, as values, never by reassigning module globals.
 from __future__ import annotations
 
 import dataclasses
+import math
 import threading
 import warnings
 
@@ -63,7 +64,7 @@ class DecodeContext:
     # -- what runs -------------------------------------------------------------------------------
     def resolve(self, q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
                 cache_leftpad, block_table, softmax_scale, causal, window_size, softcap, rotary_interleaved,
-                alibi_slopes, num_splits, backend, out):
+                alibi_slopes, num_splits, backend, out, sinks=None, cu_seqlens_q=None, max_seqlen_q=None):
         """(Problem, backend, Plan, whether index values are checked on the host, whether the call
         runs on ``contiguous_copies``) of a call: the checks, ``kernels.select`` and
         ``planner.plan``, memoized per call metadata (one dict lookup on a repeat: host time is what
@@ -80,7 +81,9 @@ class DecodeContext:
                softmax_scale, type(softmax_scale), causal, type(causal), softcap, type(softcap),
                rotary_interleaved, type(rotary_interleaved), num_splits, type(num_splits), backend,
                window_size if type(window_size) is tuple and all(type(side) is int for side in window_size)
-               else scalar_meta(window_size))
+               else scalar_meta(window_size),
+               None if sinks is None else meta(sinks), None if cu_seqlens_q is None else meta(cu_seqlens_q),
+               scalar_meta(max_seqlen_q))
         try:
             entry = self._calls.get(key)
         except TypeError:  # an unhashable argument (a list, ...): checked, and rejected, unmemoized
@@ -97,9 +100,11 @@ class DecodeContext:
                 _copied_meta("block_table", block_table), scalar_meta(softmax_scale), scalar_meta(causal),
                 scalar_meta(window_size), scalar_meta(softcap), scalar_meta(rotary_interleaved),
                 tensor_meta("alibi_slopes", alibi_slopes), scalar_meta(num_splits), scalar_meta(backend),
-                tensor_meta("out", out))
+                tensor_meta("out", out), sinks=tensor_meta("sinks", sinks),
+                cu_seqlens_q=tensor_meta("cu_seqlens_q", cu_seqlens_q),
+                max_seqlen_q=None if max_seqlen_q is None else scalar_meta(max_seqlen_q))
             chosen, plan = self._route(problem, backend, int(num_splits), q.device)
-            on_host = [t for t in (cache_seqlens, cache_batch_idx, cache_leftpad, block_table)
+            on_host = [t for t in (cache_seqlens, cache_batch_idx, cache_leftpad, block_table, cu_seqlens_q)
                        if isinstance(t, torch.Tensor) and t.device.type == "cpu"]
             # the reference indexes on the host: its values are always checked (never out of bounds)
             entry = (problem, chosen, plan, bool(on_host) or (chosen.name == "reference" and q.device.type != "cpu"),
@@ -184,15 +189,15 @@ class DecodeContext:
             _remember(self._ticket_views, count, view)
         return view
 
-    def lse(self, problem, device, wanted: bool, capturing=None) -> torch.Tensor:
-        """(B, Hq, Sq) float32 for the call's lse: fresh when asked for, else a view of the sink,
-        which nothing reads."""
-        shape = (problem.batch, problem.nheads, problem.seqlen_q)
+    def lse(self, problem, device, wanted: bool, capturing=None, total_q: int = 0) -> torch.Tensor:
+        """(B, Hq, Sq) float32 for the call's lse ((Hq, total_q) for ragged queries): fresh when
+        asked for, else a view of the sink, which nothing reads."""
+        shape = (problem.nheads, total_q) if problem.ragged else (problem.batch, problem.nheads, problem.seqlen_q)
         if wanted or (_capturing(device) if capturing is None else capturing):
             return torch.empty(shape, dtype=torch.float32, device=device)
         view = self._sink_views.get(shape)
         if view is None:
-            need = shape[0] * shape[1] * shape[2]
+            need = math.prod(shape)
             # never an inference tensor: a sink made in a call under torch.inference_mode would refuse
             # the in-place writes of later calls outside it (the reference backend's copy_)
             with torch.inference_mode(False):
@@ -223,16 +228,17 @@ class DecodeContext:
     def run(self, q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None, cache_seqlens=None,
             cache_batch_idx=None, cache_leftpad=None, block_table=None, softmax_scale=None, causal=False,
             window_size=(-1, -1), softcap=0.0, rotary_interleaved=True, alibi_slopes=None, num_splits=0,
-            return_softmax_lse=False, backend="auto", out=None):
+            return_softmax_lse=False, backend="auto", out=None, sinks=None, cu_seqlens_q=None, max_seqlen_q=None):
         """validate -> route -> launch; returns out (and lse (B, Hq, Sq) when asked for)."""
         on_bound_stream = self._bind(q.device)
         return self._run(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
                          cache_leftpad, block_table, softmax_scale, causal, window_size, softcap, rotary_interleaved,
-                         alibi_slopes, num_splits, return_softmax_lse, backend, out, on_bound_stream)
+                         alibi_slopes, num_splits, return_softmax_lse, backend, out, on_bound_stream, sinks=sinks,
+                         cu_seqlens_q=cu_seqlens_q, max_seqlen_q=max_seqlen_q)
 
     def _run(self, q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad,
              block_table, softmax_scale, causal, window_size, softcap, rotary_interleaved, alibi_slopes, num_splits,
-             return_softmax_lse, backend, out, on_bound_stream=True):
+             return_softmax_lse, backend, out, on_bound_stream=True, sinks=None, cu_seqlens_q=None, max_seqlen_q=None):
         """``run`` on a context already bound to q's device (``default_context`` returns it so, on
         its current stream; ``on_bound_stream`` False: on another stream, which is capturing)."""
         if not (type(softmax_scale) in _PLAIN_SCALARS and type(causal) in _PLAIN_SCALARS and type(softcap) in
@@ -240,8 +246,8 @@ class DecodeContext:
             # (type membership: 74 ns on the CPU machine, where an isinstance of each took 307)
             softmax_scale, causal, softcap, rotary_interleaved, num_splits = tensor_scalars(
                 softmax_scale, causal, softcap, rotary_interleaved, num_splits)
-        if value_checks_enabled() or not on_bound_stream:
-            host = None
+        if value_checks_enabled() or not on_bound_stream or not (sinks is cu_seqlens_q is max_seqlen_q is None):
+            host = None  # (the compiled host path takes FlashAttention 2's arguments only)
         elif self._host_tried:
             host = self._host
         else:  # the first call: not under a capture, where building the extension would stall it
@@ -260,21 +266,22 @@ class DecodeContext:
         problem, chosen, plan, host_checks, copies = self.resolve(
             q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad,
             block_table, softmax_scale, causal, window_size, softcap, rotary_interleaved, alibi_slopes, num_splits,
-            backend, out)
+            backend, out, sinks, cu_seqlens_q, max_seqlen_q)
         if copies:
             q, k, v, cache_seqlens, cache_batch_idx, cache_leftpad, block_table = contiguous_copies(
                 q, k, v, cache_seqlens, cache_batch_idx, cache_leftpad, block_table)
         if host_checks or value_checks_enabled():
             check_values(problem, k_cache, cache_seqlens, cache_batch_idx, cache_leftpad, block_table, force=True,
-                         block_ids_from=chosen.block_ids_read_from(plan))
+                         block_ids_from=chosen.block_ids_read_from(plan), cu_seqlens_q=cu_seqlens_q,
+                         total_q=q.shape[0])
         result = torch.empty_like(q) if out is None else out
-        lse = self.lse(problem, device, return_softmax_lse, capturing)
+        lse = self.lse(problem, device, return_softmax_lse, capturing, q.shape[0])
         part_o, part_lse = self.partials(plan, problem, device, capturing)
         scale = problem.headdim ** -0.5 if softmax_scale is None else float(softmax_scale)
         arguments = base.LaunchArgs(
             q, k_cache, v_cache, self.lengths(problem, cache_seqlens, device, capturing), result, lse, part_o, part_lse,
             scale, float(softcap), k, v, rotary_cos, rotary_sin, cache_batch_idx, cache_leftpad, block_table,
-            alibi_slopes, self.tickets(plan, problem, device, capturing))
+            alibi_slopes, self.tickets(plan, problem, device, capturing), sinks, cu_seqlens_q)
         chosen.launch(plan, problem, arguments)
         if arguments.tickets is not None and value_checks_enabled() and not capturing:
             _check_counters_left_at_zero(arguments.tickets)
