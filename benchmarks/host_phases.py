@@ -7,7 +7,7 @@ and lse, each launch, the return), which also times primitives in C++ loops: all
 torch launch (``add_``), and the launch floor: ``cuLaunchKernel`` / ``cuLaunchKernelEx`` (with and
 without a dependent launch's attribute) of two trivial Triton kernels
 (``launch_floor_kernels.py``). Then per (case, backend): the whole call, the default-context
-lookup, ``DecodeContext._run`` and ``HostPath.run`` from Python, each the median of 7 loops of
+lookup, ``DecodeContext.run_call`` and ``HostPath.run`` from Python, each the median of 7 loops of
 CALLS calls back to back (a case whose GPU time exceeds its host time shows the GPU instead), and
 the C++ phases of the ``HostPath.run`` loops.
 
@@ -26,6 +26,7 @@ import flashdecode
 from host_calls import loop_us
 from flashdecode import compat, host_path
 from flashdecode.cases import CASES_BY_NUMBER, VARIANTS, make_call
+from flashdecode.call import Call
 from flashdecode.context import default_context
 from flashdecode.kernels.triton.launch import describe
 
@@ -154,15 +155,15 @@ def print_case(module, number: int, backend: str, calls: int) -> None:
         expected = whole()  # the first records its launches
     context = default_context(q)
     host = context.host_path
-    arguments = (q, k_cache, v_cache, None, None, None, None, lengths, None, None, None, None, False, (-1, -1),
-                 0.0, True, None, 0, False, backend, None, compat.current_stream_handle(q.device.index or 0))
+    call = Call(q, k_cache, v_cache, cache_seqlens=lengths, backend=backend)
+    arguments = (*call, compat.current_stream_handle(q.device.index or 0))
     got = host.run(*arguments)
     assert got is not None, "the call missed its record"
     torch.testing.assert_close(got, expected, atol=0, rtol=0)
     scratch = torch.zeros(1024, device="cuda")
     pieces = {"torch launch": lambda: scratch.add_(0), "whole call": whole,
               "default_context(q)": lambda: default_context(q),
-              "context._run": lambda: context._run(*arguments[:21]), "HostPath.run": lambda: host.run(*arguments)}
+              "context.run_call": lambda: context.run_call(call), "HostPath.run": lambda: host.run(*arguments)}
     rows = {name: [] for name in pieces}
     phases = []
     for _ in range(7):

@@ -2,8 +2,8 @@
 from .api import Route, flash_attn_with_kvcache, flash_decode_with_kvcache, plan_for
 from .context import DecodeContext
 from .kernels.base import BackendError
-from .validate import set_seqlens_check, set_value_checks
+from .validate import set_value_checks
 
 __all__ = ["BackendError", "DecodeContext", "Route", "flash_attn_with_kvcache", "flash_decode_with_kvcache",
-           "plan_for", "set_seqlens_check", "set_value_checks"]
+           "plan_for", "set_value_checks"]
 __version__ = "0.2.0"

@@ -10,7 +10,8 @@ stream) to a launch record: TileLang's TVM-FFI entry functions with DLTensor tem
 CUDA functions with their parameter words (``cuLaunchKernel``; ``cuLaunchKernelEx`` for a dependent
 launch), whose data pointers it patches per call. The first call of a metadata takes the Python
 path, which validates, plans, launches and then adds the record; later calls hash their metadata in
-C++ and launch from there.
+C++ and launch from there. The extension knows the call's arguments from their declaration
+(``call.ARGUMENTS``), handed to it as :data:`LAYOUT` when a table is made.
 
 The extension is built on first use (about a minute; cached across processes, see ``_build``), with
 TVM-FFI where it is installed (else for CUDA launches only), and used only when
@@ -31,12 +32,19 @@ import threading
 
 import torch
 
+from .call import ARGUMENTS, POSITION, TENSOR
 from .kernels.base import INT8, CudaLaunch
 
-#: The call's tensors a launch argument may be, in the extension's slot order; then the lse.
-CALL_TENSORS = ("q", "k_cache", "v_cache", "k", "v", "rotary_cos", "rotary_sin", "cache_seqlens", "cache_batch_idx",
-                "cache_leftpad", "block_table", "alibi_slopes", "out")
-LSE_SLOT = len(CALL_TENSORS)
+#: How the extension keys each of the call's arguments (its ``ArgumentKey``): a tensor it takes
+#: (keyed by metadata, a launch slot), a scalar (keyed by value), or one it takes only as None.
+KEY_TENSOR, KEY_SCALAR, KEY_NONE_ONLY = range(3)
+#: The call's arguments as the extension's ``Layout`` takes them: a key per argument, then the
+#: positions of out and return_softmax_lse.
+LAYOUT = ([KEY_NONE_ONLY if not argument.host_path else KEY_TENSOR if argument.kind == TENSOR else KEY_SCALAR
+           for argument in ARGUMENTS], POSITION["out"], POSITION["return_softmax_lse"])
+#: The call's tensors a launch argument may be, in the extension's slot order; then the lse
+#: (the extension's ``LSE_SLOT``).
+CALL_TENSORS = tuple(argument.name for argument, key in zip(ARGUMENTS, LAYOUT[0]) if key == KEY_TENSOR)
 CONSTANT = -1
 #: Records a HostPath holds before it starts again (each distinct call metadata is one).
 MAX_RECORDS = 1024
@@ -135,8 +143,9 @@ def _build(verbose: bool):
     spec = importlib.util.spec_from_file_location(name, library)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    if (module.CALL_SLOTS, module.LSE_SLOT, module.PARAMETER_KINDS) != (len(CALL_TENSORS), LSE_SLOT, INT8 + 1):
-        raise RuntimeError("the extension's slots or parameter kinds differ from flashdecode's")
+    if (module.ARGUMENT_KEYS, module.PARAMETER_KINDS) != (KEY_NONE_ONLY + 1, INT8 + 1) \
+            or len(CALL_TENSORS) > module.MAX_CALL_SLOTS:
+        raise RuntimeError("the extension's slots, argument keys or parameter kinds differ from flashdecode's")
     return module
 
 
@@ -155,16 +164,18 @@ def _tvm_ffi_package() -> pathlib.Path | None:
 class HostPath:
     """One context's launch records (``csrc/host_path.cpp``).
 
-    ``run(*call)``: out, or (out, lse), from the record of ``call`` (the call's arguments as
-    ``DecodeContext.run`` has them, then the context's stream, positionally); None when there is
-    none. It is the extension's own function (METH_FASTCALL: no Python frame, no argument tuple, no
-    pybind11 dispatch): every eager call takes it. The other methods take ``call`` as a tuple."""
+    ``run(*call, stream)``: out, or (out, lse), from the record of ``call`` (the call's arguments in
+    ``call.ARGUMENTS`` order, then the context's stream, positionally); None when there is none. It
+    is the extension's own function (METH_FASTCALL: no Python frame, no argument tuple, no pybind11
+    dispatch): every eager call takes it. The other methods take ``call`` as one tuple, the stream
+    last (``(*call, stream)``)."""
 
     def __init__(self, module, max_records: int = MAX_RECORDS, real_launches: bool = True):
         """``real_launches``: compare each CUDA launch's parameter words with its function's own list
         where the driver can tell, and miss while the call's stream captures a CUDA graph (off only
         where the functions and streams are stand-ins, in tests)."""
-        self._native = module.HostPath(max_records, real_launches)
+        self._native = module.HostPath(max_records, real_launches, *LAYOUT)
+        self._lse_slot = module.LSE_SLOT
         self.run = self._native.run_function()
         self._verified: set[str] = set()  # kinds of launches ("ffi", "cuda") a replay checked
         self.off_because: str | None = None
@@ -184,14 +195,12 @@ class HostPath:
         argument is matched to the call tensor with its data pointer (held by the record where none
         has it; no record when two have it). Returns whether the record was added."""
         owners: dict[int, list[int]] = {}
-        tensors = dict(zip(CALL_TENSORS, _call_tensors(call)))
-        tensors["out"] = result
         for slot, name in enumerate(CALL_TENSORS):
-            tensor = tensors[name]
+            tensor = result if name == "out" else call[POSITION[name]]
             if isinstance(tensor, torch.Tensor) and tensor.numel():
                 owners.setdefault(tensor.data_ptr(), []).append(slot)
         if lse is not None:
-            owners.setdefault(lse.data_ptr(), []).append(LSE_SLOT)
+            owners.setdefault(lse.data_ptr(), []).append(self._lse_slot)
         specs = []
         for launch in launches:
             slots = []
@@ -243,12 +252,6 @@ class HostPath:
 
 def _kind(launches: list) -> str:
     return "cuda" if isinstance(launches[0], CudaLaunch) else "ffi"
-
-
-def _call_tensors(call: tuple) -> tuple:
-    """The call's tensor arguments in CALL_TENSORS order (out excluded): positions in ``call``."""
-    q, k_cache, v_cache, k, v, cos, sin, seqlens, batch_idx, leftpad, block_table = call[:11]
-    return (q, k_cache, v_cache, k, v, cos, sin, seqlens, batch_idx, leftpad, block_table, call[16])
 
 
 def for_device(device: torch.device) -> HostPath | None:

@@ -4,80 +4,74 @@ traces, and eager calls skip the dispatcher (its cost would double the host time
 
 Two ops, so that a call that appends nothing does not declare the caches mutated (a mutated graph
 input makes the compiler copy it, the whole cache): ``flashdecode::attend`` reads the caches,
-``flashdecode::attend_append`` also writes k/v into them.
+``flashdecode::attend_append`` also writes k/v into them. Their schema is made from the declared
+arguments (``call.ARGUMENTS``, each in its ``traced_as`` type; those without one are left out:
+``out`` is filled by a copy, and the ops always return the lse).
 """
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 
-Tensor = torch.Tensor
+from .call import ARGUMENTS, Call
+from .context import default_context
+
+#: The ops' arguments, in ARGUMENTS order.
+TRACED = tuple(argument for argument in ARGUMENTS if argument.traced_as is not None)
+#: The arguments ``attend_append`` writes the appended k and v into.
+APPENDED_INTO = ("k_cache", "v_cache")
+#: An argument's value in the ops' types, by its ``traced_as`` (a tensor or None as it is).
+_AS_TRACED = {"float": float, "bool": bool, "int": int, "str": str,
+              "float?": lambda value: None if value is None else float(value),
+              "int?": lambda value: None if value is None else int(value),
+              "int[]": lambda value: [int(item) for item in value]}
 
 
-def _run(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad,
-         block_table, softmax_scale, causal, window_left, window_right, softcap, rotary_interleaved, alibi_slopes,
-         num_splits, backend):
-    from .api import flash_attn_with_kvcache
-
-    out, lse = flash_attn_with_kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens,
-                                       cache_batch_idx, cache_leftpad, block_table, softmax_scale, causal,
-                                       (window_left, window_right), softcap, rotary_interleaved, alibi_slopes,
-                                       num_splits, True, backend=backend)
-    return out, lse
+def _schema(mutated: tuple[str, ...]) -> str:
+    """The ops' schema, with the ``mutated`` tensors marked as written."""
+    marks = iter("abcdefghijklmnopqrstuvwxyz")
+    return "(" + ", ".join(f"{argument.traced_as}({next(marks)}!) {argument.name}" if argument.name in mutated
+                           else f"{argument.traced_as} {argument.name}" for argument in TRACED) + ") -> (Tensor, Tensor)"
 
 
-@torch.library.custom_op("flashdecode::attend", mutates_args=())
-def attend(q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_seqlens: Optional[Tensor],
-           cache_batch_idx: Optional[Tensor], cache_leftpad: Optional[Tensor], block_table: Optional[Tensor],
-           softmax_scale: Optional[float], causal: bool, window_left: int, window_right: int, softcap: float,
-           alibi_slopes: Optional[Tensor], num_splits: int, backend: str) -> tuple[Tensor, Tensor]:
-    """flash_attn_with_kvcache without appended tokens; returns (out, lse)."""
-    return _run(q, k_cache, v_cache, None, None, None, None, cache_seqlens, cache_batch_idx, cache_leftpad,
-                block_table, softmax_scale, causal, window_left, window_right, softcap, True, alibi_slopes,
-                num_splits, backend)
+def _run(*values):
+    """An op's implementation: the call on the default context of its stream; (out, lse)."""
+    call = Call(**{argument.name: tuple(value) if argument.traced_as == "int[]" else value
+                   for argument, value in zip(TRACED, values)}, return_softmax_lse=True)
+    return default_context(call.q).run_call(call)
 
 
-@torch.library.custom_op("flashdecode::attend_append", mutates_args=("k_cache", "v_cache"))
-def attend_append(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Tensor, v: Tensor, rotary_cos: Optional[Tensor],
-                  rotary_sin: Optional[Tensor], cache_seqlens: Tensor, cache_batch_idx: Optional[Tensor],
-                  cache_leftpad: Optional[Tensor], block_table: Optional[Tensor], softmax_scale: Optional[float],
-                  causal: bool, window_left: int, window_right: int, softcap: float, rotary_interleaved: bool,
-                  alibi_slopes: Optional[Tensor], num_splits: int, backend: str) -> tuple[Tensor, Tensor]:
-    """flash_attn_with_kvcache appending k/v into the caches; returns (out, lse)."""
-    return _run(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad,
-                block_table, softmax_scale, causal, window_left, window_right, softcap, rotary_interleaved,
-                alibi_slopes, num_splits, backend)
-
-
-def _fake(q, *args, **kwargs):
+def _fake(q, *values):
+    if q.dim() == 3:  # ragged queries (cu_seqlens_q): lse (nheads, total_q)
+        return torch.empty_like(q), q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
     batch, seqlen_q, nheads, _ = q.shape
     return torch.empty_like(q), q.new_empty((batch, nheads, seqlen_q), dtype=torch.float32)
 
 
+attend = torch.library.custom_op("flashdecode::attend", _run, mutates_args=(), schema=_schema(()))
+attend.__doc__ = "flash_attn_with_kvcache without appended tokens; returns (out, lse)."
+attend_append = torch.library.custom_op("flashdecode::attend_append", _run, mutates_args=APPENDED_INTO,
+                                        schema=_schema(APPENDED_INTO))
+attend_append.__doc__ = "flash_attn_with_kvcache appending k/v into the caches; returns (out, lse)."
 attend.register_fake(_fake)
 attend_append.register_fake(_fake)
 
 
-def traced_call(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad,
-                block_table, softmax_scale, causal, window_size, softcap, rotary_interleaved, alibi_slopes, num_splits,
-                return_softmax_lse, backend, out):
+def traced_call(call: Call):
     """The public call while torch.compile traces: the arguments in the ops' types (an int length
-    becomes a tensor, the window a pair of ints), one of the two ops, and ``out`` filled by a copy."""
-    if cache_seqlens is not None and not isinstance(cache_seqlens, torch.Tensor):
-        cache_seqlens = torch.full((q.shape[0],), int(cache_seqlens), dtype=torch.int32, device=q.device)
-    window_left, window_right = (int(side) for side in window_size)
-    scale = None if softmax_scale is None else float(softmax_scale)
-    if k is None and v is None:
-        result, lse = attend(q, k_cache, v_cache, cache_seqlens, cache_batch_idx, cache_leftpad, block_table, scale,
-                             bool(causal), window_left, window_right, float(softcap), alibi_slopes, int(num_splits),
-                             backend)
-    else:
-        result, lse = attend_append(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens,
-                                    cache_batch_idx, cache_leftpad, block_table, scale, bool(causal), window_left,
-                                    window_right, float(softcap), bool(rotary_interleaved), alibi_slopes,
-                                    int(num_splits), backend)
-    if out is not None:
-        out.copy_(result)
-        result = out
-    return (result, lse) if return_softmax_lse else result
+    becomes a tensor, the window a list of ints), one of the two ops, and ``out`` filled by a copy."""
+    q = call.q
+    values = []
+    for argument in TRACED:
+        value = getattr(call, argument.name)
+        if argument.name == "cache_seqlens" and value is not None and not isinstance(value, torch.Tensor):
+            batch = q.shape[0] if call.cu_seqlens_q is None else call.cu_seqlens_q.shape[0] - 1
+            value = torch.full((batch,), int(value), dtype=torch.int32, device=q.device)
+        elif argument.traced_as in _AS_TRACED:
+            value = _AS_TRACED[argument.traced_as](value)
+        values.append(value)
+    op = attend if call.k is None and call.v is None else attend_append
+    result, lse = op(*values)
+    if call.out is not None:
+        call.out.copy_(result)
+        result = call.out
+    return (result, lse) if call.return_softmax_lse else result

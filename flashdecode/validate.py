@@ -47,10 +47,6 @@ def value_checks_enabled() -> bool:
     return _ValueChecks.enabled
 
 
-#: The name this switch had when it covered ``cache_seqlens`` only.
-set_seqlens_check = set_value_checks
-
-
 def tensor_meta(name, tensor):
     """What the checks read of an argument: (dtype, device, shape, strides, 16-byte aligned) of a
     tensor, None for None, (type, value) of anything else (rejected by the checks)."""
@@ -170,9 +166,10 @@ def check_call(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens,
                block_table, softmax_scale, causal, window_size, softcap, rotary_interleaved, alibi_slopes,
                num_splits, backend, out, sinks=None, cu_seqlens_q=None, max_seqlen_q=None) -> Problem:
     """Every metadata check of a call; the Problem it describes. Tensor arguments come as
-    ``tensor_meta``, scalars as ``scalar_meta`` (``max_seqlen_q``: None when not given). Raises
-    TypeError/ValueError naming the argument."""
+    ``tensor_meta``, scalars as ``scalar_meta``. Raises TypeError/ValueError naming the argument."""
     ragged = cu_seqlens_q is not None
+    if max_seqlen_q is not None and max_seqlen_q[1] is None:
+        max_seqlen_q = None  # not given
     if ragged:  # q (total_q, nheads, headdim): the Problem's batch and seqlen_q come from cu_seqlens_q
         _require_tensor("q", q, 3, _PACKED)
         q_dtype, device, (total_q, nheads, headdim), q_stride, q_aligned = q

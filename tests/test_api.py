@@ -124,7 +124,7 @@ def test_captured_calls_take_counters_no_other_call_uses():
     """``CapturedCounters``: zeroed outside capture (never as an inference tensor), then disjoint runs
     of it for captured calls; an eager call starts a new buffer once a quarter is left, a capture that
     finds too few gets fresh zeroed counters (warned once); ``reset`` zeroes every buffer."""
-    from flashdecode.context import CapturedCounters
+    from flashdecode.workspace import CapturedCounters
 
     counters = CapturedCounters(8)
     device = torch.device("cpu")
@@ -149,12 +149,12 @@ def test_captured_calls_take_counters_no_other_call_uses():
 def test_lse_sink_and_workspace_are_reused_within_a_context():
     context = DecodeContext("cpu")
     route = plan_for(*inputs()[:3], cache_seqlens=16, num_splits=3, backend="triton", context=context)
-    part_o, part_lse = context.partials(route.plan, route.problem, torch.device("cpu"))
-    again = context.partials(route.plan, route.problem, torch.device("cpu"))
+    part_o, part_lse = context.workspace.partials(route.plan, route.problem, torch.device("cpu"))
+    again = context.workspace.partials(route.plan, route.problem, torch.device("cpu"))
     assert again[0].data_ptr() == part_o.data_ptr() and part_lse.shape == (route.plan.workspace_rows, 8)
-    sink = context.lse(route.problem, torch.device("cpu"), wanted=False)
-    assert context.lse(route.problem, torch.device("cpu"), wanted=False).data_ptr() == sink.data_ptr()
-    assert context.lse(route.problem, torch.device("cpu"), wanted=True).data_ptr() != sink.data_ptr()
+    sink = context.workspace.lse(route.problem, torch.device("cpu"), wanted=False)
+    assert context.workspace.lse(route.problem, torch.device("cpu"), wanted=False).data_ptr() == sink.data_ptr()
+    assert context.workspace.lse(route.problem, torch.device("cpu"), wanted=True).data_ptr() != sink.data_ptr()
 
 
 @pytest.mark.parametrize("backend", ["reference", "triton"])

@@ -254,7 +254,7 @@ def test_split_kernel_merging_its_partials(case):
     graphs replayed in turn with new lengths (random, then 0, 1, a block's edges and the capacity's):
     each captured call takes counters of its own from the zeroed ``CAPTURED_COUNTERS`` (no memset
     in its graph), which every replay leaves at zero."""
-    from flashdecode.context import CAPTURED_COUNTERS
+    from flashdecode.workspace import CAPTURED_COUNTERS
 
     context = merging_context()
     q, k, v, seqlens = make_inputs(case, device="cuda", seed=1)

@@ -50,7 +50,7 @@ def lagged_calls(calls: int) -> float:
     context = flashdecode.DecodeContext("cuda")
     out = torch.empty_like(q)
     lse = torch.empty(problem.batch, problem.nheads, dtype=torch.float32, device="cuda")
-    part_o, part_lse = context.partials(plan, problem, q.device)
+    part_o, part_lse = context.workspace.partials(plan, problem, q.device)
     for _ in range(calls):
         split(q, k, v, seqlens, out, lse, part_o, part_lse, plan.programs_per_head, plan.forced_splits,
               plan.min_chunk, problem.headdim ** -0.5)

@@ -291,7 +291,7 @@ def test_merge_in_split_through_the_public_call():
                          context=context)
         assert route.plan.merge_in_split and not route.plan.needs_combine
         assert_matches(through_api(call, num_splits=3, context=context), reference(call))
-        assert not context.tickets(route.plan, route.problem, torch.device(DEVICE)).any()
+        assert not context.workspace.tickets(route.plan, route.problem, torch.device(DEVICE)).any()
 
 
 def test_counters_left_over_are_caught_by_the_value_checks():
@@ -304,7 +304,7 @@ def test_counters_left_over_are_caught_by_the_value_checks():
     call = make_call(batch=2, capacity=200, lengths=[197, 70])
     route = plan_for(call.q, call.k_cache, call.v_cache, **call.kwargs, num_splits=3, backend="triton",
                      context=context)
-    counters = context.tickets(route.plan, route.problem, torch.device(DEVICE))
+    counters = context.workspace.tickets(route.plan, route.problem, torch.device(DEVICE))
     counters.fill_(1)
     flashdecode.set_value_checks(True)
     try:

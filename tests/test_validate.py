@@ -137,11 +137,12 @@ def test_device_mismatch_named():
 
 
 def test_value_checks_switch():
-    """The host check of CUDA index values is off by default (it syncs) and can be switched on;
-    set_seqlens_check is the earlier name of the same switch."""
-    assert flashdecode.set_seqlens_check is flashdecode.set_value_checks
+    """The host check of CUDA index values is off by default (it syncs) and can be switched on."""
+    assert not flashdecode.validate.value_checks_enabled()
     flashdecode.set_value_checks(True)
+    assert flashdecode.validate.value_checks_enabled()
     flashdecode.set_value_checks(False)
+    assert not flashdecode.validate.value_checks_enabled()
 
 
 def test_good_input_accepted_in_every_form():

@@ -42,18 +42,53 @@ namespace py = pybind11;
 
 namespace {
 
-// The call's arguments, in flash_attn_with_kvcache's order, then out and the bound stream.
-enum Position : int {
-  kQ, kKCache, kVCache, kK, kV, kCos, kSin, kSeqlens, kBatchIdx, kLeftpad, kBlockTable, kScale, kCausal,
-  kWindow, kSoftcap, kInterleaved, kAlibi, kNumSplits, kReturnLse, kBackend, kOut, kStream, kArgCount
+// The call's arguments are declared once, in flashdecode/call.py (ARGUMENTS); a HostPath is made
+// with their Layout (flashdecode/host_path.py: LAYOUT): how each is keyed, and where out and
+// return_softmax_lse are. ``run`` takes them positionally, then the bound stream.
+enum ArgumentKey : int {
+  kKeyTensor,    // a tensor (keyed by its metadata; a launch slot) or a scalar
+  kKeyScalar,    // a scalar, keyed by value; a tensor is a miss
+  kKeyNoneOnly,  // None, else a miss (an argument only the Python path takes)
+  kArgumentKeys
 };
-// Tensors a launch argument can come from: the call's tensors, then the allocated lse.
-constexpr int kSlotPositions[] = {kQ, kKCache, kVCache, kK, kV, kCos, kSin, kSeqlens, kBatchIdx, kLeftpad,
-                                  kBlockTable, kAlibi, kOut};
-constexpr int kCallSlots = sizeof(kSlotPositions) / sizeof(int);
-constexpr int kLseSlot = kCallSlots;
-constexpr int kSlots = kCallSlots + 1;
+constexpr int kQ = 0;  // q is the call's first argument
+// Tensors a launch argument can come from: the call's kKeyTensor arguments in order (at most
+// kMaxCallSlots), then the allocated lse.
+constexpr int kMaxCallSlots = 31;
+constexpr int kLseSlot = kMaxCallSlots;
+constexpr int kSlots = kMaxCallSlots + 1;
 constexpr int kConstant = -1;
+
+struct Layout {
+  std::vector<int> keys;  // an ArgumentKey per position, the stream's (kKeyScalar) last
+  std::vector<int> slot_positions;  // the position of each call slot's argument
+  int out_position = 0, out_slot = 0, return_lse_position = 0, stream_position = 0;
+
+  // From the call's keys (without the stream) and the positions of out and return_softmax_lse.
+  Layout(const std::vector<int>& call_keys, int out, int return_lse)
+      : keys(call_keys), out_position(out), return_lse_position(return_lse) {
+    int count = static_cast<int>(call_keys.size());
+    if (count < 1 || call_keys[kQ] != kKeyTensor) throw std::invalid_argument("host path: q must be a tensor first");
+    if (out < 0 || out >= count || call_keys[out] != kKeyTensor || return_lse < 0 || return_lse >= count ||
+        call_keys[return_lse] != kKeyScalar) {
+      throw std::invalid_argument("host path: out must be a tensor argument, return_softmax_lse a scalar one");
+    }
+    for (int position = 0; position < count; ++position) {
+      int key = call_keys[position];
+      if (key < 0 || key >= kArgumentKeys) throw std::invalid_argument("host path: no such argument key");
+      if (key != kKeyTensor) continue;
+      if (position == out) out_slot = static_cast<int>(slot_positions.size());
+      slot_positions.push_back(position);
+    }
+    if (slot_positions.size() > static_cast<size_t>(kMaxCallSlots)) {
+      throw std::invalid_argument("host path: more tensor arguments than kMaxCallSlots");
+    }
+    stream_position = count;
+    keys.push_back(kKeyScalar);
+  }
+
+  int count() const { return stream_position + 1; }
+};
 
 using Key = std::vector<int64_t>;
 
@@ -117,25 +152,8 @@ bool push_argument(Key& key, PyObject* object, bool tensor_allowed = true) {
   return true;
 }
 
-// The call's kArgCount arguments (``run``'s positional arguments, or a tuple's items): see Position.
+// The call's arguments and the stream (``run``'s positional arguments, or a tuple's items): see Layout.
 using Arguments = PyObject* const*;
-
-// A tuple's items as Arguments; nullptr unless it is a tuple of kArgCount.
-Arguments tuple_arguments(const py::tuple& call) {
-  return PyTuple_GET_SIZE(call.ptr()) == kArgCount ? &PyTuple_GET_ITEM(call.ptr(), 0) : nullptr;
-}
-
-bool make_key(Arguments args, Key& key) {
-  if (args == nullptr) return false;
-  key.clear();
-  key.reserve(96);
-  for (int i = 0; i < kArgCount; ++i) {
-    // A tensor where the call takes a scalar is a miss: the key would hold its metadata, not its value.
-    bool tensor_allowed = i < kScale || i == kAlibi || i == kOut;
-    if (!push_argument(key, args[i], tensor_allowed)) return false;
-  }
-  return true;
-}
 
 // cuLaunchKernelEx's configuration as cuda.h (CUDA 12.0+) lays it out, with the one attribute a
 // dependent launch sets; the library builds without CUDA headers, and checks these copies against
@@ -326,23 +344,16 @@ void fill_template(Argument& argument, const at::Tensor& tensor) {
 }
 #endif
 
-// Whether the driver says the call's stream is not capturing a CUDA graph (a captured call must get
-// buffers of its own from the Python path, docs/design.md "Host path"); false where it cannot tell.
-bool driver_says_not_capturing(Arguments args) {
-  const Driver& driver = Driver::get();
-  if (driver.stream_is_capturing == nullptr) return false;
-  int status = 1;  // CU_STREAM_CAPTURE_STATUS_NONE is 0
-  void* stream = PyLong_AsVoidPtr(args[kStream]);
-  return driver.stream_is_capturing(stream, &status) == 0 && status == 0;
-}
-
 class HostPath {
  public:
   // real_launches: compare a CUDA launch's words with the function's parameter list where the
   // driver can tell, and ask the driver whether the call's stream is capturing (off only for tests
-  // whose functions and streams are not real).
-  HostPath(size_t max_records, bool real_launches)
-      : max_records_(max_records), real_launches_(real_launches) {}
+  // whose functions and streams are not real). call_keys, out, return_lse: the call's Layout.
+  HostPath(size_t max_records, bool real_launches, const std::vector<int>& call_keys, int out, int return_lse)
+      : max_records_(max_records), real_launches_(real_launches), layout_(call_keys, out, return_lse) {}
+
+  // The arguments ``run`` takes: the call's, then the stream.
+  int argument_count() const { return layout_.count(); }
 
   // None on a miss (the caller takes the Python path), else out or (out, lse). A call on a stream
   // that is capturing a CUDA graph misses: the Python path gives a graph buffers of its own.
@@ -417,6 +428,39 @@ class HostPath {
   void clear() { records_.clear(); }
 
  private:
+  // A tuple's items as Arguments; nullptr unless it holds the call's arguments and the stream.
+  Arguments tuple_arguments(const py::tuple& call) const {
+    return PyTuple_GET_SIZE(call.ptr()) == layout_.count() ? &PyTuple_GET_ITEM(call.ptr(), 0) : nullptr;
+  }
+
+  bool make_key(Arguments args, Key& key) const {
+    if (args == nullptr) return false;
+    key.clear();
+    key.reserve(96);
+    for (int i = 0; i < layout_.count(); ++i) {
+      int kind = layout_.keys[i];
+      if (kind == kKeyNoneOnly) {
+        if (args[i] != Py_None) return false;
+        key.push_back(-1);
+      } else if (!push_argument(key, args[i], kind == kKeyTensor)) {
+        // (a tensor where the call takes a scalar is a miss: the key would hold its metadata, not its value)
+        return false;
+      }
+    }
+    return true;
+  }
+
+  void* stream(Arguments args) const { return PyLong_AsVoidPtr(args[layout_.stream_position]); }
+
+  // Whether the driver says the call's stream is not capturing a CUDA graph (a captured call must get
+  // buffers of its own from the Python path, docs/design.md "Host path"); false where it cannot tell.
+  bool driver_says_not_capturing(Arguments args) const {
+    const Driver& driver = Driver::get();
+    if (driver.stream_is_capturing == nullptr) return false;
+    int status = 1;  // CU_STREAM_CAPTURE_STATUS_NONE is 0
+    return driver.stream_is_capturing(stream(args), &status) == 0 && status == 0;
+  }
+
   // One TVM-FFI launch from spec ("ffi", function, arguments, slots); false for an argument type
   // it does not take, and always without TVM-FFI.
   bool add_ffi(Record& record, py::tuple spec) {
@@ -540,9 +584,9 @@ class HostPath {
     return true;
   }
 
-  static void call_data(Arguments args, void** data) {
-    for (int slot = 0; slot < kCallSlots; ++slot) {
-      PyObject* object = args[kSlotPositions[slot]];
+  void call_data(Arguments args, void** data) const {
+    for (size_t slot = 0; slot < layout_.slot_positions.size(); ++slot) {
+      PyObject* object = args[layout_.slot_positions[slot]];
       if (object != Py_None && THPVariable_Check(object)) data[slot] = THPVariable_Unpack(object).data_ptr();
     }
   }
@@ -559,15 +603,16 @@ class HostPath {
     at::Tensor out;
     if (out_given != nullptr) {
       out = *out_given;
-    } else if (args[kOut] != Py_None) {
-      out = THPVariable_Unpack(args[kOut]);
+    } else if (args[layout_.out_position] != Py_None) {
+      out = THPVariable_Unpack(args[layout_.out_position]);
     } else if (record.out_contiguous) {
       out = empty_contiguous(record, q, q.sizes(), q.scalar_type());
     } else {
       out = at::empty_like(q);
     }
-    data[kOutSlot()] = out.data_ptr();
-    bool want_lse = args[kReturnLse] == Py_True;
+    data[layout_.out_slot] = out.data_ptr();
+    int want_lse = PyObject_IsTrue(args[layout_.return_lse_position]);  // keyed as a bool, int or None
+    if (want_lse < 0) throw py::error_already_set();
     at::Tensor lse;
     if (lse_given != nullptr) {
       lse = *lse_given;
@@ -577,11 +622,11 @@ class HostPath {
     if (lse.defined()) data[kLseSlot] = lse.data_ptr();
 
     if (!record.cuda_launches.empty()) {
-      void* stream = PyLong_AsVoidPtr(args[kStream]);
+      void* on = stream(args);
       for (CudaLaunch& launch : record.cuda_launches) {
         for (auto& [slot, word] : launch.patched) launch.words[word] = reinterpret_cast<uintptr_t>(data[slot]);
         if (launch.grid[0] == 0 || launch.grid[1] == 0 || launch.grid[2] == 0) continue;
-        int status = driver.launch(launch.function, launch.grid, launch.block, launch.shared, stream,
+        int status = driver.launch(launch.function, launch.grid, launch.block, launch.shared, on,
                                    launch.parameters.data(), launch.dependent);
         if (status != 0) {
           const char* called = launch.dependent ? "cuLaunchKernelEx" : "cuLaunchKernel";
@@ -599,13 +644,12 @@ class HostPath {
   }
 
   // The record's TVM-FFI launches on the call's stream, with the call's data pointers.
-  static void launch_ffi(Record& record, Arguments args, void** data) {
+  void launch_ffi(Record& record, Arguments args, void** data) const {
 #ifdef FLASHDECODE_TVM_FFI
     TVMFFIStreamHandle previous = nullptr;
     bool on_cuda = record.device_type == kDLCUDA;
     if (on_cuda) {
-      void* stream = reinterpret_cast<void*>(PyLong_AsVoidPtr(args[kStream]));
-      TVMFFIEnvSetStream(kDLCUDA, record.device_id, stream, &previous);
+      TVMFFIEnvSetStream(kDLCUDA, record.device_id, stream(args), &previous);
     }
     int failed = 0;
     for (FfiLaunch& launch : record.ffi_launches) {
@@ -629,17 +673,16 @@ class HostPath {
 #endif
   }
 
-  static constexpr int kOutSlot() { return kCallSlots - 1; }
-
   size_t max_records_;
   bool real_launches_;
+  Layout layout_;
   int64_t hits_ = 0;
   std::unordered_map<Key, Record, KeyHash> records_;
   Key key_;  // reused by run: no allocation on a hit
 };
 
 // ``HostPath.run_function()``: ``run`` as a METH_FASTCALL function bound to one HostPath, taking the
-// call's kArgCount arguments positionally: neither an argument tuple nor pybind11's dispatch on the
+// call's arguments and the stream positionally: neither an argument tuple nor pybind11's dispatch on the
 // path every eager call takes (docs/design.md, "Host path"). Its self is a capsule of the HostPath
 // that holds a reference to the Python object owning it.
 constexpr const char* kRunCapsule = "flashdecode.HostPath";
@@ -647,9 +690,9 @@ constexpr const char* kRunCapsule = "flashdecode.HostPath";
 PyObject* run_positional(PyObject* capsule, PyObject* const* args, Py_ssize_t count) {
   auto* path = static_cast<HostPath*>(PyCapsule_GetPointer(capsule, kRunCapsule));
   if (path == nullptr) return nullptr;
-  if (count != kArgCount) {
-    PyErr_Format(PyExc_TypeError, "HostPath.run takes the call's %d arguments, got %zd", static_cast<int>(kArgCount),
-                 count);
+  if (count != path->argument_count()) {
+    PyErr_Format(PyExc_TypeError, "HostPath.run takes %d arguments (the call's, then the stream), got %zd",
+                 path->argument_count(), count);
     return nullptr;
   }
   try {
@@ -727,9 +770,9 @@ void register_recorder() {
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.attr("CALL_SLOTS") = kCallSlots;
+  m.attr("MAX_CALL_SLOTS") = kMaxCallSlots;
   m.attr("LSE_SLOT") = kLseSlot;
-  m.attr("ARGUMENT_COUNT") = static_cast<int>(kArgCount);
+  m.attr("ARGUMENT_KEYS") = static_cast<int>(kArgumentKeys);
   m.attr("PARAMETER_KINDS") = static_cast<int>(kParameterKinds);
 #ifdef FLASHDECODE_TVM_FFI
   m.attr("TVM_FFI") = true;
@@ -744,7 +787,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("TVM_FFI") = false;
 #endif
   py::class_<HostPath>(m, "HostPath")
-      .def(py::init<size_t, bool>())
+      .def(py::init<size_t, bool, const std::vector<int>&, int, int>())
       .def_property_readonly("hits", &HostPath::hits)
       .def("run_function", &run_function)
       .def("replay", &HostPath::replay)
