@@ -198,6 +198,16 @@ def sample(count, seed, dtypes=AXES["dtype"], max_seqlen_k=None, pool=16, restri
     return list(chosen)
 
 
+def extension_sample(count_each, seed, **sample_arguments) -> list[Combo]:
+    """The grid with its extension axes: ``count_each`` combos (``sample``) of sinks at each split
+    count, and of ragged queries (with or without sinks) at each pair of causal and new k/v."""
+    parts = [{"sinks": (True,), "num_splits": (splits,)} for splits in AXES["num_splits"]]
+    parts += [{"ragged": (True,), "sinks": (False, True), "causal": (causal,), "new_kv": (new_kv,)}
+              for causal in AXES["causal"] for new_kv in AXES["new_kv"]]
+    return distinct(combo for index, restrict in enumerate(parts)
+                    for combo in sample(count_each, seed + index, restrict=restrict, **sample_arguments))
+
+
 def problem_of(combo: Combo) -> Problem:
     """The Problem the public call validates from ``make_case(combo).call``, without drawing the
     inputs (the prebuild script compiles the TileLang kernels of a sample from it). Only the kernel

@@ -13,6 +13,7 @@ import torch
 
 from conftest import last_dim_strided
 from flashdecode import host_path
+from flashdecode.call import Call
 from flashdecode.kernels.base import FLOAT32, INT8, INT32, INT64, POINTER, CudaLaunch, FfiLaunch
 
 pytestmark = pytest.mark.skipif(shutil.which("c++") is None and shutil.which("g++") is None,
@@ -44,8 +45,7 @@ def make_call(batch=2, seqlens=None, out=None, return_lse=False):
     q = torch.randn(batch, 1, 4, 8)
     k_cache, v_cache = torch.randn(batch, 16, 2, 8), torch.randn(batch, 16, 2, 8)
     seqlens = torch.tensor([3] * batch, dtype=torch.int32) if seqlens is None else seqlens
-    return (q, k_cache, v_cache, None, None, None, None, seqlens, None, None, None, None, False, (-1, -1), 0.0, True,
-            None, 0, return_lse, "auto", out, 0)
+    return (*Call(q, k_cache, v_cache, cache_seqlens=seqlens, return_softmax_lse=return_lse, out=out), 0)  # stream 0
 
 
 def test_a_record_launches_with_each_calls_tensors(module):
