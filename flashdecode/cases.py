@@ -234,7 +234,8 @@ class Variant:
     pages_in_order: bool = False  # the block table in page order (a diagnostic: the shuffle's cost)
     sinks: bool = False  # a float32 sink logit per query head
     #: > 0: draft lengths 1 to this drawn per sequence (sorted, so that each length's sequences are
-    #: adjacent), each sequence's drafts appended and scored causally; ``ragged`` says how it is called
+    #: adjacent; then at most the sequence's keys), each appended and scored causally; ``ragged`` says
+    #: how it is called
     max_draft: int = 0
     ragged: str = ""  # "packed": cu_seqlens_q; "padded": ceil(drafts / batch) rows each; "per_length": a call per length
 
@@ -360,9 +361,10 @@ def make_call(case: Case, variant: Variant, device="cpu", dtype=DTYPE, seed=1) -
 
 
 def _drafts(call: Call, case: Case, variant: Variant, generator, device, dtype) -> None:
-    """``call`` as a verify step of drafts of 1 to ``max_draft`` tokens per sequence (sorted), each
-    appended at cache_seqlens = lengths - draft and scored causally, called as ``variant.ragged``
-    says; every way holds the same tokens, so their outputs pack alike."""
+    """``call`` as a verify step of drafts of 1 to ``max_draft`` tokens per sequence (sorted, then at
+    most the sequence's keys), each appended at cache_seqlens = lengths - draft and scored causally,
+    called as ``variant.ragged`` says ("per_length": a call per run of one length); every way holds
+    the same tokens, so their outputs pack alike."""
     drafts = sorted(torch.randint(1, variant.max_draft + 1, (case.batch,), generator=generator, device=device).tolist())
     drafts = [min(draft, max(length, 1)) for draft, length in zip(drafts, call.lengths)]  # at most the keys
     rows = sum(drafts)

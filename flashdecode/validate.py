@@ -244,7 +244,7 @@ def check_call(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens,
         if tuple(k[2]) != expected or v[2] != k[2]:
             shape = f"({total_q}, {nheads_k}, {headdim})" if ragged else f"({batch}, seqlen_new, {nheads_k}, {headdim})"
             _fail(ValueError, f"k and v must have shape {shape}, got {tuple(k[2])} and {tuple(v[2])}")
-        if seqlen_new > capacity:
+        if seqlen_new > capacity and not ragged:  # ragged: each sequence's own count, checked with the values
             _fail(ValueError, f"k must have at most the cache's capacity {capacity} tokens, got {seqlen_new}")
         if cache_seqlens is None:
             _fail(ValueError, "cache_seqlens is required with k and v: it says where the new tokens go")
