@@ -211,15 +211,16 @@ def make_inputs(case: Case, device="cpu", dtype=DTYPE, headdim=None, seed=1):
 
 
 def bytes_read(case_or_lengths, nheads_k: int, nheads: int, headdim: int = HEADDIM, element_bytes: int = 2,
-               seqlen_q: int = 1, seqlen_new: int = 0) -> int:
+               seqlen_q=1, seqlen_new=0) -> int:
     """Bytes a call must move: K and V of every key a sequence sees (``lengths``: cache_seqlens +
     seqlen_new; cached keys read from the cache, new ones from k/v), the new rows written into the
-    cache, q read and out written."""
+    cache, q read and out written. ``seqlen_q``, ``seqlen_new``: ints, or per sequence (ragged)."""
     total_tokens = int(sum(case_or_lengths))
     batch = len(case_or_lengths)
+    rows = sum(seqlen_q) if isinstance(seqlen_q, list) else batch * seqlen_q
+    appended = sum(seqlen_new) if isinstance(seqlen_new, list) else batch * seqlen_new
     row = nheads_k * headdim * element_bytes
-    return (total_tokens * row * 2 + batch * seqlen_new * row * 2
-            + 2 * batch * seqlen_q * nheads * headdim * element_bytes)
+    return total_tokens * row * 2 + appended * row * 2 + 2 * rows * nheads * headdim * element_bytes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -243,18 +244,32 @@ class Variant:
     def causal(self) -> bool:
         return self.seqlen_q > 1 or self.max_draft > 0
 
+    def token_counts(self, case: Case) -> tuple:
+        """(query rows, appended tokens) of :func:`make_call`'s call: ints, or per sequence (ragged)."""
+        if not self.max_draft:
+            return self.seqlen_q, self.seqlen_new
+        drafts = draft_lengths(case, self)
+        if self.ragged == "padded":
+            width = -(-sum(drafts) // case.batch)
+            return width, width
+        return drafts, drafts
+
     def problem(self, case: Case, dtype: str = "bfloat16") -> Problem:
         """The Problem ``validate`` makes of :func:`make_call` (``case``, this variant): a paged
-        capacity is whole pages."""
+        capacity is whole pages; ragged ("per_length" too: its call's arguments are the packed call's)
+        with seqlen_q = seqlen_new = max_draft."""
         capacity = case.seqlen_cache
         if self.page_size:
             capacity = -(-capacity // self.page_size) * self.page_size
-        if self.max_draft:
-            raise ValueError(f"variant {self.name}: its shape depends on the drafts drawn (validate the call instead)")
-        return Problem(case.batch, capacity, case.nheads, case.nheads_k, case.headdim, dtype, seqlen_q=self.seqlen_q,
-                       page_size=self.page_size, seqlen_new=self.seqlen_new, window_right=0 if self.causal else -1,
+        seqlen_q, seqlen_new = self.token_counts(case)
+        ragged = isinstance(seqlen_q, list)
+        if ragged:
+            seqlen_q = seqlen_new = self.max_draft
+        return Problem(case.batch, capacity, case.nheads, case.nheads_k, case.headdim, dtype, seqlen_q=seqlen_q,
+                       page_size=self.page_size, seqlen_new=seqlen_new,
+                       window_right=0 if self.causal and seqlen_q > 1 else -1,
                        offsets_32=offsets_fit_32((case.batch, capacity, case.nheads_k, case.headdim)),
-                       sinks=self.sinks)
+                       sinks=self.sinks, ragged=ragged)
 
 
 VARIANTS = {variant.name: variant for variant in (
@@ -305,16 +320,14 @@ class Call:
                 "causal": self.causal, **extra}
 
     def bytes_moved(self) -> int:
-        """:func:`bytes_read` of this call (ragged: its query rows, one per appended token)."""
+        """:func:`bytes_read` of this call (ragged: each sequence's query rows, as many appended)."""
         nheads, headdim = self.q.shape[-2:]
         if self.cu_seqlens_q is not None:
-            rows = self.q.shape[0]
-            return bytes_read(self.lengths, self.k_cache.shape[2], nheads, headdim, self.q.element_size()) + \
-                2 * (rows - len(self.lengths)) * nheads * headdim * self.q.element_size() + \
-                2 * rows * self.k_cache.shape[2] * headdim * self.q.element_size()
-        seqlen_q = self.q.shape[1]
+            drafts = self.cu_seqlens_q.diff().tolist()
+            return bytes_read(self.lengths, self.k_cache.shape[2], nheads, headdim, self.q.element_size(), drafts,
+                              drafts)
         return bytes_read(self.lengths, self.k_cache.shape[2], nheads, headdim, self.q.element_size(),
-                          seqlen_q, 0 if self.k is None else self.k.shape[1])
+                          self.q.shape[1], 0 if self.k is None else self.k.shape[1])
 
     def storage_bytes(self) -> int:
         """Device memory its tensors hold."""
@@ -356,17 +369,23 @@ def make_call(case: Case, variant: Variant, device="cpu", dtype=DTYPE, seed=1) -
     if variant.sinks:
         call.sinks = torch.randn(case.nheads, generator=generator, device=device, dtype=torch.float32)
     if variant.max_draft:
-        _drafts(call, case, variant, generator, device, dtype)
+        _drafts(call, case, variant, generator, device, dtype, seed)
     return call
 
 
-def _drafts(call: Call, case: Case, variant: Variant, generator, device, dtype) -> None:
+def draft_lengths(case: Case, variant: Variant, seed: int = 1) -> list[int]:
+    """A ragged variant's drafts for :func:`make_call` with ``seed``: 1 to ``max_draft`` tokens per
+    sequence drawn on the CPU (the same on every device), sorted, then at most the sequence's keys."""
+    drawn = torch.randint(1, variant.max_draft + 1, (case.batch,), generator=torch.Generator().manual_seed(seed))
+    return [min(draft, max(length, 1)) for draft, length in zip(sorted(drawn.tolist()), case.seqlens().tolist())]
+
+
+def _drafts(call: Call, case: Case, variant: Variant, generator, device, dtype, seed: int) -> None:
     """``call`` as a verify step of drafts of 1 to ``max_draft`` tokens per sequence (sorted, then at
     most the sequence's keys), each appended at cache_seqlens = lengths - draft and scored causally,
     called as ``variant.ragged`` says ("per_length": a call per run of one length); every way holds
     the same tokens, so their outputs pack alike."""
-    drafts = sorted(torch.randint(1, variant.max_draft + 1, (case.batch,), generator=generator, device=device).tolist())
-    drafts = [min(draft, max(length, 1)) for draft, length in zip(drafts, call.lengths)]  # at most the keys
+    drafts = draft_lengths(case, variant, seed)
     rows = sum(drafts)
     q = _randn(generator, device, dtype, rows, case.nheads, case.headdim)
     k, v = (_randn(generator, device, dtype, rows, case.nheads_k, case.headdim) for _ in range(2))
@@ -376,7 +395,7 @@ def _drafts(call: Call, case: Case, variant: Variant, generator, device, dtype) 
     call.q, call.k, call.v = q, k, v
     call.cu_seqlens_q = torch.tensor([0, *itertools.accumulate(drafts)], dtype=torch.int32, device=device)
     call.max_seqlen_q = variant.max_draft
-    if variant.ragged == "padded":  # about as many rows: ceil(rows / batch) each, the drafts' tokens first
+    if variant.ragged == "padded":  # about as many rows: ceil(rows / batch) each
         width = -(-rows // case.batch)
         call.q = _randn(generator, device, dtype, case.batch, width, case.nheads, case.headdim)
         call.k, call.v = (_randn(generator, device, dtype, case.batch, width, case.nheads_k, case.headdim)
