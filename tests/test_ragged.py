@@ -195,3 +195,19 @@ def test_gpu_ragged_graph_replays_new_draft_lengths(backend, num_splits):
         expected = reference(q, k_cache, v_cache, kwargs)
         assert relative_error(captured, expected[0]) < 2e-2 and torch.allclose(captured_lse, expected[1], atol=1e-2)
         assert torch.equal(caches[1], expected[3])
+
+
+def test_torch_compile_fullgraph_with_sinks():
+    """A ragged call with sinks traces under torch.compile(fullgraph=True) through the custom ops
+    (their fake gives out packed like q and lse (nheads, total_q))."""
+    q, k_cache, v_cache, kwargs = make_inputs(batch=4, seqlen_q=4, rows=ROWS, causal=True, append=True, sinks=True)
+    expected = reference(q, k_cache, v_cache, kwargs)
+
+    def step(q, k_cache, v_cache):
+        return flash_attn_with_kvcache(q, k_cache, v_cache, **kwargs, return_softmax_lse=True, backend="reference")
+
+    compiled = torch.compile(step, fullgraph=True, backend="aot_eager")
+    out, lse = compiled(q, k_cache, v_cache)
+    torch.testing.assert_close(out, expected[0], atol=2e-3, rtol=2e-3)
+    torch.testing.assert_close(lse, expected[1], atol=2e-3, rtol=2e-3)
+    assert torch.equal(k_cache, expected[2])
