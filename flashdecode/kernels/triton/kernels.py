@@ -61,19 +61,22 @@ def split_kernel(Q, K, V, Lens, Out, Lse, PartO, PartLse, KNew, VNew, BatchIdx, 
         window_left, total_q, SEQLEN_Q, APPEND, LEFTPAD, WINDOW_LEFT, BLOCK_N, BATCH_PAD, CAN_SPLIT, RAGGED)
     if seq < batch:
         # Ragged: the sequence's packed rows [q_first, q_first + q_len) of q and out (q_first 0 else).
-        q_first, q_len, valid = query_rows(CuSeqlensQ, seq, seq < batch, total_q, SEQLEN_Q, RAGGED)
+        q_first, q_len, rows_valid = query_rows(CuSeqlensQ, seq, seq < batch, total_q, SEQLEN_Q, RAGGED)
+        new_len = seqlen_new
         if RAGGED:
-            seqlen_new = q_len  # appending, the sequence's own rows of k/v
+            new_len = q_len  # appending, the sequence's own rows of k/v
         # Out-of-range values are clamped (no stray access) and flagged with NaN rows.
         if APPEND:
-            valid = valid & (raw_len >= 0) & (raw_len <= capacity - seqlen_new)
+            valid = (raw_len >= 0) & (raw_len <= capacity - new_len)
         else:
-            valid = valid & (raw_len >= 0) & (raw_len <= capacity)
+            valid = (raw_len >= 0) & (raw_len <= capacity)
+        if RAGGED:
+            valid = valid & rows_valid
         leftpad = 0
         if LEFTPAD:
             leftpad = tl.load(LeftPad + seq)
             valid = valid & (leftpad >= 0) & (leftpad <= raw_len)
-        lo, hi = key_range(raw_len, leftpad, seqlen_new, capacity, window_left, q_len, APPEND, LEFTPAD, WINDOW_LEFT)
+        lo, hi = key_range(raw_len, leftpad, new_len, capacity, window_left, q_len, APPEND, LEFTPAD, WINDOW_LEFT)
         writable = True  # the cache row the appended tokens go to is this sequence's own
         # 64-bit head and row offsets: a cache can exceed 2^31 elements, and so can a strided view's
         # offsets (pages are addressed in 32 bits where OFFSETS_32 says they fit, ``cache_offsets``).
@@ -105,7 +108,7 @@ def split_kernel(Q, K, V, Lens, Out, Lse, PartO, PartLse, KNew, VNew, BatchIdx, 
             if (tile == 0) & (split == 0) & writable:
                 bad = append_tokens(k_head, v_head, table_row, cache_rows, stride_kb, stride_kt, stride_vb, stride_vt,
                                     k_new, v_new, stride_nkt, stride_nvt, Cos, Sin, rotary_rows,
-                                    raw_len, seqlen_new, capacity,
+                                    raw_len, new_len, capacity,
                                     PAGE_SIZE, ROTARY_DIM, ROTARY_INTERLEAVED, HEAD_DIM, HEAD_PAD, BLOCK_N)
 
         rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -322,9 +325,12 @@ def combine_kernel(Lens, LeftPad, Out, Lse, PartO, PartLse, Sinks, CuSeqlensQ,
     head_k = row // (GROUP * SEQLEN_Q)
     r = row % (GROUP * SEQLEN_Q)  # the packed row i * GROUP + g of KV head head_k
     q_first, q_len, _ = query_rows(CuSeqlensQ, seq, seq < batch, total_q, SEQLEN_Q, RAGGED)
+    merged = num_splits > 1
+    if RAGGED:  # rows past the sequence's own
+        merged = merged & (r // GROUP < q_len)
     if DEPENDENT_COMBINE:
         gdc_wait()
-    if (num_splits > 1) & (r // GROUP < q_len):
+    if merged:
         offs_s = tl.arange(0, SPLITS_PER_STEP)
         d = chunk * HEAD_CHUNK + tl.arange(0, HEAD_CHUNK)
         m = float("-inf")
