@@ -238,7 +238,8 @@ class Variant:
     #: adjacent; then at most the sequence's keys), each appended and scored causally; ``ragged`` says
     #: how it is called
     max_draft: int = 0
-    ragged: str = ""  # "packed": cu_seqlens_q; "padded": ceil(drafts / batch) rows each; "per_length": a call per length
+    #: "packed": cu_seqlens_q; "padded": ceil(drafts / batch) rows each; "per_length": a call per length
+    ragged: str = ""
 
     @property
     def causal(self) -> bool:

@@ -267,12 +267,12 @@ def _reference_ragged(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_s
             caches, table = (k_cache[cache_rows[b]:cache_rows[b] + 1], v_cache[cache_rows[b]:cache_rows[b] + 1]), None
         else:
             caches, table = (k_cache, v_cache), block_table[b:b + 1]
+        slopes = alibi_slopes if alibi_slopes is None or alibi_slopes.dim() == 1 else alibi_slopes[b:b + 1]
         out_b, lse_b = reference_attention(
             q[rows].unsqueeze(0), *caches, None if k is None else k[rows].unsqueeze(0),
             None if v is None else v[rows].unsqueeze(0), rotary_cos, rotary_sin, lengths[b],
             None, None if leftpads is None else leftpads[b], table, softmax_scale, causal, window_size, softcap,
-            rotary_interleaved, alibi_slopes if alibi_slopes is None or alibi_slopes.dim() == 1 else alibi_slopes[b:b + 1],
-            sinks=sinks)
+            rotary_interleaved, slopes, sinks=sinks)
         out[rows], lse[:, rows] = out_b[0], lse_b[0]
     return out, lse
 
