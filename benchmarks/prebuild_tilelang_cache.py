@@ -22,7 +22,7 @@ os.environ.setdefault("TILELANG_CACHE_DIR", str(pathlib.Path(__file__).resolve()
 
 import torch  # noqa: E402
 
-from flashdecode import DecodeContext, planner  # noqa: E402
+from flashdecode import plan_for, planner  # noqa: E402
 from flashdecode.cases import CASES, MODEL_CASES, VARIANTS, WIDE_CASES  # noqa: E402
 from flashdecode.hardware import PROFILES  # noqa: E402
 from flashdecode.kernels.tilelang.backend import TileLangBackend, problem_limitation, q_tile_rows  # noqa: E402
@@ -78,13 +78,9 @@ def calls(backend, with_tests: bool):
                 yield problem, planner.plan(problem, H200, backend, combo.num_splits)
 
 
-def problem_of_call(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None, cache_seqlens=None,
-                    cache_batch_idx=None, cache_leftpad=None, block_table=None, softmax_scale=None, causal=False,
-                    window_size=(-1, -1), softcap=0.0, rotary_interleaved=True, alibi_slopes=None):
+def problem_of_call(**arguments):
     """The Problem the public call validates from these (CPU) arguments."""
-    return DecodeContext().resolve(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens,
-                                   cache_batch_idx, cache_leftpad, block_table, softmax_scale, causal, window_size,
-                                   softcap, rotary_interleaved, alibi_slopes, 0, "reference", None)[0]
+    return plan_for(**arguments, backend="reference").problem
 
 
 def main():

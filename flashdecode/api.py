@@ -12,17 +12,18 @@ import dataclasses
 from torch import Tensor
 
 from .call import DECODE_POSITIONAL, Call, define, parameters
-from .compat import is_compiling
-from .context import DecodeContext, default_context, new_call, read_scalars
-from .ops import traced_call
+# (F401: names only the generated functions below use, as their globals)
+from .compat import is_compiling  # noqa: F401
+from .context import DecodeContext, default_context, new_call, read_scalars  # noqa: F401
+from .ops import traced_call  # noqa: F401
 from .planner import Plan
 from .problem import Problem
-from .validate import value_checks_enabled
+from .validate import value_checks_enabled  # noqa: F401
 
 _CALL = """
 def {name}({parameters}, context=None):
     if is_compiling():
-        return traced_call(new_call(({arguments},)))
+        return traced_call(Call({arguments}))  # (a plain namedtuple for torch.compile to trace)
     if not isinstance(q, Tensor):
         raise TypeError(f"q must be a torch.Tensor, got {{type(q).__name__}}")
     if context is not None:

@@ -31,11 +31,12 @@ import linecache
 #: by its metadata, and a launch argument that is this tensor gets its data pointer per call (a
 #: slot of the host path's records).
 TENSOR = "tensor"
-#: A number, bool, string or pair of ints, keyed by value (a tensor there is never keyed: the
-#: Python path reads it as a number first, ``validate.tensor_scalars``).
+#: A number, bool, string or pair of ints, keyed by value (the host path misses on a tensor there;
+#: the Python path reads those ``validate.tensor_scalars`` names as numbers first).
 SCALAR = "scalar"
-#: What the call returns (``return_softmax_lse``), read for its truth: keyed by value, not checked,
-#: not an argument of the traced ops (they always return the lse).
+#: What the call returns (``return_softmax_lse``), read for its truth: keyed by value on the host
+#: path, not part of the memo key (the route does not depend on it), not checked, not an argument
+#: of the traced ops (they always return the lse).
 FLAG = "flag"
 
 
@@ -95,7 +96,6 @@ ARGUMENTS = (
     Argument("max_seqlen_q", None, SCALAR, "int?", keyword_only=True, host_path=False),
 )
 NAMES = tuple(argument.name for argument in ARGUMENTS)
-BY_NAME = {argument.name: argument for argument in ARGUMENTS}
 #: Position of each argument in a Call.
 POSITION = {name: position for position, name in enumerate(NAMES)}
 

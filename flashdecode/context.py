@@ -41,7 +41,7 @@ def {name}(self, {parameters}):
 
 
 class DecodeContext:
-    """Workspace, lse sink, lengths tensors and plans for calls on one device and stream.
+    """The memoized routes, workspace and compiled host path of calls on one device and stream.
 
     ``tuning`` (a ``hardware.Tuning``) replaces the device profile's thresholds and ``auto`` order;
     ``config`` replaces the chosen backend's tile config for the kernel its plans name.

@@ -145,10 +145,6 @@ class Plan:
         """Rows of partial results the split kernel may write (one per program and KV head)."""
         return self.programs_per_head if self.kernel == SPLIT else 0
 
-    def workspace_bytes(self, problem: Problem) -> int:
-        """float32 partial outputs and their log-sum-exps: rows x Hk x q_rows x (D + 1)."""
-        return 4 * self.workspace_rows * problem.nheads_k * problem.q_rows * (problem.headdim + 1)
-
 
 @dataclasses.dataclass(frozen=True)
 class WorkItem:

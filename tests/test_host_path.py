@@ -119,6 +119,43 @@ def test_out_and_lse_given_or_allocated(module):
     assert path.run(*make_call(out=mine)) is mine and kernel.calls == [[mine.data_ptr()]]
 
 
+def test_a_truthy_return_softmax_lse_gets_the_lse_as_on_the_python_path(module):
+    """``return_softmax_lse=1`` returns (out, lse) from a record too (the Python path reads it for its truth)."""
+    kernel = Kernel(module)
+    path = host_path.HostPath(module, max_records=4, real_launches=False)
+    first = make_call(return_lse=1)
+    result, lse = torch.empty_like(first[0]), torch.empty(2, 4, 1)
+    assert path.add(first, [FfiLaunch(kernel.function, (result, lse.view(2, 4)))], result, lse, (2, 4, 1))
+    out, lse_out = path.run(*make_call(return_lse=1))
+    assert kernel.calls == [[out.data_ptr(), lse_out.data_ptr()]]
+
+
+def test_an_argument_only_the_python_path_takes_is_keyed_as_none_only(module):
+    """A layout with one more argument the host path takes only as None (``Argument(host_path=False)``):
+    a call passing it gets no record and misses one; with None it hits. A layout whose first argument
+    is not a tensor (q) is refused."""
+    kernel = Kernel(module)
+    keys, out, return_lse = host_path.LAYOUT
+    native = module.HostPath(4, False, [*keys, host_path.KEY_NONE_ONLY], out, return_lse)
+    run = native.run_function()
+
+    def extended(extra):
+        call = make_call()
+        return (*call[:-1], extra, call[-1])
+
+    first = extended(None)
+    result = torch.empty_like(first[0])
+    launch = ("ffi", kernel.function, [first[0], result], [0, host_path.CALL_TENSORS.index("out")])
+    assert not native.add(extended(torch.zeros(2)), [launch], [2, 4, 1])
+    assert native.add(first, [launch], [2, 4, 1])
+    assert run(*extended(torch.zeros(2))) is None and run(*extended(0.5)) is None
+    second = extended(None)
+    got = run(*second)
+    assert kernel.calls == [[second[0].data_ptr(), got.data_ptr()]]
+    with pytest.raises(ValueError, match="q must be a tensor"):
+        module.HostPath(4, False, [host_path.KEY_SCALAR, *keys[1:]], out, return_lse)
+
+
 def test_aliased_call_tensors_get_no_record(module):
     path = host_path.HostPath(module, max_records=4, real_launches=False)
     call = make_call()
@@ -278,6 +315,25 @@ def test_a_call_run_on_copies_gets_no_record(module, monkeypatch):
         torch.testing.assert_close(out, expected)
 
 
+def test_the_plain_call_goes_straight_to_its_default_contexts_record(module, monkeypatch):
+    """``flash_attn_with_kvcache`` without a context: the first call records on the default context,
+    the second launches from the record (``HostPath.run`` with the context's stream, no frame of the
+    context's) into an out of its own."""
+    from flashdecode import flash_attn_with_kvcache
+    from flashdecode.context import default_context
+
+    q, (k_cache, v_cache) = torch.randn(2, 1, 4, 8).half(), small_cache()
+    stand_in = stand_in_context(module, monkeypatch)
+    context = default_context(q)
+    monkeypatch.setattr(context, "_host_tried", True)
+    monkeypatch.setattr(context, "host_path", stand_in.host_path)
+    first = flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=5, backend="reference")
+    assert len(context.host_path) == 1 and context.host_path.hits == 0
+    monkeypatch.setattr(type(context), "run_call", lambda *arguments: pytest.fail("took the Python path"))
+    second = flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=5, backend="reference")
+    assert context.host_path.hits == 1 and second.shape == first.shape and second.data_ptr() != first.data_ptr()
+
+
 def test_a_captured_call_adds_no_record(module, monkeypatch):
     """A call made while its stream captures takes the Python path and leaves no record: later eager
     calls would launch into the graph's own buffers."""
@@ -292,7 +348,8 @@ def test_a_captured_call_adds_no_record(module, monkeypatch):
 def test_a_call_off_the_bound_stream_takes_no_record(module, monkeypatch):
     """An explicit context called from another stream (which it allows only while that stream
     captures) neither launches from its records nor adds one."""
-    from flashdecode import context as context_module, workspace
+    from flashdecode import context as context_module
+    from flashdecode import workspace
 
     context = stand_in_context(module, monkeypatch)
     q, (k_cache, v_cache) = torch.randn(2, 1, 4, 8).half(), small_cache()
