@@ -94,6 +94,9 @@ ARGUMENTS = (
     # fp8 caches: float32 (batch, nheads_k), (nheads_k,) or () tensors, or numbers (eager calls only)
     Argument("k_descale", None, TENSOR, "Tensor?", keyword_only=True, host_path=False),
     Argument("v_descale", None, TENSOR, "Tensor?", keyword_only=True, host_path=False),
+    Argument("sinks", None, TENSOR, "Tensor?", keyword_only=True, host_path=False),
+    Argument("cu_seqlens_q", None, TENSOR, "Tensor?", keyword_only=True, copied=True, host_path=False),
+    Argument("max_seqlen_q", None, SCALAR, "int?", keyword_only=True, host_path=False),
 )
 NAMES = tuple(argument.name for argument in ARGUMENTS)
 #: Position of each argument in a Call.

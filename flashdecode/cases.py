@@ -9,12 +9,16 @@ M1-M16, the heads one GPU holds for public models' attention configs (MHA, group
 3, 5, 6, 7 and 12, head dims 64, 80, 96, 128 and 256) at batches and lengths a server meets.
 
 A variant changes how a case is called (``docs/design.md``, "Semantics"): ``plain`` decode, the
-cache in shuffled pages of 16/64/256 tokens, 4 causal query tokens, one appended k/v token, or the
-cache in fp8 (e4m3) with per-head descales.
+cache in shuffled pages of 16/64/256 tokens, 4 causal query tokens, one appended k/v token, the
+cache in fp8 (e4m3) with per-head descales, a sink logit per head, or ragged drafts (speculative
+decoding's verify step: 1-8 causal query tokens per sequence, appended as they are scored, q packed
+by ``cu_seqlens_q``), with its two comparisons: the padded call of about as many query rows, and one
+call per draft length.
 """
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 
 import torch
@@ -209,16 +213,17 @@ def make_inputs(case: Case, device="cpu", dtype=DTYPE, headdim=None, seed=1):
 
 
 def bytes_read(case_or_lengths, nheads_k: int, nheads: int, headdim: int = HEADDIM, element_bytes: int = 2,
-               seqlen_q: int = 1, seqlen_new: int = 0, cache_element_bytes: int | None = None) -> int:
+               seqlen_q=1, seqlen_new=0, cache_element_bytes: int | None = None) -> int:
     """Bytes a call must move: K and V of every key a sequence sees (``lengths``: cache_seqlens +
     seqlen_new; cached keys read from the cache, new ones from k/v), the new rows written into the
-    cache, q read and out written. K/V elements take ``cache_element_bytes`` (1 for an fp8 cache;
-    default ``element_bytes``, q's)."""
+    cache, q read and out written. ``seqlen_q``, ``seqlen_new``: ints, or per sequence (ragged). K/V
+    elements take ``cache_element_bytes`` (1 for an fp8 cache; default ``element_bytes``, q's)."""
     total_tokens = int(sum(case_or_lengths))
     batch = len(case_or_lengths)
+    rows = sum(seqlen_q) if isinstance(seqlen_q, list) else batch * seqlen_q
+    appended = sum(seqlen_new) if isinstance(seqlen_new, list) else batch * seqlen_new
     row = nheads_k * headdim * (element_bytes if cache_element_bytes is None else cache_element_bytes)
-    return (total_tokens * row * 2 + batch * seqlen_new * row * 2
-            + 2 * batch * seqlen_q * nheads * headdim * element_bytes)
+    return total_tokens * row * 2 + appended * row * 2 + 2 * rows * nheads * headdim * element_bytes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -232,21 +237,44 @@ class Variant:
     seqlen_new: int = 0  # k/v tokens appended
     pages_in_order: bool = False  # the block table in page order (a diagnostic: the shuffle's cost)
     cache_dtype: str | None = None  # an fp8 dtype's name: the cache quantised to it (``fp8_descales``)
+    sinks: bool = False  # a float32 sink logit per query head
+    #: > 0: draft lengths 1 to this drawn per sequence (sorted, so that each length's sequences are
+    #: adjacent; then at most the sequence's keys), each appended and scored causally; ``ragged`` says
+    #: how it is called
+    max_draft: int = 0
+    #: "packed": cu_seqlens_q; "padded": ceil(drafts / batch) rows each; "per_length": a call per length
+    ragged: str = ""
 
     @property
     def causal(self) -> bool:
-        return self.seqlen_q > 1
+        return self.seqlen_q > 1 or self.max_draft > 0
+
+    def token_counts(self, case: Case) -> tuple:
+        """(query rows, appended tokens) of :func:`make_call`'s call: ints, or per sequence (ragged)."""
+        if not self.max_draft:
+            return self.seqlen_q, self.seqlen_new
+        drafts = draft_lengths(case, self)
+        if self.ragged == "padded":
+            width = -(-sum(drafts) // case.batch)
+            return width, width
+        return drafts, drafts
 
     def problem(self, case: Case, dtype: str = "bfloat16") -> Problem:
         """The Problem ``validate`` makes of :func:`make_call` (``case``, this variant): a paged
-        capacity is whole pages."""
+        capacity is whole pages; ragged ("per_length" too: its call's arguments are the packed call's)
+        with seqlen_q = seqlen_new = max_draft."""
         capacity = case.seqlen_cache
         if self.page_size:
             capacity = -(-capacity // self.page_size) * self.page_size
-        return Problem(case.batch, capacity, case.nheads, case.nheads_k, case.headdim, dtype, seqlen_q=self.seqlen_q,
-                       page_size=self.page_size, seqlen_new=self.seqlen_new, window_right=0 if self.causal else -1,
+        seqlen_q, seqlen_new = self.token_counts(case)
+        ragged = isinstance(seqlen_q, list)
+        if ragged:
+            seqlen_q = seqlen_new = self.max_draft
+        return Problem(case.batch, capacity, case.nheads, case.nheads_k, case.headdim, dtype, seqlen_q=seqlen_q,
+                       page_size=self.page_size, seqlen_new=seqlen_new,
+                       window_right=0 if self.causal and seqlen_q > 1 else -1,
                        offsets_32=offsets_fit_32((case.batch, capacity, case.nheads_k, case.headdim)),
-                       cache_dtype=self.cache_dtype)
+                       cache_dtype=self.cache_dtype, sinks=self.sinks, ragged=ragged)
 
 
 VARIANTS = {variant.name: variant for variant in (
@@ -262,6 +290,13 @@ VARIANTS = {variant.name: variant for variant in (
     Variant("fp8", "the cache in float8_e4m3fn, k_descale/v_descale of shape (nheads_k,): the cache's amax / 448 "
                    "in every head (one calibrated scale per tensor, as vLLM's, which FlashInfer's float k_scale "
                    "and v_scale also take)", cache_dtype="float8_e4m3fn"),
+    Variant("sinks", "decode with a float32 sink logit per query head (gpt-oss)", sinks=True),
+    Variant("ragged", "draft lengths 1-8 per sequence, packed by cu_seqlens_q, appended and scored causally",
+            max_draft=8, ragged="packed"),
+    Variant("ragged-padded", "ragged's drafts as a padded call of ceil(total drafts / batch) causal rows per "
+                             "sequence (about as many query rows)", max_draft=8, ragged="padded"),
+    Variant("ragged-per-length", "ragged's call as one padded call per draft length (its sequences, adjacent)",
+            max_draft=8, ragged="per_length"),
 )}
 
 
@@ -280,24 +315,37 @@ class Call:
     causal: bool = False
     k_descale: torch.Tensor | None = None  # float32 (nheads_k,) of an fp8 cache
     v_descale: torch.Tensor | None = None
+    sinks: torch.Tensor | None = None
+    cu_seqlens_q: torch.Tensor | None = None  # ragged: q, k, v packed (total_q, heads, headdim)
+    max_seqlen_q: int | None = None
+    #: "ragged-per-length": the calls that compute this one (each writes its rows of ``out``)
+    parts: list | None = None
+    out: torch.Tensor | None = None
 
     def kwargs(self) -> dict:
-        """Every argument after q, k_cache, v_cache, by keyword (the descales only where given)."""
-        kwargs = {"k": self.k, "v": self.v, "cache_seqlens": self.cache_seqlens, "block_table": self.block_table,
-                  "causal": self.causal}
-        if self.k_descale is not None:
-            kwargs.update(k_descale=self.k_descale, v_descale=self.v_descale)
-        return kwargs
+        """Every argument after q, k_cache, v_cache, by keyword (descales, sinks and the ragged ones
+        only where given)."""
+        extra = {name: value for name, value in (("k_descale", self.k_descale), ("v_descale", self.v_descale),
+                                                 ("sinks", self.sinks), ("cu_seqlens_q", self.cu_seqlens_q),
+                                                 ("max_seqlen_q", self.max_seqlen_q)) if value is not None}
+        return {"k": self.k, "v": self.v, "cache_seqlens": self.cache_seqlens, "block_table": self.block_table,
+                "causal": self.causal, **extra}
 
     def bytes_moved(self) -> int:
-        """:func:`bytes_read` of this call (K/V at the cache's element size)."""
-        _, seqlen_q, nheads, headdim = self.q.shape
+        """:func:`bytes_read` of this call (K/V at the cache's element size; ragged: each sequence's
+        query rows, as many appended)."""
+        nheads, headdim = self.q.shape[-2:]
+        cache_bytes = self.k_cache.element_size()
+        if self.cu_seqlens_q is not None:
+            drafts = self.cu_seqlens_q.diff().tolist()
+            return bytes_read(self.lengths, self.k_cache.shape[2], nheads, headdim, self.q.element_size(), drafts,
+                              drafts, cache_bytes)
         return bytes_read(self.lengths, self.k_cache.shape[2], nheads, headdim, self.q.element_size(),
-                          seqlen_q, 0 if self.k is None else self.k.shape[1], self.k_cache.element_size())
+                          self.q.shape[1], 0 if self.k is None else self.k.shape[1], cache_bytes)
 
     def storage_bytes(self) -> int:
         """Device memory its tensors hold."""
-        tensors = (self.q, self.k_cache, self.v_cache, self.cache_seqlens, self.block_table, self.k, self.v)
+        tensors = (self.q, self.k_cache, self.v_cache, self.cache_seqlens, self.block_table, self.k, self.v, self.out)
         return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
 
@@ -337,6 +385,10 @@ def make_call(case: Case, variant: Variant, device="cpu", dtype=DTYPE, seed=1) -
         call.k_descale, call.v_descale = (fp8_descales(cache, fp8) for cache in (call.k_cache, call.v_cache))
         call.k_cache = quantise(call.k_cache, call.k_descale, fp8)
         call.v_cache = quantise(call.v_cache, call.v_descale, fp8)
+    if variant.sinks:
+        call.sinks = torch.randn(case.nheads, generator=generator, device=device, dtype=torch.float32)
+    if variant.max_draft:
+        _drafts(call, case, variant, generator, device, dtype, seed)
     return call
 
 
@@ -345,3 +397,48 @@ def fp8_descales(cache: torch.Tensor, fp8: torch.dtype) -> torch.Tensor:
     the same in every head (a per-tensor calibration, given per head)."""
     scale = cache.abs().amax().float() / torch.finfo(fp8).max
     return scale.expand(cache.shape[2]).contiguous()
+
+
+def draft_lengths(case: Case, variant: Variant, seed: int = 1) -> list[int]:
+    """A ragged variant's drafts for :func:`make_call` with ``seed``: 1 to ``max_draft`` tokens per
+    sequence drawn on the CPU (the same on every device), sorted, then at most the sequence's keys."""
+    drawn = torch.randint(1, variant.max_draft + 1, (case.batch,), generator=torch.Generator().manual_seed(seed))
+    return [min(draft, max(length, 1)) for draft, length in zip(sorted(drawn.tolist()), case.seqlens().tolist())]
+
+
+def _drafts(call: Call, case: Case, variant: Variant, generator, device, dtype, seed: int) -> None:
+    """``call`` as a verify step of drafts of 1 to ``max_draft`` tokens per sequence (sorted, then at
+    most the sequence's keys), each appended at cache_seqlens = lengths - draft and scored causally,
+    called as ``variant.ragged`` says ("per_length": a call per run of one length); every way holds
+    the same tokens, so their outputs pack alike."""
+    drafts = draft_lengths(case, variant, seed)
+    rows = sum(drafts)
+    q = _randn(generator, device, dtype, rows, case.nheads, case.headdim)
+    k, v = (_randn(generator, device, dtype, rows, case.nheads_k, case.headdim) for _ in range(2))
+    call.cache_seqlens = (call.cache_seqlens - torch.tensor(drafts, device=device, dtype=torch.int32)).clamp(min=0)
+    call.lengths = (call.cache_seqlens + torch.tensor(drafts, device=device, dtype=torch.int32)).tolist()
+    call.causal = True
+    call.q, call.k, call.v = q, k, v
+    call.cu_seqlens_q = torch.tensor([0, *itertools.accumulate(drafts)], dtype=torch.int32, device=device)
+    call.max_seqlen_q = variant.max_draft
+    if variant.ragged == "padded":  # about as many rows: ceil(rows / batch) each
+        width = -(-rows // case.batch)
+        call.q = _randn(generator, device, dtype, case.batch, width, case.nheads, case.headdim)
+        call.k, call.v = (_randn(generator, device, dtype, case.batch, width, case.nheads_k, case.headdim)
+                          for _ in range(2))
+        call.cache_seqlens = (torch.tensor(call.lengths, device=device, dtype=torch.int32) - width).clamp(min=0)
+        call.lengths = (call.cache_seqlens + width).clamp(max=case.seqlen_cache).tolist()
+        call.cu_seqlens_q = call.max_seqlen_q = None
+    elif variant.ragged == "per_length":
+        call.out = torch.empty_like(q)
+        call.parts = []
+        first = sequence = 0
+        for draft, run in itertools.groupby(drafts):
+            count = len(list(run))
+            batch, packed = slice(sequence, sequence + count), slice(first, first + count * draft)
+            call.parts.append(Call(q[packed].view(count, draft, case.nheads, case.headdim), call.k_cache[batch],
+                                   call.v_cache[batch], call.cache_seqlens[batch], call.lengths[batch],
+                                   k=k[packed].view(count, draft, case.nheads_k, case.headdim),
+                                   v=v[packed].view(count, draft, case.nheads_k, case.headdim), causal=True,
+                                   out=call.out[packed].view(count, draft, case.nheads, case.headdim)))
+            first, sequence = packed.stop, batch.stop

@@ -86,8 +86,8 @@ class DecodeContext:
             problem = check_call(**{argument.name: _checked_meta(argument, value)
                                     for argument, value in zip(ARGUMENTS, call) if argument.kind != FLAG})
             chosen, plan = self._route(problem, call.backend, int(call.num_splits), call.q.device)
-            on_host = [t for t in (call.cache_seqlens, call.cache_batch_idx, call.cache_leftpad, call.block_table)
-                       if isinstance(t, torch.Tensor) and t.device.type == "cpu"]
+            on_host = [t for t in (call.cache_seqlens, call.cache_batch_idx, call.cache_leftpad, call.block_table,
+                                   call.cu_seqlens_q) if isinstance(t, torch.Tensor) and t.device.type == "cpu"]
             # the reference indexes on the host: its values are always checked (never out of bounds)
             entry = (problem, chosen, plan,
                      bool(on_host) or (chosen.name == "reference" and call.q.device.type != "cpu"), copies)
@@ -152,10 +152,11 @@ class DecodeContext:
         if host_checks or value_checks_enabled():
             check_values(problem, launched.k_cache, launched.cache_seqlens, launched.cache_batch_idx,
                          launched.cache_leftpad, launched.block_table, force=True,
-                         block_ids_from=chosen.block_ids_read_from(plan))
+                         block_ids_from=chosen.block_ids_read_from(plan), cu_seqlens_q=launched.cu_seqlens_q,
+                         total_q=launched.q.shape[0])
         result = torch.empty_like(launched.q) if call.out is None else call.out
         memory = self.workspace
-        lse = memory.lse(problem, device, call.return_softmax_lse, capturing)
+        lse = memory.lse(problem, device, call.return_softmax_lse, capturing, launched.q.shape[0])
         part_o, part_lse = memory.partials(plan, problem, device, capturing)
         scale = problem.headdim ** -0.5 if call.softmax_scale is None else float(call.softmax_scale)
         arguments = base.LaunchArgs(
@@ -164,8 +165,9 @@ class DecodeContext:
             float(call.softcap), launched.k, launched.v, launched.rotary_cos, launched.rotary_sin,
             launched.cache_batch_idx, launched.cache_leftpad, launched.block_table, launched.alibi_slopes,
             memory.tickets(plan, problem, device, capturing),
-            *(() if problem.cache_dtype is None else (memory.descale(problem, call.k_descale, device, capturing),
-                                                      memory.descale(problem, call.v_descale, device, capturing))))
+            *((None, None) if problem.cache_dtype is None else (memory.descale(problem, call.k_descale, device, capturing),
+                                                                memory.descale(problem, call.v_descale, device, capturing))),
+            launched.sinks, launched.cu_seqlens_q)
         chosen.launch(plan, problem, arguments)
         if arguments.tickets is not None and value_checks_enabled() and not capturing:
             _check_counters_left_at_zero(arguments.tickets)

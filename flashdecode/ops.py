@@ -41,6 +41,8 @@ def _run(*values):
 
 
 def _fake(q, *values):
+    if q.dim() == 3:  # ragged queries (cu_seqlens_q): lse (nheads, total_q)
+        return torch.empty_like(q), q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
     batch, seqlen_q, nheads, _ = q.shape
     return torch.empty_like(q), q.new_empty((batch, nheads, seqlen_q), dtype=torch.float32)
 
@@ -62,7 +64,8 @@ def traced_call(call: Call):
     for argument in TRACED:
         value = getattr(call, argument.name)
         if argument.name == "cache_seqlens" and value is not None and not isinstance(value, torch.Tensor):
-            value = torch.full((q.shape[0],), int(value), dtype=torch.int32, device=q.device)
+            batch = q.shape[0] if call.cu_seqlens_q is None else call.cu_seqlens_q.shape[0] - 1
+            value = torch.full((batch,), int(value), dtype=torch.int32, device=q.device)
         elif argument.traced_as in _AS_TRACED:
             value = _AS_TRACED[argument.traced_as](value)
         values.append(value)

@@ -246,13 +246,16 @@ def _merge_mode(plan_: Plan, problem: Problem, profile: HardwareProfile, backend
     return plan_
 
 
-def key_range(problem: Problem, cache_seqlen: int, leftpad: int = 0) -> tuple[int, int]:
+def key_range(problem: Problem, cache_seqlen: int, leftpad: int = 0, seqlen_q: int | None = None) -> tuple[int, int]:
     """(lo, hi): the keys sequence b's rows can see, as the kernels compute it from its length
-    ``cache_seqlens[b]`` and ``cache_leftpad[b]`` (both clamped as the kernels clamp them)."""
-    hi = min(max(cache_seqlen + problem.seqlen_new, 0), problem.seqlen_cache)
+    ``cache_seqlens[b]`` and ``cache_leftpad[b]`` (both clamped as the kernels clamp them);
+    ``seqlen_q``: a ragged call's query rows of sequence b (it then appends as many tokens)."""
+    rows = problem.seqlen_q if seqlen_q is None else seqlen_q
+    new = rows if problem.ragged and problem.seqlen_new else problem.seqlen_new
+    hi = min(max(cache_seqlen + new, 0), problem.seqlen_cache)
     lo = max(leftpad, 0)
     if problem.window_left >= 0:
-        lo = max(lo, hi - problem.seqlen_q - problem.window_left)
+        lo = max(lo, hi - rows - problem.window_left)
     return min(lo, hi), hi
 
 

@@ -8,6 +8,9 @@ with the tensors (:class:`LaunchArgs`), so new lengths or new block tables never
 Coordinates (``docs/design.md``, "Semantics"): sequence b has ``L_b = cache_seqlens[b] + seqlen_new``
 keys at absolute positions ``[0, L_b)``; keys before ``cache_leftpad[b]`` are masked; query row i
 sits at absolute position ``L_b - seqlen_q + i`` (causal alignment bottom-right, as FlashAttention).
+With ragged queries (``cu_seqlens_q``) sequence b has its own ``q_b = cu_seqlens_q[b + 1] -
+cu_seqlens_q[b]`` rows (at most ``seqlen_q``, the call's ``max_seqlen_q``) and appends ``q_b`` tokens;
+``q_b`` replaces ``seqlen_q`` and ``seqlen_new`` in these formulas.
 """
 from __future__ import annotations
 
@@ -67,6 +70,10 @@ class Problem(DerivedSizes):
     offsets_32: bool = False  # every K/V element lies within 2**31 - 1 elements of its cache's start (offsets_fit_32)
     #: None: the caches hold q's dtype; else one of FP8_DTYPES, dequantised as cache * k_descale/v_descale
     cache_dtype: str | None = None
+    sinks: bool = False  # per-head sink logits join every row's softmax denominator
+    #: q packed (total_q, nheads, headdim) by cu_seqlens_q: seqlen_q is max_seqlen_q, each sequence's
+    #: rows (and, appending, its new tokens: seqlen_new is then max_seqlen_q too) are read on the device
+    ragged: bool = False
 
     @property
     def group(self) -> int:
@@ -106,7 +113,7 @@ class Problem(DerivedSizes):
                            ("causal", self.causal), ("window", self.windowed and not self.causal),
                            ("softcap", self.softcap), ("alibi", self.alibi != ALIBI_NONE),
                            ("leftpad", self.leftpad), ("batch_idx", self.batch_idx),
-                           ("fp8", self.cache_dtype is not None)):
+                           ("fp8", self.cache_dtype is not None), ("sinks", self.sinks), ("ragged", self.ragged)):
             if used:
                 names.append(name)
         return tuple(names)

@@ -62,16 +62,22 @@ def window_mask(positions_q, positions_k, window_left, window_right):
     return inside
 
 
-def _softmax_rows(scores, visible):
-    """(probs, lse) of masked scores; a row with no visible key has probs 0 and lse -inf."""
+def _softmax_rows(scores, visible, sinks=None):
+    """(probs, lse) of masked scores; a row with no visible key has probs 0 and lse -inf. ``sinks``
+    (broadcastable to scores[..., 0]): a logit per row that joins the denominator and the lse but
+    weighs no value (a row with no visible key then has lse = its sink)."""
     scores = scores.masked_fill(~visible, float("-inf"))
     lse = torch.logsumexp(scores.float(), dim=-1)
-    probs = torch.softmax(scores, dim=-1).masked_fill(~visible.any(-1, keepdim=True), 0.0)
-    return probs, lse
+    if sinks is None:
+        probs = torch.softmax(scores, dim=-1).masked_fill(~visible.any(-1, keepdim=True), 0.0)
+        return probs, lse
+    lse = torch.logaddexp(lse, sinks.float().expand_as(lse))
+    finite = torch.where(torch.isneginf(lse), 0.0, lse)  # every logit -inf: probs 0
+    return torch.exp(scores.float() - finite.unsqueeze(-1)).to(scores.dtype), lse
 
 
 def attention_ref(q, k, v, key_padding_mask=None, attn_bias=None, causal=False, window_size=(-1, -1),
-                  softcap=0.0, upcast=True, reorder_ops=False, key_leftpad=None, softmax_scale=None):
+                  softcap=0.0, upcast=True, reorder_ops=False, key_leftpad=None, softmax_scale=None, sinks=None):
     """Dense masked attention, the oracle formulation of FlashAttention's test. Returns (out, lse).
 
     q (B, Sq, H, D); k, v (B, Sk, Hk, D) with H a multiple of Hk; key_padding_mask (B, Sk) bool,
@@ -79,8 +85,10 @@ def attention_ref(q, k, v, key_padding_mask=None, attn_bias=None, causal=False, 
     position ``end_b - Sq + i`` (bottom-right alignment) for the window and ``causal`` (= right
     window 0). ``attn_bias`` (broadcastable to (B, H, Sq, Sk)) is added after softcap and masking.
     ``upcast=False`` computes in the inputs' dtype and ``reorder_ops`` scales k instead of q: the
-    two together estimate a same-dtype implementation's rounding error. out (B, Sq, H, D) in q's
-    dtype, lse (B, H, Sq) float32; rows with no visible key give 0 and -inf.
+    two together estimate a same-dtype implementation's rounding error. ``sinks`` (H,) float32: each
+    head's sink logit, in the units of the scaled scores (no softcap), joins every row's softmax
+    denominator (gpt-oss). out (B, Sq, H, D) in q's dtype, lse (B, H, Sq) float32; rows with no
+    visible key give 0 and -inf (their sink's value with sinks).
     """
     dtype = q.dtype
     if upcast:
@@ -113,7 +121,7 @@ def attention_ref(q, k, v, key_padding_mask=None, attn_bias=None, causal=False, 
     visible = visible.expand(batch, nheads, seqlen_q, seqlen_k)
     if attn_bias is not None:
         scores = scores + attn_bias
-    probs, lse = _softmax_rows(scores, visible)
+    probs, lse = _softmax_rows(scores, visible, None if sinks is None else sinks.view(1, nheads, 1))
     out = torch.einsum("bhqk,bkhd->bqhd", probs.to(v.dtype), v)
     return out.to(dtype), lse
 
@@ -183,17 +191,25 @@ def reference_attention(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, ro
                         cache_seqlens=None, cache_batch_idx=None, cache_leftpad=None, block_table=None,
                         softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
                         rotary_interleaved=True, alibi_slopes=None, compute_dtype=torch.float32, *,
-                        k_descale=None, v_descale=None):
+                        k_descale=None, v_descale=None, sinks=None, cu_seqlens_q=None, max_seqlen_q=None):
     """``flash_attn_with_kvcache``'s whole surface in float32 (``docs/design.md``, "Semantics").
 
     Appends ``k`` (rotated) and ``v`` into the caches in place, at positions ``[cache_seqlens[b],
     + seqlen_new)`` of cache row ``cache_batch_idx[b]`` or of the pages of ``block_table[b]``, then
     attends each sequence over only the keys it can see. ``cache_seqlens``: None (every row at
-    capacity), an int, or a (B,) tensor. Assumes validated arguments. Returns out (B, Sq, H, D) in
-    q's dtype and lse (B, H, Sq) float32. ``compute_dtype=q.dtype`` computes scores, probabilities
-    and values in the inputs' dtype instead: a same-dtype run whose error sets the benchmark's
-    tolerance (``bench.correctness``), as ``attention_ref(upcast=False)`` does in the tests.
+    capacity), an int, or a (B,) tensor. ``sinks`` (H,) float32: each head's sink logit joins every
+    row's softmax denominator and lse. Assumes validated arguments. Returns out (B, Sq, H, D) in q's
+    dtype and lse (B, H, Sq) float32; with ``cu_seqlens_q`` see ``_reference_ragged`` (``max_seqlen_q``
+    is taken for the public call's sake: the rows come from ``cu_seqlens_q``).
+    ``compute_dtype=q.dtype`` computes scores, probabilities and values in the inputs' dtype instead:
+    a same-dtype run whose error sets the benchmark's tolerance (``bench.correctness``), as
+    ``attention_ref(upcast=False)`` does in the tests.
     """
+    if cu_seqlens_q is not None:
+        return _reference_ragged(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
+                                 cache_leftpad, block_table, softmax_scale, causal, window_size, softcap,
+                                 rotary_interleaved, alibi_slopes, sinks, cu_seqlens_q, compute_dtype=compute_dtype,
+                                 k_descale=k_descale, v_descale=v_descale)
     batch, seqlen_q, nheads, headdim = q.shape
     nheads_k = k_cache.shape[2]
     group = nheads // nheads_k
@@ -251,12 +267,55 @@ def reference_attention(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, ro
         descales = None if not fp8 else (k_scales[b].view(nheads_k, 1, 1), v_scales[b].view(nheads_k, 1, 1))
         out[b], lse[b] = _attend_sequence(query, k_cache, v_cache, b, first, end, positions_q, cache_rows,
                                           block_table, page_size, scale, softcap, window_left, window_right, slopes,
-                                          descales)
+                                          descales, sinks)
+    if sinks is not None:  # rows that see no key: the sink alone (out stays 0)
+        lse = torch.where(torch.isneginf(lse), sinks.float().view(1, nheads, 1).expand_as(lse), lse)
     return out.to(q.dtype), lse
 
 
+def _reference_ragged(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
+                      cache_leftpad, block_table, softmax_scale, causal, window_size, softcap, rotary_interleaved,
+                      alibi_slopes, sinks, cu_seqlens_q, *, compute_dtype, k_descale, v_descale):
+    """Ragged queries: q (total_q, H, D), sequence b's rows ``[cu_seqlens_q[b], cu_seqlens_q[b + 1])``
+    (bottom-right aligned to its own keys) and, with ``k``/``v`` (total_q, Hk, D), as many appended
+    tokens from the same rows; each sequence is the padded call of batch 1 over its own rows.
+    Returns out (total_q, H, D) in q's dtype and lse (H, total_q) float32 (rows of no sequence: 0
+    and -inf), as FlashAttention 3's kvcache call with cu_seqlens_q."""
+    total_q, nheads, _ = q.shape
+    bounds = [int(item) for item in cu_seqlens_q.tolist()]
+    batch = len(bounds) - 1
+    lengths = per_sequence(cache_seqlens, batch, None)
+    leftpads = None if cache_leftpad is None else per_sequence(cache_leftpad, batch, 0)
+    cache_rows = list(range(batch)) if cache_batch_idx is None else per_sequence(cache_batch_idx, batch, 0)
+    fp8 = k_cache.dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
+    nheads_k = k_cache.shape[2]
+    k_scales = descale_table(k_descale, batch, nheads_k, q.device) if fp8 else None
+    v_scales = descale_table(v_descale, batch, nheads_k, q.device) if fp8 else None
+    out = torch.zeros_like(q)
+    lse = torch.full((nheads, total_q), float("-inf"), dtype=torch.float32, device=q.device)
+    for b in range(batch):
+        first, last = bounds[b], bounds[b + 1]
+        if last <= first:
+            continue
+        rows = slice(first, last)
+        if block_table is None:  # the sequence's own cache row
+            caches, table = (k_cache[cache_rows[b]:cache_rows[b] + 1], v_cache[cache_rows[b]:cache_rows[b] + 1]), None
+        else:
+            caches, table = (k_cache, v_cache), block_table[b:b + 1]
+        slopes = alibi_slopes if alibi_slopes is None or alibi_slopes.dim() == 1 else alibi_slopes[b:b + 1]
+        out_b, lse_b = reference_attention(
+            q[rows].unsqueeze(0), *caches, None if k is None else k[rows].unsqueeze(0),
+            None if v is None else v[rows].unsqueeze(0), rotary_cos, rotary_sin, lengths[b],
+            None, None if leftpads is None else leftpads[b], table, softmax_scale, causal, window_size, softcap,
+            rotary_interleaved, slopes, compute_dtype, sinks=sinks,
+            k_descale=None if k_scales is None else k_scales[b:b + 1],
+            v_descale=None if v_scales is None else v_scales[b:b + 1])
+        out[rows], lse[:, rows] = out_b[0], lse_b[0]
+    return out, lse
+
+
 def _attend_sequence(query, k_cache, v_cache, b, first, end, positions_q, cache_rows, block_table, page_size,
-                     scale, softcap, window_left, window_right, slopes, descales=None):
+                     scale, softcap, window_left, window_right, slopes, descales=None, sinks=None):
     """(out (Sq, H, D), lse (H, Sq)) of one sequence over its keys [first, end): scores chunk by
     chunk, one masked softmax, then the values chunk by chunk, in query's dtype. query: (Hk, G * Sq, D);
     descales: None, or the (k, v) descales (Hk, 1, 1) of an fp8 cache, which each chunk is
@@ -284,7 +343,7 @@ def _attend_sequence(query, k_cache, v_cache, b, first, end, positions_q, cache_
     if slopes is not None:
         scores = scores - slopes * (positions_q[:, None] - positions_k[None, :]).abs()
     visible = window_mask(positions_q, positions_k, window_left, window_right).expand_as(scores)
-    probs, lse = _softmax_rows(scores, visible)
+    probs, lse = _softmax_rows(scores, visible, None if sinks is None else sinks.view(nheads_k, group, 1))
     probs = probs.view(nheads_k, rows, end - first).to(query.dtype)  # ALiBi's float32 slopes promote the scores
     out = sum(probs[..., lo - first:hi - first] @ keys(v_cache, lo, hi, v_descale) for lo, hi in chunks)
     out = out.view(nheads_k * group, seqlen_q, headdim).transpose(0, 1)

@@ -31,6 +31,7 @@ MAX_HEADDIM = 256
 FA_PAGE_MULTIPLE = 256
 BACKENDS = ("auto", "tilelang", "triton", "reference")
 _BSHD = "(batch, seqlen, nheads, headdim)"
+_PACKED = "(total_q, nheads, headdim) with cu_seqlens_q"
 
 
 class _ValueChecks:
@@ -199,12 +200,25 @@ def _window(meta, causal, seqlen_q, capacity):
 
 def check_call(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad,
                block_table, softmax_scale, causal, window_size, softcap, rotary_interleaved, alibi_slopes,
-               num_splits, backend, out, k_descale=None, v_descale=None) -> Problem:
+               num_splits, backend, out, k_descale=None, v_descale=None, sinks=None, cu_seqlens_q=None,
+               max_seqlen_q=None) -> Problem:
     """Every metadata check of a call; the Problem it describes. Tensor arguments come as
     ``tensor_meta``, scalars as ``scalar_meta`` (``k_descale``/``v_descale``: either, by what was
     passed). Raises TypeError/ValueError naming the argument."""
-    _require_tensor("q", q, 4, _BSHD)
-    q_dtype, device, (batch, seqlen_q, nheads, headdim), q_stride, q_aligned = q
+    ragged = cu_seqlens_q is not None
+    if max_seqlen_q is not None and max_seqlen_q[1] is None:
+        max_seqlen_q = None  # not given
+    if ragged:  # q (total_q, nheads, headdim): the Problem's batch and seqlen_q come from cu_seqlens_q
+        _require_tensor("q", q, 3, _PACKED)
+        q_dtype, device, (total_q, nheads, headdim), q_stride, q_aligned = q
+        batch, seqlen_q = _ragged_rows(cu_seqlens_q, max_seqlen_q, device)
+        if total_q == 0:
+            _fail(ValueError, "q must have at least one row (total_q >= 1) with cu_seqlens_q")
+    else:
+        if max_seqlen_q is not None:
+            _fail(ValueError, "max_seqlen_q is only taken with cu_seqlens_q (ragged queries)")
+        _require_tensor("q", q, 4, _BSHD)
+        q_dtype, device, (batch, seqlen_q, nheads, headdim), q_stride, q_aligned = q
     if q_dtype not in SUPPORTED_DTYPES:
         _fail(TypeError, f"q must be float16 or bfloat16, got {q_dtype}")
     if q_stride[-1] != 1:
@@ -260,13 +274,17 @@ def check_call(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens,
                           f"{'k' if v is None else 'v'}")
     if k is not None:
         for name, meta in (("k", k), ("v", v)):
-            _require_tensor(name, meta, 4, "(batch, seqlen_new, nheads_k, headdim)")
+            _require_tensor(name, meta, 3 if ragged else 4, "(total_q, nheads_k, headdim) with cu_seqlens_q"
+                            if ragged else "(batch, seqlen_new, nheads_k, headdim)")
             _require_like_q(name, meta, q_dtype, device)
-        seqlen_new = k[2][1]
-        if tuple(k[2]) != (batch, seqlen_new, nheads_k, headdim) or v[2] != k[2]:
-            _fail(ValueError, f"k and v must have shape ({batch}, seqlen_new, {nheads_k}, {headdim}), got "
-                              f"{tuple(k[2])} and {tuple(v[2])}")
-        if seqlen_new > capacity:
+        if ragged:  # sequence b appends its own query rows' count of tokens, packed as q
+            seqlen_new, expected = seqlen_q, (total_q, nheads_k, headdim)
+        else:
+            seqlen_new, expected = k[2][1], (batch, k[2][1], nheads_k, headdim)
+        if tuple(k[2]) != expected or v[2] != k[2]:
+            shape = f"({total_q}, {nheads_k}, {headdim})" if ragged else f"({batch}, seqlen_new, {nheads_k}, {headdim})"
+            _fail(ValueError, f"k and v must have shape {shape}, got {tuple(k[2])} and {tuple(v[2])}")
+        if seqlen_new > capacity and not ragged:  # ragged: each sequence's own count, checked with the values
             _fail(ValueError, f"k must have at most the cache's capacity {capacity} tokens, got {seqlen_new}")
         if cache_seqlens is None:
             _fail(ValueError, "cache_seqlens is required with k and v: it says where the new tokens go")
@@ -316,6 +334,14 @@ def check_call(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens,
             _fail(ValueError, f"alibi_slopes must have shape ({nheads},) or ({batch}, {nheads}), contiguous, got "
                               f"shape {tuple(shape)}, strides {stride}")
         alibi = ALIBI_PER_HEAD if len(shape) == 1 else ALIBI_PER_SEQUENCE
+    if sinks is not None:
+        _require_tensor("sinks", sinks, 1, f"({nheads},)")
+        dtype, sinks_device, shape, stride, _ = sinks
+        if dtype != torch.float32 or sinks_device != device:
+            _fail(TypeError, f"sinks must be float32 on {device}, got {dtype} on {sinks_device}")
+        if tuple(shape) != (nheads,) or stride[-1] != 1:
+            _fail(ValueError, f"sinks must have shape ({nheads},) (one logit per query head), contiguous, got "
+                              f"shape {tuple(shape)}, strides {stride}")
 
     scale_type, scale = softmax_scale
     if scale is not None and (scale_type is bool or not issubclass(scale_type, numbers.Real) or not math.isfinite(scale)):
@@ -331,13 +357,13 @@ def check_call(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens,
     if backend[1] not in BACKENDS:
         _fail(ValueError, f"backend must be one of {BACKENDS}, got {backend[1]!r}")
 
-    dense = (q_aligned and q_stride == contiguous_strides((batch, seqlen_q, nheads, headdim))
+    dense = (q_aligned and q_stride == contiguous_strides(q[2])
              and (paged or cache_batch_idx is not None or rows == batch))
     for meta in (k_cache, v_cache, k, v, block_table):
         if meta is not None:
             dense = dense and meta[4] and meta[3] == contiguous_strides(meta[2])
     if out is not None:
-        _require_tensor("out", out, 4, _BSHD)
+        _require_tensor("out", out, len(q[2]), _PACKED if ragged else _BSHD)
         _require_like_q("out", out, q_dtype, device)
         if out[2] != q[2]:
             _fail(ValueError, f"out must have q's shape {tuple(q[2])}, got {tuple(out[2])}")
@@ -349,19 +375,42 @@ def check_call(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens,
                    window_left=window_left, window_right=window_right, softcap=softcap_value > 0, alibi=alibi,
                    leftpad=cache_leftpad is not None, batch_idx=cache_batch_idx is not None, dense=bool(dense),
                    offsets_32=offsets_32,
-                   cache_dtype=str(k_cache[0]).removeprefix("torch.") if k_cache[0] in FP8_CACHE_DTYPES else None)
+                   cache_dtype=str(k_cache[0]).removeprefix("torch.") if k_cache[0] in FP8_CACHE_DTYPES else None,
+                   sinks=sinks is not None, ragged=ragged)
+
+
+def _ragged_rows(cu_seqlens_q, max_seqlen_q, device) -> tuple[int, int]:
+    """(batch, seqlen_q) of a ragged call: cu_seqlens_q's length less one, and max_seqlen_q."""
+    _require_tensor("cu_seqlens_q", cu_seqlens_q, 1, "(batch + 1,)")
+    rows = cu_seqlens_q[2][0]
+    _require_index("cu_seqlens_q", cu_seqlens_q, (rows,), device)
+    if rows < 2:
+        _fail(ValueError, f"cu_seqlens_q must have batch + 1 >= 2 entries, got shape ({rows},)")
+    if max_seqlen_q is None:
+        _fail(ValueError, "max_seqlen_q is required with cu_seqlens_q: it bounds every sequence's query rows")
+    return rows - 1, _int_value("max_seqlen_q", max_seqlen_q, low=1)
 
 
 def check_values(problem: Problem, k_cache, cache_seqlens, cache_batch_idx, cache_leftpad, block_table,
-                 force: bool = False, block_ids_from: int = 1) -> None:
+                 force: bool = False, block_ids_from: int = 1, cu_seqlens_q=None, total_q: int = 0) -> None:
     """Range checks of index tensors' values: always for CPU tensors (and with ``force``), for CUDA
-    ones when enabled. ``block_ids_from``: the backend's ``block_ids_read_from``. Raises ValueError
-    naming the argument and the offending range."""
+    ones when enabled. ``block_ids_from``: the backend's ``block_ids_read_from``; ``total_q``: q's
+    rows with ``cu_seqlens_q``. Raises ValueError naming the argument and the offending range."""
     def needed(tensor):
         return isinstance(tensor, torch.Tensor) and (force or tensor.device.type == "cpu" or _ValueChecks.enabled)
 
     limit = problem.seqlen_cache - problem.seqlen_new
-    if needed(cache_seqlens):
+    rows = None  # a ragged call's query rows per sequence
+    if problem.ragged and (needed(cu_seqlens_q) or needed(cache_seqlens) or needed(block_table)):
+        rows = _ragged_values(problem, cu_seqlens_q, total_q)
+    if problem.ragged and problem.seqlen_new and isinstance(cache_seqlens, torch.Tensor) and needed(cache_seqlens):
+        bad = [b for b, (length, new) in enumerate(zip(cache_seqlens.tolist(), rows))
+               if not 0 <= length <= problem.seqlen_cache - new]
+        if bad:
+            raise ValueError(f"cache_seqlens must be in [0, capacity {problem.seqlen_cache} minus the sequence's "
+                             f"appended tokens] for every sequence b, got {cache_seqlens.tolist()} with "
+                             f"cu_seqlens_q {cu_seqlens_q.tolist()} (sequence {bad[0]})")
+    elif needed(cache_seqlens):
         _in_range("cache_seqlens", cache_seqlens, 0, limit,
                   f" (capacity {problem.seqlen_cache} minus {problem.seqlen_new} appended tokens)")
     if needed(cache_batch_idx):
@@ -372,7 +421,7 @@ def check_values(problem: Problem, k_cache, cache_seqlens, cache_batch_idx, cach
         used = torch.zeros(block_table.shape, dtype=torch.bool)
         for b, (length, leftpad) in enumerate(zip(per_sequence(cache_seqlens, problem.batch, limit),
                                                   per_sequence(cache_leftpad, problem.batch, 0))):
-            lo, hi = key_range(problem, length, leftpad)
+            lo, hi = key_range(problem, length, leftpad, None if rows is None else rows[b])
             lo = lo // block_ids_from * block_ids_from
             if problem.seqlen_new:
                 lo = min(lo, max(length, 0))
@@ -388,6 +437,17 @@ def check_values(problem: Problem, k_cache, cache_seqlens, cache_batch_idx, cach
         if bool(bad.any()):
             raise ValueError(f"cache_leftpad must be in [0, cache_seqlens[b]] for every sequence b, got "
                              f"{cache_leftpad.tolist()} with cache_seqlens {cache_seqlens if not isinstance(cache_seqlens, torch.Tensor) else cache_seqlens.tolist()}")
+
+
+def _ragged_values(problem: Problem, cu_seqlens_q, total_q: int) -> list[int]:
+    """Each sequence's query rows from ``cu_seqlens_q``, whose values must rise from >= 0 to at most
+    ``total_q`` in steps of at most ``max_seqlen_q``."""
+    bounds = cu_seqlens_q.tolist()
+    rows = [last - first for first, last in zip(bounds, bounds[1:])]
+    if bounds[0] < 0 or bounds[-1] > total_q or not all(0 <= count <= problem.seqlen_q for count in rows):
+        raise ValueError(f"cu_seqlens_q must rise from >= 0 to at most total_q = {total_q} in steps of 0 to "
+                         f"max_seqlen_q = {problem.seqlen_q}, got {bounds}")
+    return rows
 
 
 def _in_range(name, tensor, low, high, why):

@@ -11,6 +11,7 @@ workspace frees its memory.
 """
 from __future__ import annotations
 
+import math
 import threading
 import warnings
 
@@ -107,15 +108,15 @@ class Workspace:
             remember(self._ticket_views, count, view)
         return view
 
-    def lse(self, problem, device, wanted: bool, capturing=None) -> torch.Tensor:
-        """(B, Hq, Sq) float32 for the call's lse: fresh when asked for, else a view of the sink,
-        which nothing reads."""
-        shape = (problem.batch, problem.nheads, problem.seqlen_q)
+    def lse(self, problem, device, wanted: bool, capturing=None, total_q: int = 0) -> torch.Tensor:
+        """(B, Hq, Sq) float32 for the call's lse ((Hq, total_q) for ragged queries): fresh when
+        asked for, else a view of the sink, which nothing reads."""
+        shape = (problem.nheads, total_q) if problem.ragged else (problem.batch, problem.nheads, problem.seqlen_q)
         if wanted or (stream_capturing(device) if capturing is None else capturing):
             return torch.empty(shape, dtype=torch.float32, device=device)
         view = self._sink_views.get(shape)
         if view is None:
-            need = shape[0] * shape[1] * shape[2]
+            need = math.prod(shape)
             # never an inference tensor: a sink made in a call under torch.inference_mode would refuse
             # the in-place writes of later calls outside it (the reference backend's copy_)
             with torch.inference_mode(False):

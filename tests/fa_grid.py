@@ -20,6 +20,12 @@ v_descale); the oracle and the same-dtype PyTorch run see the dequantised caches
 to q's dtype), and the appended tokens as the cache stores them (``reference.quantise``). After the
 call the cache must hold v exactly and k within one fp8 step (a rotation rounded otherwise may land
 on the neighbour).
+
+Two axes beyond FlashAttention 2 (``EXTENSION_AXES``, off in its grid, drawn where a sample's
+``restrict`` names them): ``sinks`` (a float32 sink logit per head, ``attention_ref``'s ``sinks``)
+and ``ragged`` (q packed by ``cu_seqlens_q``, FlashAttention 3's layout: sequence b keeps the last
+``q_b`` of the grid's seqlen_q rows, drawn in [1, seqlen_q], and appends its first ``q_b`` new
+tokens; the oracle is the padded call's rows at the same positions, packed).
 """
 from __future__ import annotations
 
@@ -62,6 +68,8 @@ AXES = {
     "d": (32, 59, 64, 80, 128, 256),
     "seqlens": SEQLEN_PAIRS,
 }
+#: Axes beyond FlashAttention 2's grid: False in its combos, drawn only where ``restrict`` names them.
+EXTENSION_AXES = {"sinks": (False, True), "ragged": (False, True)}
 BATCH, NHEADS = 2, 6
 NHEADS_K = {"mha": 6, "mqa": 1, "gqa": 3}
 #: The fp8 part of the grid: ``restrict`` of ``sample`` with these adds the cache dtype and softcap axes.
@@ -89,13 +97,16 @@ class Combo:
     seqlens: tuple
     kv_dtype: str | None = None  # None: the caches in q's dtype; else an fp8 dtype (FP8_AXES)
     softcap: float = 0.0
+    sinks: bool = False
+    ragged: bool = False
 
     @property
     def id(self) -> str:
         seqlen_q, seqlen_k = self.seqlens
         flags = [name for name, on in (("newkv", self.new_kv), ("alibi", self.alibi), ("local", self.local),
                                        ("causal", self.causal), ("leftpad", self.has_leftpad),
-                                       ("bidx", self.has_batch_idx)) if on]
+                                       ("bidx", self.has_batch_idx), ("sinks", self.sinks),
+                                       ("ragged", self.ragged)) if on]
         if self.new_kv:
             flags.append("neweq" if self.seqlen_new_eq_seqlen_q else "newlt")
         if self.rotary_fraction:
@@ -110,10 +121,11 @@ class Combo:
                          f"splits{self.num_splits}", *flags])
 
     def features(self) -> list[str]:
-        """``axis=value`` of every axis: the keys of the report (FP8_AXES' for fp8 combos only, so the
-        other combos' samples stay as they were)."""
+        """``axis=value`` of every axis: the keys of the report (FP8_AXES' for fp8 combos only, and the
+        extension axes where on, so the other combos' samples stay as they were)."""
         axes = [*AXES, *FP8_AXES] if self.kv_dtype else AXES
-        return [f"{axis}={getattr(self, axis)}" for axis in axes]
+        return [f"{axis}={getattr(self, axis)}" for axis in axes] + \
+            [f"{axis}=True" for axis in EXTENSION_AXES if getattr(self, axis)]
 
     @classmethod
     def from_id(cls, text: str) -> Combo:
@@ -128,7 +140,8 @@ class Combo:
         return cls(dtype, int(splits.removeprefix("splits")), mha_type, "newkv" in flags, "alibi" in flags,
                    "local" in flags, "causal" in flags, "newlt" not in flags, rotary is not None and rotary[-1] == "i",
                    float(rotary[3:-1]) if rotary else 0.0, int(page[4:]) if page else None, "leftpad" in flags,
-                   "bidx" in flags, int(d.removeprefix("d")), (int(seqlen_q), int(seqlen_k)), fp8, softcap)
+                   "bidx" in flags, int(d.removeprefix("d")), (int(seqlen_q), int(seqlen_k)), fp8, softcap,
+                   "sinks" in flags, "ragged" in flags)
 
 
 def skip_reason(combo: Combo) -> str | None:
@@ -140,6 +153,8 @@ def skip_reason(combo: Combo) -> str | None:
         return "rotary without new k/v"
     if combo.paged_kv_block_size and (combo.has_batch_idx or combo.has_leftpad):
         return "paged with cache_batch_idx or cache_leftpad"
+    if combo.ragged and combo.new_kv and not combo.seqlen_new_eq_seqlen_q:
+        return "ragged queries append as many tokens as their rows"
     return None
 
 
@@ -150,11 +165,19 @@ def _axes(dtypes, max_seqlen_k):
     return axes
 
 
+def _split_axes(dtypes, max_seqlen_k, restrict):
+    """(the grid's axes, the extension axes ``restrict`` names), each with ``restrict``'s values."""
+    restrict = restrict or {}
+    axes = {**_axes(dtypes, max_seqlen_k), **{axis: values for axis, values in restrict.items() if axis in AXES}}
+    return axes, {axis: values for axis, values in restrict.items() if axis in EXTENSION_AXES}
+
+
 def full_grid(dtypes=AXES["dtype"], max_seqlen_k=None, restrict=None) -> list[Combo]:
     """Every combo FlashAttention runs (its skips removed), for these dtypes and sizes; ``restrict``
     as for ``sample``."""
-    axes = {**_axes(dtypes, max_seqlen_k), **(restrict or {})}
-    combos = (Combo(*values) for values in itertools.product(*axes.values()))
+    axes, extension = _split_axes(dtypes, max_seqlen_k, restrict)
+    combos = (dataclasses.replace(Combo(*values), **dict(zip(extension, extra)))
+              for values in itertools.product(*axes.values()) for extra in itertools.product(*extension.values()))
     return [combo for combo in combos if skip_reason(combo) is None]
 
 
@@ -167,8 +190,9 @@ def sample(count, seed, dtypes=AXES["dtype"], max_seqlen_k=None, pool=16, restri
     """``count`` distinct combos, deterministic for ``seed``, stratified over pairs of features:
     each pick is the one of ``pool`` random runnable combos whose (axis=value, axis=value) pairs
     have been seen least, so every value (and nearly every pair of values) appears evenly.
-    ``restrict``: {axis: values} drawn from instead of the grid's (a backend's part of the grid)."""
-    axes = {**_axes(dtypes, max_seqlen_k), **(restrict or {})}
+    ``restrict``: {axis: values} drawn from instead of the grid's (a backend's part of the grid), and
+    the values of the extension axes it names (``EXTENSION_AXES``; the others stay False)."""
+    axes, extension = _split_axes(dtypes, max_seqlen_k, restrict)
     rng = random.Random(seed)
     pair_counts = collections.Counter()
     chosen = {}
@@ -176,6 +200,7 @@ def sample(count, seed, dtypes=AXES["dtype"], max_seqlen_k=None, pool=16, restri
     def draw():
         while True:
             combo = Combo(*(rng.choice(values) for values in axes.values()))
+            combo = dataclasses.replace(combo, **{axis: rng.choice(values) for axis, values in extension.items()})
             if skip_reason(combo) is None:
                 return combo
 
@@ -191,6 +216,16 @@ def sample(count, seed, dtypes=AXES["dtype"], max_seqlen_k=None, pool=16, restri
         pair_counts.update(pairs)
         chosen[best] = None
     return list(chosen)
+
+
+def extension_sample(count_each, seed, **sample_arguments) -> list[Combo]:
+    """The grid with its extension axes: ``count_each`` combos (``sample``) of sinks at each split
+    count, and of ragged queries (with or without sinks) at each pair of causal and new k/v."""
+    parts = [{"sinks": (True,), "num_splits": (splits,)} for splits in AXES["num_splits"]]
+    parts += [{"ragged": (True,), "sinks": (False, True), "causal": (causal,), "new_kv": (new_kv,)}
+              for causal in AXES["causal"] for new_kv in AXES["new_kv"]]
+    return distinct(combo for index, restrict in enumerate(parts)
+                    for combo in sample(count_each, seed + index, restrict=restrict, **sample_arguments))
 
 
 def problem_of(combo: Combo) -> Problem:
@@ -213,7 +248,8 @@ def problem_of(combo: Combo) -> Problem:
                    and combo.rotary_fraction > 0, window_left=left, window_right=right,
                    softcap=combo.softcap > 0, alibi=ALIBI_PER_SEQUENCE if combo.alibi else 0,
                    leftpad=combo.has_leftpad, batch_idx=combo.has_batch_idx,
-                   offsets_32=offsets_fit_32((*cache, NHEADS_K[combo.mha_type], combo.d)), cache_dtype=combo.kv_dtype)
+                   offsets_32=offsets_fit_32((*cache, NHEADS_K[combo.mha_type], combo.d)), cache_dtype=combo.kv_dtype,
+                   sinks=combo.sinks, ragged=combo.ragged)
 
 
 def padding_mask(seqlen_k, ends, leftpads=None):
@@ -276,6 +312,9 @@ def make_case(combo: Combo, device) -> Case:
     window = tuple(randint(0, seqlen_k, (2,)).tolist()) if combo.local else (-1, -1)
     q = randn(BATCH, seqlen_q, NHEADS, d)
     seqlen_new = seqlen_q if combo.seqlen_new_eq_seqlen_q else int(randint(1, seqlen_q + 1))
+    # ragged: sequence b's rows are the last q_rows[b] of q's, its appended tokens the first of k's
+    q_rows = randint(1, seqlen_q + 1, (BATCH,)) if combo.ragged else torch.full((BATCH,), seqlen_q, device=device)
+    new_rows = q_rows if combo.ragged else torch.full((BATCH,), seqlen_new, device=device)
     k = randn(BATCH, seqlen_new, nheads_k, d) if combo.new_kv else None
     v = randn(BATCH, seqlen_new, nheads_k, d) if combo.new_kv else None
     block_table = None
@@ -299,7 +338,7 @@ def make_case(combo: Combo, device) -> Case:
     leftpad = None
     if combo.has_leftpad:
         leftpad = torch.cat([randint(0, n) if n > 0 else randint(0, 1) for n in cache_seqlens.tolist()])
-    key_padding_mask = padding_mask(seqlen_k, cache_seqlens + (seqlen_new if combo.new_kv else 0), leftpad)
+    key_padding_mask = padding_mask(seqlen_k, cache_seqlens + (new_rows if combo.new_kv else 0), leftpad)
     batch_idx = None
     if combo.has_batch_idx:
         batch_idx = torch.randperm(batch_cache, generator=generator, device=device)[:BATCH].to(torch.int32)
@@ -328,8 +367,8 @@ def make_case(combo: Combo, device) -> Case:
     if rotary_dim > 0:
         angle = torch.rand(rotary_rows, rotary_dim // 2, generator=generator, device=device) * 2 * math.pi
         cos, sin = torch.cos(angle).to(dtype), torch.sin(angle).to(dtype)
-        if combo.causal or combo.local:
-            q_ro = apply_rotary(q, cos, sin, cache_seqlens, combo.rotary_interleaved)
+        if combo.causal or combo.local:  # row i at cache_seqlens[b] + i (ragged: of its own rows)
+            q_ro = apply_rotary(q, cos, sin, cache_seqlens - (seqlen_q - q_rows), combo.rotary_interleaved)
         else:  # every query row at position cache_seqlens[b]
             rows = q.reshape(BATCH, 1, seqlen_q * NHEADS, d)
             q_ro = apply_rotary(rows, cos, sin, cache_seqlens, combo.rotary_interleaved).view_as(q)
@@ -337,21 +376,22 @@ def make_case(combo: Combo, device) -> Case:
     selected = slice(None) if batch_idx is None else batch_idx.long()
     k_cache_ref, v_cache_ref = k_cache[selected].clone(), v_cache[selected].clone()
     if combo.new_kv:
-        for b, start in enumerate(cache_seqlens.tolist()):
+        for b, (start, count) in enumerate(zip(cache_seqlens.tolist(), new_rows.tolist())):
             if combo.kv_dtype:
-                k_cache_ref[b, start:start + seqlen_new] = quantise(k_ro[b], descales["k_descale"][b], fp8)
-                v_cache_ref[b, start:start + seqlen_new] = quantise(v[b], descales["v_descale"][b], fp8)
+                k_cache_ref[b, start:start + count] = quantise(k_ro[b, :count], descales["k_descale"][b], fp8)
+                v_cache_ref[b, start:start + count] = quantise(v[b, :count], descales["v_descale"][b], fp8)
             else:
-                k_cache_ref[b, start:start + seqlen_new] = k_ro[b]
-                v_cache_ref[b, start:start + seqlen_new] = v[b]
+                k_cache_ref[b, start:start + count] = k_ro[b, :count]
+                v_cache_ref[b, start:start + count] = v[b, :count]
     k_seen, v_seen = k_cache_ref, v_cache_ref
     if combo.kv_dtype:  # the dequantised caches
         k_seen = k_cache_ref.float() * descales["k_descale"][:, None, :, None]
         v_seen = v_cache_ref.float() * descales["v_descale"][:, None, :, None]
     group = NHEADS // nheads_k
     k_rep, v_rep = k_seen.repeat_interleave(group, dim=2), v_seen.repeat_interleave(group, dim=2)
+    sinks = torch.randn(NHEADS, generator=generator, device=device) * 2 if combo.sinks else None
     masks = dict(key_padding_mask=key_padding_mask, attn_bias=bias, causal=combo.causal, window_size=window,
-                 key_leftpad=leftpad, softcap=combo.softcap)
+                 key_leftpad=leftpad, softcap=combo.softcap, sinks=sinks)
     out_ref, lse_ref = attention_ref(q_ro, k_rep, v_rep, **masks)
     out_pt, lse_pt = attention_ref(q_ro, k_rep.to(dtype), v_rep.to(dtype), **masks, upcast=False, reorder_ops=True)
     call = dict(q=q, k_cache=k_pages, v_cache=v_pages, k=k, v=v, rotary_cos=cos, rotary_sin=sin,
@@ -360,7 +400,22 @@ def make_case(combo: Combo, device) -> Case:
                 alibi_slopes=slopes, num_splits=combo.num_splits, return_softmax_lse=True, **descales)
     if combo.softcap:
         call["softcap"] = combo.softcap
+    if sinks is not None:
+        call["sinks"] = sinks
+    if combo.ragged:
+        counts = q_rows.tolist()
+        call.update(q=pack(q, counts, last=True), cu_seqlens_q=torch.tensor([0, *itertools.accumulate(counts)],
+                    dtype=torch.int32, device=device), max_seqlen_q=seqlen_q)
+        if combo.new_kv:
+            call.update(k=pack(k, counts, last=False), v=pack(v, counts, last=False))
+        out_ref, out_pt = pack(out_ref, counts, last=True), pack(out_pt, counts, last=True)
+        lse_ref, lse_pt = (pack(lse.transpose(1, 2), counts, last=True).transpose(0, 1) for lse in (lse_ref, lse_pt))
     return Case(call, k_cache_ref, v_cache_ref, out_ref, lse_ref, out_pt, lse_pt)
+
+
+def pack(padded, counts, last):
+    """(total, ...) from (B, S, ...): sequence b's last (or first) ``counts[b]`` rows, in order."""
+    return torch.cat([rows[-count:] if last else rows[:count] for rows, count in zip(padded, counts)])
 
 
 def within_rule(name, got, ref, pt, mult):

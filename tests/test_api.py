@@ -36,7 +36,7 @@ def test_signature_is_flash_attentions():
                   for p in parameters if p.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD]
     assert positional == FA_SIGNATURE
     extras = [p.name for p in parameters if p.kind is inspect.Parameter.KEYWORD_ONLY]
-    assert extras == ["backend", "out", "k_descale", "v_descale", "context"]
+    assert extras == ["backend", "out", "k_descale", "v_descale", "sinks", "cu_seqlens_q", "max_seqlen_q", "context"]
 
 
 def test_flash_attention_code_runs_unchanged():

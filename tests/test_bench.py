@@ -6,6 +6,7 @@ import csv
 import dataclasses
 import importlib.util
 import io
+import itertools
 import json
 import math
 import os
@@ -1085,3 +1086,30 @@ def test_records_rebuild_from_run_json_files(fake_run, tmp_path):
                                                                  "not a bench run"]
     candidates.write(found, tmp_path / "log" / "candidates.jsonl")
     assert candidates.read(tmp_path / "log" / "candidates.jsonl") == found
+
+
+def test_sinks_and_ragged_variants(runner):
+    """sinks: a logit per head; ragged: drafts of 1-8 tokens per sequence, packed by
+    cu_seqlens_q and appended; ragged-per-length computes the same rows in one call per length into
+    one out; ragged-padded gives every sequence ceil(drafts / batch) rows. No peer takes the first two."""
+    shape = cases.Case(0, 5, 40, 2, 4, 64, "uniform")
+    sinks = cases.make_call(shape, cases.VARIANTS["sinks"], dtype=torch.float32)
+    assert sinks.sinks.shape == (shape.nheads,) and sinks.kwargs()["sinks"] is sinks.sinks
+    ragged = cases.make_call(shape, cases.VARIANTS["ragged"], dtype=torch.float16)  # the public call's dtype
+    drafts = ragged.cu_seqlens_q.diff().tolist()
+    assert 1 <= min(drafts) and max(drafts) <= 8 and ragged.max_seqlen_q == 8
+    assert ragged.q.shape == (sum(drafts), shape.nheads, 64) and ragged.k.shape == (sum(drafts), shape.nheads_k, 64)
+    assert [length - cached for length, cached in zip(ragged.lengths, ragged.cache_seqlens.tolist())] == drafts
+    expected = _reference(ragged)
+    per_length = cases.make_call(shape, cases.VARIANTS["ragged-per-length"], dtype=torch.float16)
+    runs = [draft for draft, _ in itertools.groupby(drafts)]  # a part per run of one length
+    assert torch.equal(per_length.q, ragged.q) and [part.q.shape[1] for part in per_length.parts] == runs
+    check, setup, _ = runner.call_ours("reference")
+    assert check(per_length)["kernel"] == "single_pass"
+    out = setup([per_length])[0]()
+    assert out is per_length.out and relative_error(out, expected) < 1e-3
+    padded = cases.make_call(shape, cases.VARIANTS["ragged-padded"], dtype=torch.float32)
+    assert padded.q.shape == (5, -(-sum(drafts) // 5), shape.nheads, 64) and padded.cu_seqlens_q is None
+    for call in (sinks, ragged):
+        with pytest.raises(Unsupported, match="no peer takes them"):
+            runner._peer_check(lambda call: None)(call)

@@ -37,23 +37,23 @@ def test_the_traced_ops_and_the_host_path_take_the_declared_arguments():
                                            if argument.kind == call.TENSOR and argument.host_path)
 
 
-ADDED = '    Argument("sinks", None, TENSOR, "Tensor?", keyword_only=True, host_path=False),\n'
+ADDED = '    Argument("added_argument", None, TENSOR, "Tensor?", keyword_only=True, host_path=False),\n'
 
 CHECK = """
 import inspect, torch, flashdecode
 from flashdecode import context, host_path, ops
 assert flashdecode.__file__.startswith({root!r}), flashdecode.__file__
 for function in (flashdecode.flash_attn_with_kvcache, flashdecode.flash_decode_with_kvcache, flashdecode.plan_for):
-    parameter = inspect.signature(function).parameters["sinks"]
+    parameter = inspect.signature(function).parameters["added_argument"]
     assert parameter.kind is parameter.KEYWORD_ONLY and parameter.default is None, function
-assert list(inspect.signature(flashdecode.DecodeContext.run).parameters)[-1] == "sinks"
-assert flashdecode.call.NAMES[-1] == "sinks"
-assert "Tensor? sinks" in ops._schema(())
-assert host_path.LAYOUT[0][-1] == host_path.KEY_NONE_ONLY and "sinks" not in host_path.CALL_TENSORS
+assert list(inspect.signature(flashdecode.DecodeContext.run).parameters)[-1] == "added_argument"
+assert flashdecode.call.NAMES[-1] == "added_argument"
+assert "Tensor? added_argument" in ops._schema(())
+assert host_path.LAYOUT[0][-1] == host_path.KEY_NONE_ONLY and "added_argument" not in host_path.CALL_TENSORS
 checked, seen = context.check_call, []
-context.check_call = lambda sinks, **metas: (seen.append(sinks), checked(**metas))[1]
+context.check_call = lambda added_argument, **metas: (seen.append(added_argument), checked(**metas))[1]
 q, k = torch.randn(1, 1, 4, 8).half(), torch.randn(1, 16, 2, 8).half()
-out = flashdecode.flash_attn_with_kvcache(q, k, k, cache_seqlens=5, sinks=None, backend="reference")
+out = flashdecode.flash_attn_with_kvcache(q, k, k, cache_seqlens=5, added_argument=None, backend="reference")
 assert out.shape == q.shape and seen == [None], seen
 print("reached")
 """

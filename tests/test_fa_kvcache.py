@@ -1,14 +1,18 @@
 """FlashAttention's ``test_flash_attn_kvcache`` grid against the public call (``tests/fa_grid.py``
 says what is checked and where it departs from FlashAttention's list).
 
-CPU tier (unmarked): a seeded sample of 32 float16 combos with seqlen_k <= 1024, and 8 (seqlen_k <= 800) of the fp8
-part of the grid (``fa_grid.FP8_AXES``: fp8 caches x softcap over every other axis), each for the
-"reference" backend and for "triton" (under its interpreter without CUDA; bfloat16 is wrong there).
+CPU tier (unmarked): a seeded sample of 32 float16 combos with seqlen_k <= 1024, 8 (seqlen_k <= 800) of the fp8
+part of the grid (``fa_grid.FP8_AXES``: fp8 caches x softcap over every other axis), and one combo of
+each part of the extension axes (``fa_grid.extension_sample``: sinks at each split count, ragged
+queries at each pair of causal and new k/v), each for the "reference" backend and for "triton"
+(under its interpreter without CUDA; bfloat16 is wrong there).
 GPU tier (``gpu`` marker): "triton" and "tilelang", float16 and bfloat16, on FLASHDECODE_FA_GRID=
 "sample" (default: 2000 combos stratified over pairs of features), N (that many) or "full" (all
 506,880 combos per backend: about a million tests, hours), plus FLASHDECODE_FA_GRID_FP8 combos of the
 fp8 part (default 400; "full" is not drawn there). FLASHDECODE_FA_GRID_SEED (default 2025)
 draws another sample, so that runs cut by a time limit cover new combos, not the same first ones.
+The extension axes' GPU tier: "triton" and "auto" on FLASHDECODE_FA_GRID_EXTENSION combos of each
+part (default 40; TileLang takes neither sinks nor ragged queries).
 Two more GPU tiers on the part of the grid TileLang implements: "tilelang" on its own sample
 (FLASHDECODE_FA_GRID_TILELANG combos, or "full") and ``backend="auto"`` on another
 (FLASHDECODE_FA_GRID_AUTO), what a user's call runs. A backend that cannot take a combo raises
@@ -65,6 +69,9 @@ def part_combos(variable, default, seed):
     return fa_grid.sample(int(size), seed=seed, restrict=TILELANG_AXES)
 
 
+CPU_EXTENSION_COMBOS = fa_grid.extension_sample(1, seed=2026, dtypes=("float16",), max_seqlen_k=339)
+GPU_EXTENSION_COMBOS = fa_grid.extension_sample(int(os.environ.get("FLASHDECODE_FA_GRID_EXTENSION", "40")),
+                                                seed=GRID_SEED + 3)
 TILELANG_COMBOS = part_combos("FLASHDECODE_FA_GRID_TILELANG", "60", GRID_SEED + 1)
 #: What a user gets: the same part of the grid through ``backend="auto"`` (FLASHDECODE_FA_GRID_AUTO
 #: combos, default 60). On Hopper it sends head dim 256 and small plain caches to TileLang and the
@@ -133,6 +140,19 @@ def test_kvcache_grid_sample(backend, combo):
     run("cpu", backend, combo)
 
 
+@pytest.mark.parametrize("combo", CPU_EXTENSION_COMBOS, ids=lambda combo: combo.id)
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+def test_kvcache_grid_extension_sample(backend, combo):
+    run("cpu-extension", backend, combo)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("combo", GPU_EXTENSION_COMBOS, ids=lambda combo: combo.id)
+@pytest.mark.parametrize("backend", ["triton", "auto"])
+def test_kvcache_grid_extension_gpu(backend, combo):
+    run("gpu-extension", backend, combo)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("combo", GPU_COMBOS, ids=lambda combo: combo.id)
 @pytest.mark.parametrize("backend", ["triton", "tilelang"])
@@ -199,8 +219,10 @@ def test_report_is_written_after_every_combo_and_merges_across_workers(tmp_path)
 
 
 def test_a_combo_is_read_back_from_its_id():
-    """``Combo.from_id`` inverts ``Combo.id`` over a sample of the whole grid and of its fp8 part (every axis value)."""
-    for combo in fa_grid.sample(300, seed=7) + fa_grid.sample(100, seed=7, restrict=fa_grid.FP8_AXES):
+    """``Combo.from_id`` inverts ``Combo.id`` over a sample of the whole grid, of its fp8 part and of
+    the extension axes (every axis value)."""
+    for combo in (fa_grid.sample(300, seed=7) + fa_grid.sample(100, seed=7, restrict=fa_grid.FP8_AXES)
+                  + fa_grid.extension_sample(5, seed=7)):
         assert fa_grid.Combo.from_id(combo.id).id == combo.id
 
 

@@ -45,7 +45,7 @@ def make_call(batch=2, seqlens=None, out=None, return_lse=False):
     q = torch.randn(batch, 1, 4, 8)
     k_cache, v_cache = torch.randn(batch, 16, 2, 8), torch.randn(batch, 16, 2, 8)
     seqlens = torch.tensor([3] * batch, dtype=torch.int32) if seqlens is None else seqlens
-    return (*Call(q, k_cache, v_cache, cache_seqlens=seqlens, return_softmax_lse=return_lse, out=out), 0)
+    return (*Call(q, k_cache, v_cache, cache_seqlens=seqlens, return_softmax_lse=return_lse, out=out), 0)  # stream 0
 
 
 def test_a_record_launches_with_each_calls_tensors(module):

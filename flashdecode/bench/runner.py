@@ -102,24 +102,35 @@ _OURS_CALL = "flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=,
 
 def call_ours(backend: str):
     """System.check, System.setup, System.launch_path and System.setup_with_lse of the public call
-    with ``backend``: the timed calls return out, the checked ones (out, lse)."""
+    with ``backend``: the timed calls return out, the checked ones (out, lse). A call of ``parts``
+    runs each part into its rows of the call's ``out`` (no lse); the plan recorded is the first part's."""
     def check(call):
+        first = call.parts[0] if call.parts else call
         try:
-            route = flashdecode.plan_for(call.q, call.k_cache, call.v_cache, **call.kwargs(), backend=backend)
+            route = flashdecode.plan_for(first.q, first.k_cache, first.v_cache, **first.kwargs(), backend=backend)
         except flashdecode.BackendError as error:
             raise Unsupported(str(error)) from error
         return dataclasses.asdict(route.plan)
 
     def bind(call, lse: bool):
-        q, k_cache, v_cache, kwargs = call.q, call.k_cache, call.v_cache, call.kwargs()
-        return lambda: flashdecode.flash_attn_with_kvcache(q, k_cache, v_cache, **kwargs, backend=backend,
+        q, k_cache, v_cache, kwargs, out = call.q, call.k_cache, call.v_cache, call.kwargs(), call.out
+        return lambda: flashdecode.flash_attn_with_kvcache(q, k_cache, v_cache, **kwargs, backend=backend, out=out,
                                                            return_softmax_lse=lse)
 
     def setup(calls):
-        return [bind(call, False) for call in calls]
+        return [bind_parts(call) if call.parts else bind(call, False) for call in calls]
 
     def setup_with_lse(calls):
-        return [bind(call, True) for call in calls]
+        return [bind_parts(call) if call.parts else bind(call, True) for call in calls]
+
+    def bind_parts(call):
+        parts = [bind(part, False) for part in call.parts]
+
+        def run():
+            for part in parts:
+                part()
+            return call.out
+        return run
 
     def launch_path(call):
         context = default_context(call.q)
@@ -147,6 +158,8 @@ def _our_backend(name: str, cuda: bool) -> System:
 
 def _peer_check(limitation):
     def check(call):
+        if call.sinks is not None or call.cu_seqlens_q is not None:
+            raise Unsupported("sinks and ragged queries are flashdecode's own arguments (no peer takes them)")
         reason = limitation(call)
         if reason is not None:
             raise Unsupported(reason)

@@ -51,6 +51,9 @@ class LaunchArgs:
     #: fp8 caches: float32 (B, Hk) views (``reference.descale_table``): cache values read as cache * descale
     k_descale: torch.Tensor | None = None
     v_descale: torch.Tensor | None = None
+    sinks: torch.Tensor | None = None  # float32 (Hq,): each head's sink logit
+    #: int32 (B + 1,): ragged queries; q, out (total_q, Hq, D), k_new, v_new (total_q, Hk, D), lse (Hq, total_q)
+    cu_seqlens_q: torch.Tensor | None = None
 
 
 @dataclasses.dataclass(frozen=True)

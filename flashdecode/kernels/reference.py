@@ -39,7 +39,8 @@ class ReferenceBackend(Backend):
         return 1
 
     def launch(self, plan, problem, args):
-        """Appends k/v into the caches and writes ``args.out`` and ``args.lse`` (B, Hq, Sq) in place.
+        """Appends k/v into the caches and writes ``args.out`` and ``args.lse`` (B, Hq, Sq; ragged:
+        (Hq, total_q)) in place.
         Causal is ``problem.window_right == 0`` (validate folds it into the window)."""
         out, lse = reference_attention(
             args.q, args.k_cache, args.v_cache, k=args.k_new, v=args.v_new,
@@ -47,6 +48,6 @@ class ReferenceBackend(Backend):
             cache_batch_idx=args.cache_batch_idx, cache_leftpad=args.cache_leftpad, block_table=args.block_table,
             softmax_scale=args.softmax_scale, window_size=(problem.window_left, problem.window_right),
             softcap=args.softcap, rotary_interleaved=problem.rotary_interleaved, alibi_slopes=args.alibi_slopes,
-            k_descale=args.k_descale, v_descale=args.v_descale)
+            k_descale=args.k_descale, v_descale=args.v_descale, sinks=args.sinks, cu_seqlens_q=args.cu_seqlens_q)
         args.out.copy_(out)
         args.lse.copy_(lse)

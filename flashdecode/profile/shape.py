@@ -56,7 +56,7 @@ class Shape:
         tokens written, q and out."""
         variant = cases.VARIANTS[self.variant]
         return cases.bytes_read(self.lengths(), self.case.nheads_k, self.case.nheads, self.headdim,
-                                DTYPE_BYTES[self.dtype], variant.seqlen_q, variant.seqlen_new)
+                                DTYPE_BYTES[self.dtype], *variant.token_counts(self.case))
 
     def argv(self) -> list[str]:
         """The arguments that name this call again (for ``python -m flashdecode.profile.target``)."""

@@ -247,26 +247,29 @@ class TritonBackend(Backend):
         if problem.softcap:
             softcap_in = 2.0 * LOG2E * args.softmax_scale / args.softcap
             softcap_out = args.softcap * LOG2E
+        total_q = q.shape[0] if problem.ragged else None
+        out_strides = _sequence_strides(out, problem)
         scalars = (
             args.softmax_scale * LOG2E, softcap_in, softcap_out, *spec.schedule, *spec.features,
             k_cache.shape[0] if problem.paged or problem.batch_idx else None,
-            None if cos is None else cos.shape[0],
-            *q.stride()[:3], *k_cache.stride()[:3], *v_cache.stride()[:3], *out.stride()[:3],
-            *((None,) * 3 if k_new is None else k_new.stride()[:3]),
-            *((None,) * 3 if v_new is None else v_new.stride()[:3]),
+            None if cos is None else cos.shape[0], total_q,
+            *_sequence_strides(q, problem), *k_cache.stride()[:3], *v_cache.stride()[:3], *out_strides,
+            *((None,) * 3 if k_new is None else _sequence_strides(k_new, problem)),
+            *((None,) * 3 if v_new is None else _sequence_strides(v_new, problem)),
             None if table is None else table.stride(0),
             alibi.stride(0) if alibi is not None and alibi.dim() == 2 else None,
             *((None,) * 2 if k_descale is None else k_descale.stride()),
             *((None,) * 2 if v_descale is None else v_descale.stride()))
         tensors = (q, k_cache, v_cache, args.cache_seqlens, out, args.lse, args.part_o, args.part_lse,
                    k_new, v_new, args.cache_batch_idx, args.cache_leftpad, table, cos, args.rotary_sin, alibi,
-                   args.tickets, k_descale, v_descale)
+                   args.tickets, k_descale, v_descale, args.sinks, args.cu_seqlens_q)
         launches = [(split_kernel, spec.split_grid, tensors, scalars, spec.split_constexprs, spec.split_options)]
         if spec.combine_grid is not None:
             launches.append((
                 combine_kernel, spec.combine_grid,
-                (args.cache_seqlens, args.cache_leftpad, out, args.lse, args.part_o, args.part_lse),
-                (*spec.schedule, *spec.features[:2], out.stride(0), out.stride(1), out.stride(2)),
+                (args.cache_seqlens, args.cache_leftpad, out, args.lse, args.part_o, args.part_lse, args.sinks,
+                 args.cu_seqlens_q),
+                (*spec.schedule, *spec.features[:2], total_q, *out_strides),
                 spec.combine_constexprs, spec.combine_options))
         return launches
 
@@ -279,6 +282,14 @@ class TritonBackend(Backend):
                 self._specs.clear()
             entry = self._specs[key] = (plan, problem, _make_spec(plan, problem))
         return entry[2]
+
+
+def _sequence_strides(tensor: torch.Tensor, problem: Problem) -> tuple:
+    """(sequence, query position, head) strides of q, out, k or v: a ragged call's packed
+    (total_q, heads, D) tensors step 0 between sequences (each program adds its rows' offset)."""
+    if problem.ragged:
+        return (0, *tensor.stride()[:2])
+    return tensor.stride()[:3]
 
 
 def _make_spec(plan, problem: Problem) -> _LaunchSpec:
@@ -303,7 +314,8 @@ def _make_spec(plan, problem: Problem) -> _LaunchSpec:
         WINDOW_LEFT=window_left, WINDOW_RIGHT=window_right, SOFTCAP=problem.softcap, ALIBI=problem.alibi,
         LEFTPAD=leftpad, BATCH_IDX=problem.batch_idx and not problem.paged, MERGE_IN_SPLIT=plan.merge_in_split,
         MERGE_STEP=merge_step_for(config.block_m) if plan.merge_in_split else 1,
-        DEPENDENT_COMBINE=plan.dependent_combine, FP8=problem.cache_dtype is not None)
+        DEPENDENT_COMBINE=plan.dependent_combine, FP8=problem.cache_dtype is not None, SINKS=problem.sinks,
+        RAGGED=problem.ragged)
     head_chunk = config.combine_dims or head_pad
     if head_chunk & (head_chunk - 1) or head_chunk > head_pad:
         raise ValueError(f"triton: combine_dims must be a power of two of at most the padded head dim {head_pad}, "
@@ -313,7 +325,7 @@ def _make_spec(plan, problem: Problem) -> _LaunchSpec:
         BLOCK_N=config.block_n, BATCH_PAD=batch_pad, SPLITS_PER_STEP=config.combine_step, HEAD_CHUNK=head_chunk,
         APPEND=append,
         LEFTPAD=leftpad, WINDOW_LEFT=window_left, EMPTY_ROWS=problem.windowed and problem.seqlen_q > 1,
-        DEPENDENT_COMBINE=plan.dependent_combine)
+        DEPENDENT_COMBINE=plan.dependent_combine, SINKS=problem.sinks, RAGGED=problem.ragged)
     split_options = {"num_warps": config.num_warps, "num_stages": config.num_stages}
     if config.max_registers is not None:
         split_options[REGISTER_CEILING] = config.max_registers
