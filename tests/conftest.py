@@ -10,12 +10,14 @@ if not HAS_CUDA:
 
 
 def pytest_collection_modifyitems(config, items):
+    """Without CUDA, ``gpu``-marked tests are deselected, not skipped: a CPU run reports only the
+    skips that say something (each with its reason, ``-rs``)."""
     if HAS_CUDA:
         return
-    skip = pytest.mark.skip(reason="needs a CUDA device")
-    for item in items:
-        if "gpu" in item.keywords:
-            item.add_marker(skip)
+    gpu = [item for item in items if item.get_closest_marker("gpu") is not None]
+    if gpu:
+        config.hook.pytest_deselected(items=gpu)
+        items[:] = [item for item in items if item.get_closest_marker("gpu") is None]
 
 
 def pytest_terminal_summary(terminalreporter):
