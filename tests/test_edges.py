@@ -369,3 +369,42 @@ def test_rotary_positions(backend, interleaved, causal):
     want, _ = attention_ref(want_q, want_keys, want_values.float(), key_padding_mask=mask, causal=causal)
     error = (out.float().cpu() - want).norm() / want.norm()
     assert error < 5e-3
+
+
+# -- a bad block id in the partly used last page, without the host check --------------------------
+
+@pytest.mark.parametrize("page, bad", [(3, True), (4, False)], ids=["used", "unused"])
+def test_bad_block_id_in_the_partly_used_last_page_makes_nan_rows(page, bad):
+    """Length 14, pages of 4: page 3 holds tokens 12 and 13. The kernels' own check (what runs on
+    the device with value checks off) flags a bad id there with NaN rows; page 4 is never read.
+    The Triton backend launched on a validated plan, the bad id swapped in after the host check."""
+    from test_triton_interpreter import make_call, through_backend
+
+    call = make_call(capacity=20, page_size=4, lengths=[14, 20])
+    table = call.kwargs["block_table"].clone()
+    table[0, page] = -1
+    out = through_backend(call, block_table=table)[0]
+    assert bool(out[0].isnan().all()) == bad and bool(out[0].isnan().any()) == bad
+    assert not out[1].isnan().any()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend, page_size, length", [("triton", 4, 14), ("tilelang", 16, 50)])
+def test_bad_block_id_in_the_partly_used_last_page_on_the_gpu(backend, page_size, length):
+    """The public call on CUDA tensors, value checks off (the default): a bad id in the page that
+    holds the last tokens gives that sequence NaN rows; one in the page after them is never read."""
+    from flashdecode.kernels.base import BackendError
+
+    blocks, last = 5, length // page_size
+    q = torch.randn(2, 1, 8, 128, dtype=torch.float16, device="cuda")
+    pages = torch.randn(2 * blocks, page_size, 2, 128, dtype=torch.float16, device="cuda")
+    lengths = index([length, blocks * page_size], "cuda")
+    for page, bad in ((last, True), (last + 1, False)):
+        table = torch.arange(2 * blocks, dtype=torch.int32, device="cuda").view(2, blocks)
+        table[0, page] = -1
+        try:
+            out = flash_attn_with_kvcache(q, pages, pages, cache_seqlens=lengths, block_table=table, backend=backend)
+        except BackendError as error:
+            pytest.skip(f"{backend}: {error}")
+        assert bool(out[0].isnan().all()) == bad and bool(out[0].isnan().any()) == bad
+        assert not out[1].isnan().any()
