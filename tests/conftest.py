@@ -46,3 +46,11 @@ def last_dim_strided(tensor):
     """``tensor``'s values in a view whose last dimension has stride 2 (FlashAttention's wrapper
     copies such q, k, v and index tensors; so does the call)."""
     return torch.stack([tensor, torch.zeros_like(tensor)], -1)[..., 0]
+
+
+def slow_except(values, fast, several=False):
+    """``values`` as parameters of a grid, each marked ``slow`` unless it is in ``fast``: the fast
+    tier keeps a representative few of an interpreter grid, ``-m slow`` runs the rest. ``several``:
+    each value is a tuple of several arguments."""
+    return [pytest.param(*(value if several else (value,)), marks=() if value in fast else pytest.mark.slow)
+            for value in values]

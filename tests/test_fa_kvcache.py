@@ -31,7 +31,7 @@ import torch
 
 import fa_grid
 import flashdecode
-from conftest import HAS_CUDA
+from conftest import HAS_CUDA, slow_except
 from flashdecode.kernels.base import BackendError
 
 DEVICE = "cuda" if HAS_CUDA else "cpu"
@@ -124,7 +124,11 @@ def run(tier, backend, combo):
         fa_grid.check_combo(combo, DEVICE, public_call(backend))
 
 
-@pytest.mark.parametrize("combo", CPU_COMBOS, ids=lambda combo: combo.id)
+#: The fast tier's combos (append, rotary both ways, ALiBi, windows, left pad, pages); ``-m slow`` runs the rest.
+FAST_COMBOS = {CPU_COMBOS[8], CPU_COMBOS[21], CPU_COMBOS[29]}
+
+
+@pytest.mark.parametrize("combo", slow_except(CPU_COMBOS, FAST_COMBOS), ids=lambda combo: combo.id)
 @pytest.mark.parametrize("backend", ["reference", "triton"])
 def test_kvcache_grid_sample(backend, combo):
     run("cpu", backend, combo)
