@@ -103,6 +103,7 @@ def test_end_to_end_cpu_run(tmp_path):
     assert not (tmp_path / "results").exists()  # no default record file
 
 
+@pytest.mark.slow
 def test_end_to_end_variants_and_wide_matrix(tmp_path):
     """Every variant on a case off the block boundaries, and a wide-matrix case: checked against the
     reference, with the peers that cannot take a variant skipped, not failed."""

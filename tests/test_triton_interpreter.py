@@ -346,6 +346,7 @@ def test_strided_tensors():
     assert_matches((got[0], got[1], got[2].contiguous(), got[3].contiguous()), expected)
 
 
+@pytest.mark.slow
 def test_balanced_split_of_skewed_lengths():
     """The planner's own rule (balanced chunks over a long sequence among short ones) and the combine."""
     call = make_call(batch=4, capacity=300, nheads_k=1, group=4, lengths=[300, 3, 64, 0])

@@ -408,6 +408,7 @@ PREFETCH_PTX_SCRIPT = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 def test_the_first_block_prefetch_is_issued_before_the_length_is_loaded():
     """With ``prefetch_first_block``, a single-pass plan of a contiguous cache asks L2 for block 0's
     K and V rows before its first global load, in the PTX and in the SASS, so nothing it issues
