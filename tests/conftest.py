@@ -1,4 +1,6 @@
-"""Test setup: without CUDA, Triton kernels run under its interpreter (set before triton is imported)."""
+"""Test setup: without CUDA, Triton kernels run under its interpreter (set before triton is imported)
+and ``gpu`` tests are deselected. Tiers: ``python -m pytest`` (fast), ``python -m pytest -m slow``
+(interpreter grids and builds), ``python -m pytest -m gpu`` (CUDA)."""
 import os
 
 import pytest

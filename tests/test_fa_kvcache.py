@@ -1,8 +1,9 @@
 """FlashAttention's ``test_flash_attn_kvcache`` grid against the public call (``tests/fa_grid.py``
 says what is checked and where it departs from FlashAttention's list).
 
-CPU tier (unmarked): a seeded sample of 32 float16 combos with seqlen_k <= 1024, each for the
-"reference" backend and for "triton" (under its interpreter without CUDA; bfloat16 is wrong there).
+CPU tiers: a seeded sample of 32 float16 combos with seqlen_k <= 1024, each for the "reference"
+backend and for "triton" (under its interpreter without CUDA; bfloat16 is wrong there); 3 of them
+in the fast tier, the rest ``slow``.
 GPU tier (``gpu`` marker): "triton" and "tilelang", float16 and bfloat16, on FLASHDECODE_FA_GRID=
 "sample" (default: 2000 combos stratified over pairs of features), N (that many) or "full" (all
 506,880 combos per backend: about a million tests, hours). FLASHDECODE_FA_GRID_SEED (default 2025)

@@ -4,7 +4,8 @@ random, with and without appended k/v. The public call against ``reference_atten
 of the same inputs: outputs, lse, and every page after the call (appends land in exactly the
 right slots; no other page changes).
 
-CPU tier: "reference" and "triton" (its interpreter without CUDA), float16, small caches.
+CPU tiers: "reference" and "triton" (its interpreter without CUDA), float16, small caches; pages of
+16 in the fast tier, the other sizes ``slow``.
 GPU tier (``gpu`` marker): "triton" and "tilelang", float16 and bfloat16; a backend that cannot
 take a call (BackendError) is skipped with its message.
 """
