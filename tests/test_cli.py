@@ -76,6 +76,7 @@ def _bench(tmp_path, *args):
     return done.stdout
 
 
+@pytest.mark.slow  # two cases benchmarked end to end under the interpreter
 def test_end_to_end_cpu_run(tmp_path):
     """The documented command on a temporary folder; every output is written, the record only where named."""
     paths = {name: tmp_path / name for name in ("run.json", "run.csv", "bw.png", "log/candidates.jsonl")}
