@@ -101,7 +101,8 @@ EDGES = {  # name: (the call's arguments just inside, just outside, the error, a
     "left pad at 0": (dict(cache_leftpad=index([0, 0])), dict(cache_leftpad=index([-1, 0])), ValueError,
                       "cache_leftpad must be in"),
     "left pad at an int length": (dict(lengths=9, cache_leftpad=index([9, 9])),
-                                  dict(lengths=9, cache_leftpad=index([9, 10])), ValueError, "cache_leftpad must be in"),
+                                  dict(lengths=9, cache_leftpad=index([9, 10])), ValueError,
+                                  "cache_leftpad must be in"),
     "block id at num_pages - 1": (dict(PAGED, block_table=table_with((0, 0), 9)),
                                   dict(PAGED, block_table=table_with((0, 0), 10)), ValueError,
                                   r"block_table must be in \[0, 9\] \(pages of k_cache.*got values in \[1, 10\]"),
@@ -328,7 +329,10 @@ def rotated(x, position, rotary_dim, interleaved):
     else:
         first, second = x[..., :half], x[..., half:rotary_dim]
     new_first, new_second = first * cos - second * sin, first * sin + second * cos
-    pairs = torch.stack((new_first, new_second), -1).flatten(-2) if interleaved else torch.cat((new_first, new_second), -1)
+    if interleaved:
+        pairs = torch.stack((new_first, new_second), -1).flatten(-2)
+    else:
+        pairs = torch.cat((new_first, new_second), -1)
     return torch.cat((pairs, x[..., rotary_dim:]), -1)
 
 

@@ -186,8 +186,8 @@ SPECIALISATIONS = [  # (dtype, head_dim, group, nheads_k, can_split): every dtyp
 
 
 @needs_nvcc
-@pytest.mark.parametrize("dtype,head_dim,group,nheads_k,can_split", slow_except(SPECIALISATIONS, SPECIALISATIONS[1:2], several=True),
-                         ids=str)
+@pytest.mark.parametrize("dtype,head_dim,group,nheads_k,can_split",
+                         slow_except(SPECIALISATIONS, SPECIALISATIONS[1:2], several=True), ids=str)
 def test_split_kernel_compiles_for_sm90a(dtype, head_dim, group, nheads_k, can_split):
     problem = problem_of(dtype, head_dim, group, nheads_k)
     config = BACKEND.default_config(problem, H200, SPLIT)
@@ -214,7 +214,8 @@ def test_small_q_tile_variant_compiles(dtype, head_dim, group):
 
 @needs_nvcc
 @pytest.mark.parametrize("dtype,head_dim,group,nheads_k", slow_except(
-    [("bfloat16", 128, 8, 4), ("float16", 256, 8, 4), ("bfloat16", 64, 32, 1)], [("bfloat16", 128, 8, 4)], several=True), ids=str)
+    [("bfloat16", 128, 8, 4), ("float16", 256, 8, 4), ("bfloat16", 64, 32, 1)], [("bfloat16", 128, 8, 4)],
+    several=True), ids=str)
 def test_short_cache_kernel_compiles(dtype, head_dim, group, nheads_k):
     """Short unsplit caches take the short-cache kernel: no TMA pipeline, no producer; mma.sync
     below 64 rows (the shipped 16-row tile), wgmma at 64."""

@@ -256,7 +256,8 @@ def test_merge_steps(merge_step):
 
 
 @pytest.mark.parametrize("combine_dims", slow_except([16, 32, 64], {32}))
-@pytest.mark.parametrize("feature", slow_except(["lengths", "head-dim-59", "head-dim-80-group-8", "window"], {"head-dim-59"}))
+@pytest.mark.parametrize("feature", slow_except(["lengths", "head-dim-59", "head-dim-80-group-8", "window"],
+                                                {"head-dim-59"}))
 def test_combine_head_chunks(feature, combine_dims):
     """The combine kernel merging combine_dims head dims a program (padded head dims of 59 and 80
     included, rows no split saw a key of, several query rows): the whole head's results."""
@@ -396,7 +397,8 @@ BAD_VALUES = {  # make_call arguments, the index tensor, sequence 0's bad value 
 
 
 @pytest.mark.parametrize("case", slow_except(BAD_VALUES, {"block-id-last-page", "batch-idx"}))
-@pytest.mark.parametrize("num_splits, merge", slow_except([(0, False), (3, False), (3, True)], {(3, False)}, several=True),
+@pytest.mark.parametrize("num_splits, merge",
+                         slow_except([(0, False), (3, False), (3, True)], {(3, False)}, several=True),
                          ids=["auto", "split", "merge"])
 def test_bad_value_makes_its_sequence_nan(case, num_splits, merge):
     arguments, name, value, *column = BAD_VALUES[case]
