@@ -1,4 +1,6 @@
-"""Test setup: without CUDA, Triton kernels run under its interpreter (set before triton is imported)."""
+"""Test setup: without CUDA, Triton kernels run under its interpreter (set before triton is imported)
+and ``gpu`` tests are deselected. Tiers: ``python -m pytest`` (fast), ``python -m pytest -m slow``
+(interpreter grids and builds), ``python -m pytest -m gpu`` (CUDA)."""
 import os
 
 import pytest
@@ -10,12 +12,14 @@ if not HAS_CUDA:
 
 
 def pytest_collection_modifyitems(config, items):
+    """Without CUDA, ``gpu``-marked tests are deselected, not skipped: a CPU run reports only the
+    skips that say something (each with its reason, ``-rs``)."""
     if HAS_CUDA:
         return
-    skip = pytest.mark.skip(reason="needs a CUDA device")
-    for item in items:
-        if "gpu" in item.keywords:
-            item.add_marker(skip)
+    gpu = [item for item in items if item.get_closest_marker("gpu") is not None]
+    if gpu:
+        config.hook.pytest_deselected(items=gpu)
+        items[:] = [item for item in items if item.get_closest_marker("gpu") is None]
 
 
 def pytest_terminal_summary(terminalreporter):
@@ -44,3 +48,11 @@ def last_dim_strided(tensor):
     """``tensor``'s values in a view whose last dimension has stride 2 (FlashAttention's wrapper
     copies such q, k, v and index tensors; so does the call)."""
     return torch.stack([tensor, torch.zeros_like(tensor)], -1)[..., 0]
+
+
+def slow_except(values, fast, several=False):
+    """``values`` as parameters of a grid, each marked ``slow`` unless it is in ``fast``: the fast
+    tier keeps a representative few of an interpreter grid, ``-m slow`` runs the rest. ``several``:
+    each value is a tuple of several arguments."""
+    return [pytest.param(*(value if several else (value,)), marks=() if value in fast else pytest.mark.slow)
+            for value in values]

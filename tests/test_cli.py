@@ -76,6 +76,7 @@ def _bench(tmp_path, *args):
     return done.stdout
 
 
+@pytest.mark.slow  # two cases benchmarked end to end under the interpreter
 def test_end_to_end_cpu_run(tmp_path):
     """The documented command on a temporary folder; every output is written, the record only where named."""
     paths = {name: tmp_path / name for name in ("run.json", "run.csv", "bw.png", "log/candidates.jsonl")}
@@ -103,6 +104,7 @@ def test_end_to_end_cpu_run(tmp_path):
     assert not (tmp_path / "results").exists()  # no default record file
 
 
+@pytest.mark.slow
 def test_end_to_end_variants_and_wide_matrix(tmp_path):
     """Every variant on a case off the block boundaries, and a wide-matrix case: checked against the
     reference, with the peers that cannot take a variant skipped, not failed."""

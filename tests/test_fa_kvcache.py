@@ -1,11 +1,12 @@
 """FlashAttention's ``test_flash_attn_kvcache`` grid against the public call (``tests/fa_grid.py``
 says what is checked and where it departs from FlashAttention's list).
 
-CPU tier (unmarked): a seeded sample of 32 float16 combos with seqlen_k <= 1024, 8 (seqlen_k <= 800) of the fp8
+CPU tiers: a seeded sample of 32 float16 combos with seqlen_k <= 1024, 8 (seqlen_k <= 800) of the fp8
 part of the grid (``fa_grid.FP8_AXES``: fp8 caches x softcap over every other axis), and one combo of
 each part of the extension axes (``fa_grid.extension_sample``: sinks at each split count, ragged
 queries at each pair of causal and new k/v), each for the "reference" backend and for "triton"
-(under its interpreter without CUDA; bfloat16 is wrong there).
+(under its interpreter without CUDA; bfloat16 is wrong there); 3 of the 32, one fp8 combo and the
+extension combos in the fast tier, the rest ``slow``.
 GPU tier (``gpu`` marker): "triton" and "tilelang", float16 and bfloat16, on FLASHDECODE_FA_GRID=
 "sample" (default: 2000 combos stratified over pairs of features), N (that many) or "full" (all
 506,880 combos per backend: about a million tests, hours), plus FLASHDECODE_FA_GRID_FP8 combos of the
@@ -37,7 +38,7 @@ import torch
 
 import fa_grid
 import flashdecode
-from conftest import HAS_CUDA
+from conftest import HAS_CUDA, slow_except
 from flashdecode.kernels.base import BackendError
 
 DEVICE = "cuda" if HAS_CUDA else "cpu"
@@ -47,8 +48,9 @@ GRID_SEED = int(os.environ.get("FLASHDECODE_FA_GRID_SEED", "2025"))
 if GRID_SIZE not in ("sample", "full") and not GRID_SIZE.isdigit():
     raise ValueError(f"FLASHDECODE_FA_GRID must be 'sample', 'full' or a number of sampled combos, got {GRID_SIZE!r}")
 CPU_FP8_COMBOS = fa_grid.sample(8, seed=2095, dtypes=("float16",), max_seqlen_k=800, restrict=fa_grid.FP8_AXES)
-GPU_COMBOS = (fa_grid.full_grid() if GRID_SIZE == "full" else
-              fa_grid.sample(2000 if GRID_SIZE == "sample" else int(GRID_SIZE), seed=GRID_SEED)) + \
+#: Drawn only where CUDA is (a CPU run deselects the gpu tier; the draw of 2000 takes seconds).
+GPU_COMBOS = [] if not HAS_CUDA else (fa_grid.full_grid() if GRID_SIZE == "full" else
+                                      fa_grid.sample(2000 if GRID_SIZE == "sample" else int(GRID_SIZE), seed=GRID_SEED)) + \
     fa_grid.sample(int(os.environ.get("FLASHDECODE_FA_GRID_FP8", "400")), seed=GRID_SEED + 3, restrict=fa_grid.FP8_AXES)
 #: The part of the grid the TileLang kernels implement (no rotary, ALiBi, cache_leftpad or
 #: cache_batch_idx; head dims 64, 128, 256); query rows over its q tile are still skipped. Its own
@@ -134,7 +136,12 @@ def run(tier, backend, combo):
         fa_grid.check_combo(combo, DEVICE, public_call(backend))
 
 
-@pytest.mark.parametrize("combo", CPU_COMBOS + CPU_FP8_COMBOS, ids=lambda combo: combo.id)
+#: The fast tier's combos (append, rotary both ways, ALiBi, windows, left pad, pages; one fp8);
+#: ``-m slow`` runs the rest.
+FAST_COMBOS = {CPU_COMBOS[8], CPU_COMBOS[21], CPU_COMBOS[29], CPU_FP8_COMBOS[0]}
+
+
+@pytest.mark.parametrize("combo", slow_except(CPU_COMBOS + CPU_FP8_COMBOS, FAST_COMBOS), ids=lambda combo: combo.id)
 @pytest.mark.parametrize("backend", ["reference", "triton"])
 def test_kvcache_grid_sample(backend, combo):
     run("cpu", backend, combo)
@@ -247,8 +254,8 @@ def test_gpu_logs_give_each_combo_its_last_outcome():
 def test_large_combos_run_one_at_a_time(monkeypatch):
     """Two workers' large combos do not overlap; a small combo does not wait for a large one."""
     monkeypatch.setenv("PYTEST_XDIST_WORKER", "gw0")
-    large = next(combo for combo in GPU_COMBOS if combo.seqlens[1] >= LARGE_SEQLEN_K)
-    small = next(combo for combo in GPU_COMBOS if combo.seqlens[1] < LARGE_SEQLEN_K)
+    small = CPU_COMBOS[0]
+    large = dataclasses.replace(small, seqlens=(1, LARGE_SEQLEN_K))
     spans = []
 
     def work(combo, hold):

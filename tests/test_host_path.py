@@ -243,6 +243,7 @@ def test_a_cuda_launch_whose_arguments_do_not_fit_their_kinds_gets_no_record(mod
     assert len(path) == 0
 
 
+@pytest.mark.slow
 def test_the_extension_builds_without_tvm_ffi(tmp_path, monkeypatch):
     """Triton-only installs: the library then takes CUDA launches only."""
     monkeypatch.setattr(host_path, "_tvm_ffi_package", lambda: None)

@@ -4,7 +4,8 @@ random, with and without appended k/v. The public call against ``reference_atten
 of the same inputs: outputs, lse, and every page after the call (appends land in exactly the
 right slots; no other page changes).
 
-CPU tier: "reference" and "triton" (its interpreter without CUDA), float16, small caches.
+CPU tiers: "reference" and "triton" (its interpreter without CUDA), float16, small caches; pages of
+16 in the fast tier, the other sizes ``slow``.
 GPU tier (``gpu`` marker): "triton" and "tilelang", float16 and bfloat16; a backend that cannot
 take a call (BackendError) is skipped with its message.
 """
@@ -15,7 +16,7 @@ import pytest
 import torch
 
 import flashdecode
-from conftest import HAS_CUDA
+from conftest import HAS_CUDA, slow_except
 from flashdecode.kernels.base import BackendError
 from flashdecode.reference import reference_attention, relative_error
 
@@ -118,7 +119,7 @@ def check_paged(backend, page_size, variant_name, shape, dtype, seed=0):
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
-@pytest.mark.parametrize("page_size", PAGE_SIZES)
+@pytest.mark.parametrize("page_size", slow_except(PAGE_SIZES, {16}))
 @pytest.mark.parametrize("backend", ["reference", "triton"])
 def test_paged_small(backend, page_size, variant):
     check_paged(backend, page_size, variant, CPU_SHAPE, torch.float16, seed=page_size)

@@ -15,6 +15,8 @@ import types
 import pytest
 import torch
 
+from conftest import slow_except
+
 tilelang = pytest.importorskip("tilelang")
 from flashdecode.hardware import PROFILES  # noqa: E402
 from flashdecode.kernels.tilelang import launch, occupancy, patches  # noqa: E402
@@ -184,7 +186,8 @@ SPECIALISATIONS = [  # (dtype, head_dim, group, nheads_k, can_split): every dtyp
 
 
 @needs_nvcc
-@pytest.mark.parametrize("dtype,head_dim,group,nheads_k,can_split", SPECIALISATIONS, ids=str)
+@pytest.mark.parametrize("dtype,head_dim,group,nheads_k,can_split",
+                         slow_except(SPECIALISATIONS, SPECIALISATIONS[1:2], several=True), ids=str)
 def test_split_kernel_compiles_for_sm90a(dtype, head_dim, group, nheads_k, can_split):
     problem = problem_of(dtype, head_dim, group, nheads_k)
     config = BACKEND.default_config(problem, H200, SPLIT)
@@ -197,6 +200,7 @@ def test_split_kernel_compiles_for_sm90a(dtype, head_dim, group, nheads_k, can_s
         assert "decode_combine" in compiled_source("combine", problem)
 
 
+@pytest.mark.slow
 @needs_nvcc
 @pytest.mark.parametrize("dtype,head_dim,group", [("float16", 128, 4)], ids=str)
 def test_small_q_tile_variant_compiles(dtype, head_dim, group):
@@ -209,8 +213,9 @@ def test_small_q_tile_variant_compiles(dtype, head_dim, group):
 
 
 @needs_nvcc
-@pytest.mark.parametrize("dtype,head_dim,group,nheads_k",
-                         [("bfloat16", 128, 8, 4), ("float16", 256, 8, 4), ("bfloat16", 64, 32, 1)], ids=str)
+@pytest.mark.parametrize("dtype,head_dim,group,nheads_k", slow_except(
+    [("bfloat16", 128, 8, 4), ("float16", 256, 8, 4), ("bfloat16", 64, 32, 1)], [("bfloat16", 128, 8, 4)],
+    several=True), ids=str)
 def test_short_cache_kernel_compiles(dtype, head_dim, group, nheads_k):
     """Short unsplit caches take the short-cache kernel: no TMA pipeline, no producer; mma.sync
     below 64 rows (the shipped 16-row tile), wgmma at 64."""
@@ -273,6 +278,7 @@ FEATURES = {  # name: (problem, the text its split kernel's source must have)
 }
 
 
+@pytest.mark.slow
 @needs_nvcc
 @pytest.mark.parametrize("name", FEATURES)
 def test_feature_kernels_compile_for_sm90a(name):
