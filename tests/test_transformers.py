@@ -314,3 +314,81 @@ def test_gpu_smollm2_chat_matches_eager(cache_kind, backend):
     ids, mask = chat_batch(tokenizer)
     check_against_baselines(model, ids, mask, SMOLLM_STEPS, cache_kind, gpu_backend(backend), "cuda")
 
+
+
+# -- the paged path: the kernels-format package generate_batch loads ------------------------------
+
+def paged_kernel_module():
+    """The kernels-format package, loaded through transformers' hub-kernel loader (offline)."""
+    pytest.importorskip("kernels")
+    from transformers.modeling_flash_attention_utils import lazy_import_flash_attention
+
+    name = fd_transformers.paged_kernel()
+    (flash, varlen, with_kvcache, _, _), _ = lazy_import_flash_attention(name)
+    return name, flash, varlen, with_kvcache
+
+
+def test_paged_kernel_loads_offline_through_transformers():
+    from flashdecode import flash_attn_with_kvcache
+
+    name, flash, varlen, with_kvcache = paged_kernel_module()
+    assert "flash" in name and "2" in name  # transformers' block-table gate asks for FlashAttention 2 or 3
+    assert flash is None and varlen is fd_transformers.varlen_attention
+    assert inspect.unwrap(with_kvcache) is flash_attn_with_kvcache
+    assert "block_table" in inspect.signature(with_kvcache).parameters
+
+
+@pytest.mark.parametrize("window", [(-1, -1), (2, 0)])
+def test_varlen_attention_matches_each_sequence(window):
+    """The paged path's prefill: packed sequences of 5, 1 and 3 queries over 5, 4 and 6 keys
+    (bottom-right causal), then two padding rows, against flashdecode's reference per sequence."""
+    from flashdecode import flash_attn_with_kvcache
+
+    torch.manual_seed(0)
+    lengths_q, lengths_k = (5, 1, 3), (5, 4, 6)
+    q = torch.randn(sum(lengths_q) + 2, 4, 16)
+    k, v = torch.randn(2, sum(lengths_k), 2, 16).unbind(0)
+    cu_q = torch.tensor([0, 5, 6, 9], dtype=torch.int32)
+    cu_k = torch.tensor([0, 5, 9, 15], dtype=torch.int32)
+    out = fd_transformers.varlen_attention(q, k, v, cu_q, cu_k, 5, 6, softmax_scale=0.3, causal=True,
+                                           window_size=window)
+    for b in range(3):
+        rows, keys = slice(cu_q[b], cu_q[b + 1]), slice(cu_k[b], cu_k[b + 1])
+        expected = flash_attn_with_kvcache(q[None, rows].half(), k[None, keys].half(), v[None, keys].half(),
+                                           softmax_scale=0.3, causal=True, window_size=window, backend="reference")
+        torch.testing.assert_close(out[rows], expected[0].float(), atol=2e-3, rtol=2e-3)
+    assert out[9:].eq(0).all()
+
+
+@pytest.mark.gpu
+def test_gpu_generate_batch_decodes_through_flashdecode_over_the_block_table(monkeypatch):
+    """generate_batch with the paged kernel: its decode steps call flashdecode with a block table,
+    and the tokens are SDPA's."""
+    import functools
+
+    from transformers import GenerationConfig
+
+    name, _, _, _ = paged_kernel_module()
+    import kernels
+
+    module = kernels.get_kernel(name, version=1)
+    original = module.flash_attn_with_kvcache
+    block_tables = []
+
+    @functools.wraps(original)
+    def spy(*args, **kwargs):
+        block_tables.append(kwargs.get("block_table") is not None)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(module, "flash_attn_with_kvcache", spy)
+    model32, tokenizer = smollm2()
+    ids, mask = chat_batch(tokenizer)
+    prompts = [row[keep.bool()].tolist() for row, keep in zip(ids, mask)]
+    config = GenerationConfig(max_new_tokens=SMOLLM_STEPS, do_sample=False, eos_token_id=None)
+    tokens = {}
+    for implementation in ("sdpa", name):
+        model = with_attention(model32.to("cuda"), implementation)
+        results = model.generate_batch(inputs=prompts, generation_config=config)
+        tokens[implementation] = [results[key].generated_tokens for key in sorted(results)]
+    assert block_tables and all(block_tables)
+    assert tokens[name] == tokens["sdpa"]

@@ -110,6 +110,42 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
     return out, None
 
 
+def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max_seqlen_k=None, dropout_p=0.0,
+                     softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, **unused):
+    """FlashAttention 2's ``flash_attn_varlen_func`` on SDPA, for the paged path's prefill: q
+    (total_q, heads, head_dim) and k, v (total_k, kv_heads, head_dim) pack the sequences that
+    ``cu_seqlens_q``/``cu_seqlens_k`` (int32 (batch + 1,)) delimit; causal masks are bottom-right
+    aligned. One masked SDPA call, built from tensors only (no host sync). Rows outside every
+    sequence (padding) give zeros. Returns (total_q, heads, head_dim)."""
+    if dropout_p:
+        raise ValueError(f"dropout_p must be 0, got {dropout_p}")
+    if softcap:
+        raise ValueError(f"softcap must be 0 on the paged path's prefill (SDPA), got {softcap}")
+    batch = cu_seqlens_q.shape[0] - 1
+
+    def sequence_and_distance_to_end(total, cu_seqlens):
+        index = torch.arange(total, device=cu_seqlens.device)
+        sequence = torch.searchsorted(cu_seqlens[1:].long(), index, right=True)
+        end = cu_seqlens[1:].long()[sequence.clamp(max=batch - 1)]
+        return sequence, end - index  # 1 for a sequence's last token
+
+    sequence_q, to_end_q = sequence_and_distance_to_end(q.shape[0], cu_seqlens_q)
+    sequence_k, to_end_k = sequence_and_distance_to_end(k.shape[0], cu_seqlens_k)
+    behind = to_end_k[None, :] - to_end_q[:, None]  # query position minus key position
+    visible = (sequence_q[:, None] == sequence_k[None, :]) & (sequence_q[:, None] < batch)
+    left, right = window_size
+    if causal:
+        right = 0
+    if left >= 0:
+        visible &= behind <= left
+    if right >= 0:
+        visible &= behind >= -right
+    out = torch.nn.functional.scaled_dot_product_attention(
+        q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], attn_mask=visible,
+        scale=softmax_scale, enable_gqa=True)[0].transpose(0, 1)
+    return out.masked_fill(~visible.any(-1)[:, None, None], 0)
+
+
 def paged_kernel() -> str:
     """Make the kernels-format package of the paged path loadable offline and return the
     ``attn_implementation`` name that selects it (e.g. for ``generate_batch``).
