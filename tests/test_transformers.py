@@ -392,3 +392,40 @@ def test_gpu_generate_batch_decodes_through_flashdecode_over_the_block_table(mon
         tokens[implementation] = [results[key].generated_tokens for key in sorted(results)]
     assert block_tables and all(block_tables)
     assert tokens[name] == tokens["sdpa"]
+
+
+# -- the decode-step benchmark ------------------------------------------------------------------
+
+def test_models_bench_rows_on_cpu(tmp_path, monkeypatch):
+    """The harness end to end on a tiny config (CPU: eager rows; FA2 absent is a skipped row)."""
+    import json
+
+    from flashdecode.bench import models
+
+    monkeypatch.setitem(models.GRIDS, "tiny", dict(models=("tiny",), batches=(2,), contexts=(16,)))
+    monkeypatch.setitem(models.STEPS, "eager", 2)
+    out = tmp_path / "rows.json"
+    rows = models.run("tiny", out=str(out), device="cpu", progress=lambda line: None)
+    assert [(row.mode, row.system) for row in rows] == [("eager", system) for system in models.SYSTEMS]
+    by_system = {row.system: row for row in rows}
+    for system in ("sdpa", "flashdecode"):
+        row = by_system[system]
+        assert row.correct and row.ms_per_step > 0 and row.tokens_per_s > 0 and 0 <= row.attention_share < 1, row
+    if importlib.util.find_spec("flash_attn") is None:
+        assert by_system["flash_attention_2"].skipped
+    assert json.loads(out.read_text())[0].keys() >= {"model", "batch", "context", "mode", "system", "ms_per_step",
+                                                     "tokens_per_s", "attention_share", "correct"}
+    assert "| tiny | 2 | 16 | eager |" in models.table(rows)
+
+
+def test_models_bench_skips_what_fa2_build_lacks(tmp_path, monkeypatch):
+    import json
+
+    from flashdecode.bench import models
+
+    (tmp_path / "BUILD.json").write_text(json.dumps({"arch": "sm_90a", "headdims": [64, 128, 256],
+                                                     "disabled": ["SOFTCAP", "LOCAL", "ALIBI"]}))
+    monkeypatch.setenv("FLASHDECODE_FA2_PATH", str(tmp_path))
+    assert "softcap" in models.fa2_limitation(models.model_config("gemma-2-9b"))
+    assert models.fa2_limitation(models.model_config("llama-3.1-8b")) is None
+    assert models.cache_bytes(models.model_config("llama-3.1-8b"), 1, 1024) == 2 * 32 * 1024 * 8 * 128 * 2
