@@ -288,13 +288,7 @@ def test_smollm2_chat_matches_eager_reference(cache_kind):
 
 # -- GPU tier ------------------------------------------------------------------------------------
 
-GPU_BACKENDS = ("auto", "triton", "tilelang")
-
-
-def gpu_backend(backend):
-    if backend == "tilelang" and importlib.util.find_spec("tilelang") is None:
-        pytest.skip("tilelang is not installed")
-    return backend
+GPU_BACKENDS = ("auto", "triton")
 
 
 @pytest.mark.gpu
@@ -303,7 +297,7 @@ def gpu_backend(backend):
 @pytest.mark.parametrize("family", FAMILIES)
 def test_gpu_tiny_models_match_eager(family, cache_kind, backend):
     ids, mask = padded_prompts(256)
-    check_against_baselines(tiny_model(family), ids, mask, STEPS, cache_kind, gpu_backend(backend), "cuda")
+    check_against_baselines(tiny_model(family), ids, mask, STEPS, cache_kind, backend, "cuda")
 
 
 @pytest.mark.gpu
@@ -312,7 +306,20 @@ def test_gpu_tiny_models_match_eager(family, cache_kind, backend):
 def test_gpu_smollm2_chat_matches_eager(cache_kind, backend):
     model, tokenizer = smollm2()
     ids, mask = chat_batch(tokenizer)
-    check_against_baselines(model, ids, mask, SMOLLM_STEPS, cache_kind, gpu_backend(backend), "cuda")
+    check_against_baselines(model, ids, mask, SMOLLM_STEPS, cache_kind, backend, "cuda")
+
+
+@pytest.mark.gpu
+def test_gpu_tilelang_says_it_needs_a_contiguous_cache():
+    """The TileLang kernels take contiguous (B, T, Hk, D) caches without cache_leftpad; transformers'
+    caches are (B, Hk, T, D): backend="tilelang" raises BackendError saying so (auto runs Triton)."""
+    from flashdecode import BackendError
+
+    pytest.importorskip("tilelang")
+    ids, mask = padded_prompts(256)
+    model = with_attention(tiny_model("llama").to("cuda"), fd_transformers.register("tilelang"))
+    with pytest.raises(BackendError, match="contiguous"):
+        model.generate(ids.cuda(), attention_mask=mask.cuda(), max_new_tokens=2, do_sample=False)
 
 
 
