@@ -450,3 +450,9 @@ def test_models_bench_skips_what_fa2_build_lacks(tmp_path, monkeypatch):
     assert "softcap" in models.fa2_limitation(models.model_config("gemma-2-9b"))
     assert models.fa2_limitation(models.model_config("llama-3.1-8b")) is None
     assert models.cache_bytes(models.model_config("llama-3.1-8b"), 1, 1024) == 2 * 32 * 1024 * 8 * 128 * 2
+
+
+def test_models_bench_command_names_an_unknown_model(capsys):
+    from conftest import cli_fails
+
+    cli_fails(capsys, ["models-bench", "--models", "gpt-9", "--device", "cpu", "--out", ""], "model must be one of")
