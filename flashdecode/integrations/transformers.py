@@ -23,13 +23,14 @@ Written against transformers 5.17.0 and 5.25.0 (``ATTENTION_ARGUMENTS`` records 
 """
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
 
 from ..api import flash_attn_with_kvcache
 
-#: Most new tokens a sequence that take the decode path (the TileLang kernels' limit); longer go to prefill.
+#: Most new tokens of a sequence on the decode path (the TileLang kernels' limit); more go to prefill.
 MAX_DECODE_QUERY = 16
 #: The ``attn_implementation`` name of each flashdecode backend.
 NAMES = {"auto": "fdecode", "tilelang": "fdecode_tilelang", "triton": "fdecode_triton",
@@ -51,12 +52,7 @@ def register(backend: str = "auto") -> str:
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface
 
-    def attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, sliding_window=None,
-                  softcap=None, **kwargs):
-        return attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
-                                 sliding_window=sliding_window, softcap=softcap, backend=backend, **kwargs)
-
-    AttentionInterface.register(NAMES[backend], attention)
+    AttentionInterface.register(NAMES[backend], functools.partial(attention_forward, backend=backend))
     AttentionMaskInterface.register(NAMES[backend], decode_mask)
     return NAMES[backend]
 
