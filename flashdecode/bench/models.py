@@ -118,6 +118,10 @@ def expose_fa2() -> str | None:
         (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: flash-attn\nVersion: {flash_attn.__version__}\n")
         (info / "top_level.txt").write_text("flash_attn\n")
         sys.path.append(str(info.parent))
+    from transformers.utils import import_utils
+
+    for checked in ("_package_distribution_mapping", "is_flash_attn_2_available"):  # memoized answers
+        getattr(getattr(import_utils, checked, None), "cache_clear", lambda: None)()
     return None
 
 
