@@ -81,7 +81,7 @@ def with_attention(model32, implementation, dtype=torch.bfloat16):
     """A ``dtype`` copy of ``model32`` running ``implementation``."""
     model = type(model32)(model32.config).eval()
     model.load_state_dict(model32.state_dict())
-    model = model.to(dtype)
+    model = model.to(device=model32.device, dtype=dtype)
     model.set_attn_implementation(implementation)
     return model
 
