@@ -54,27 +54,33 @@ def make_cache(model, kind, max_cache_len):
 
 
 @torch.no_grad()
-def step_logits(model, ids, mask, tokens, cache_kind):
+def step_logits(model, ids, mask, tokens, cache_kind, steps=None):
     """Logits (steps, batch, vocab) of the prefill and of each decode step fed ``tokens`` (batch,
-    steps), left padding in ``mask``, through a cache of ``cache_kind``."""
-    cache = make_cache(model, cache_kind, ids.shape[1] + tokens.shape[1])
+    steps), left padding in ``mask``, through a cache of ``cache_kind``. With ``tokens`` None, each
+    step is fed the last one's greedy token for ``steps`` steps; returns (logits, tokens) then."""
+    greedy = tokens is None
+    steps = steps if greedy else tokens.shape[1]
+    cache = make_cache(model, cache_kind, ids.shape[1] + steps)
     positions = (mask.cumsum(-1) - 1).clamp(min=0)
     out = model(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache, use_cache=True)
     logits = [out.logits[:, -1].float()]
-    for step in range(tokens.shape[1] - 1):
+    fed = []
+    for step in range(steps - 1):
+        fed.append(logits[-1].argmax(-1, keepdim=True) if greedy else tokens[:, step:step + 1])
         mask = torch.cat([mask, torch.ones_like(mask[:, :1])], 1)
         positions = positions[:, -1:] + 1
-        out = model(input_ids=tokens[:, step:step + 1], attention_mask=mask, position_ids=positions,
-                    past_key_values=cache, use_cache=True)
+        out = model(input_ids=fed[-1], attention_mask=mask, position_ids=positions, past_key_values=cache,
+                    use_cache=True)
         logits.append(out.logits[:, -1].float())
+    if greedy:
+        fed.append(logits[-1].argmax(-1, keepdim=True))
+        return torch.stack(logits), torch.cat(fed, 1)
     return torch.stack(logits)
 
 
-@torch.no_grad()
 def greedy_tokens(model, ids, mask, steps):
-    """The greedy continuation (batch, steps) of float32 ``model``: the tokens every system is fed."""
-    out = model.generate(ids, attention_mask=mask, max_new_tokens=steps, min_new_tokens=steps, do_sample=False)
-    return out[:, ids.shape[1]:]
+    """The greedy continuation (batch, steps) of ``model``: the tokens every system is fed."""
+    return step_logits(model, ids, mask, None, "dynamic", steps)[1]
 
 
 def with_attention(model32, implementation, dtype=torch.bfloat16):
@@ -99,8 +105,7 @@ def check_against_baselines(model32, ids, mask, steps, cache_kind, backend, devi
     model32 = model32.to(device)
     ids, mask = ids.to(device), mask.to(device)
     model32.set_attn_implementation("eager")
-    tokens = greedy_tokens(model32, ids, mask, steps)
-    reference = step_logits(model32, ids, mask, tokens, cache_kind)
+    reference, tokens = step_logits(model32, ids, mask, None, cache_kind, steps)
     baselines = {}
     for implementation in ("eager", "sdpa") if model32._supports_sdpa else ("eager",):  # Gemma-2: eager only
         baselines[implementation] = distances(
