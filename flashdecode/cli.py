@@ -260,6 +260,30 @@ def _run_warmup(args) -> int:
     built = warmup.build(entries, shard=(int(index), int(count)), backend=backend,
                          on_built=lambda kernel, problem, config: print("built", kernel, problem, config, flush=True))
     print(f"flashdecode warmup: {built} of {len(entries)} kernels built into {env.TILELANG_CACHE_DIR}")
+
+
+def _add_models_bench(subparsers) -> None:
+    parser = subparsers.add_parser(
+        "models-bench", help="time whole-model decode steps: sdpa, flash_attention_2 and flashdecode in transformers",
+        description="Time one decode step of SmolLM2-135M and Llama-3.1-8B-, Qwen2.5-7B- and Gemma-2-9B-shaped "
+                    "models (random bf16 weights) on a StaticCache of 1k-32k random tokens, batch 1/16/64, eager and "
+                    "replayed from a CUDA graph, with transformers' sdpa, flash_attention_2 (FLASHDECODE_FA2_PATH) "
+                    "and flashdecode; writes rows (ms/step, tokens/s, attention share, correct) as JSON.")
+    parser.add_argument("--quick", action="store_true", help="the small grid (2 models, batch 1/16, 1k/8k)")
+    parser.add_argument("--models", default="", help="a comma list of models of the grid (default: all)")
+    parser.add_argument("--out", default="docs/model-decode.json", help="the JSON rows (default: %(default)s)")
+    parser.add_argument("--device", default=None, help="cuda or cpu (default: cuda where present)")
+    parser.set_defaults(handler=_run_models_bench, command_parser=parser)
+
+
+def _run_models_bench(args) -> int:
+    from .bench import models
+
+    try:
+        rows = models.run("quick" if args.quick else "default", _names(args.models) or None, args.out, args.device)
+    except (ImportError, ValueError) as error:
+        args.command_parser.error(str(error))
+    print(models.table(rows))
     return 0
 
 
@@ -270,6 +294,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_profile(subparsers)
     _add_candidates(subparsers)
     _add_warmup(subparsers)
+    _add_models_bench(subparsers)
     return parser
 
 

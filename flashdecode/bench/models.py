@@ -1,0 +1,344 @@
+"""The decode-step benchmark of whole models (``flashdecode models-bench``): ms per decode step and
+tokens/s of transformers models whose attention is ``sdpa``, ``flash_attention_2`` or flashdecode,
+on a StaticCache, eager and replayed from a CUDA graph, with the share of the step spent in
+attention and a correctness column.
+
+Models: SmolLM2-135M (its config; the weights do not change the speed) and Llama-3.1-8B-,
+Qwen2.5-7B- and Gemma-2-9B-shaped models with random bf16 weights. The cache is filled with random
+keys and values to the context length (no prefill: speed does not depend on them), then each row
+times one decode step of every sequence at that length. Attention share: 1 - (the step with an
+attention that returns its query) / (the step). Correct: the step's logits against eager
+attention's on the same cache (relative L2 under ``TOLERANCE`` and the same top-1 on at least
+``TOP1_AGREEMENT`` of the rows). Rows a system cannot run say why in ``skipped``.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import pathlib
+import sys
+import tempfile
+import time
+
+import torch
+
+#: Relative L2 distance of a step's logits from eager attention's, and the share of rows whose
+#: top-1 must agree (bf16 near-ties flip a few), for ``correct``.
+TOLERANCE, TOP1_AGREEMENT = 0.05, 0.9
+SYSTEMS = ("sdpa", "flash_attention_2", "flashdecode")
+MODES = ("graph", "eager")
+GRIDS = {"default": dict(models=("smollm2-135m", "llama-3.1-8b", "qwen2.5-7b", "gemma-2-9b"), batches=(1, 16, 64),
+                         contexts=(1024, 8192, 32768)),
+         "quick": dict(models=("smollm2-135m", "llama-3.1-8b"), batches=(1, 16), contexts=(1024, 8192))}
+#: Decode steps timed per row after warm-up ones (a CUDA graph replays each).
+STEPS, WARMUP = {"graph": 20, "eager": 8}, 3
+#: GPU memory kept free beyond weights and cache (activations, logits, graphs).
+HEADROOM_BYTES = 12 * 2**30
+NOOP = "fdecode_bench_noop"
+#: Why transformers' flash_attention_2 has no graphed rows: with a StaticCache its mask always has
+#: padding (the empty slots), and unpadding reads the longest sequence on the host.
+FA2_NOT_GRAPHED = ("transformers' flash_attention_2 unpads the StaticCache's mask with a host read "
+                   "(_get_unpad_data: .max().item()), which a CUDA graph cannot capture")
+
+
+def model_config(name: str):
+    """The transformers config of a benchmark model (random weights are made from it)."""
+    from transformers import Gemma2Config, LlamaConfig, Qwen2Config
+
+    if name == "smollm2-135m":
+        return LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                           num_attention_heads=9, num_key_value_heads=3, head_dim=64, rope_theta=100000.0,
+                           tie_word_embeddings=True, max_position_embeddings=65536)
+    if name == "llama-3.1-8b":
+        return LlamaConfig(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                           num_attention_heads=32, num_key_value_heads=8, head_dim=128, rope_theta=500000.0,
+                           max_position_embeddings=131072)
+    if name == "qwen2.5-7b":
+        return Qwen2Config(vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
+                           num_attention_heads=28, num_key_value_heads=4, rope_theta=1000000.0,
+                           max_position_embeddings=131072)
+    if name == "gemma-2-9b":
+        return Gemma2Config(vocab_size=256000, hidden_size=3584, intermediate_size=14336, num_hidden_layers=42,
+                            num_attention_heads=16, num_key_value_heads=8, head_dim=256, sliding_window=4096,
+                            attn_logit_softcapping=50.0, final_logit_softcapping=30.0, query_pre_attn_scalar=256,
+                            max_position_embeddings=65536)
+    if name == "tiny":  # the CPU check of the harness
+        return LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                           num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+    raise ValueError(f"model must be one of smollm2-135m, llama-3.1-8b, qwen2.5-7b, gemma-2-9b, tiny; got {name!r}")
+
+
+@dataclasses.dataclass
+class Row:
+    """One line of docs/model-decode.json."""
+
+    model: str
+    batch: int
+    context: int
+    mode: str
+    system: str
+    ms_per_step: float | None = None
+    tokens_per_s: float | None = None
+    attention_share: float | None = None
+    correct: bool | None = None
+    skipped: str | None = None
+
+
+def cache_bytes(config, batch: int, capacity: int) -> int:
+    """Bytes of a bf16 StaticCache of ``capacity`` tokens (sliding layers hold their window)."""
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    window = getattr(config, "sliding_window", None)
+    layer_types = getattr(config, "layer_types", None) or ["full_attention"] * config.num_hidden_layers
+    tokens = sum(min(capacity, window) if kind == "sliding_attention" and window else capacity
+                 for kind in layer_types)
+    return 2 * batch * tokens * config.num_key_value_heads * head_dim * 2
+
+
+def expose_fa2() -> str | None:
+    """Make FlashAttention 2 usable as transformers' ``flash_attention_2``: the build named by
+    ``FLASHDECODE_FA2_PATH`` (``benchmarks/build_fa2.py``) goes on sys.path with a dist-info
+    transformers' availability check reads. Returns why it cannot run, or None."""
+    from .peers import FA2_PATH_VARIABLE
+
+    folder = os.environ.get(FA2_PATH_VARIABLE)
+    if folder and folder not in sys.path:
+        sys.path.insert(0, folder)
+    try:
+        import flash_attn
+    except ImportError as error:
+        return f"flash_attn does not import ({error})"
+    import importlib.metadata
+
+    try:
+        importlib.metadata.version("flash_attn")
+    except importlib.metadata.PackageNotFoundError:
+        info = pathlib.Path(tempfile.mkdtemp(), f"flash_attn-{flash_attn.__version__}.dist-info")
+        info.mkdir()
+        (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: flash-attn\nVersion: {flash_attn.__version__}\n")
+        (info / "top_level.txt").write_text("flash_attn\n")
+        sys.path.append(str(info.parent))
+    from transformers.utils import import_utils
+
+    for checked in ("_package_distribution_mapping", "is_flash_attn_2_available"):  # memoized answers
+        getattr(getattr(import_utils, checked, None), "cache_clear", lambda: None)()
+    return None
+
+
+def fa2_limitation(config) -> str | None:
+    """What of ``config`` the FlashAttention 2 build cannot run (softcap or windows compiled out)."""
+    from .peers import FA2_PATH_VARIABLE, _fa2_build
+
+    build = _fa2_build(os.environ.get(FA2_PATH_VARIABLE))
+    if build is None:
+        return None
+    disabled = " ".join(build["disabled"]).lower()
+    if getattr(config, "attn_logit_softcapping", None) and "softcap" in disabled:
+        return "this FlashAttention 2 build has softcap compiled out (benchmarks/build_fa2.py)"
+    if getattr(config, "sliding_window", None) and ("local" in disabled or "window" in disabled):
+        return "this FlashAttention 2 build has sliding windows compiled out (benchmarks/build_fa2.py)"
+    return None
+
+
+def register_systems() -> dict[str, str]:
+    """attn_implementation names: each system's, and the no-op attention of the attention share."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    from ..integrations import transformers as fd_transformers
+
+    def noop_attention(module, query, key, value, attention_mask, **kwargs):
+        return query.transpose(1, 2), None
+
+    AttentionInterface.register(NOOP, noop_attention)
+    AttentionMaskInterface.register(NOOP, fd_transformers.decode_mask)
+    return {"sdpa": "sdpa", "flash_attention_2": "flash_attention_2", "flashdecode": fd_transformers.register(),
+            "eager": "eager", "noop": NOOP}
+
+
+class DecodeStep:
+    """One decode step of ``model`` for ``batch`` sequences of ``context`` cached random keys."""
+
+    def __init__(self, model, batch: int, context: int, capacity: int):
+        from transformers import StaticCache
+
+        device = model.device
+        self.model, self.context = model, context
+        self.cache = StaticCache(config=model.config, max_cache_len=capacity)
+        vocab = model.config.vocab_size
+        generator = torch.Generator(device="cpu").manual_seed(batch * 7 + context)
+        self.tokens = torch.randint(0, vocab, (batch, 1), generator=generator).to(device)
+        self.mask = torch.ones(batch, context + 1, dtype=torch.long, device=device)
+        self.positions = torch.full((batch, 1), context, dtype=torch.long, device=device)
+        with torch.no_grad():  # lazily allocates the layers' buffers
+            model(input_ids=self.tokens, attention_mask=self.mask[:, :1], position_ids=self.positions * 0,
+                  past_key_values=self.cache, use_cache=True)
+        for layer in self.cache.layers:
+            layer.keys.normal_()
+            layer.values.normal_()
+        self.rewind()
+
+    def rewind(self) -> None:
+        """Back to ``context`` cached tokens (a step writes one more)."""
+        for layer in self.cache.layers:
+            layer.cumulative_length.fill_(self.context)
+
+    @torch.no_grad()
+    def __call__(self):
+        return self.model(input_ids=self.tokens, attention_mask=self.mask, position_ids=self.positions,
+                          past_key_values=self.cache, use_cache=True).logits
+
+
+def time_step(step: DecodeStep, mode: str) -> float:
+    """Milliseconds per decode step: the mean of STEPS back-to-back steps after WARMUP (CUDA events;
+    wall clock on CPU), eager or replayed from a CUDA graph captured here."""
+    cuda = step.model.device.type == "cuda"
+    run = step
+    if mode == "graph":
+        if not cuda:
+            raise RuntimeError("CUDA graphs need a CUDA device")
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(WARMUP):
+                step.rewind()
+                step()
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        step.rewind()
+        with torch.cuda.graph(graph):
+            step()
+        run = graph.replay
+    for _ in range(WARMUP):
+        step.rewind()
+        run()
+    step.rewind()
+    if cuda:
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(STEPS[mode]):
+            run()
+        end.record()
+        torch.cuda.synchronize()
+        elapsed = start.elapsed_time(end)
+    else:
+        began = time.perf_counter()
+        for _ in range(STEPS[mode]):
+            run()
+        elapsed = (time.perf_counter() - began) * 1e3
+    step.rewind()
+    return elapsed / STEPS[mode]
+
+
+def step_matches(logits, reference) -> bool:
+    logits, reference = logits[:, -1].float(), reference[:, -1].float()
+    distance = ((logits - reference).norm() / reference.norm()).item()
+    agree = (logits.argmax(-1) == reference.argmax(-1)).float().mean().item()
+    return distance < TOLERANCE and agree >= TOP1_AGREEMENT
+
+
+def model_rows(name, batches, contexts, modes, systems, device, progress=print) -> list[Row]:
+    """Every row of one model: its weights made once, a cache per (batch, context)."""
+    from transformers import AutoModelForCausalLM
+
+    config = model_config(name)
+    names = register_systems()
+    fa2_reason = expose_fa2() if "flash_attention_2" in systems else None
+    fa2_reason = fa2_reason or fa2_limitation(config)
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).eval()
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    free = torch.cuda.mem_get_info()[0] if device == "cuda" else None
+    rows = []
+    for batch in batches:
+        for context in contexts:
+            capacity = context + 1 + STEPS["graph"] + 2 * WARMUP
+            cells = [(mode, system) for mode in modes for system in systems]
+            if free is not None and cache_bytes(config, batch, capacity) + HEADROOM_BYTES > free:
+                reason = f"the cache ({cache_bytes(config, batch, capacity) / 2**30:.0f} GiB) does not fit"
+                rows += [Row(name, batch, context, mode, system, skipped=reason) for mode, system in cells]
+                continue
+            step = DecodeStep(model, batch, context, capacity)
+            try:  # eager attention's logits of this step; None where eager's score copies do not fit
+                model.set_attn_implementation(names["eager"])
+                reference = step().clone()
+            except torch.OutOfMemoryError:
+                reference = None
+                progress(f"{name} b{batch} ctx{context}: eager attention runs out of memory: no correct column")
+            for mode in modes:
+                try:
+                    model.set_attn_implementation(names["noop"])
+                    floor = time_step(step, mode)
+                except Exception as error:  # noqa: BLE001 - reported in the rows
+                    floor = None
+                    progress(f"  no attention share for {mode}: {type(error).__name__}: {error}")
+                for system in systems:
+                    row = Row(name, batch, context, mode, system)
+                    rows.append(row)
+                    if system == "flash_attention_2" and (fa2_reason or mode == "graph"):
+                        row.skipped = fa2_reason or FA2_NOT_GRAPHED
+                        continue
+                    try:
+                        model.set_attn_implementation(names[system])
+                        step.rewind()
+                        logits = step()
+                        row.correct = None if reference is None else step_matches(logits, reference)
+                        row.ms_per_step = time_step(step, mode)
+                    except Exception as error:  # noqa: BLE001 - a system that cannot run a row says why
+                        row.skipped = f"{type(error).__name__}: {str(error).splitlines()[0][:200]}"
+                        continue
+                    row.tokens_per_s = batch * 1e3 / row.ms_per_step
+                    if floor is not None:
+                        row.attention_share = max(0.0, 1 - floor / row.ms_per_step)
+                    progress(f"{name} b{batch} ctx{context} {mode} {system}: {row.ms_per_step:.3f} ms "
+                             f"({row.tokens_per_s:.0f} tok/s, attention {row.attention_share}, correct {row.correct})")
+            del step
+            if device == "cuda":
+                torch.cuda.empty_cache()
+    del model
+    return rows
+
+
+def run(grid: str = "default", models=None, out: str | None = None, device: str | None = None,
+        progress=print) -> list[Row]:
+    """Every row of ``grid`` (or of ``models`` on it); writes them to ``out`` as a JSON list."""
+    if grid not in GRIDS:
+        raise ValueError(f"grid must be one of {sorted(GRIDS)}, got {grid!r}")
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    spec = GRIDS[grid]
+    modes = MODES if device == "cuda" else ("eager",)
+    rows = []
+    for name in models or spec["models"]:
+        rows += model_rows(name, spec["batches"], spec["contexts"], modes, SYSTEMS, device, progress)
+        if out:  # partial results survive a later model's failure
+            write(rows, out)
+    return rows
+
+
+def write(rows, out: str) -> None:
+    pathlib.Path(out).write_text(json.dumps([dataclasses.asdict(row) for row in rows], indent=1) + "\n")
+
+
+def table(rows) -> str:
+    """A markdown table: ms/step of each system side by side, per (model, batch, context, mode)."""
+    keyed = {}
+    for row in rows:
+        keyed.setdefault((row.model, row.batch, row.context, row.mode), {})[row.system] = row
+    lines = ["| model | batch | context | mode | sdpa ms | FA2 ms | flashdecode ms | flashdecode tok/s | "
+             "attention share | vs FA2 | correct |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+
+    def ms(row):
+        return "skipped" if row is None or row.ms_per_step is None else f"{row.ms_per_step:.3f}"
+
+    for (model, batch, context, mode), systems in keyed.items():
+        ours, fa2 = systems.get("flashdecode"), systems.get("flash_attention_2")
+        speedup = (f"{fa2.ms_per_step / ours.ms_per_step:.2f}x" if ours and fa2 and ours.ms_per_step
+                   and fa2.ms_per_step else "-")
+        share = f"{ours.attention_share:.0%}" if ours and ours.attention_share is not None else "-"
+        tokens = f"{ours.tokens_per_s:.0f}" if ours and ours.tokens_per_s else "-"
+        correct = ", ".join(f"{name}: {row.correct}" for name, row in systems.items() if row.correct is not None)
+        lines.append(f"| {model} | {batch} | {context} | {mode} | {ms(systems.get('sdpa'))} | {ms(fa2)} | {ms(ours)} | "
+                     f"{tokens} | {share} | {speedup} | {correct or '-'} |")
+    return "\n".join(lines)

@@ -1,0 +1,159 @@
+"""flashdecode as a Hugging Face transformers attention backend (``pip install flashdecode[transformers]``).
+
+``register()`` adds an attention function and its mask function to transformers' interfaces and
+returns the name to pass as ``attn_implementation=``::
+
+    from flashdecode.integrations import transformers as fd_transformers
+    model = AutoModelForCausalLM.from_pretrained(..., attn_implementation=fd_transformers.register())
+
+Decode steps (at most ``MAX_DECODE_QUERY`` new tokens a sequence) run ``flash_attn_with_kvcache``
+straight over transformers' cache tensors: a layer's keys (batch, kv_heads, kv_len, head_dim) are
+seen as (batch, kv_len, kv_heads, head_dim) by a transpose, no copy. The mask function turns
+transformers' mask into each sequence's visible key range, once per forward and layer type: its
+first key is ``cache_leftpad`` (left padding), its end ``cache_seqlens`` (StaticCache's buffers
+hold ``max_cache_len`` slots; the valid ones end there). Sliding windows, softcap and the model's
+scaling go to the call as they are. Longer queries (prefill) go to SDPA, or, for softcap models
+(which SDPA cannot run), to flashdecode too.
+
+The name has no "flash" in it: transformers 5.x sends every name containing "flash" to its
+flash-kernel loader, which would look for a hub kernel. The paged path of ``generate_batch`` does
+go through that loader: see :func:`paged_kernel`.
+
+Written against transformers 5.17.0 and 5.25.0 (``ATTENTION_ARGUMENTS`` records what they pass).
+"""
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+
+from ..api import flash_attn_with_kvcache
+
+#: Most new tokens of a sequence on the decode path (the TileLang kernels' limit); more go to prefill.
+MAX_DECODE_QUERY = 16
+#: The ``attn_implementation`` name of each flashdecode backend.
+NAMES = {"auto": "fdecode", "tilelang": "fdecode_tilelang", "triton": "fdecode_triton",
+         "reference": "fdecode_reference"}
+#: The keyword arguments transformers (5.17.0, 5.25.0) passes the attention function of Llama, Qwen2,
+#: Mistral and Gemma-2 beyond (module, query, key, value, attention_mask); tests check it stays so.
+ATTENTION_ARGUMENTS = frozenset(("dropout", "scaling", "sliding_window", "softcap", "position_ids"))
+#: The kernels-format package the paged path loads (``paged_kernel``): a repo id with "flash" and a
+#: version digit in it, as transformers' block-table gate asks, and its folder in this package.
+PAGED_KERNEL_REPO = "flashdecode/flash-attn2"
+PAGED_KERNEL_PATH = os.path.join(os.path.dirname(__file__), "hf_kernel")
+
+
+def register(backend: str = "auto") -> str:
+    """Register flashdecode's attention (on ``backend``) with transformers' attention and mask
+    interfaces; returns the name to pass as ``attn_implementation=``."""
+    if backend not in NAMES:
+        raise ValueError(f"backend must be one of {sorted(NAMES)}, got {backend!r}")
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    AttentionInterface.register(NAMES[backend], functools.partial(attention_forward, backend=backend))
+    AttentionMaskInterface.register(NAMES[backend], decode_mask)
+    return NAMES[backend]
+
+
+def decode_mask(*args, **kwargs):
+    """transformers' mask function for flashdecode: for decode steps (``q_length`` at most
+    MAX_DECODE_QUERY) the visible key range of each sequence as an int32 (2, batch) tensor
+    (``key_bounds``); for longer queries SDPA's mask."""
+    from transformers.masking_utils import sdpa_mask
+
+    if kwargs["q_length"] > MAX_DECODE_QUERY:
+        return sdpa_mask(*args, **kwargs)
+    return key_bounds(sdpa_mask(*args, **{**kwargs, "allow_is_causal_skip": False}))
+
+
+def key_bounds(mask: torch.Tensor) -> torch.Tensor:
+    """The first and one past the last key any query row of each sequence sees, as an int32
+    (2, batch) tensor, from a 4D mask (batch, 1, q_len, kv_len) (boolean, True: visible; or
+    additive, 0: visible). Keys visible to a sequence must be one run (left padding, causal,
+    windows), as transformers' masks for generation are."""
+    visible = mask.any(dim=2)[:, 0] if mask.dtype == torch.bool else (mask == 0).any(dim=2)[:, 0]
+    positions = torch.arange(visible.shape[-1], device=mask.device)
+    first = torch.where(visible, positions, visible.shape[-1]).amin(-1)
+    end = torch.where(visible, positions + 1, 0).amax(-1)
+    return torch.stack((first, end)).to(torch.int32)
+
+
+def attention_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None, sliding_window=None,
+                      softcap=None, backend="auto", **kwargs):
+    """transformers' attention interface: query (batch, heads, q_len, head_dim), key and value
+    (batch, kv_heads, kv_len, head_dim), the whole cache after this step's update; returns
+    ((batch, q_len, heads, head_dim), None)."""
+    if kwargs.get("s_aux") is not None:
+        raise ValueError("s_aux (attention sinks) is not supported by flashdecode")
+    if kwargs.get("output_attentions"):
+        raise ValueError("output_attentions=True is not supported by flashdecode (it never forms the weights)")
+    decode = attention_mask is not None and attention_mask.dtype == torch.int32
+    if not decode and softcap is None:
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      **kwargs)
+    if dropout:
+        raise ValueError(f"dropout must be 0 on flashdecode's path (decode steps, softcap), got {dropout}")
+    bounds = attention_mask if decode or attention_mask is None else key_bounds(attention_mask)
+    first, end = (None, None) if bounds is None else bounds
+    window = (-1, -1) if sliding_window is None else (sliding_window - 1, 0)
+    out = flash_attn_with_kvcache(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2),
+                                  cache_seqlens=end, cache_leftpad=first, softmax_scale=scaling, causal=True,
+                                  window_size=window, softcap=softcap or 0.0, backend=backend)
+    return out, None
+
+
+def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max_seqlen_k=None, dropout_p=0.0,
+                     softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, **unused):
+    """FlashAttention 2's ``flash_attn_varlen_func`` on SDPA, for the paged path's prefill: q
+    (total_q, heads, head_dim) and k, v (total_k, kv_heads, head_dim) pack the sequences that
+    ``cu_seqlens_q``/``cu_seqlens_k`` (int32 (batch + 1,)) delimit; causal masks are bottom-right
+    aligned. One masked SDPA call, built from tensors only (no host sync). Rows outside every
+    sequence (padding) give zeros. Returns (total_q, heads, head_dim)."""
+    if dropout_p:
+        raise ValueError(f"dropout_p must be 0, got {dropout_p}")
+    if softcap:
+        raise ValueError(f"softcap must be 0 on the paged path's prefill (SDPA), got {softcap}")
+    batch = cu_seqlens_q.shape[0] - 1
+
+    def sequence_and_distance_to_end(total, cu_seqlens):
+        index = torch.arange(total, device=cu_seqlens.device)
+        sequence = torch.searchsorted(cu_seqlens[1:].long(), index, right=True)
+        end = cu_seqlens[1:].long()[sequence.clamp(max=batch - 1)]
+        return sequence, end - index  # 1 for a sequence's last token
+
+    sequence_q, to_end_q = sequence_and_distance_to_end(q.shape[0], cu_seqlens_q)
+    sequence_k, to_end_k = sequence_and_distance_to_end(k.shape[0], cu_seqlens_k)
+    behind = to_end_k[None, :] - to_end_q[:, None]  # query position minus key position
+    visible = (sequence_q[:, None] == sequence_k[None, :]) & (sequence_q[:, None] < batch)
+    left, right = window_size
+    if causal:
+        right = 0
+    if left >= 0:
+        visible &= behind <= left
+    if right >= 0:
+        visible &= behind >= -right
+    out = torch.nn.functional.scaled_dot_product_attention(
+        q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], attn_mask=visible,
+        scale=softmax_scale, enable_gqa=True)[0].transpose(0, 1)
+    return out.masked_fill(~visible.any(-1)[:, None, None], 0)
+
+
+def paged_kernel() -> str:
+    """Make the kernels-format package of the paged path loadable offline and return the
+    ``attn_implementation`` name that selects it (e.g. for ``generate_batch``).
+
+    transformers' continuous batching runs decode-only batches through a kernel package's
+    ``flash_attn_with_kvcache`` over the block table, and only for names that ask for FlashAttention
+    2 or 3; the package here (``hf_kernel/``) is that call of flashdecode's, with prefill on SDPA
+    (``flash_attn_varlen_func``). The ``kernels`` library loads it through ``LOCAL_KERNELS``."""
+    entry = f"{PAGED_KERNEL_REPO}={PAGED_KERNEL_PATH}"
+    current = os.environ.get("LOCAL_KERNELS")
+    if current is None:
+        os.environ["LOCAL_KERNELS"] = entry
+    elif entry not in current.split(":"):
+        os.environ["LOCAL_KERNELS"] = f"{current}:{entry}"
+    return PAGED_KERNEL_REPO

