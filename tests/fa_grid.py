@@ -166,10 +166,11 @@ def _axes(dtypes, max_seqlen_k):
 
 
 def _split_axes(dtypes, max_seqlen_k, restrict):
-    """(the grid's axes, the extension axes ``restrict`` names), each with ``restrict``'s values."""
+    """(the grid's axes, the axes beyond it that ``restrict`` names: ``EXTENSION_AXES``' and
+    ``FP8_AXES``'), each with ``restrict``'s values."""
     restrict = restrict or {}
     axes = {**_axes(dtypes, max_seqlen_k), **{axis: values for axis, values in restrict.items() if axis in AXES}}
-    return axes, {axis: values for axis, values in restrict.items() if axis in EXTENSION_AXES}
+    return axes, {axis: values for axis, values in restrict.items() if axis in EXTENSION_AXES or axis in FP8_AXES}
 
 
 def full_grid(dtypes=AXES["dtype"], max_seqlen_k=None, restrict=None) -> list[Combo]:

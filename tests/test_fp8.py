@@ -336,7 +336,7 @@ def test_error_within_twice_a_16_bit_calls(fp8):
 #: launch, the fp8 conversions in its PTX and cuobjdump's resource line (None without cuobjdump).
 COMPILE_SCRIPT = textwrap.dedent("""
     import json, os, sys
-    sys.path.insert(0, "benchmarks")
+    sys.path.insert(0, "tools")
     from triton_resources import CUOBJDUMP, compile_for_hopper, plan_launches, resource_usage
     from flashdecode.hardware import PROFILES
     from flashdecode.kernels import get_backend

@@ -52,11 +52,12 @@ class Shape:
         return cases.case_seqlens(self.case.batch, self.case.seqlen_cache).tolist()
 
     def problem_bytes(self) -> int:
-        """Bytes the call must move (cases.bytes_read): K and V of the real tokens, the appended
-        tokens written, q and out."""
+        """Bytes the call must move (cases.bytes_read): K and V of the real tokens (1 byte an element
+        in an fp8 cache), the appended tokens written, q and out."""
         variant = cases.VARIANTS[self.variant]
         return cases.bytes_read(self.lengths(), self.case.nheads_k, self.case.nheads, self.headdim,
-                                DTYPE_BYTES[self.dtype], *variant.token_counts(self.case))
+                                DTYPE_BYTES[self.dtype], *variant.token_counts(self.case),
+                                cache_element_bytes=1 if variant.cache_dtype else None)
 
     def argv(self) -> list[str]:
         """The arguments that name this call again (for ``python -m flashdecode.profile.target``)."""
