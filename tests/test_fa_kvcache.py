@@ -148,7 +148,7 @@ def test_kvcache_grid_sample(backend, combo):
 
 
 @pytest.mark.parametrize("combo", CPU_EXTENSION_COMBOS, ids=lambda combo: combo.id)
-@pytest.mark.parametrize("backend", ["reference", "triton"])
+@pytest.mark.parametrize("backend", slow_except(["reference", "triton"], ["reference"]))
 def test_kvcache_grid_extension_sample(backend, combo):
     run("cpu-extension", backend, combo)
 
