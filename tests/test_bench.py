@@ -860,6 +860,7 @@ def test_anchor_file_covers_all_cases():
 
 # --- the ceiling kernel ---------------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_stream_read_kernel_sums_its_buffer_under_the_interpreter():
     """Run in a child process: TRITON_INTERPRET must be set before the kernel is defined."""
     script = (

@@ -363,6 +363,7 @@ COMPILE_SCRIPT = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 def test_fp8_kernels_compile_for_hopper():
     """The fp8 plans' kernels compile for sm_90a: the split kernels convert fp8 pairs to float16 in
     registers (cvt ...f16x2.e4m3x2 / e5m2x2), the appending one also stores with the saturating

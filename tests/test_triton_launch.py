@@ -343,6 +343,7 @@ DEPENDENT_PTX_SCRIPT = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 def test_dependent_combine_reads_only_the_lengths_before_it_waits():
     """The compiled kernels of a dependent combine: the split kernel signals its dependents, and
     the combine touches no partial and writes nothing before griddepcontrol.wait (one load: the
@@ -379,6 +380,7 @@ TRITON_PTX_SCRIPT = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 def test_triton_ptx_writes_instructions_without_source_locations():
     """tools/triton_ptx.py: a plan's kernel written as its instructions only (no .loc lines,
     debug labels or sections), so two trees compare equal where they compile alike; a changed
