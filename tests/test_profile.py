@@ -498,6 +498,7 @@ def test_auto_backend_of_a_plan_is_what_auto_runs_on_the_h200():
         "tilelang", "tilelang", "triton", "triton", "triton"]
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not NO_CUDA, reason="the plan-only report is what a machine without CUDA writes")
 def test_cli_plan_only_report_end_to_end(tmp_path):
     done = subprocess.run([sys.executable, "-m", "flashdecode", "profile", "--case", "12", "--out", str(tmp_path)],

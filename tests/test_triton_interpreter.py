@@ -243,7 +243,8 @@ def test_features_through_the_public_call():
     assert_matches(through_api(call, num_splits=2), reference(call))
 
 
-@pytest.mark.parametrize("block_m", slow_except([16, 32], {16}))
+@pytest.mark.slow
+@pytest.mark.parametrize("block_m", [16, 32])
 def test_merge_steps(block_m):
     """The merging program takes its partials ``merge_step_for(block_m)`` at a time (4 from tiles of
     16 rows, 2 from 32): sequence 0's 7 splits leave a partial last step for both (windows, where a
