@@ -109,7 +109,7 @@ def public_call(backend):
 
 #: Combos with caches of at least this many tokens run one at a time across pytest-xdist workers:
 #: their inputs and float32 references take up to ~20 GB, and 12 workers sharing one H200 ran it
-#: out of memory (session 13: 59 of 644 combos).
+#: out of memory (59 of 644 combos on 2026-12-01).
 LARGE_SEQLEN_K = 16384
 LARGE_COMBO_LOCK = os.path.join(tempfile.gettempdir(), "flashdecode-fa-grid-large.lock")
 

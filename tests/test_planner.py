@@ -475,7 +475,7 @@ def test_the_tuning_comes_from_the_named_profile(monkeypatch, device_name, major
 ])
 def test_triton_pipelines_deeper_where_the_grid_leaves_shared_memory_over(batch, seqlen_cache, nheads_k, group,
                                                                           headdim, features, kernel, stages):
-    """Hopper's ``triton_pipelined_stages`` on the shapes it was measured on (perf log, session 21):
+    """Hopper's ``triton_pipelined_stages`` on the shapes it was measured on (docs/iterations.md, entry 29):
     4 stages where the working grid stays resident and programs stream 3+ blocks; the table's
     elsewhere, outside the measured calls, and whenever the caller gives a tile config."""
     from flashdecode.kernels.triton.backend import TritonConfig

@@ -304,7 +304,7 @@ def measure(systems: list[System], layers: list[cases.Call], fresh: cases.Call, 
     The cold-L2 runs of all systems are timed in rounds, then their graph replays
     (``Timer.interleaved``: blocks of consecutive runs, each system in turn): on the H200 the first
     graph timed on a case's inputs read up to 10% high when the systems were timed one after
-    another (``docs/benchmarks.md``, "Timing").
+    another (``docs/design.md``, "The benchmark").
     ``advance(name)`` is called as each system is done."""
     results = [Result(system.name, system.kind) for system in systems]
     calls: list = [None] * len(systems)

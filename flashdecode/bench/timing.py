@@ -22,7 +22,7 @@ import torch
 MIN_FLUSH_BYTES = 256 * 1024 * 1024
 #: Replays of a captured graph before its warm-up and timed runs: on the H200 the first graph timed
 #: on a case's inputs read 2-3 µs high (47.9 against 45.0 µs on 2 x 16384 tokens) for its first 25
-#: replays and not after (``docs/benchmarks.md``, "Timing"; one excess it does not remove is there too).
+#: replays and not after (``docs/design.md``, "The benchmark").
 GRAPH_WARMUP = 50
 #: Rounds a series of several functions is timed in (``Timer.interleaved``), each function a block
 #: of consecutive runs per round. On the H200, alternating every run among the 8 systems of the

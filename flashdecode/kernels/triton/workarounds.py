@@ -6,7 +6,7 @@ shared memory out of range (compute-sanitizer memcheck: "Out-of-range shared or 
 ``_sum_combine``, only in the programs of the second row tile), which kills the CUDA context, or
 the output is wrong (error 2.4-3.3 against FlashAttention's bound of ~1e-2). The same combos pass
 under Triton's interpreter, with non-interleaved rotary, at head dim 64, and with 8 warps or
-32-token tiles (``docs/perf-log.md``, "The Triton fault"). The default config takes 32-token tiles
+32-token tiles (``docs/iterations.md``, entry 19). The default config takes 32-token tiles
 there; a config given through ``DecodeContext(config=...)`` is used as given, which is how
 ``tests/test_triton_workarounds.py`` checks on the GPU that the fault is still there.
 
