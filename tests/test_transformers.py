@@ -300,7 +300,7 @@ def smollm2_batch():
     return (model, *padded_prompts(model.config.vocab_size, lengths=(24, 17, 30, 21, 26)))
 
 
-@pytest.mark.slow
+@pytest.mark.model
 @pytest.mark.parametrize("cache_kind", ["dynamic", "static"])
 def test_smollm2_chat_matches_eager_reference(cache_kind):
     model, tokenizer = smollm2()
