@@ -29,18 +29,7 @@ def _add_bench(subparsers) -> None:
                     "torch SDPA and flex_attention, check every output against the reference, and report bandwidth "
                     "against an in-run ceiling. Without CUDA: scaled-down cases under Triton's interpreter, "
                     "CPU timings.")
-    parser.add_argument("--matrix", choices=tuple(cases.MATRICES), default="cases",
-                        help="cases: the 14 cases 1-14 (default); wide: W1-W14 (MHA, MQA, head dims 64/256, ...); "
-                             "models: M1-M16 (public models' heads per GPU: groups 1-71, head dims 64-256)")
-    parser.add_argument("--cases", default="all",
-                        help="cases of the matrix, e.g. 10 or 1,3,7-9 (wide: W2 or W1,W3-W5; models: M1,M5-M7) "
-                             "(default: all; none with --shapes)")
-    parser.add_argument("--shapes", default="",
-                        help="cases of one's own, S1, S2, ...: a comma list of batch x seqlen_cache x nheads_k x "
-                             f"group x headdim, ':' and a length rule ({', '.join(cases.LENGTH_RULES[1:])}), e.g. "
-                             "16x2048x1x71x64:uniform")
-    parser.add_argument("--variant", type=_names, default=("plain",),
-                        help=f"comma list of {', '.join(cases.VARIANTS)} (default: plain)")
+    _add_case_selection(parser, default_variants=("plain",))
     parser.add_argument("--backends", type=_names, default=None,
                         help="our backends, e.g. tilelang,triton (default: all that can run here)")
     parser.add_argument("--peers", type=_names, default=None,
@@ -70,15 +59,7 @@ def _run_bench(args) -> int:
     import torch
 
     parser = args.command_parser
-    try:
-        shapes = cases.parse_shapes(args.shapes)
-    except ValueError as error:
-        parser.error(f"--shapes: {error}")
-    try:
-        selected = () if shapes and args.cases.strip().lower() == "all" else cases.select(args.matrix, args.cases)
-    except ValueError as error:
-        parser.error(f"--cases: {error}")
-    selected = tuple(selected) + shapes
+    selected = _selected_cases(args)
     if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
         # Must precede the first import of Triton (flashdecode.kernels, bench.runner).
         if "triton" in sys.modules:
@@ -199,6 +180,36 @@ def _ints(text: str) -> tuple[int, ...]:
     return values
 
 
+def _add_case_selection(parser, default_variants) -> None:
+    """--matrix, --cases, --shapes and --variant, as bench and warmup take them."""
+    parser.add_argument("--matrix", choices=tuple(cases.MATRICES), default="cases",
+                        help="cases: the 14 cases 1-14 (default); wide: W1-W14 (MHA, MQA, head dims 64/256, ...); "
+                             "models: M1-M16 (public models' heads per GPU: groups 1-71, head dims 64-256)")
+    parser.add_argument("--cases", default="all",
+                        help="cases of the matrix, e.g. 10 or 1,3,7-9 (wide: W2 or W1,W3-W5; models: M1,M5-M7) "
+                             "(default: all; none with --shapes)")
+    parser.add_argument("--shapes", default="",
+                        help="cases of one's own, S1, S2, ...: a comma list of batch x seqlen_cache x nheads_k x "
+                             f"group x headdim, ':' and a length rule ({', '.join(cases.LENGTH_RULES[1:])}), e.g. "
+                             "16x2048x1x71x64:uniform")
+    default = "all" if default_variants == tuple(cases.VARIANTS) else ",".join(default_variants)
+    parser.add_argument("--variant", type=_names, default=default_variants,
+                        help=f"comma list of {', '.join(cases.VARIANTS)} (default: {default})")
+
+
+def _selected_cases(args) -> tuple:
+    """The matrix's selected cases, then --shapes' own (only those when --cases is left at all)."""
+    try:
+        shapes = cases.parse_shapes(args.shapes)
+    except ValueError as error:
+        args.command_parser.error(f"--shapes: {error}")
+    try:
+        selected = () if shapes and args.cases.strip().lower() == "all" else cases.select(args.matrix, args.cases)
+    except ValueError as error:
+        args.command_parser.error(f"--cases: {error}")
+    return tuple(selected) + shapes
+
+
 def _add_warmup(subparsers) -> None:
     parser = subparsers.add_parser(
         "warmup", help="build TileLang's kernels for a case matrix into TileLang's cache, ahead of the GPU",
@@ -206,13 +217,7 @@ def _add_warmup(subparsers) -> None:
                     "profile) of a case matrix and its variants launch, forced splits included, into TileLang's "
                     "disk cache (TILELANG_CACHE_DIR); a Hopper GPU then loads them instead of compiling each on "
                     "its first call. Calls TileLang cannot take are skipped.")
-    parser.add_argument("--matrix", choices=tuple(cases.MATRICES), default="cases",
-                        help="cases (default), wide or models (see flashdecode bench --help)")
-    parser.add_argument("--cases", default="all", help="cases of the matrix, e.g. 1,3,7-9 (default: all; none "
-                                                       "with --shapes)")
-    parser.add_argument("--shapes", default="", help="cases of one's own, as for flashdecode bench --shapes")
-    parser.add_argument("--variant", type=_names, default=tuple(cases.VARIANTS),
-                        help=f"comma list of {', '.join(cases.VARIANTS)} (default: all)")
+    _add_case_selection(parser, default_variants=tuple(cases.VARIANTS))
     parser.add_argument("--splits", type=_ints, default=(),
                         help="forced split counts each call is planned with, 0 for the planner's own choice "
                              "(default: 0,2,3)")
@@ -231,11 +236,7 @@ def _add_warmup(subparsers) -> None:
 def _run_warmup(args) -> int:
     """Resolve the cases, variants and shard, then build (``kernels.tilelang.warmup``)."""
     parser = args.command_parser
-    try:
-        shapes = cases.parse_shapes(args.shapes)
-        selected = () if shapes and args.cases.strip().lower() == "all" else cases.select(args.matrix, args.cases)
-    except ValueError as error:
-        parser.error(f"--cases/--shapes: {error}")
+    selected = _selected_cases(args)
     unknown = [name for name in args.variant if name not in cases.VARIANTS]
     if unknown:
         parser.error(f"unknown variants {unknown}; variants are {', '.join(cases.VARIANTS)}")
@@ -253,7 +254,7 @@ def _run_warmup(args) -> int:
 
     from .kernels.tilelang import warmup
 
-    problems = [cases.VARIANTS[name].problem(case) for case in tuple(selected) + shapes for name in args.variant]
+    problems = [cases.VARIANTS[name].problem(case) for case in selected for name in args.variant]
     variants = warmup.tile_variants(block_n=args.block_n, num_stages=args.stages, block_m=args.q_rows)
     calls = [(problem, num_splits) for problem in problems for num_splits in args.splits or warmup.DEFAULT_SPLITS]
     entries = warmup.kernels(calls, variants, backend=backend)

@@ -18,7 +18,7 @@ from flashdecode.hardware import PROFILES
 from flashdecode.kernels.base import LaunchArgs
 from flashdecode.kernels.triton.backend import TritonBackend, TritonConfig
 from flashdecode.planner import SPLIT, plan
-from flashdecode.reference import reference_attention
+from flashdecode.reference import reference_attention, relative_error
 
 DEVICE = "cuda" if HAS_CUDA else "cpu"
 #: Short caches span many blocks and splits: 16-key blocks, 16-row tiles, 2 partials per combine step.
@@ -102,3 +102,13 @@ def reference(q, k_cache, v_cache, kwargs):
     arguments = {name: value for name, value in kwargs.items() if name != "max_seqlen_q"}  # read from cu_seqlens_q
     out, lse = reference_attention(q, k_copy, v_copy, **arguments)
     return out, lse, k_copy, v_copy
+
+
+def check_plan_against_reference(inputs, num_splits, merge, out_tolerance, lse_tolerance):
+    """``through_plan`` of ``inputs`` (make_inputs' tuple) against ``reference``: out within
+    ``out_tolerance`` (relative L2), lse within ``lse_tolerance``, the caches' appended rows equal."""
+    out, lse, k_cache, v_cache = through_plan(*inputs, num_splits=num_splits, merge=merge)
+    ref_out, ref_lse, ref_k, ref_v = reference(*inputs)
+    assert relative_error(out, ref_out) < out_tolerance
+    assert torch.allclose(lse, ref_lse, atol=lse_tolerance)
+    assert torch.equal(k_cache, ref_k) and torch.equal(v_cache, ref_v)

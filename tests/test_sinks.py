@@ -19,7 +19,7 @@ from conftest import slow_except
 from flashdecode import flash_attn_with_kvcache, plan_for
 from flashdecode.kernels.tilelang.backend import problem_limitation
 from flashdecode.reference import attention_ref, relative_error
-from plan_launch import make_inputs, reference, through_plan
+from plan_launch import check_plan_against_reference, make_inputs, reference, through_plan
 
 OUT_TOLERANCE, LSE_TOLERANCE = 5e-3, 2e-3
 
@@ -84,12 +84,7 @@ TRITON_CASES = [
                          slow_except(TRITON_CASES, [TRITON_CASES[0]], several=True),
                          ids=[f"{case[0]}-splits{case[2]}{'-merge' if case[3] else ''}" for case in TRITON_CASES])
 def test_triton_kernels_match_the_reference(feature, arguments, num_splits, merge):
-    inputs = make_inputs(sinks=True, **arguments)
-    out, lse, k_cache, v_cache = through_plan(*inputs, num_splits=num_splits, merge=merge)
-    ref_out, ref_lse, ref_k, ref_v = reference(*inputs)
-    assert relative_error(out, ref_out) < OUT_TOLERANCE
-    assert torch.allclose(lse, ref_lse, atol=LSE_TOLERANCE)
-    assert torch.equal(k_cache, ref_k) and torch.equal(v_cache, ref_v)
+    check_plan_against_reference(make_inputs(sinks=True, **arguments), num_splits, merge, OUT_TOLERANCE, LSE_TOLERANCE)
 
 
 @pytest.mark.parametrize("backend", ["reference", "triton"])
