@@ -440,8 +440,10 @@ def test_our_backends_pass_the_per_row_check_on_the_matrix(runner, backend):
         assert verdict.correct, (case.label, variant, verdict)
     if not judged:
         pytest.skip(f"backend {backend!r} takes none of the calls here")
-    print(f"{backend}: worst row error / tolerance {max(j[2] for j in judged):.3f}, "
-          f"worst lse error {max(j[3] for j in judged):.2e} over {len(judged)} calls")
+    lse_errors = [j[3] for j in judged if j[3] is not None]
+    print(f"{backend}: worst row error / tolerance {max(j[2] for j in judged):.3f}, worst lse error "
+          f"{max(lse_errors, default=float('nan')):.2e} over {len(lse_errors)} of {len(judged)} calls; without lse: "
+          f"{[(j[0], j[1]) for j in judged if j[3] is None]}")
 
 
 def test_our_backend_system_checks_with_plan_for(runner):

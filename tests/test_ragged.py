@@ -172,8 +172,11 @@ def test_gpu_ragged_graph_replays_new_draft_lengths(backend, num_splits):
     a CUDA graph once, then replayed with other lengths in the same cu_seqlens_q (same total_q), as a
     speculative decoder's verify step is. No host read of cu_seqlens_q: the capture would fail."""
     rows = (1, 8, 3, 5, 2, 8, 1, 4)
+    # room for max_seqlen_q appended tokens in every sequence, whatever lengths a replay brings
+    lengths = [4096 - 8 - 7 * b for b in range(8)]
     q, k_cache, v_cache, kwargs = make_inputs(batch=8, capacity=4096, nheads_k=8, group=4, headdim=128,
-                                              seqlen_q=8, rows=rows, causal=True, append=True, dtype=torch.bfloat16)
+                                              seqlen_q=8, rows=rows, causal=True, append=True, lengths=lengths,
+                                              dtype=torch.bfloat16)
     assert plan_for(q, k_cache, v_cache, **kwargs, num_splits=num_splits, backend=backend).backend == "triton"
     expected = reference(q, k_cache, v_cache, kwargs)
     out, lse = flash_attn_with_kvcache(q, k_cache.clone(), v_cache.clone(), **kwargs, num_splits=num_splits,
