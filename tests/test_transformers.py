@@ -11,6 +11,7 @@ import functools
 import importlib.util
 import inspect
 import os
+import sys
 
 import pytest
 import torch
@@ -440,8 +441,9 @@ def test_models_bench_rows_on_cpu(tmp_path, monkeypatch):
         assert row.correct and row.ms_per_step > 0 and row.tokens_per_s > 0 and 0 <= row.attention_share < 1, row
     if importlib.util.find_spec("flash_attn") is None:
         assert by_system["flash_attention_2"].skipped
+    assert by_system["sdpa"].distance <= by_system["sdpa"].distance * models.NOISE_FACTOR
     assert json.loads(out.read_text())[0].keys() >= {"model", "batch", "context", "mode", "system", "ms_per_step",
-                                                     "tokens_per_s", "attention_share", "correct"}
+                                                     "tokens_per_s", "attention_share", "distance", "correct"}
     assert "| tiny | 2 | 16 | eager |" in models.table(rows)
 
 
@@ -456,6 +458,40 @@ def test_models_bench_skips_what_fa2_build_lacks(tmp_path, monkeypatch):
     assert "softcap" in models.fa2_limitation(models.model_config("gemma-2-9b"))
     assert models.fa2_limitation(models.model_config("llama-3.1-8b")) is None
     assert models.cache_bytes(models.model_config("llama-3.1-8b"), 1, 1024) == 2 * 32 * 1024 * 8 * 128 * 2
+
+
+def test_models_bench_exposes_a_fa2_build_to_transformers(tmp_path, monkeypatch):
+    """A build folder with flash_attn and no dist-info passes transformers' package check for
+    flash_attention_2 (the import-name map: a dict filled at import up to 5.2x, memoized later)."""
+    from transformers.modeling_flash_attention_utils import FLASH_ATTENTION_COMPATIBILITY_MATRIX
+
+    from flashdecode.bench import models
+
+    from transformers.utils import import_utils
+
+    (tmp_path / "flash_attn").mkdir()
+    (tmp_path / "flash_attn" / "__init__.py").write_text('__version__ = "2.8.3"\n')
+    monkeypatch.setenv("FLASHDECODE_FA2_PATH", str(tmp_path))
+    monkeypatch.setattr("sys.path", list(sys.path))
+    mapping = getattr(import_utils, "PACKAGE_DISTRIBUTION_MAPPING", None)
+    if mapping is not None:  # restored afterwards: the dict is shared by transformers' modules
+        monkeypatch.setitem(mapping, "flash_attn", list(mapping.get("flash_attn", [])))
+    try:
+        assert models.expose_fa2() is None
+        assert FLASH_ATTENTION_COMPATIBILITY_MATRIX[2]["pkg_availability_check"]()
+    finally:  # the fake package and the memoized maps go, so later tests see no flash_attn
+        sys.modules.pop("flash_attn", None)
+        monkeypatch.undo()
+        for memoized in ("_package_distribution_mapping", "is_flash_attn_2_available"):
+            getattr(getattr(import_utils, memoized, None), "cache_clear", lambda: None)()
+
+
+def test_models_bench_correct_is_relative_to_sdpas_distance():
+    from flashdecode.bench import models
+
+    assert models.is_correct(0.03, noise=0.02) and not models.is_correct(0.05, noise=0.02)
+    assert models.is_correct(0.009, noise=0.0) and not models.is_correct(0.011, noise=0.0)  # MIN_NOISE
+    assert models.is_correct(0.05, noise=None) and not models.is_correct(0.06, noise=None)
 
 
 def test_models_bench_command_names_an_unknown_model(capsys):

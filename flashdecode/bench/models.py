@@ -7,9 +7,11 @@ Models: SmolLM2-135M (its config; the weights do not change the speed) and Llama
 Qwen2.5-7B- and Gemma-2-9B-shaped models with random bf16 weights. The cache is filled with random
 keys and values to the context length (no prefill: speed does not depend on them), then each row
 times one decode step of every sequence at that length. Attention share: 1 - (the step with an
-attention that returns its query) / (the step). Correct: the step's logits against eager
-attention's on the same cache (relative L2 under ``TOLERANCE`` and the same top-1 on at least
-``TOP1_AGREEMENT`` of the rows). Rows a system cannot run say why in ``skipped``.
+attention that returns its query) / (the step). Distance: the relative L2 distance of the step's
+logits from eager attention's on the same cache; correct: a distance at most ``NOISE_FACTOR`` times
+sdpa's on the same row (the bf16 rounding two exact attentions differ by; at least ``MIN_NOISE``).
+Random weights make near-flat logits, so top-1 flips between exact attentions too and is not
+judged. Rows a system cannot run say why in ``skipped``.
 """
 from __future__ import annotations
 
@@ -23,9 +25,9 @@ import time
 
 import torch
 
-#: Relative L2 distance of a step's logits from eager attention's, and the share of rows whose
-#: top-1 must agree (bf16 near-ties flip a few), for ``correct``.
-TOLERANCE, TOP1_AGREEMENT = 0.05, 0.9
+#: ``correct``: a step's distance from eager attention's logits at most NOISE_FACTOR times sdpa's
+#: (or MIN_NOISE, whichever is larger); without an sdpa row, at most ABSOLUTE_TOLERANCE.
+NOISE_FACTOR, MIN_NOISE, ABSOLUTE_TOLERANCE = 2.0, 5e-3, 5e-2
 SYSTEMS = ("sdpa", "flash_attention_2", "flashdecode")
 MODES = ("graph", "eager")
 GRIDS = {"default": dict(models=("smollm2-135m", "llama-3.1-8b", "qwen2.5-7b", "gemma-2-9b"), batches=(1, 16, 64),
@@ -81,6 +83,7 @@ class Row:
     ms_per_step: float | None = None
     tokens_per_s: float | None = None
     attention_share: float | None = None
+    distance: float | None = None
     correct: bool | None = None
     skipped: str | None = None
 
@@ -120,6 +123,11 @@ def expose_fa2() -> str | None:
         sys.path.append(str(info.parent))
     from transformers.utils import import_utils
 
+    # transformers up to 5.2x maps import names to distributions once, at its import, in this dict
+    # (later ones memoize _package_distribution_mapping instead); tests/test_models_bench.py notices a change
+    mapping = getattr(import_utils, "PACKAGE_DISTRIBUTION_MAPPING", None)
+    if mapping is not None and "flash-attn" not in mapping.get("flash_attn", []):
+        mapping.setdefault("flash_attn", []).append("flash-attn")
     for checked in ("_package_distribution_mapping", "is_flash_attn_2_available"):  # memoized answers
         getattr(getattr(import_utils, checked, None), "cache_clear", lambda: None)()
     return None
@@ -231,11 +239,17 @@ def time_step(step: DecodeStep, mode: str) -> float:
     return elapsed / STEPS[mode]
 
 
-def step_matches(logits, reference) -> bool:
+def logits_distance(logits, reference) -> float:
+    """Relative L2 distance of the last position's logits from the reference's."""
     logits, reference = logits[:, -1].float(), reference[:, -1].float()
-    distance = ((logits - reference).norm() / reference.norm()).item()
-    agree = (logits.argmax(-1) == reference.argmax(-1)).float().mean().item()
-    return distance < TOLERANCE and agree >= TOP1_AGREEMENT
+    return ((logits - reference).norm() / reference.norm()).item()
+
+
+def is_correct(distance: float, noise: float | None) -> bool:
+    """Within NOISE_FACTOR of sdpa's distance ``noise`` (None: no sdpa row, ABSOLUTE_TOLERANCE)."""
+    if noise is None:
+        return distance <= ABSOLUTE_TOLERANCE
+    return distance <= NOISE_FACTOR * max(noise, MIN_NOISE)
 
 
 def model_rows(name, batches, contexts, modes, systems, device, progress=print) -> list[Row]:
@@ -267,6 +281,7 @@ def model_rows(name, batches, contexts, modes, systems, device, progress=print) 
             except torch.OutOfMemoryError:
                 reference = None
                 progress(f"{name} b{batch} ctx{context}: eager attention runs out of memory: no correct column")
+            noise = None  # sdpa's distance from eager on this cache: the rounding exact attentions differ by
             for mode in modes:
                 try:
                     model.set_attn_implementation(names["noop"])
@@ -284,7 +299,11 @@ def model_rows(name, batches, contexts, modes, systems, device, progress=print) 
                         model.set_attn_implementation(names[system])
                         step.rewind()
                         logits = step()
-                        row.correct = None if reference is None else step_matches(logits, reference)
+                        if reference is not None:
+                            row.distance = logits_distance(logits, reference)
+                            if system == "sdpa":
+                                noise = row.distance
+                            row.correct = is_correct(row.distance, noise)
                         row.ms_per_step = time_step(step, mode)
                     except Exception as error:  # noqa: BLE001 - a system that cannot run a row says why
                         row.skipped = f"{type(error).__name__}: {str(error).splitlines()[0][:200]}"
@@ -293,7 +312,8 @@ def model_rows(name, batches, contexts, modes, systems, device, progress=print) 
                     if floor is not None:
                         row.attention_share = max(0.0, 1 - floor / row.ms_per_step)
                     progress(f"{name} b{batch} ctx{context} {mode} {system}: {row.ms_per_step:.3f} ms "
-                             f"({row.tokens_per_s:.0f} tok/s, attention {row.attention_share}, correct {row.correct})")
+                             f"({row.tokens_per_s:.0f} tok/s, attention {row.attention_share}, distance {row.distance}, "
+                             f"correct {row.correct})")
             del step
             if device == "cuda":
                 torch.cuda.empty_cache()
