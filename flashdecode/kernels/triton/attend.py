@@ -3,8 +3,9 @@
 Every feature is a constexpr flag, so the plain specialization compiles none of their code
 (``docs/design.md``, "Semantics", defines each feature). Scores are kept in base 2 (log2(e) folded
 into the scale, the softcap and the ALiBi slopes) with float32 accumulators. fp8 caches (FP8) are
-converted to q's dtype in registers; their k descale is folded into the scale by the caller and
-their v descale into the output, and appended tokens are ``quantise``d as the cache stores them.
+converted to float16 in registers, one instruction a pair (the caller converts q once,
+``fp16_rows``); their k descale is folded into the scale by the caller and their v descale into the
+output, and appended tokens are ``quantise``d as the cache stores them.
 """
 from __future__ import annotations
 
@@ -71,6 +72,21 @@ def quantise(x, descale, dtype: tl.constexpr):
     step = tl.maximum(exponent, 1 - dtype.exponent_bias) - dtype.fp_mantissa_width  # log2 of the grid step
     magic = ((step + 150) << 23 | (1 << 22)).to(tl.float32, bitcast=True)  # 1.5 * 2^(23 + step)
     return ((y + magic) - magic).to(dtype)
+
+
+@triton.jit
+def fp16_rows(q):
+    """(q in float16, each row's factor 2^e): row r scaled by 2^-e, e = max(0, exponent of its
+    largest |value| - 14), so its values stay below 2^15 (float16's largest is 65504: a bfloat16 row
+    past it would turn inf) and the scaling is exact; the row's scores are multiplied by 2^e. Rows
+    within float16's range (every realistic q) take e = 0: the conversion alone. The factors are
+    built from their bits (e <= 114 for any row, inf and NaN included: finite, no rounding)."""
+    wide = q.to(tl.float32)
+    largest = tl.max(tl.abs(wide), 1)
+    e = tl.maximum(((largest.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127 - 14, 0)
+    down = ((127 - e) << 23).to(tl.float32, bitcast=True)
+    up = ((127 + e) << 23).to(tl.float32, bitcast=True)
+    return (wide * down[:, None]).to(tl.float16), up
 
 
 @triton.jit
@@ -151,7 +167,8 @@ def attend_block(acc, m, l, q, block_start, start, end, new_from,
     k_head/v_head: the KV head's base (a cache row's, or the pages' with the block table row);
     row_pos: each query row's absolute position; slopes: ALiBi slopes * log2(e); scale_log2:
     softmax_scale * log2(e); softcap_in/out: the softcap's inner and outer factors (k's descale
-    folded into scale_log2 and softcap_in). FP8: cached K/V are converted to q's dtype as loaded,
+    folded into scale_log2 and softcap_in; with ``fp16_rows``'s q, per-row factors of shape
+    (BLOCK_M, 1) with its rows' 2^e). FP8: cached K/V are converted to q's dtype (float16) as loaded,
     appended tokens are ``quantise``d by k_scale/v_scale (the descales) and converted so, and the
     caller multiplies the output by v's descale."""
     tokens = block_start + tl.arange(0, BLOCK_N)

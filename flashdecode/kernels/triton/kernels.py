@@ -10,15 +10,17 @@ second, masked loop, compiled only when the problem has windows or appended toke
 served by one program writes out/lse; the others write float32 partials that the combine kernel
 merges. Bad values (lengths, left pads, batch indices, block ids) are clamped for every access and
 make the program's rows NaN. fp8 caches (FP8): the program's k descale multiplies the score scale
-(and the softcap's inner factor), its v descale the output, before any partial is written.
+(and the softcap's inner factor), its v descale the output, before any partial is written; a
+bfloat16 q is converted to float16 once (after rotary), each row scaled by a power of two that the
+row's score factors undo (``attend.fp16_rows``), so both products take float16 operands.
 """
 from __future__ import annotations
 
 import triton
 import triton.language as tl
 
-from .attend import (LOG2E, append_tokens, attend_block, bad_block_ids, rotary_columns, rotate, row_offsets,
-                     tile_mask)
+from .attend import (LOG2E, append_tokens, attend_block, bad_block_ids, fp16_rows, rotary_columns, rotate,
+                     row_offsets, tile_mask)
 from .launch import gdc_launch_dependents, gdc_wait
 from .schedule import entry, key_range, locate, query_rows, split_counts
 
@@ -127,6 +129,14 @@ def split_kernel(Q, K, V, Lens, Out, Lse, PartO, PartLse, KNew, VNew, BatchIdx, 
             if ROTARY_PER_ROW:
                 positions += rows // GROUP
             q = rotate(q, q_partner, positions, Cos, Sin, rotary_rows, column, sign, rotating, ROTARY_DIM).to(q.dtype)
+        # The scores' factors: one number, or a (BLOCK_M, 1) column where q's rows were scaled into float16.
+        row_scale_log2, row_softcap_in = scale_log2, softcap_in
+        if FP8:
+            if q.dtype != tl.float16:  # products in float16: fp8 pairs convert in one instruction
+                q, row_factor = fp16_rows(q)
+                row_scale_log2 = (scale_log2 * row_factor)[:, None]
+                if SOFTCAP:
+                    row_softcap_in = (softcap_in * row_factor)[:, None]
         row_pos = hi - q_len + rows // GROUP  # absolute position of each row's query
         slopes = 0.0
         if ALIBI == 1:
@@ -173,7 +183,7 @@ def split_kernel(Q, K, V, Lens, Out, Lse, PartO, PartLse, KNew, VNew, BatchIdx, 
             acc, m, l = attend_block(
                 acc, m, l, q, block_start, start, end, new_from, k_head, v_head, table_row, cache_rows,
                 stride_kb, stride_kt, stride_vb, stride_vt, k_new, v_new, stride_nkt, stride_nvt, Cos, Sin,
-                rotary_rows, row_pos, slopes, window_left, window_right, scale_log2, softcap_in, softcap_out,
+                rotary_rows, row_pos, slopes, window_left, window_right, row_scale_log2, row_softcap_in, softcap_out,
                 k_scale, v_scale, False, PAGE_SIZE, OFFSETS_32, APPEND, ROTARY_DIM, ROTARY_INTERLEAVED, WINDOW_LEFT,
                 WINDOW_RIGHT, SOFTCAP, ALIBI, LEFTPAD, FP8, HEAD_DIM, HEAD_PAD, BLOCK_N)
         if WINDOW_LEFT or WINDOW_RIGHT or APPEND:  # the head [block_lo, main_lo), then the tail [main_hi, block_hi)
@@ -185,8 +195,8 @@ def split_kernel(Q, K, V, Lens, Out, Lse, PartO, PartLse, KNew, VNew, BatchIdx, 
                 acc, m, l = attend_block(
                     acc, m, l, q, block_start, start, end, new_from, k_head, v_head, table_row, cache_rows,
                     stride_kb, stride_kt, stride_vb, stride_vt, k_new, v_new, stride_nkt, stride_nvt, Cos, Sin,
-                    rotary_rows, row_pos, slopes, window_left, window_right, scale_log2, softcap_in, softcap_out,
-                    k_scale, v_scale, True, PAGE_SIZE, OFFSETS_32, APPEND, ROTARY_DIM, ROTARY_INTERLEAVED,
+                    rotary_rows, row_pos, slopes, window_left, window_right, row_scale_log2, row_softcap_in,
+                    softcap_out, k_scale, v_scale, True, PAGE_SIZE, OFFSETS_32, APPEND, ROTARY_DIM, ROTARY_INTERLEAVED,
                     WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP, ALIBI, LEFTPAD, FP8, HEAD_DIM, HEAD_PAD, BLOCK_N)
 
         if SINKS:
