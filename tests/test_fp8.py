@@ -487,7 +487,7 @@ def test_flashinfer_fp8_decode_is_the_fp8_variants_peer(monkeypatch):
 @pytest.mark.parametrize("backend", ["triton", "auto"])
 def test_fp8_on_the_gpu(backend, feature, dtype):
     call = make_call(**FEATURES[feature], dtype=dtype)
-    tolerance = OUT_TOLERANCE if dtype == torch.float16 else 1e-2  # bfloat16's rounding of P: 8x float16's
+    tolerance = OUT_TOLERANCE if dtype == torch.float16 else 1e-2  # out rounded to bfloat16: 8x float16's step
     assert_matches(run(call, backend), expected(call), tolerance, 1e-2)
 
 
