@@ -20,18 +20,14 @@ sys.path[:0] = [str(REPO), str(REPO / "tests")]
 
 import torch  # noqa: E402
 
-from flashdecode import DecodeContext  # noqa: E402
+from flashdecode import plan_for  # noqa: E402
 from flashdecode.kernels.tilelang import warmup  # noqa: E402
 from flashdecode.problem import Problem  # noqa: E402
 
 
-def problem_of_call(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None, cache_seqlens=None,
-                    cache_batch_idx=None, cache_leftpad=None, block_table=None, softmax_scale=None, causal=False,
-                    window_size=(-1, -1), softcap=0.0, rotary_interleaved=True, alibi_slopes=None):
+def problem_of_call(q, k_cache, v_cache, **arguments):
     """The Problem the public call validates from these (CPU) arguments."""
-    return DecodeContext().resolve(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens,
-                                   cache_batch_idx, cache_leftpad, block_table, softmax_scale, causal, window_size,
-                                   softcap, rotary_interleaved, alibi_slopes, 0, "reference", None)[0]
+    return plan_for(q, k_cache, v_cache, **arguments, backend="reference").problem
 
 
 def test_problems() -> list:
