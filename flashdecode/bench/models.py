@@ -100,7 +100,7 @@ def cache_bytes(config, batch: int, capacity: int) -> int:
 
 def expose_fa2() -> str | None:
     """Make FlashAttention 2 usable as transformers' ``flash_attention_2``: the build named by
-    ``FLASHDECODE_FA2_PATH`` (``benchmarks/build_fa2.py``) goes on sys.path with a dist-info
+    ``FLASHDECODE_FA2_PATH`` (``tools/build_fa2.py``) goes on sys.path with a dist-info
     transformers' availability check reads. Returns why it cannot run, or None."""
     from .peers import FA2_PATH_VARIABLE
 
@@ -142,9 +142,9 @@ def fa2_limitation(config) -> str | None:
         return None
     disabled = " ".join(build["disabled"]).lower()
     if getattr(config, "attn_logit_softcapping", None) and "softcap" in disabled:
-        return "this FlashAttention 2 build has softcap compiled out (benchmarks/build_fa2.py)"
+        return "this FlashAttention 2 build has softcap compiled out (tools/build_fa2.py)"
     if getattr(config, "sliding_window", None) and ("local" in disabled or "window" in disabled):
-        return "this FlashAttention 2 build has sliding windows compiled out (benchmarks/build_fa2.py)"
+        return "this FlashAttention 2 build has sliding windows compiled out (tools/build_fa2.py)"
     return None
 
 
