@@ -1,6 +1,7 @@
 """Test setup: without CUDA, Triton kernels run under its interpreter (set before triton is imported)
 and ``gpu`` tests are deselected. Tiers: ``python -m pytest`` (fast), ``python -m pytest -m slow``
-(interpreter grids and builds), ``python -m pytest -m gpu`` (CUDA)."""
+(interpreter grids and a build of each TileLang kernel kind; CI runs both), ``-m gpu`` (CUDA),
+``-m build`` (TileLang's sm_90a builds of every specialisation and feature), ``-m model`` (whole models)."""
 import os
 
 import pytest
@@ -56,3 +57,11 @@ def slow_except(values, fast, several=False):
     each value is a tuple of several arguments."""
     return [pytest.param(*(value if several else (value,)), marks=() if value in fast else pytest.mark.slow)
             for value in values]
+
+
+def build_except(values, slow, several=False):
+    """``values`` as parameters of a TileLang build grid, each marked ``build`` (tens of seconds to two
+    minutes a kernel on 2 cores: outside CI) unless it is in ``slow``, which CI's slow tier keeps."""
+    return [pytest.param(*(value if several else (value,)), marks=pytest.mark.slow if value in slow
+                         else pytest.mark.build) for value in values]
+

@@ -144,10 +144,20 @@ FAMILIES = ("llama", "qwen2", "mistral", "gemma2")
 
 
 #: The fast tier's share of the grid (family, cache, backend): a window over a static cache and a
-#: dynamic one, through the reference; the rest (Triton's interpreter, softcap, head dim 256) is ``slow``.
+#: dynamic one, through the reference; ``slow``: the other reference runs, and Triton's interpreter on
+#: Gemma-2 (softcap, window, head dim 256) and Llama; ``model``: Triton's interpreter on the rest
+#: (15-30 s each on 2 cores, kernels the FA grid already covers).
 FAST = {("mistral", "static", "reference"), ("llama", "dynamic", "reference")}
-GRID = [pytest.param(family, cache_kind, backend, marks=() if (family, cache_kind, backend) in FAST
-                     else pytest.mark.slow)
+SLOW_TRITON = {("gemma2", "static", "triton"), ("llama", "dynamic", "triton")}
+
+
+def grid_marks(combination):
+    if combination in FAST:
+        return ()
+    return pytest.mark.model if combination[2] == "triton" and combination not in SLOW_TRITON else pytest.mark.slow
+
+
+GRID = [pytest.param(family, cache_kind, backend, marks=grid_marks((family, cache_kind, backend)))
         for family in FAMILIES for cache_kind in ("dynamic", "static") for backend in ("reference", "triton")]
 
 

@@ -210,9 +210,19 @@ FEATURES = {
 }
 
 
-@pytest.mark.parametrize("feature", slow_except(FEATURES, {"everything"}))
-@pytest.mark.parametrize("num_splits, merge", [(0, False), (3, False), (3, True)], ids=["auto", "split", "merge"])
-def test_feature(feature, num_splits, merge):
+#: The plan kinds a feature runs under: (num_splits, merged in the split kernel).
+PLAN_KINDS = {"auto": (0, False), "split": (3, False), "merge": (3, True)}
+#: Each feature under one plan kind, in turn (every kind meets a third of the features); "everything"
+#: under all three in the fast tier.
+FEATURE_PLANS = [("everything", kind) for kind in PLAN_KINDS] + [
+    (feature, list(PLAN_KINDS)[index % len(PLAN_KINDS)]) for index, feature in enumerate(FEATURES)
+    if feature != "everything"]
+
+
+@pytest.mark.parametrize("feature, kind", slow_except(FEATURE_PLANS, FEATURE_PLANS[:3], several=True),
+                         ids=[f"{kind}-{feature}" for feature, kind in FEATURE_PLANS])
+def test_feature(feature, kind):
+    num_splits, merge = PLAN_KINDS[kind]
     call = make_call(**FEATURES[feature])
     got = through_backend(call, num_splits, merge=merge)
     assert_matches(got, reference(call))
@@ -397,11 +407,16 @@ BAD_VALUES = {  # make_call arguments, the index tensor, sequence 0's bad value 
 }
 
 
-@pytest.mark.parametrize("case", slow_except(BAD_VALUES, {"block-id-last-page", "batch-idx"}))
-@pytest.mark.parametrize("num_splits, merge",
-                         slow_except([(0, False), (3, False), (3, True)], {(3, False)}, several=True),
-                         ids=["auto", "split", "merge"])
-def test_bad_value_makes_its_sequence_nan(case, num_splits, merge):
+#: Every bad value under the split plan; the fast tier's two under the other plan kinds too.
+BAD_VALUE_PLANS = [(case, kind) for case in BAD_VALUES for kind in PLAN_KINDS
+                   if kind == "split" or case in ("block-id-last-page", "batch-idx")]
+
+
+@pytest.mark.parametrize("case, kind", slow_except(
+    BAD_VALUE_PLANS, {("block-id-last-page", "split"), ("batch-idx", "split")}, several=True),
+    ids=[f"{kind}-{case}" for case, kind in BAD_VALUE_PLANS])
+def test_bad_value_makes_its_sequence_nan(case, kind):
+    num_splits, merge = PLAN_KINDS[kind]
     arguments, name, value, *column = BAD_VALUES[case]
     call = make_call(**{"lengths": [50, 40], **arguments})
     bad = call.kwargs[name].clone()
