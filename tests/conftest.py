@@ -51,17 +51,19 @@ def last_dim_strided(tensor):
     return torch.stack([tensor, torch.zeros_like(tensor)], -1)[..., 0]
 
 
-def slow_except(values, fast, several=False):
-    """``values`` as parameters of a grid, each marked ``slow`` unless it is in ``fast``: the fast
-    tier keeps a representative few of an interpreter grid, ``-m slow`` runs the rest. ``several``:
-    each value is a tuple of several arguments."""
-    return [pytest.param(*(value if several else (value,)), marks=() if value in fast else pytest.mark.slow)
+def tiered(values, kept, mark, kept_mark=(), several=False):
+    """``values`` as parameters of a grid, each marked ``mark`` unless it is in ``kept`` (marked
+    ``kept_mark``). ``several``: each value is a tuple of several arguments."""
+    return [pytest.param(*(value if several else (value,)), marks=kept_mark if value in kept else mark)
             for value in values]
 
 
-def build_except(values, slow, several=False):
-    """``values`` as parameters of a TileLang build grid, each marked ``build`` (tens of seconds to two
-    minutes a kernel on 2 cores: outside CI) unless it is in ``slow``, which CI's slow tier keeps."""
-    return [pytest.param(*(value if several else (value,)), marks=pytest.mark.slow if value in slow
-                         else pytest.mark.build) for value in values]
+def slow_except(values, fast, several=False):
+    """The fast tier keeps a representative few (``fast``) of an interpreter grid, ``-m slow`` runs the rest."""
+    return tiered(values, fast, pytest.mark.slow, several=several)
 
+
+def build_except(values, slow, several=False):
+    """A TileLang build grid: ``-m build`` (tens of seconds to two minutes a kernel on 2 cores: outside
+    CI) but for ``slow``, which CI's slow tier keeps."""
+    return tiered(values, slow, pytest.mark.build, pytest.mark.slow, several=several)
