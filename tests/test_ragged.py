@@ -7,14 +7,12 @@ backend, the checks of the arguments and their values, bad values on the device,
 """
 from __future__ import annotations
 
-import dataclasses
 
 import pytest
 import torch
 
 from conftest import slow_except
 from flashdecode import flash_attn_with_kvcache, plan_for
-from flashdecode.kernels.tilelang.backend import problem_limitation
 from flashdecode.reference import relative_error
 from plan_launch import DEVICE, check_plan_against_reference, make_inputs, reference, through_plan
 
@@ -153,15 +151,6 @@ def test_bad_cu_seqlens_q_on_the_device_make_their_sequence_nan(num_splits, merg
     out, _, _, _ = through_plan(*inputs, num_splits=num_splits, merge=merge, cu_seqlens_q=bad)
     assert out[2:6].isnan().all()  # its rows, clamped to max_seqlen_q = 4 (as other bad values, out only)
     assert relative_error(out[:2], ref_out[:2]) < OUT_TOLERANCE
-
-
-def test_tilelang_does_not_take_ragged_queries_so_auto_routes_elsewhere():
-    """TileLang's kernels take no ragged queries: it names the feature (so ``auto`` takes Triton on
-    the GPU, ``test_gpu_ragged_graph_replays_new_draft_lengths``)."""
-    inputs = make_inputs(batch=4, seqlen_q=4, rows=ROWS, headdim=64)
-    problem = plan_for(*inputs[:3], **inputs[3], backend="reference").problem
-    assert problem_limitation(dataclasses.replace(problem, ragged=False)) is None
-    assert problem_limitation(problem) == "no ragged (the TileLang kernels do not implement it)"
 
 
 @pytest.mark.gpu

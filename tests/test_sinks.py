@@ -9,7 +9,6 @@ exp(lse_plain - lse)`` of the same call without them (a row that sees no key: ou
 """
 from __future__ import annotations
 
-import dataclasses
 import math
 
 import pytest
@@ -17,7 +16,6 @@ import torch
 
 from conftest import slow_except
 from flashdecode import flash_attn_with_kvcache, plan_for
-from flashdecode.kernels.tilelang.backend import problem_limitation
 from flashdecode.reference import attention_ref, relative_error
 from plan_launch import check_plan_against_reference, make_inputs, reference, through_plan
 
@@ -110,15 +108,6 @@ def test_sinks_are_checked():
                                 (sinks.tolist(), TypeError, "sinks must be a torch.Tensor")):
         with pytest.raises(error, match=message):
             flash_attn_with_kvcache(q, k_cache, v_cache, **kwargs, sinks=bad)
-
-
-def test_tilelang_does_not_take_sinks_so_auto_routes_elsewhere():
-    """TileLang's kernels have no sinks: it names the feature (so ``auto`` takes Triton on the GPU,
-    ``test_gpu_sinks``) on a problem it takes without them."""
-    q, k_cache, v_cache, kwargs = make_inputs(headdim=64, sinks=True)
-    problem = plan_for(q, k_cache, v_cache, **kwargs, backend="reference").problem
-    assert problem_limitation(dataclasses.replace(problem, sinks=False)) is None
-    assert problem_limitation(problem) == "no sinks (the TileLang kernels do not implement it)"
 
 
 @pytest.mark.gpu

@@ -110,6 +110,9 @@ def test_plans_name_the_kernels_the_backend_runs():
     (problem_of(alibi=1), "no alibi"),
     (problem_of(leftpad=True), "no leftpad"),
     (problem_of(batch_idx=True), "no batch_idx"),
+    (problem_of(sinks=True), "no sinks (the TileLang kernels do not implement it)"),
+    (problem_of(seqlen_q=4, ragged=True), "no ragged (the TileLang kernels do not implement it)"),
+    (problem_of(cache_dtype="float8_e4m3fn"), "no fp8"),
 ], ids=str)
 def test_problem_limitation_names_what_is_missing(problem, needs):
     reason = problem_limitation(problem)
