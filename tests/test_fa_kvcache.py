@@ -50,7 +50,8 @@ if GRID_SIZE not in ("sample", "full") and not GRID_SIZE.isdigit():
 CPU_FP8_COMBOS = fa_grid.sample(8, seed=2340, dtypes=("float16",), max_seqlen_k=800, restrict=fa_grid.FP8_AXES)
 #: Drawn only where CUDA is (a CPU run deselects the gpu tier; the draw of 2000 takes seconds).
 GPU_COMBOS = [] if not HAS_CUDA else (fa_grid.full_grid() if GRID_SIZE == "full" else
-                                      fa_grid.sample(2000 if GRID_SIZE == "sample" else int(GRID_SIZE), seed=GRID_SEED)) + \
+                                      fa_grid.sample(2000 if GRID_SIZE == "sample" else int(GRID_SIZE),
+                                                     seed=GRID_SEED)) + \
     fa_grid.sample(int(os.environ.get("FLASHDECODE_FA_GRID_FP8", "400")), seed=GRID_SEED + 3, restrict=fa_grid.FP8_AXES)
 #: The part of the grid the TileLang kernels implement (no rotary, ALiBi, cache_leftpad or
 #: cache_batch_idx; head dims 64, 128, 256); query rows over its q tile are still skipped. Its own
@@ -204,7 +205,8 @@ def test_sample_covers_every_value_several_times():
             if axis == "dtype" and value != "float16" or axis == "seqlens" and value[1] > 1024:
                 continue
             assert sum(getattr(combo, axis) == value for combo in CPU_COMBOS) >= 3, (axis, value)
-    for axis in ("kv_dtype", "softcap", "paged_kv_block_size", "new_kv", "num_splits", "local", "causal", "has_batch_idx"):
+    for axis in ("kv_dtype", "softcap", "paged_kv_block_size", "new_kv", "num_splits", "local", "causal",
+                 "has_batch_idx"):
         assert len({getattr(combo, axis) for combo in CPU_FP8_COMBOS}) == 2, axis
 
 

@@ -74,7 +74,8 @@ TRITON_CASES = [
                          slow_except(TRITON_CASES, [TRITON_CASES[0]], several=True),
                          ids=[f"{case[0]}-splits{case[2]}{'-merge' if case[3] else ''}" for case in TRITON_CASES])
 def test_triton_kernels_match_the_reference(feature, arguments, num_splits, merge):
-    check_plan_against_reference(make_inputs(**{"batch": 4, "seqlen_q": 4, "rows": ROWS, **arguments}), num_splits, merge, OUT_TOLERANCE, LSE_TOLERANCE)
+    inputs = make_inputs(**{"batch": 4, "seqlen_q": 4, "rows": ROWS, **arguments})
+    check_plan_against_reference(inputs, num_splits, merge, OUT_TOLERANCE, LSE_TOLERANCE)
 
 
 @pytest.mark.parametrize("backend", ["reference", "triton"])
@@ -140,7 +141,8 @@ def test_cache_seqlens_leave_room_for_each_sequences_own_tokens():
         flash_attn_with_kvcache(q, k_cache, v_cache, **kwargs, backend="reference")
 
 
-@pytest.mark.parametrize("num_splits,merge", slow_except([(1, False), (3, False), (3, True)], [(1, False)], several=True))
+@pytest.mark.parametrize("num_splits,merge",
+                         slow_except([(1, False), (3, False), (3, True)], [(1, False)], several=True))
 def test_bad_cu_seqlens_q_on_the_device_make_their_sequence_nan(num_splits, merge):
     """A value the host check rejects (a sequence of more rows than max_seqlen_q), swapped in after
     validation: that sequence's rows come out NaN, the others right, nothing read

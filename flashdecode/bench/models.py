@@ -312,8 +312,8 @@ def model_rows(name, batches, contexts, modes, systems, device, progress=print) 
                     if floor is not None:
                         row.attention_share = max(0.0, 1 - floor / row.ms_per_step)
                     progress(f"{name} b{batch} ctx{context} {mode} {system}: {row.ms_per_step:.3f} ms "
-                             f"({row.tokens_per_s:.0f} tok/s, attention {row.attention_share}, distance {row.distance}, "
-                             f"correct {row.correct})")
+                             f"({row.tokens_per_s:.0f} tok/s, attention {row.attention_share}, "
+                             f"distance {row.distance}, correct {row.correct})")
             del step
             if device == "cuda":
                 torch.cuda.empty_cache()
