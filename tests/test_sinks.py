@@ -1,7 +1,8 @@
 """Attention sinks (``sinks``: a float32 logit per query head in every row's softmax denominator):
 the reference's semantics, the Triton kernels on every plan kind against it (single pass, split
 merged in the split kernel, split merged by the combine; CPU tensors under Triton's interpreter),
-the public call on every backend, the checks of the argument, and the route.
+the public call on every backend, the checks of the argument, and the route; on the GPU, the public
+call on Triton and TileLang.
 
 The property every test leans on: a sink adds exp(sink) to the denominator and nothing to the
 numerator, so with sinks ``lse = logaddexp(lse_plain, sink)`` and ``out = out_plain *
@@ -9,7 +10,6 @@ exp(lse_plain - lse)`` of the same call without them (a row that sees no key: ou
 """
 from __future__ import annotations
 
-import dataclasses
 import math
 
 import pytest
@@ -112,25 +112,24 @@ def test_sinks_are_checked():
             flash_attn_with_kvcache(q, k_cache, v_cache, **kwargs, sinks=bad)
 
 
-def test_tilelang_does_not_take_sinks_so_auto_routes_elsewhere():
-    """TileLang's kernels have no sinks: it names the feature (so ``auto`` takes Triton on the GPU,
-    ``test_gpu_sinks``) on a problem it takes without them."""
+def test_tilelang_takes_sinks():
+    """TileLang's kernels take sinks where they take the call without them (``auto`` still runs
+    Triton: ``test_tilelang_serving``; the kernels against the reference: ``test_gpu_sinks``)."""
     q, k_cache, v_cache, kwargs = make_inputs(headdim=64, sinks=True)
     problem = plan_for(q, k_cache, v_cache, **kwargs, backend="reference").problem
-    assert problem_limitation(dataclasses.replace(problem, sinks=False)) is None
-    assert problem_limitation(problem) == "no sinks (the TileLang kernels do not implement it)"
+    assert problem.sinks and problem_limitation(problem) is None
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("backend", ["auto", "triton"])
+@pytest.mark.parametrize("backend", ["auto", "triton", "tilelang"])
 @pytest.mark.parametrize("num_splits", [1, 0, 4])
 def test_gpu_sinks(backend, num_splits):
-    """On the GPU: the public call's every plan kind against the reference, auto on Triton, and a
-    CUDA graph replay with new sink values."""
+    """On the GPU: the public call's every plan kind against the reference (TileLang: single pass,
+    split and combine), auto on Triton, and a CUDA graph replay with new sink values."""
     q, k_cache, v_cache, kwargs = make_inputs(batch=4, capacity=3000, nheads_k=4, group=8, headdim=128, seqlen_q=2,
                                               causal=True, sinks=True, dtype=torch.bfloat16)
     route = plan_for(q, k_cache, v_cache, **kwargs, num_splits=num_splits, backend=backend)
-    assert route.backend == "triton"
+    assert route.backend == ("tilelang" if backend == "tilelang" else "triton")
     out, lse = flash_attn_with_kvcache(q, k_cache, v_cache, **kwargs, num_splits=num_splits, return_softmax_lse=True,
                                        backend=backend)
     ref_out, ref_lse, _, _ = reference(q, k_cache, v_cache, kwargs)

@@ -5,7 +5,7 @@ Runs on CPU machines: TileLang compiles without a GPU when given an explicit tar
 kernel must keep the Hopper features the design relies on: TMA loads (``tma_load``) into a
 warp-specialised pipeline whose producer loop runs on one warp (``patches.one_warp_producer``), and
 wgmma for both products where the q tile has 64 rows (mma.sync for smaller tiles). Every serving feature
-(paged, appended k/v, seqlen_q > 1 with causal, windows, softcap) compiles too. Builds are shared
+(paged, appended k/v, seqlen_q > 1 with causal, windows, softcap, sinks) compiles too. Builds are shared
 through one backend instance (its cache) and TileLang's disk cache. The kernels run in the GPU tests
 (here: the fast launch against the public call, and each feature against the reference).
 """
@@ -275,6 +275,9 @@ FEATURES = {  # name: (problem, the text its split kernel's source must have)
     "window": (problem_of(window_left=100), "window_left"),
     "softcap": (problem_of(softcap=True), "tanhf"),
     "append": (problem_of(seqlen_q=2, seqlen_new=2), "KNew"),
+    "sinks": (problem_of(sinks=True), "Sinks"),
+    "sinks-features": (problem_of(seqlen_q=2, page_size=64, seqlen_new=2, window_left=100, window_right=0,
+                                  sinks=True), "Sinks"),
 }
 
 
@@ -299,21 +302,31 @@ def test_feature_kernels_compile_for_sm90a(name):
         assert source.count("tl::tma_load(") == (2 * pages * chunks if pages > 1 else 2)
 
 
+@needs_nvcc
+def test_short_cache_kernel_folds_the_sinks_in():
+    """With sinks the kernel reads each row's sink logit (its query head's) and adds it to the row's
+    denominator in base 2 before writing out and lse (the split kernel and the combine: ``slow``)."""
+    source = compiled_source(SHORT_CACHE, problem_of(sinks=True))
+    assert "const float* __restrict__ Sinks" in source and "0x1.71547652b82fep+0f" in source  # log2(e)
+    assert "exp2f((sink - shift))" in source
+
+
 def test_feature_parameters_follow_the_plain_ones_in_launch_order():
     """The backend passes block_table, k, v, softcap and the window sizes after the plain arguments,
     in this order (and seqlen_new, window_left to the combine)."""
     from flashdecode.kernels.tilelang import kernels
     from flashdecode.kernels.tilelang.config import KernelShape
 
-    problem = problem_of(page_size=64, seqlen_q=2, window_left=9, window_right=0, softcap=True, seqlen_new=2)
+    problem = problem_of(page_size=64, seqlen_q=2, window_left=9, window_right=0, softcap=True, seqlen_new=2,
+                         sinks=True)
     shape, config = KernelShape.of(problem), BACKEND.default_config(problem, H200, SPLIT)
     names = [param.name.removesuffix("_handle") for param in kernels.split_kernel(shape, config, True, 2).params]
-    assert names[12:] == ["BlockTable", "KNew", "VNew", "softcap", "window_left", "window_right"]
+    assert names[12:] == ["BlockTable", "KNew", "VNew", "softcap", "window_left", "window_right", "Sinks"]
     short = BACKEND.default_config(problem, H200, SHORT_CACHE)
     names = [param.name.removesuffix("_handle") for param in kernels.short_cache_kernel(shape, short, 4).params]
-    assert names[7:] == ["BlockTable", "KNew", "VNew", "softcap", "window_left", "window_right"]
+    assert names[7:] == ["BlockTable", "KNew", "VNew", "softcap", "window_left", "window_right", "Sinks"]
     names = [param.name.removesuffix("_handle") for param in kernels.combine_kernel(shape, config.combine, 64).params]
-    assert names[9:] == ["new_tokens", "window_left"]
+    assert names[9:] == ["new_tokens", "window_left", "Sinks"]
 
 
 # -- the serving features against the reference (GPU; the lead's machine) ----------------------------
@@ -338,12 +351,21 @@ GPU_CASES = {
     "wide-head-all": (Problem(3, 1024, 16, 4, 256, "bfloat16", seqlen_q=2, page_size=64, seqlen_new=2,
                               window_left=200, window_right=0, softcap=True),
                       {"causal": True, "window_size": (200, 0), "softcap": 30.0}),
+    # sinks (``gpu_inputs`` draws them): the short-cache kernel, the split kernel and its combine, with
+    # rows that see no key (length 0, windows)
+    "sinks": (Problem(3, 1000, 32, 4, 128, "bfloat16", sinks=True), {}),
+    "sinks-short-paged-16": (Problem(3, 128, 32, 4, 128, "bfloat16", page_size=16, seqlen_new=3, sinks=True), {}),
+    "sinks-all": (Problem(3, 1024, 32, 4, 128, "bfloat16", seqlen_q=4, page_size=64, seqlen_new=4, window_left=200,
+                          window_right=0, softcap=True, sinks=True),
+                  {"causal": True, "window_size": (200, 0), "softcap": 30.0}),
+    "sinks-wide-head-window": (Problem(3, 1024, 16, 4, 256, "float16", seqlen_q=2, window_left=5, window_right=0,
+                                       sinks=True), {"causal": True, "window_size": (5, 0)}),
 }
 
 
 def gpu_inputs(problem, seed=0):
-    """Random q, caches (pages in a shuffled block table when paged), new k/v and lengths [full, 0,
-    off a tile boundary] for ``problem``."""
+    """Random q, caches (pages in a shuffled block table when paged), new k/v, sinks and lengths
+    [full, 0, off a tile boundary] for ``problem``."""
     generator = torch.Generator("cuda").manual_seed(seed)
     dtype = getattr(torch, problem.dtype)
 
@@ -362,6 +384,8 @@ def gpu_inputs(problem, seed=0):
     tensors["k_cache"], tensors["v_cache"] = randn(*cache_shape), randn(*cache_shape)
     if problem.seqlen_new:
         tensors["k"], tensors["v"] = (randn(batch, problem.seqlen_new, heads_k, head_dim) for _ in range(2))
+    if problem.sinks:
+        tensors["sinks"] = torch.randn(problem.nheads, generator=generator, device="cuda") * 3
     longest = problem.seqlen_cache - problem.seqlen_new
     tensors["cache_seqlens"] = torch.tensor([longest, 0, min(longest, 333)], dtype=torch.int32, device="cuda")
     return tensors

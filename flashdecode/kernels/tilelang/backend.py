@@ -34,8 +34,8 @@ MIN_BLOCK_M = {SPLIT: 64, SINGLE_PASS: 64, SHORT_CACHE: 16}
 #: per tile.
 WIDE_HEAD_DIM, WIDE_HEAD_BLOCK_M, WIDE_HEAD_BLOCK_N, WIDE_HEAD_MIN_BLOCK_N = 256, 16, 64, 32
 #: Problem features (``Problem.features``) the kernels implement (``features.py``); rotary, ALiBi,
-#: cache_leftpad and cache_batch_idx are left to the other backends.
-FEATURES = frozenset(("seqlen_q>1", "paged", "append", "causal", "window", "softcap"))
+#: cache_leftpad, cache_batch_idx and ragged q are left to the other backends.
+FEATURES = frozenset(("seqlen_q>1", "paged", "append", "causal", "window", "softcap", "sinks"))
 #: Most query positions per call (the q tile holds seqlen_q * group <= MAX_Q_ROWS rows).
 MAX_SEQLEN_Q = 16
 #: Fewest tokens per page: a tile gathers whole pages with one TMA load per page (and 128-byte column
@@ -143,7 +143,10 @@ class TileLangBackend(Backend):
         if problem.seqlen_cache == 0:  # no keys anywhere (and no TMA descriptor for an empty cache)
             bad = (args.cache_seqlens + problem.seqlen_new != 0)[:, None, None, None]
             args.out.zero_().masked_fill_(bad, math.nan)
-            args.lse.fill_(-math.inf)
+            if problem.sinks:  # a row without keys: the sink alone
+                args.lse.copy_(args.sinks.view(1, -1, 1).expand_as(args.lse))
+            else:
+                args.lse.fill_(-math.inf)
             return
         for function, arguments in self.calls(plan, problem, args):
             function(*arguments)
@@ -181,7 +184,7 @@ class TileLangBackend(Backend):
         if combine is not None:
             calls.append((combine, (args.cache_seqlens, args.part_o, args.part_lse, args.out, lse,
                                     problem.seqlen_cache, plan.programs_per_head, plan.forced_splits,
-                                    plan.min_chunk, *(() if plain else _combine_feature_arguments(problem)))))
+                                    plan.min_chunk, *(() if plain else _combine_feature_arguments(problem, args)))))
         return calls
 
     def compiled(self, kernel: str, problem, config, profile, target: dict):
@@ -237,7 +240,7 @@ class TileLangBackend(Backend):
 
 def _feature_arguments(problem, args) -> list:
     """The attention kernels' arguments after the plain ones: block_table, k and v, softcap, window
-    sizes, each where the problem uses it."""
+    sizes, sinks, each where the problem uses it."""
     extra = []
     if problem.paged:
         extra.append(args.block_table)
@@ -249,13 +252,17 @@ def _feature_arguments(problem, args) -> list:
         extra.append(problem.window_left)
     if problem.window_right >= 0:
         extra.append(problem.window_right)
+    if problem.sinks:
+        extra.append(args.sinks)
     return extra
 
 
-def _combine_feature_arguments(problem) -> list:
-    """The combine kernel's arguments after the plain ones: what its key-range rule reads."""
+def _combine_feature_arguments(problem, args) -> list:
+    """The combine kernel's arguments after the plain ones: what its key-range rule reads, and the
+    sinks its merge starts from."""
     extra = [problem.seqlen_new] if problem.seqlen_new else []
-    return extra + ([problem.window_left] if problem.window_left >= 0 else [])
+    extra += [problem.window_left] if problem.window_left >= 0 else []
+    return extra + ([args.sinks] if problem.sinks else [])
 
 
 def _index(device) -> int:

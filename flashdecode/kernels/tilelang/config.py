@@ -65,16 +65,18 @@ class KernelShape(DerivedSizes):
     window_right: bool = False  # rows see keys up to p_i + window_right (causal: 0)
     softcap: bool = False
     append: bool = False  # new k/v tokens read from k/v and written into the cache
+    sinks: bool = False  # a sink logit per query head in every row's softmax denominator
 
     @classmethod
     def of(cls, problem) -> "KernelShape":
         return cls(problem.dtype, problem.headdim, problem.group, problem.nheads_k, problem.seqlen_q,
                    problem.page_size, problem.window_left >= 0, problem.window_right >= 0, problem.softcap,
-                   problem.seqlen_new > 0)
+                   problem.seqlen_new > 0, problem.sinks)
 
     @property
     def plain(self) -> bool:
-        """No feature: one query position, a contiguous cache, no appended tokens, windows or softcap."""
+        """No feature: one query position, a contiguous cache, no appended tokens, windows, softcap or
+        sinks."""
         return self == KernelShape(self.dtype, self.headdim, self.group, self.nheads_k)
 
     @property

@@ -1,5 +1,5 @@
 """The serving features of the TileLang kernels, gated at compile time: paged KV, appended k/v,
-seqlen_q > 1, causal and sliding windows, softcap (``docs/design.md``, "Semantics").
+seqlen_q > 1, causal and sliding windows, softcap, attention sinks (``docs/design.md``, "Semantics").
 
 A :class:`Features` is made once per kernel, before its prim_func: it holds the shape's flags, the
 symbolic sizes and runtime scalars the features add to the kernel's parameters (None where a feature
@@ -14,11 +14,15 @@ swizzled shared tile (``Features.tile_parts``): tiles of 16 tokens measured 13-1
 contiguous cache (``docs/design.md``, "Measured choices"). The split kernel with appended tokens keeps tiles
 within a page (the backend's default config): TileLang took minutes to compile its gathered tail.
 Block ids are clamped into the pages for the reads and a program that meets a bad one writes NaN rows.
+
+Sinks: each query head's logit (float32, natural units) joins a row's softmax denominator once,
+where the row is finalised: ``fold_sink`` before an unsplit sequence's output is written, and the
+combine's merge starting from it (a partial of lse = sink and output 0); partials never hold it.
 """
 import tilelang.language as T
 
 from .config import SCAN_WIDTH
-from .macros import NAN
+from .macros import LOG2E, NAN
 
 F32, I32 = T.float32, T.int32
 #: Appended tokens written per step (all threads, one head-dim element each).
@@ -46,6 +50,8 @@ class Features:
         self.softcap = T.Var("softcap", F32) if shape.softcap else None
         self.window_left = T.Var("window_left", I32) if shape.window_left else None
         self.window_right = T.Var("window_right", I32) if shape.window_right else None
+        #: sinks: float32 (nheads,), one logit per query head.
+        self.sinks = T.Tensor((shape.nheads_k * shape.group,), F32) if shape.sinks else None
         #: The key range rule of the schedule when it differs from [0, length): None for plain keys.
         self.keys = self if shape.append or shape.window_left else None
         #: Whether ``attend`` masks more than a tile's invalid keys (windows) or transforms scores (softcap).
@@ -123,6 +129,11 @@ class Features:
 
     def head(self, h, r):
         return h * self.group + (r % self.group if self.seqlen_q > 1 else r)
+
+    def sink(self, Sinks, h, r):
+        """Query row r's sink logit in base 2 (the kernels' score units); rows past the query rows
+        (the q tile's padding) read the last row's."""
+        return Sinks[self.head(h, T.min(r, self.q_rows - 1))] * LOG2E
 
     # -- scores ------------------------------------------------------------------------------------
     def mask(self, base, end):
@@ -274,6 +285,21 @@ def write_appended(features, K, V, KNew, VNew, BlockTable, b, h, raw_len, capaci
                 else:
                     K[b, position, h, d] = KNew[b, token, h, d]
                     V[b, position, h, d] = VNew[b, token, h, d]
+
+
+@T.macro
+def fold_sink(features, Sinks, h, o_f, l_f, m_f, alpha, rows, head_dim):
+    """The online-softmax state (o_f, l_f, m_f) of KV head h's query rows with each row's sink in its
+    denominator: a key of the sink's score and value 0. A row whose max and sink are both -inf keeps
+    l = 0 (no key: out 0, lse -inf)."""
+    for i in T.Parallel(rows):
+        sink = features.sink(Sinks, h, i)  # an expression, inlined where used
+        shift = T.if_then_else(T.max(m_f[i], sink) == -T.infinity(F32), 0, T.max(m_f[i], sink))
+        alpha[i] = T.exp2(m_f[i] - shift)
+        l_f[i] = l_f[i] * alpha[i] + T.exp2(sink - shift)
+        m_f[i] = T.max(m_f[i], sink)
+    for i, d in T.Parallel(rows, head_dim):
+        o_f[i, d] *= alpha[i]
 
 
 def partial_value(features, o, l, bad):

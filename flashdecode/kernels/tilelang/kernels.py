@@ -18,7 +18,7 @@
 A length outside [0, capacity] is clamped for the schedule and the reads, and its rows of ``out``
 are NaN (``docs/design.md``, "Semantics").
 
-Each kernel serves paged KV, appended k/v, seqlen_q > 1, windows and softcap as compile-time gates
+Each kernel serves paged KV, appended k/v, seqlen_q > 1, windows, softcap and sinks as compile-time gates
 (``features.py``): a feature off adds no parameter and no code, so the plain kernels' CUDA is what
 it was before the features existed. Keys [lo_b, hi_b) follow ``docs/design.md`` ("Semantics") and
 the planner's work rule with key ranges.
@@ -26,7 +26,7 @@ the planner's work rule with key ranges.
 import tilelang.language as T
 
 from .config import CONSUMER_THREADS, SCAN_WIDTH
-from .features import Features, bad_pages, partial_lse, partial_value, write_appended
+from .features import Features, bad_pages, fold_sink, partial_lse, partial_value, write_appended
 from .macros import LN2, LOG2E, NAN, balanced_chunk, load_splits, tile_macros
 
 #: The split kernel's name in its CUDA source (``patches.py`` rewrites only that kernel).
@@ -41,7 +41,7 @@ def split_kernel(shape, config, can_split: bool, blocks_per_sm: int, register_sp
 
     Call: (q, k_cache, v_cache, cache_seqlens, out, lse, part_o, part_lse, programs, forced_splits,
     min_chunk, softmax_scale, then the features' block_table, k, v, softcap, window_left,
-    window_right where used); grid (programs, nheads_k)."""
+    window_right, sinks where used); grid (programs, nheads_k)."""
     dtype, D, G, Hk = shape.dtype, shape.headdim, shape.group, shape.nheads_k
     block_n, num_stages = config.block_n, config.num_stages
     Hq, Sq, R = Hk * G, shape.seqlen_q, shape.q_rows
@@ -54,9 +54,12 @@ def split_kernel(shape, config, can_split: bool, blocks_per_sm: int, register_sp
     f32 = T.float32
 
     @T.macro
-    def finish(Out, Lse, PartO, PartLse, o_f, l_f, m_f, pid, b, h, nsplit, bad, bad_page):
-        """out and lse of an unsplit sequence, else this split's partials."""
+    def finish(Out, Lse, PartO, PartLse, Sinks, o_f, l_f, m_f, alpha, pid, b, h, nsplit, bad, bad_page):
+        """out and lse of an unsplit sequence (its rows' sinks folded in), else this split's
+        partials (the combine adds the sinks)."""
         if nsplit == 1:
+            if f.sinks is not None:
+                fold_sink(f, Sinks, h, o_f, l_f, m_f, alpha, rows, D)
             write_out(Out, Lse, o_f, l_f, m_f, b, h, bad)
         else:
             for i, d in T.Parallel(rows, D):
@@ -86,6 +89,7 @@ def split_kernel(shape, config, can_split: bool, blocks_per_sm: int, register_sp
         softcap: f.softcap,
         window_left: f.window_left,
         window_right: f.window_right,
+        Sinks: f.sinks,
     ):
         with T.Kernel(programs, Hk, threads=threads) as (pid, h):
             T.annotate_min_blocks_per_sm(blocks_per_sm)
@@ -175,11 +179,11 @@ def split_kernel(shape, config, can_split: bool, blocks_per_sm: int, register_sp
 
             if seq >= 0:
                 if f.paged:
-                    finish(Out, Lse, PartO, PartLse, o_f, l_f, m_f, pid, b, h, nsplit,
+                    finish(Out, Lse, PartO, PartLse, Sinks, o_f, l_f, m_f, alpha, pid, b, h, nsplit,
                            T.Or(f.bad_length(raw_len, seqlen), bad_page > 0), bad_page)
                 else:
-                    finish(Out, Lse, PartO, PartLse, o_f, l_f, m_f, pid, b, h, nsplit, f.bad_length(raw_len, seqlen),
-                           None)
+                    finish(Out, Lse, PartO, PartLse, Sinks, o_f, l_f, m_f, alpha, pid, b, h, nsplit,
+                           f.bad_length(raw_len, seqlen), None)
                 if f.append:
                     if split == 0:
                         write_appended(f, K, V, KNew, VNew, BlockTable, b, h, raw_len, capacity, D)
@@ -192,7 +196,7 @@ def short_cache_kernel(shape, config, blocks_per_sm: int):
     grid (B, Hk), one warpgroup, ``blocks_per_sm`` the occupancy ptxas must allow.
 
     Call: (q, k_cache, v_cache, cache_seqlens, out, lse, softmax_scale, then the features'
-    block_table, k, v, softcap, window_left, window_right where used)."""
+    block_table, k, v, softcap, window_left, window_right, sinks where used)."""
     dtype, D, G, Hk = shape.dtype, shape.headdim, shape.group, shape.nheads_k
     block_n, rows, one_tile = config.block_n, config.block_m, config.one_tile
     Hq, Sq = Hk * G, shape.seqlen_q
@@ -217,6 +221,7 @@ def short_cache_kernel(shape, config, blocks_per_sm: int):
         softcap: f.softcap,
         window_left: f.window_left,
         window_right: f.window_right,
+        Sinks: f.sinks,
     ):
         with T.Kernel(B, Hk, threads=CONSUMER_THREADS) as (b, h):
             T.annotate_min_blocks_per_sm(blocks_per_sm)
@@ -250,6 +255,8 @@ def short_cache_kernel(shape, config, blocks_per_sm: int):
                     attend(q_s, k_s, v_s, s_f, p_f, o_f, m_f, l_f, m_prev, alpha, rsum, softmax_scale * LOG2E,
                            seqlen - (f.first_block(seqlen) + t) * block_n,
                            f.mask((f.first_block(seqlen) + t) * block_n, seqlen))
+            if f.sinks is not None:
+                fold_sink(f, Sinks, h, o_f, l_f, m_f, alpha, rows, D)
             if f.paged:
                 write_out(Out, Lse, o_f, l_f, m_f, b, h, T.Or(f.bad_length(raw_len, seqlen), bad_page > 0))
             else:
@@ -266,7 +273,8 @@ def combine_kernel(shape, config, block_n: int):
     program per partial row (a query head when seqlen_q is 1), one thread per head-dim element.
 
     Call: (cache_seqlens, part_o, part_lse, out, lse, capacity, programs, forced_splits, min_chunk,
-    then seqlen_new and window_left where used)."""
+    then seqlen_new, window_left and sinks where used). With sinks the merge starts from the row's
+    sink: a partial of lse = sink and output 0, so it counts once."""
     dtype, D, G, Hk, step = shape.dtype, shape.headdim, shape.group, shape.nheads_k, config.step
     Hq, Sq, R = Hk * G, shape.seqlen_q, shape.q_rows
     f = Features(shape, block_n)
@@ -287,6 +295,7 @@ def combine_kernel(shape, config, block_n: int):
         min_chunk: T.int32,
         new_tokens: f.new_tokens if f.append else None,
         window_left: f.window_left,
+        Sinks: f.sinks,
     ):
         with T.Kernel(B, Hk * R, threads=D) as (bid, hq):
             d = T.get_thread_binding()
@@ -310,6 +319,9 @@ def combine_kernel(shape, config, block_n: int):
                     nsplit = counts[bid % SCAN_WIDTH]
 
             if nsplit > 1:
+                if f.sinks is not None:  # the partial row hq is row hq % R of KV head hq // R
+                    m = f.sink(Sinks, hq // R, hq % R)
+                    w_sum = T.if_then_else(m == -T.infinity(f32), 0, 1)
                 # A step's partials are all loaded before any is used, so their loads overlap.
                 for c in T.serial(T.ceildiv(nsplit, step)):
                     for s in T.unroll(step):
