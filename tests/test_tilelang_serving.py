@@ -7,15 +7,19 @@ it passes, and ``auto``, which keeps such calls on Triton until TileLang is meas
 import dataclasses
 
 import pytest
+import torch
 
 from flashdecode.hardware import PROFILES, TILELANG_AUTO_FEATURES
 from flashdecode.kernels.base import auto_choice
-from flashdecode.kernels.tilelang.backend import FEATURES, problem_limitation
+from flashdecode.kernels.tilelang import occupancy
+from flashdecode.kernels.tilelang.backend import FEATURES, TileLangBackend, flat_descale, problem_limitation
+from flashdecode.planner import SHORT_CACHE, SPLIT
 from flashdecode.problem import Problem
 
 H200 = PROFILES["h200"]
-#: Serving extensions TileLang takes and ``auto`` does not give it: (name, Problem fields).
-EXTENSIONS = {"sinks": dict(sinks=True)}
+#: Serving extensions TileLang takes and ``auto`` does not give it: name -> Problem fields.
+EXTENSIONS = {"sinks": dict(sinks=True), "fp8": dict(cache_dtype="float8_e4m3fn"),
+              "fp8-e5m2+sinks": dict(cache_dtype="float8_e5m2", sinks=True)}
 
 
 def can_take(problem):
@@ -39,7 +43,8 @@ def test_auto_keeps_the_extensions_on_triton(extension, shape):
     batch, capacity, nheads_k, headdim, features = shape
     plain = Problem(batch, capacity, 4 * nheads_k, nheads_k, headdim, "bfloat16", **features)
     problem = dataclasses.replace(plain, **EXTENSIONS[extension])
-    assert extension in problem.features() and extension in FEATURES and extension not in TILELANG_AUTO_FEATURES
+    extensions = set(problem.features()) - set(plain.features())
+    assert extensions and extensions <= FEATURES and not extensions & set(TILELANG_AUTO_FEATURES)
     assert problem_limitation(problem) is None
     assert auto_choice(problem, H200, can_take(problem)) == "triton"
     assert auto_choice(plain, H200, can_take(plain)) == auto_choice(plain, H200, can_take(problem))
@@ -51,3 +56,33 @@ def test_plain_calls_still_reach_tilelang():
     for problem in (Problem(16, 64, 32, 8, 128, "bfloat16"), Problem(8, 32768, 4, 1, 256, "bfloat16"),
                     Problem(16, 362, 32, 8, 256, "bfloat16", page_size=64, seqlen_q=2, window_right=0)):
         assert auto_choice(problem, H200, can_take(problem)) == "tilelang"
+
+
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_fp8_caches_keep_the_tiles_and_the_residency(head_dim):
+    """An fp8 cache keeps the tiles of q's dtype: its pipelined stages take half the bytes and the
+    converted K/V pair the other half, so one program's shared memory and the programs per SM stay."""
+    backend = TileLangBackend()
+    plain = Problem(8, 4096, 32, 8, head_dim, "bfloat16")
+    fp8 = dataclasses.replace(plain, cache_dtype="float8_e4m3fn")
+    for kernel in (SPLIT, SHORT_CACHE):
+        config = backend.default_config(plain, H200, kernel)
+        assert backend.default_config(fp8, H200, kernel) == config
+        assert backend.resident_programs(fp8, config, H200) == backend.resident_programs(plain, config, H200)
+    config = backend.default_config(plain, H200, SPLIT)
+    assert occupancy.split_shared_bytes(fp8, config, H200) == occupancy.split_shared_bytes(plain, config, H200)
+
+
+@pytest.mark.parametrize("given", ["table", "strided table", "head", "scalar"])
+def test_flat_descale_reads_every_sequence_and_head(given):
+    """The kernels read sequence b's and KV head h's descale at b * stride_b + h * stride_h of one
+    contiguous view, which ``flat_descale`` makes of the (batch, nheads_k) view a call passes: a
+    table, a column of a wider one, a head's row or a scalar expanded (strides 0), without a copy."""
+    batch, heads = 3, 4
+    table = torch.arange(1.0, 1 + batch * heads * 2).view(batch, heads * 2)
+    view = {"table": table[:, :heads].contiguous(), "strided table": table[:, ::2], "head": table[0, :heads],
+            "scalar": table[0, 0]}[given].expand(batch, heads)
+    flat, stride_b, stride_h = flat_descale(view)
+    assert flat.is_contiguous() and flat.data_ptr() == view.data_ptr()
+    read = torch.stack([torch.stack([flat[b * stride_b + h * stride_h] for h in range(heads)]) for b in range(batch)])
+    assert torch.equal(read, view)

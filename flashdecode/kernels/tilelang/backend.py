@@ -35,7 +35,7 @@ MIN_BLOCK_M = {SPLIT: 64, SINGLE_PASS: 64, SHORT_CACHE: 16}
 WIDE_HEAD_DIM, WIDE_HEAD_BLOCK_M, WIDE_HEAD_BLOCK_N, WIDE_HEAD_MIN_BLOCK_N = 256, 16, 64, 32
 #: Problem features (``Problem.features``) the kernels implement (``features.py``); rotary, ALiBi,
 #: cache_leftpad, cache_batch_idx and ragged q are left to the other backends.
-FEATURES = frozenset(("seqlen_q>1", "paged", "append", "causal", "window", "softcap", "sinks"))
+FEATURES = frozenset(("seqlen_q>1", "paged", "append", "causal", "window", "softcap", "sinks", "fp8"))
 #: Most query positions per call (the q tile holds seqlen_q * group <= MAX_Q_ROWS rows).
 MAX_SEQLEN_Q = 16
 #: Fewest tokens per page: a tile gathers whole pages with one TMA load per page (and 128-byte column
@@ -240,7 +240,8 @@ class TileLangBackend(Backend):
 
 def _feature_arguments(problem, args) -> list:
     """The attention kernels' arguments after the plain ones: block_table, k and v, softcap, window
-    sizes, sinks, each where the problem uses it."""
+    sizes, the fp8 descales (``flat_descale``: k's and v's views, then their strides), sinks, each
+    where the problem uses it."""
     extra = []
     if problem.paged:
         extra.append(args.block_table)
@@ -252,9 +253,23 @@ def _feature_arguments(problem, args) -> list:
         extra.append(problem.window_left)
     if problem.window_right >= 0:
         extra.append(problem.window_right)
+    if problem.cache_dtype is not None:
+        (k_view, *k_strides), (v_view, *v_strides) = flat_descale(args.k_descale), flat_descale(args.v_descale)
+        extra += [k_view, v_view, *k_strides, *v_strides]
     if problem.sinks:
         extra.append(args.sinks)
     return extra
+
+
+def flat_descale(descale) -> tuple:
+    """An fp8 cache's descale, a float32 (batch, nheads_k) view (often expanded: strides of 0), as
+    (the elements it spans as one contiguous view, its batch stride, its head stride): the kernels
+    read sequence b's and KV head h's at b * stride_b + h * stride_h. ValueError without one."""
+    if descale is None:
+        raise ValueError("k_descale, v_descale: an fp8 cache needs both as float32 (batch, nheads_k) views")
+    stride_b, stride_h = descale.stride()
+    span = (descale.shape[0] - 1) * stride_b + (descale.shape[1] - 1) * stride_h + 1
+    return descale.as_strided((span,), (1,)), stride_b, stride_h
 
 
 def _combine_feature_arguments(problem, args) -> list:
