@@ -468,7 +468,8 @@ def test_tilelang_takes_the_listed_features():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("backend,feature", [(backend, feature) for backend in ("triton", "auto") for feature in FEATURES]
+@pytest.mark.parametrize("backend,feature", [(backend, feature) for backend in ("triton", "auto")
+                                             for feature in FEATURES]
                          + [("tilelang", feature) for feature in TILELANG_FEATURES])
 def test_fp8_on_the_gpu(backend, feature, dtype):
     call = make_call(**FEATURES[feature], dtype=dtype)

@@ -86,3 +86,14 @@ def test_flat_descale_reads_every_sequence_and_head(given):
     assert flat.is_contiguous() and flat.data_ptr() == view.data_ptr()
     read = torch.stack([torch.stack([flat[b * stride_b + h * stride_h] for h in range(heads)]) for b in range(batch)])
     assert torch.equal(read, view)
+
+
+def test_fp8_split_tiles_stay_within_a_page():
+    """Pages smaller than the split kernel's tile: an fp8 cache's tiles are one page each (TileLang
+    cannot convert a tile gathered from several), a cache of q's dtype keeps gathering them."""
+    backend = TileLangBackend()
+    plain = Problem(8, 4096, 32, 8, 128, "bfloat16", page_size=16)
+    fp8 = dataclasses.replace(plain, cache_dtype="float8_e4m3fn")
+    assert backend.default_config(plain, H200, SPLIT).block_n == 64
+    assert backend.default_config(fp8, H200, SPLIT).block_n == 16
+    assert backend.default_config(dataclasses.replace(fp8, page_size=256), H200, SPLIT).block_n == 64

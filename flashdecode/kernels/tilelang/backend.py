@@ -117,7 +117,9 @@ class TileLangBackend(Backend):
         cache: the rule's ``block_n``, 16 q rows, no loop when the capacity fits one tile. Paged
         caches keep that ``block_n``: a tile lies within one larger page or gathers several smaller
         ones (``features.py``), except in the split kernel with appended tokens, whose tiles stay
-        within a page (TileLang took 3 minutes and more to compile its gathered tail)."""
+        within a page (TileLang took 3 minutes and more to compile its gathered tail), and with an
+        fp8 cache, whose gathered tile TileLang 0.1.15 cannot convert (its thread-sync pass stops on
+        the consumer's barrier)."""
         if kernel not in self.kernels(problem):
             raise ValueError(f"kernel must be one of {sorted(self.kernels(problem))} for backend 'tilelang', "
                              f"got {kernel!r}")
@@ -125,7 +127,8 @@ class TileLangBackend(Backend):
         block_m = q_tile_rows(problem.q_rows, MIN_BLOCK_M[kernel])
         if kernel == SHORT_CACHE:
             return ShortCacheConfig(block_n, block_m, one_tile=problem.seqlen_cache <= block_n)
-        most_n = problem.page_size if problem.paged and problem.seqlen_new else math.inf  # appending: within a page
+        # appending or fp8: tiles within a page
+        most_n = problem.page_size if problem.paged and (problem.seqlen_new or problem.cache_dtype) else math.inf
         wide = SplitConfig(min(WIDE_HEAD_BLOCK_N, most_n), WIDE_HEAD_BLOCK_M)
         if (problem.headdim >= WIDE_HEAD_DIM and problem.q_rows <= wide.block_m
                 and wide.block_n >= WIDE_HEAD_MIN_BLOCK_N

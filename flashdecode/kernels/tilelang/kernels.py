@@ -19,9 +19,8 @@ A length outside [0, capacity] is clamped for the schedule and the reads, and it
 are NaN (``docs/design.md``, "Semantics").
 
 Each kernel serves paged KV, appended k/v, seqlen_q > 1, windows, softcap, sinks and fp8 caches
-as compile-time gates
-(``features.py``): a feature off adds no parameter and no code, so the plain kernels' CUDA is what
-it was before the features existed. Keys [lo_b, hi_b) follow ``docs/design.md`` ("Semantics") and
+as compile-time gates (``features.py``): a feature off adds no parameter and no code, so the plain
+kernels' CUDA is what it was before the features existed. Keys [lo_b, hi_b) follow ``docs/design.md`` ("Semantics") and
 the planner's work rule with key ranges.
 """
 import tilelang.language as T
@@ -188,7 +187,8 @@ def split_kernel(shape, config, can_split: bool, blocks_per_sm: int, register_sp
                 cached = f.cached_end(raw_len, seqlen)
                 for t in T.serial(blk_hi - tail_lo):
                     base = (tail_lo + t) * block_n
-                    load_tile(K, V, k_tail, v_tail, b, h, base, keys, f.source(KNew, VNew, BlockTable, cached, descales))
+                    load_tile(K, V, k_tail, v_tail, b, h, base, keys,
+                              f.source(KNew, VNew, BlockTable, cached, descales))
                     attend(q_s, k_tail, v_tail, s_f, p_f, o_f, m_f, l_f, m_prev, alpha, rsum, scale,
                            keys - base, f.mask(base, keys))
             elif full_hi < blk_hi:  # the sequence's last block, partially filled: only its valid rows

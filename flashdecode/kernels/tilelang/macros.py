@@ -159,8 +159,10 @@ def _load_macros(rows, block_n, head_dim, features, dtype):
     def load_tile(K, V, k_s, v_s, b, h, base, seqlen, source):
         if source is None:
             for j, d in T.Parallel(block_n, head_dim):
-                k_s[j, d] = T.if_then_else(base + j < seqlen, f.widen(K[b, base + j, h, d]), T.cast(0, dtype))
-                v_s[j, d] = T.if_then_else(base + j < seqlen, f.widen(V[b, base + j, h, d]), T.cast(0, dtype))
+                k_s[j, d] = T.if_then_else(base + j < seqlen, f.widen(K[b, base + j, h, d]),
+                                           T.cast(0, dtype))
+                v_s[j, d] = T.if_then_else(base + j < seqlen, f.widen(V[b, base + j, h, d]),
+                                           T.cast(0, dtype))
         else:  # one part per page of the tile (the whole tile unless it gathers pages)
             for offset, rows in source.parts(block_n):
                 page = source.page(b, base + offset)
