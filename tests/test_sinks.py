@@ -120,14 +120,20 @@ def test_tilelang_takes_sinks():
     assert problem.sinks and problem_limitation(problem) is None
 
 
+#: ``test_gpu_sinks``' call (``make_inputs`` arguments) and its split counts (``tools/warmup_tests.py``
+#: builds TileLang's kernels for them).
+GPU_CALL = dict(batch=4, capacity=3000, nheads_k=4, group=8, headdim=128, seqlen_q=2, causal=True, sinks=True,
+                dtype=torch.bfloat16)
+GPU_SPLITS = [1, 0, 4]
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("backend", ["auto", "triton", "tilelang"])
-@pytest.mark.parametrize("num_splits", [1, 0, 4])
+@pytest.mark.parametrize("num_splits", GPU_SPLITS)
 def test_gpu_sinks(backend, num_splits):
     """On the GPU: the public call's every plan kind against the reference (TileLang: single pass,
     split and combine), auto on Triton, and a CUDA graph replay with new sink values."""
-    q, k_cache, v_cache, kwargs = make_inputs(batch=4, capacity=3000, nheads_k=4, group=8, headdim=128, seqlen_q=2,
-                                              causal=True, sinks=True, dtype=torch.bfloat16)
+    q, k_cache, v_cache, kwargs = make_inputs(**GPU_CALL)
     route = plan_for(q, k_cache, v_cache, **kwargs, num_splits=num_splits, backend=backend)
     assert route.backend == ("tilelang" if backend == "tilelang" else "triton")
     out, lse = flash_attn_with_kvcache(q, k_cache, v_cache, **kwargs, num_splits=num_splits, return_softmax_lse=True,

@@ -355,7 +355,7 @@ def fold_sink(features, Sinks, h, o_f, l_f, m_f, alpha, rows, head_dim):
     denominator: a key of the sink's score and value 0. A row whose max and sink are both -inf keeps
     l = 0 (no key: out 0, lse -inf)."""
     for i in T.Parallel(rows):
-        sink = features.sink(Sinks, h, i)  # an expression, inlined where used
+        sink = features.sink(Sinks, h, i)  # read once per row
         shift = T.if_then_else(T.max(m_f[i], sink) == -T.infinity(F32), 0, T.max(m_f[i], sink))
         alpha[i] = T.exp2(m_f[i] - shift)
         l_f[i] = l_f[i] * alpha[i] + T.exp2(sink - shift)
