@@ -21,18 +21,14 @@ sys.path[:0] = [str(REPO), str(REPO / "tests")]
 
 import torch  # noqa: E402
 
-from flashdecode import DecodeContext  # noqa: E402
+from flashdecode import plan_for  # noqa: E402
 from flashdecode.kernels.tilelang import warmup  # noqa: E402
 from flashdecode.problem import Problem  # noqa: E402
 
 
-def problem_of_call(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None, cache_seqlens=None,
-                    cache_batch_idx=None, cache_leftpad=None, block_table=None, softmax_scale=None, causal=False,
-                    window_size=(-1, -1), softcap=0.0, rotary_interleaved=True, alibi_slopes=None):
+def problem_of_call(q, k_cache, v_cache, **arguments):
     """The Problem the public call validates from these (CPU) arguments."""
-    return DecodeContext().resolve(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens,
-                                   cache_batch_idx, cache_leftpad, block_table, softmax_scale, causal, window_size,
-                                   softcap, rotary_interleaved, alibi_slopes, 0, "reference", None)[0]
+    return plan_for(q, k_cache, v_cache, **arguments, backend="reference").problem
 
 
 def test_problems() -> list:
@@ -69,10 +65,8 @@ def serving_calls() -> list:
     import test_fp8
     import test_sinks
 
-    from flashdecode import plan_for
-
     def problem_of(q, k_cache, v_cache, kwargs):
-        return plan_for(q, k_cache, v_cache, **kwargs, backend="reference").problem
+        return problem_of_call(q, k_cache, v_cache, **kwargs)
 
     calls = [(problem_of(*test_sinks.make_inputs(**test_sinks.GPU_CALL)), splits) for splits in test_sinks.GPU_SPLITS]
     for dtype in (torch.float16, torch.bfloat16):
