@@ -36,12 +36,21 @@ class AutoRule:
     #: only calls that none of these backends' plans pipeline deeper than their tile table
     #: (``Backend.pipelined``; ``kernels.base.select`` asks the planner)
     not_pipelined_by: tuple[str, ...] = ()
+    #: only calls whose features (``Problem.features``) are all among these; None: any feature
+    features: tuple[str, ...] | None = None
 
     def admits(self, problem) -> bool:
         """Whether this rule's limits hold for ``problem`` (a :class:`~flashdecode.problem.Problem`)."""
         return ((self.max_cache_bytes is None or problem.cache_bytes() < self.max_cache_bytes)
                 and (self.max_headdim is None or problem.headdim <= self.max_headdim)
-                and not (self.plain_cache_only and (problem.paged or problem.seqlen_new > 0)))
+                and not (self.plain_cache_only and (problem.paged or problem.seqlen_new > 0))
+                and (self.features is None or set(problem.features()) <= set(self.features)))
+
+
+#: The features of the calls ``auto`` may give TileLang: those its kernels were measured with on the
+#: H200 (docs/design.md, "Who runs what"). Calls with sinks or fp8 caches, which its kernels also
+#: take, stay on Triton under ``auto`` until TileLang is measured with them.
+TILELANG_AUTO_FEATURES = ("seqlen_q>1", "paged", "append", "causal", "window", "softcap")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,8 +97,10 @@ class Tuning:
     #: ``auto``'s order (:class:`AutoRule`): the first rule whose limits hold and whose backend can
     #: take the call runs it.
     auto_order: tuple = (AutoRule("tilelang", max_cache_bytes=32 * MIB, plain_cache_only=True,
-                                  unsplit_by=("tilelang", "triton"), not_pipelined_by=("triton",)),
-                         AutoRule("triton", max_headdim=128), AutoRule("tilelang"), AutoRule("triton"))
+                                  unsplit_by=("tilelang", "triton"), not_pipelined_by=("triton",),
+                                  features=TILELANG_AUTO_FEATURES),
+                         AutoRule("triton", max_headdim=128), AutoRule("tilelang", features=TILELANG_AUTO_FEATURES),
+                         AutoRule("triton"))
     #: Triton's split-kernel tile by padded head dim (at most): (head dim, block_n, num_warps,
     #: num_stages).
     triton_tiles: tuple = ((32, 64, 4, 2), (64, 128, 4, 2), (128, 64, 4, 2), (256, 64, 4, 3))

@@ -12,8 +12,8 @@ GPU tier (``gpu`` marker): "triton" and "tilelang", float16 and bfloat16, on FLA
 506,880 combos per backend: about a million tests, hours), plus FLASHDECODE_FA_GRID_FP8 combos of the
 fp8 part (default 400; "full" is not drawn there). FLASHDECODE_FA_GRID_SEED (default 2025)
 draws another sample, so that runs cut by a time limit cover new combos, not the same first ones.
-The extension axes' GPU tier: "triton" and "auto" on FLASHDECODE_FA_GRID_EXTENSION combos of each
-part (default 40; TileLang takes neither sinks nor ragged queries).
+The extension axes' GPU tier: "triton", "auto" and "tilelang" on FLASHDECODE_FA_GRID_EXTENSION combos
+of each part (default 40; TileLang takes sinks, not ragged queries: those combos are skipped).
 Two more GPU tiers on the part of the grid TileLang implements: "tilelang" on its own sample
 (FLASHDECODE_FA_GRID_TILELANG combos, or "full") and ``backend="auto"`` on another
 (FLASHDECODE_FA_GRID_AUTO), what a user's call runs. A backend that cannot take a combo raises
@@ -161,7 +161,7 @@ def test_kvcache_grid_extension_sample(backend, combo):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("combo", GPU_EXTENSION_COMBOS, ids=lambda combo: combo.id)
-@pytest.mark.parametrize("backend", ["triton", "auto"])
+@pytest.mark.parametrize("backend", ["triton", "auto", "tilelang"])
 def test_kvcache_grid_extension_gpu(backend, combo):
     run("gpu-extension", backend, combo)
 

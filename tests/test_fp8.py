@@ -3,14 +3,14 @@ the reference's dequantisation, quantised appends, validation, routing, and the 
 against the reference.
 
 CPU tier: the reference, the validation, and the Triton kernels under Triton's interpreter, which
-loads and converts fp8 tiles. The fp8 kernels' products take float16 operands whatever q's dtype,
+loads and converts fp8 tiles. The Triton kernels' products take float16 operands whatever q's dtype,
 so bfloat16 q runs right there too (the interpreter computes bfloat16 products wrongly, as for the
 other tests), but for its float32 -> bfloat16 conversion, which truncates: rotated bfloat16 keys
 written to the cache differ from torch's. Its fp32 -> fp8 conversion truncates too, which is why the
 kernels round onto the fp8 grid in float32 themselves (``attend.quantise``); a test here checks that
 rounding against torch's on every fp8 value. GPU tier (``gpu`` marker): the same features on CUDA
-in float16 and bfloat16, through ``auto`` too, and the accuracy rule of the 14 benchmark cases with
-an e4m3 cache.
+in float16 and bfloat16, through ``auto`` too and on TileLang where it takes them (its split kernel
+on longer caches too), and the accuracy rule of the 14 benchmark cases with an e4m3 cache.
 
 Tolerances: the kernels compute on the fp8 values exactly (converted to float16, which holds every
 fp8 value) and fold the descales into float32 factors, so their error against the float32
@@ -273,13 +273,14 @@ def test_the_call_without_descales_is_unchanged():
 # -- the route ------------------------------------------------------------------------------------------
 
 def test_fp8_problem_reads_one_byte_an_element_and_auto_takes_triton(monkeypatch):
-    """Bytes at capacity count 1 byte an element; TileLang's kernels do not take fp8, so ``auto`` on a
-    Hopper takes Triton (without one: ``select`` for a CUDA device TileLang deems a Hopper)."""
+    """Bytes at capacity count 1 byte an element; TileLang's kernels take fp8, but ``auto`` on a
+    Hopper takes Triton until TileLang is measured with it (without one: ``select`` for a CUDA
+    device TileLang deems a Hopper)."""
     q, k_cache, v_cache, kwargs = make_call()
     problem = plan_for(q, k_cache, v_cache, **kwargs).problem
     assert problem.cache_dtype == "float8_e4m3fn" and "fp8" in problem.features()
     assert problem.cache_bytes() == 2 * 2 * 100 * 2 * 64
-    assert "no fp8" in problem_limitation(problem)
+    assert problem_limitation(problem) is None
     device = torch.device("cuda", 0)
     if not HAS_CUDA:
         monkeypatch.setitem(get_backend("tilelang")._hopper, 0, True)
@@ -481,14 +482,52 @@ def test_flashinfer_fp8_decode_is_the_fp8_variants_peer(monkeypatch):
 
 # -- GPU tier ---------------------------------------------------------------------------------------------
 
+#: The features of ``FEATURES`` TileLang's kernels take (``test_tilelang_takes_the_listed_features``).
+TILELANG_FEATURES = ["plain", "lengths", "e5m2", "head-descale", "number-descale", "no-descale", "paged32",
+                     "append", "causal", "window", "softcap"]
+
+
+def test_tilelang_takes_the_listed_features():
+    taken = []
+    for name, features in FEATURES.items():
+        q, k_cache, v_cache, kwargs = make_call(**features)
+        if problem_limitation(plan_for(q, k_cache, v_cache, **kwargs, backend="reference").problem) is None:
+            taken.append(name)
+    assert taken == TILELANG_FEATURES
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("feature", FEATURES)
-@pytest.mark.parametrize("backend", ["triton", "auto"])
+@pytest.mark.parametrize("backend,feature", [(backend, feature) for backend in ("triton", "auto")
+                                             for feature in FEATURES]
+                         + [("tilelang", feature) for feature in TILELANG_FEATURES])
 def test_fp8_on_the_gpu(backend, feature, dtype):
     call = make_call(**FEATURES[feature], dtype=dtype)
     tolerance = OUT_TOLERANCE if dtype == torch.float16 else 1e-2  # out rounded to bfloat16: 8x float16's step
     assert_matches(run(call, backend), expected(call), tolerance, 1e-2)
+
+
+#: TileLang's kernels on caches of several tiles (``FEATURES``' 100 keys mostly take its short-cache
+#: kernel): the split kernel's pipeline of 1-byte tiles (contiguous, pages of a tile, pages gathered
+#: into a tile, the wide-head tile), appended tokens in its tail, masks and softcap.
+TILELANG_SPLIT_FEATURES = {
+    "e4m3": dict(capacity=1000, headdim=128, group=4),
+    "e5m2-append-pages-64": dict(capacity=1024, headdim=128, group=4, page_size=64, seqlen_new=3,
+                                 fp8=torch.float8_e5m2),
+    "pages-16": dict(capacity=512, headdim=128, group=8, page_size=16, descale="head"),
+    "d256": dict(capacity=1000, headdim=256, group=4),
+    "d64-window-softcap": dict(capacity=700, headdim=64, seqlen_q=3, causal=True, window=(50, 0), softcap=0.7),
+}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("num_splits", [1, 3, 0])
+@pytest.mark.parametrize("feature", TILELANG_SPLIT_FEATURES)
+def test_tilelang_fp8_split_kernels_on_the_gpu(feature, num_splits, dtype):
+    call = make_call(**TILELANG_SPLIT_FEATURES[feature], dtype=dtype)
+    tolerance = OUT_TOLERANCE if dtype == torch.float16 else 1e-2
+    assert_matches(run(call, "tilelang", num_splits), expected(call), tolerance, 1e-2)
 
 
 @pytest.mark.gpu

@@ -1,7 +1,8 @@
 """Attention sinks (``sinks``: a float32 logit per query head in every row's softmax denominator):
 the reference's semantics, the Triton kernels on every plan kind against it (single pass, split
 merged in the split kernel, split merged by the combine; CPU tensors under Triton's interpreter),
-the public call on every backend, the checks of the argument, and the route.
+the public call on every backend, the checks of the argument, and the route; on the GPU, the public
+call on Triton and TileLang.
 
 The property every test leans on: a sink adds exp(sink) to the denominator and nothing to the
 numerator, so with sinks ``lse = logaddexp(lse_plain, sink)`` and ``out = out_plain *
@@ -110,16 +111,22 @@ def test_sinks_are_checked():
             flash_attn_with_kvcache(q, k_cache, v_cache, **kwargs, sinks=bad)
 
 
+#: ``test_gpu_sinks``' call (``make_inputs`` arguments) and its split counts (``tools/warmup_tests.py``
+#: builds TileLang's kernels for them).
+GPU_CALL = dict(batch=4, capacity=3000, nheads_k=4, group=8, headdim=128, seqlen_q=2, causal=True, sinks=True,
+                dtype=torch.bfloat16)
+GPU_SPLITS = [1, 0, 4]
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("backend", ["auto", "triton"])
-@pytest.mark.parametrize("num_splits", [1, 0, 4])
+@pytest.mark.parametrize("backend", ["auto", "triton", "tilelang"])
+@pytest.mark.parametrize("num_splits", GPU_SPLITS)
 def test_gpu_sinks(backend, num_splits):
-    """On the GPU: the public call's every plan kind against the reference, auto on Triton, and a
-    CUDA graph replay with new sink values."""
-    q, k_cache, v_cache, kwargs = make_inputs(batch=4, capacity=3000, nheads_k=4, group=8, headdim=128, seqlen_q=2,
-                                              causal=True, sinks=True, dtype=torch.bfloat16)
+    """On the GPU: the public call's every plan kind against the reference (TileLang: single pass,
+    split and combine), auto on Triton, and a CUDA graph replay with new sink values."""
+    q, k_cache, v_cache, kwargs = make_inputs(**GPU_CALL)
     route = plan_for(q, k_cache, v_cache, **kwargs, num_splits=num_splits, backend=backend)
-    assert route.backend == "triton"
+    assert route.backend == ("tilelang" if backend == "tilelang" else "triton")
     out, lse = flash_attn_with_kvcache(q, k_cache, v_cache, **kwargs, num_splits=num_splits, return_softmax_lse=True,
                                        backend=backend)
     ref_out, ref_lse, _, _ = reference(q, k_cache, v_cache, kwargs)

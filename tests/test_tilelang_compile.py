@@ -5,7 +5,7 @@ Runs on CPU machines: TileLang compiles without a GPU when given an explicit tar
 kernel must keep the Hopper features the design relies on: TMA loads (``tma_load``) into a
 warp-specialised pipeline whose producer loop runs on one warp (``patches.one_warp_producer``), and
 wgmma for both products where the q tile has 64 rows (mma.sync for smaller tiles). Every serving feature
-(paged, appended k/v, seqlen_q > 1 with causal, windows, softcap) compiles too. Builds are shared
+(paged, appended k/v, seqlen_q > 1 with causal, windows, softcap, sinks, fp8 caches) compiles too. Builds are shared
 through one backend instance (its cache) and TileLang's disk cache. The kernels run in the GPU tests
 (here: the fast launch against the public call, and each feature against the reference).
 """
@@ -110,9 +110,8 @@ def test_plans_name_the_kernels_the_backend_runs():
     (problem_of(alibi=1), "no alibi"),
     (problem_of(leftpad=True), "no leftpad"),
     (problem_of(batch_idx=True), "no batch_idx"),
-    (problem_of(sinks=True), "no sinks (the TileLang kernels do not implement it)"),
+    (problem_of(sinks=True, cache_dtype="float8_e5m2", page_size=64), None),
     (problem_of(seqlen_q=4, ragged=True), "no ragged (the TileLang kernels do not implement it)"),
-    (problem_of(cache_dtype="float8_e4m3fn"), "no fp8"),
 ], ids=str)
 def test_problem_limitation_names_what_is_missing(problem, needs):
     reason = problem_limitation(problem)
@@ -279,6 +278,15 @@ FEATURES = {  # name: (problem, the text its split kernel's source must have)
     "window": (problem_of(window_left=100), "window_left"),
     "softcap": (problem_of(softcap=True), "tanhf"),
     "append": (problem_of(seqlen_q=2, seqlen_new=2), "KNew"),
+    "sinks": (problem_of(sinks=True), "Sinks"),
+    "sinks-features-d256": (problem_of(head_dim=256, seqlen_q=2, page_size=64, seqlen_new=2, window_left=100,
+                                       window_right=0, sinks=True), "Sinks"),
+    "fp8": (problem_of(cache_dtype="float8_e4m3fn"), "fp8_e4_t"),
+    "fp8-e5m2-fp16-d64-paged-16": (problem_of(dtype="float16", head_dim=64, page_size=16, cache_dtype="float8_e5m2"),
+                                   "fp8_e5_t"),
+    "fp8-d256-paged-16": (problem_of(head_dim=256, page_size=16, cache_dtype="float8_e4m3fn"), "fp8_e4_t"),
+    "fp8-features": (problem_of(seqlen_q=2, page_size=64, seqlen_new=2, window_left=100, window_right=0, softcap=True,
+                                sinks=True, cache_dtype="float8_e5m2"), "fp8_e5_t"),
 }
 
 
@@ -298,8 +306,34 @@ def test_feature_kernels_compile_for_sm90a(name):
     assert marker in compiled_source(SHORT_CACHE, problem, short)
     if problem.paged:  # K and V: one TMA load per tile, or per page and 128-byte column chunk of a gathered one
         pages = config.block_n // problem.page_size
-        chunks = problem.headdim * problem.element_bytes // 128
+        chunks = max(1, problem.headdim * problem.cache_element_bytes // 128)
         assert source.count("tl::tma_load(") == (2 * pages * chunks if pages > 1 else 2)
+    if problem.cache_dtype is not None:  # the pipeline moves 1-byte tiles, converted before the products
+        fp8 = marker
+        assert f"tl::tma_load(K_desc" in source and f"(({fp8}*)k_s)" in source and f"(({fp8}*)v_s)" in source
+        assert f"arrive_and_expect_tx({config.block_n * problem.headdim})" in source
+        assert "k_wide" in source and "v_wide" in source
+        if problem.seqlen_new:  # appended tokens: divided by the descale (IEEE), saturated, stored as fp8
+            assert "__fdiv_rn" in source and ("0x1.cp+8f" if fp8 == "fp8_e4_t" else "0x1.cp+15f") in source
+
+
+@needs_nvcc
+def test_short_cache_kernel_folds_the_sinks_in():
+    """With sinks the kernel reads each row's sink logit (its query head's) and adds it to the row's
+    denominator in base 2 before writing out and lse (the split kernel and the combine: ``slow``)."""
+    source = compiled_source(SHORT_CACHE, problem_of(sinks=True))
+    assert "const float* __restrict__ Sinks" in source and "0x1.71547652b82fep+0f" in source  # log2(e)
+    assert "exp2f((sink - shift))" in source
+
+
+@needs_nvcc
+def test_short_cache_kernel_reads_fp8_caches_as_bytes():
+    """An e4m3 cache is read 8 one-byte elements at a time and converted to q's dtype in registers
+    (``__tl_cvt_e4m3x2_to_bfloat162``) before the tile reaches shared memory, and k's descale is read
+    (the split kernel, appended tokens: ``slow``)."""
+    source = compiled_source(SHORT_CACHE, problem_of(cache_dtype="float8_e4m3fn"))
+    assert "const fp8_e4_t* __restrict__ K" in source and "= *(fp8_e4_8_t*)(K + " in source
+    assert "__tl_cvt_e4m3x2_to_bfloat162" in source and "KDescale[" in source and "VDescale[" in source
 
 
 def test_feature_parameters_follow_the_plain_ones_in_launch_order():
@@ -308,15 +342,18 @@ def test_feature_parameters_follow_the_plain_ones_in_launch_order():
     from flashdecode.kernels.tilelang import kernels
     from flashdecode.kernels.tilelang.config import KernelShape
 
-    problem = problem_of(page_size=64, seqlen_q=2, window_left=9, window_right=0, softcap=True, seqlen_new=2)
+    problem = problem_of(page_size=64, seqlen_q=2, window_left=9, window_right=0, softcap=True, seqlen_new=2,
+                         sinks=True, cache_dtype="float8_e4m3fn")
     shape, config = KernelShape.of(problem), BACKEND.default_config(problem, H200, SPLIT)
+    features = ["BlockTable", "KNew", "VNew", "softcap", "window_left", "window_right", "KDescale", "VDescale",
+                "k_descale_stride_b", "k_descale_stride_h", "v_descale_stride_b", "v_descale_stride_h", "Sinks"]
     names = [param.name.removesuffix("_handle") for param in kernels.split_kernel(shape, config, True, 2).params]
-    assert names[12:] == ["BlockTable", "KNew", "VNew", "softcap", "window_left", "window_right"]
+    assert names[12:] == features
     short = BACKEND.default_config(problem, H200, SHORT_CACHE)
     names = [param.name.removesuffix("_handle") for param in kernels.short_cache_kernel(shape, short, 4).params]
-    assert names[7:] == ["BlockTable", "KNew", "VNew", "softcap", "window_left", "window_right"]
+    assert names[7:] == features
     names = [param.name.removesuffix("_handle") for param in kernels.combine_kernel(shape, config.combine, 64).params]
-    assert names[9:] == ["new_tokens", "window_left"]
+    assert names[9:] == ["new_tokens", "window_left", "Sinks"]
 
 
 # -- the serving features against the reference (GPU; the lead's machine) ----------------------------
@@ -341,12 +378,21 @@ GPU_CASES = {
     "wide-head-all": (Problem(3, 1024, 16, 4, 256, "bfloat16", seqlen_q=2, page_size=64, seqlen_new=2,
                               window_left=200, window_right=0, softcap=True),
                       {"causal": True, "window_size": (200, 0), "softcap": 30.0}),
+    # sinks (``gpu_inputs`` draws them): the short-cache kernel, the split kernel and its combine, with
+    # rows that see no key (length 0, windows)
+    "sinks": (Problem(3, 1000, 32, 4, 128, "bfloat16", sinks=True), {}),
+    "sinks-short-paged-16": (Problem(3, 128, 32, 4, 128, "bfloat16", page_size=16, seqlen_new=3, sinks=True), {}),
+    "sinks-all": (Problem(3, 1024, 32, 4, 128, "bfloat16", seqlen_q=4, page_size=64, seqlen_new=4, window_left=200,
+                          window_right=0, softcap=True, sinks=True),
+                  {"causal": True, "window_size": (200, 0), "softcap": 30.0}),
+    "sinks-wide-head-window": (Problem(3, 1024, 16, 4, 256, "float16", seqlen_q=2, window_left=5, window_right=0,
+                                       sinks=True), {"causal": True, "window_size": (5, 0)}),
 }
 
 
 def gpu_inputs(problem, seed=0):
-    """Random q, caches (pages in a shuffled block table when paged), new k/v and lengths [full, 0,
-    off a tile boundary] for ``problem``."""
+    """Random q, caches (pages in a shuffled block table when paged), new k/v, sinks and lengths
+    [full, 0, off a tile boundary] for ``problem``."""
     generator = torch.Generator("cuda").manual_seed(seed)
     dtype = getattr(torch, problem.dtype)
 
@@ -365,6 +411,8 @@ def gpu_inputs(problem, seed=0):
     tensors["k_cache"], tensors["v_cache"] = randn(*cache_shape), randn(*cache_shape)
     if problem.seqlen_new:
         tensors["k"], tensors["v"] = (randn(batch, problem.seqlen_new, heads_k, head_dim) for _ in range(2))
+    if problem.sinks:
+        tensors["sinks"] = torch.randn(problem.nheads, generator=generator, device="cuda") * 3
     longest = problem.seqlen_cache - problem.seqlen_new
     tensors["cache_seqlens"] = torch.tensor([longest, 0, min(longest, 333)], dtype=torch.int32, device="cuda")
     return tensors

@@ -2,8 +2,9 @@
 (``flashdecode warmup`` builds the benchmark's: run both into one folder before a GPU run).
 
 The tests' calls are read from the test modules (the random-shape test's kernel shapes, the paged
-tests' calls, TileLang's feature cases, the FlashAttention grid's TileLang and auto samples, the
-empty cache); each is planned as ``flashdecode warmup`` plans a case (``kernels.tilelang.warmup``).
+tests' calls, TileLang's feature cases, its sinks and fp8 calls, the FlashAttention grid's TileLang
+and auto samples, the empty cache); each is planned as ``flashdecode warmup`` plans a case
+(``kernels.tilelang.warmup``).
 Carry the folder packed (``tar -cJf .tl-cache.tar.xz .tl-cache``; ``tools/device.sh`` unpacks it).
 
 Usage: python tools/warmup_tests.py [--cache-dir .tl-cache] [--shard I/N]
@@ -54,8 +55,26 @@ def test_problems() -> list:
     for page_size, dtype, variant, shape in paged_calls:
         problems.append(problem_of_call(**test_paged.paged_call(page_size, variant, shape, dtype, 0)))
     calls = [(problem, splits) for problem in problems for splits in warmup.DEFAULT_SPLITS]
-    return calls + [(fa_grid.problem_of(combo), combo.num_splits)
-                    for combo in test_fa_kvcache.TILELANG_COMBOS + test_fa_kvcache.AUTO_COMBOS]
+    return calls + serving_calls() + [(fa_grid.problem_of(combo), combo.num_splits)
+                                      for combo in test_fa_kvcache.TILELANG_COMBOS + test_fa_kvcache.AUTO_COMBOS]
+
+
+def serving_calls() -> list:
+    """(problem, forced split count) of the GPU tests' sinks and fp8 calls on TileLang (``test_sinks``,
+    ``test_fp8``)."""
+    import test_fp8
+    import test_sinks
+
+    def problem_of(q, k_cache, v_cache, kwargs):
+        return problem_of_call(q, k_cache, v_cache, **kwargs)
+
+    calls = [(problem_of(*test_sinks.make_inputs(**test_sinks.GPU_CALL)), splits) for splits in test_sinks.GPU_SPLITS]
+    for dtype in (torch.float16, torch.bfloat16):
+        calls += [(problem_of(*test_fp8.make_call(**test_fp8.FEATURES[name], dtype=dtype)), 0)
+                  for name in test_fp8.TILELANG_FEATURES]
+        calls += [(problem_of(*test_fp8.make_call(**features, dtype=dtype)), splits)
+                  for features in test_fp8.TILELANG_SPLIT_FEATURES.values() for splits in (1, 3, 0)]
+    return calls
 
 
 def main():

@@ -34,8 +34,8 @@ MIN_BLOCK_M = {SPLIT: 64, SINGLE_PASS: 64, SHORT_CACHE: 16}
 #: per tile.
 WIDE_HEAD_DIM, WIDE_HEAD_BLOCK_M, WIDE_HEAD_BLOCK_N, WIDE_HEAD_MIN_BLOCK_N = 256, 16, 64, 32
 #: Problem features (``Problem.features``) the kernels implement (``features.py``); rotary, ALiBi,
-#: cache_leftpad and cache_batch_idx are left to the other backends.
-FEATURES = frozenset(("seqlen_q>1", "paged", "append", "causal", "window", "softcap"))
+#: cache_leftpad, cache_batch_idx and ragged q are left to the other backends.
+FEATURES = frozenset(("seqlen_q>1", "paged", "append", "causal", "window", "softcap", "sinks", "fp8"))
 #: Most query positions per call (the q tile holds seqlen_q * group <= MAX_Q_ROWS rows).
 MAX_SEQLEN_Q = 16
 #: Fewest tokens per page: a tile gathers whole pages with one TMA load per page (and 128-byte column
@@ -117,7 +117,9 @@ class TileLangBackend(Backend):
         cache: the rule's ``block_n``, 16 q rows, no loop when the capacity fits one tile. Paged
         caches keep that ``block_n``: a tile lies within one larger page or gathers several smaller
         ones (``features.py``), except in the split kernel with appended tokens, whose tiles stay
-        within a page (TileLang took 3 minutes and more to compile its gathered tail)."""
+        within a page (TileLang took 3 minutes and more to compile its gathered tail), and with an
+        fp8 cache, whose gathered tile TileLang 0.1.15 cannot convert (its thread-sync pass stops on
+        the consumer's barrier)."""
         if kernel not in self.kernels(problem):
             raise ValueError(f"kernel must be one of {sorted(self.kernels(problem))} for backend 'tilelang', "
                              f"got {kernel!r}")
@@ -125,7 +127,8 @@ class TileLangBackend(Backend):
         block_m = q_tile_rows(problem.q_rows, MIN_BLOCK_M[kernel])
         if kernel == SHORT_CACHE:
             return ShortCacheConfig(block_n, block_m, one_tile=problem.seqlen_cache <= block_n)
-        most_n = problem.page_size if problem.paged and problem.seqlen_new else math.inf  # appending: within a page
+        # appending or fp8: tiles within a page
+        most_n = problem.page_size if problem.paged and (problem.seqlen_new or problem.cache_dtype) else math.inf
         wide = SplitConfig(min(WIDE_HEAD_BLOCK_N, most_n), WIDE_HEAD_BLOCK_M)
         if (problem.headdim >= WIDE_HEAD_DIM and problem.q_rows <= wide.block_m
                 and wide.block_n >= WIDE_HEAD_MIN_BLOCK_N
@@ -143,7 +146,10 @@ class TileLangBackend(Backend):
         if problem.seqlen_cache == 0:  # no keys anywhere (and no TMA descriptor for an empty cache)
             bad = (args.cache_seqlens + problem.seqlen_new != 0)[:, None, None, None]
             args.out.zero_().masked_fill_(bad, math.nan)
-            args.lse.fill_(-math.inf)
+            if problem.sinks:  # a row without keys: the sink alone
+                args.lse.copy_(args.sinks.view(1, -1, 1).expand_as(args.lse))
+            else:
+                args.lse.fill_(-math.inf)
             return
         for function, arguments in self.calls(plan, problem, args):
             function(*arguments)
@@ -181,7 +187,7 @@ class TileLangBackend(Backend):
         if combine is not None:
             calls.append((combine, (args.cache_seqlens, args.part_o, args.part_lse, args.out, lse,
                                     problem.seqlen_cache, plan.programs_per_head, plan.forced_splits,
-                                    plan.min_chunk, *(() if plain else _combine_feature_arguments(problem)))))
+                                    plan.min_chunk, *(() if plain else _combine_feature_arguments(problem, args)))))
         return calls
 
     def compiled(self, kernel: str, problem, config, profile, target: dict):
@@ -237,7 +243,8 @@ class TileLangBackend(Backend):
 
 def _feature_arguments(problem, args) -> list:
     """The attention kernels' arguments after the plain ones: block_table, k and v, softcap, window
-    sizes, each where the problem uses it."""
+    sizes, the fp8 descales (``flat_descale``: k's and v's views, then their strides), sinks, each
+    where the problem uses it."""
     extra = []
     if problem.paged:
         extra.append(args.block_table)
@@ -249,13 +256,31 @@ def _feature_arguments(problem, args) -> list:
         extra.append(problem.window_left)
     if problem.window_right >= 0:
         extra.append(problem.window_right)
+    if problem.cache_dtype is not None:
+        (k_view, *k_strides), (v_view, *v_strides) = flat_descale(args.k_descale), flat_descale(args.v_descale)
+        extra += [k_view, v_view, *k_strides, *v_strides]
+    if problem.sinks:
+        extra.append(args.sinks)
     return extra
 
 
-def _combine_feature_arguments(problem) -> list:
-    """The combine kernel's arguments after the plain ones: what its key-range rule reads."""
+def flat_descale(descale) -> tuple:
+    """An fp8 cache's descale, a float32 (batch, nheads_k) view (often expanded: strides of 0), as
+    (the elements it spans as one contiguous view, its batch stride, its head stride): the kernels
+    read sequence b's and KV head h's at b * stride_b + h * stride_h. ValueError without one."""
+    if descale is None:
+        raise ValueError("k_descale, v_descale: an fp8 cache needs both as float32 (batch, nheads_k) views")
+    stride_b, stride_h = descale.stride()
+    span = (descale.shape[0] - 1) * stride_b + (descale.shape[1] - 1) * stride_h + 1
+    return descale.as_strided((span,), (1,)), stride_b, stride_h
+
+
+def _combine_feature_arguments(problem, args) -> list:
+    """The combine kernel's arguments after the plain ones: what its key-range rule reads, and the
+    sinks its merge starts from."""
     extra = [problem.seqlen_new] if problem.seqlen_new else []
-    return extra + ([problem.window_left] if problem.window_left >= 0 else [])
+    extra += [problem.window_left] if problem.window_left >= 0 else []
+    return extra + ([args.sinks] if problem.sinks else [])
 
 
 def _index(device) -> int:

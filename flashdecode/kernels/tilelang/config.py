@@ -6,7 +6,7 @@ scale, window sizes and the softcap value are runtime arguments, so new ones nev
 """
 import dataclasses
 
-from ...problem import DerivedSizes
+from ...problem import DTYPE_BYTES, DerivedSizes
 
 #: Threads of the consumer warpgroup (the split kernel adds a 128-thread TMA producer warpgroup);
 #: the short-cache kernel runs one such warpgroup.
@@ -65,16 +65,24 @@ class KernelShape(DerivedSizes):
     window_right: bool = False  # rows see keys up to p_i + window_right (causal: 0)
     softcap: bool = False
     append: bool = False  # new k/v tokens read from k/v and written into the cache
+    sinks: bool = False  # a sink logit per query head in every row's softmax denominator
+    cache_dtype: str | None = None  # an fp8 cache's dtype (None: q's), read as cache * descale
 
     @classmethod
     def of(cls, problem) -> "KernelShape":
         return cls(problem.dtype, problem.headdim, problem.group, problem.nheads_k, problem.seqlen_q,
                    problem.page_size, problem.window_left >= 0, problem.window_right >= 0, problem.softcap,
-                   problem.seqlen_new > 0)
+                   problem.seqlen_new > 0, problem.sinks, problem.cache_dtype)
+
+    @property
+    def cache_element_bytes(self) -> int:
+        """Bytes of one K or V element in the caches (1 for fp8, else ``element_bytes``)."""
+        return self.element_bytes if self.cache_dtype is None else DTYPE_BYTES[self.cache_dtype]
 
     @property
     def plain(self) -> bool:
-        """No feature: one query position, a contiguous cache, no appended tokens, windows or softcap."""
+        """No feature: one query position, a contiguous cache of q's dtype, no appended tokens,
+        windows, softcap or sinks."""
         return self == KernelShape(self.dtype, self.headdim, self.group, self.nheads_k)
 
     @property

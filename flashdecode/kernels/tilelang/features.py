@@ -1,5 +1,6 @@
 """The serving features of the TileLang kernels, gated at compile time: paged KV, appended k/v,
-seqlen_q > 1, causal and sliding windows, softcap (``docs/design.md``, "Semantics").
+seqlen_q > 1, causal and sliding windows, softcap, attention sinks, fp8 caches (``docs/design.md``,
+"Semantics").
 
 A :class:`Features` is made once per kernel, before its prim_func: it holds the shape's flags, the
 symbolic sizes and runtime scalars the features add to the kernel's parameters (None where a feature
@@ -14,13 +15,25 @@ swizzled shared tile (``Features.tile_parts``): tiles of 16 tokens measured 13-1
 contiguous cache (``docs/design.md``, "Measured choices"). The split kernel with appended tokens keeps tiles
 within a page (the backend's default config): TileLang took minutes to compile its gathered tail.
 Block ids are clamped into the pages for the reads and a program that meets a bad one writes NaN rows.
+
+Sinks: each query head's logit (float32, natural units) joins a row's softmax denominator once,
+where the row is finalised: ``fold_sink`` before an unsplit sequence's output is written, and the
+combine's merge starting from it (a partial of lse = sink and output 0); partials never hold it.
+
+fp8 caches (float8_e4m3fn, float8_e5m2): K/V are read as 1-byte elements and converted to q's dtype
+before the matrix products (``widen``), which take both operands in one type; k's descale of the
+program's (sequence, KV head) multiplies the score scale, v's the output. The descales arrive as a
+flat float32 view and its (batch, head) strides (the caller's (batch, nheads_k) view is often
+expanded). Appended tokens are stored ``quantise``d, and read so by the attention.
 """
 import tilelang.language as T
 
 from .config import SCAN_WIDTH
-from .macros import NAN
+from .macros import LOG2E, NAN
 
 F32, I32 = T.float32, T.int32
+#: The largest finite value of each fp8 cache dtype: appended tokens saturate to it.
+FP8_LARGEST = {"float8_e4m3fn": 448.0, "float8_e5m2": 57344.0}
 #: Appended tokens written per step (all threads, one head-dim element each).
 APPEND_ROWS = 16
 
@@ -32,7 +45,7 @@ class Features:
         self.seqlen_q, self.group, self.page_size = shape.seqlen_q, shape.group, shape.page_size
         self.q_rows = shape.q_rows
         self.block_n = block_n
-        self.head_dim, self.element_bytes = shape.headdim, shape.element_bytes
+        self.head_dim, self.element_bytes = shape.headdim, shape.cache_element_bytes  # of the cache tiles
         if shape.page_size and max(block_n, shape.page_size) % min(block_n, shape.page_size):
             raise ValueError(f"block_n must divide the page size {shape.page_size} or be a multiple of it "
                              f"(a tile holds whole pages or part of one), got {block_n}")
@@ -46,17 +59,26 @@ class Features:
         self.softcap = T.Var("softcap", F32) if shape.softcap else None
         self.window_left = T.Var("window_left", I32) if shape.window_left else None
         self.window_right = T.Var("window_right", I32) if shape.window_right else None
+        #: sinks: float32 (nheads,), one logit per query head.
+        self.sinks = T.Tensor((shape.nheads_k * shape.group,), F32) if shape.sinks else None
+        #: The caches' element type: q's, or an fp8 dtype (``fp8``).
+        self.dtype, self.cache_dtype, self.fp8 = shape.dtype, shape.cache_dtype or shape.dtype, bool(shape.cache_dtype)
+        #: fp8: the elements of k's and v's flat descale views, then their strides (b, h), k's first.
+        self.descale_elements = T.dynamic("k_descale_elements, v_descale_elements") if self.fp8 else (None, None)
+        self.descale_strides = tuple(T.Var(f"{side}_descale_stride_{axis}", I32) if self.fp8 else None
+                                     for side in "kv" for axis in "bh")
         #: The key range rule of the schedule when it differs from [0, length): None for plain keys.
         self.keys = self if shape.append or shape.window_left else None
         #: Whether ``attend`` masks more than a tile's invalid keys (windows) or transforms scores (softcap).
         self.masks = shape.windowed or shape.softcap
 
     # -- parameter types ---------------------------------------------------------------------------
-    def cache(self, B, S, Hk, D, dtype):
-        """k_cache / v_cache: (B, S, Hk, D), or pages (num_pages, page_size, Hk, D)."""
+    def cache(self, B, S, Hk, D):
+        """k_cache / v_cache: (B, S, Hk, D), or pages (num_pages, page_size, Hk, D), of the caches'
+        dtype."""
         if self.paged:
-            return T.Tensor((self.num_pages, self.page_size, Hk, D), dtype)
-        return T.Tensor((B, S, Hk, D), dtype)
+            return T.Tensor((self.num_pages, self.page_size, Hk, D), self.cache_dtype)
+        return T.Tensor((B, S, Hk, D), self.cache_dtype)
 
     def capacity(self, S):
         """Keys one sequence can hold: S, or max_blocks * page_size."""
@@ -67,6 +89,44 @@ class Features:
 
     def new(self, B, Hk, D, dtype):
         return T.Tensor((B, self.new_tokens, Hk, D), dtype) if self.append else None
+
+    def descale_view(self, side: int):
+        """k's (``side`` 0) or v's (1) flat descale view: float32 (elements,)."""
+        return T.Tensor((self.descale_elements[side],), F32) if self.fp8 else None
+
+    # -- fp8 caches ----------------------------------------------------------------------------------
+    def descale(self, Descale, side: int, b, h):
+        """The descale of sequence b and KV head h in k's (``side`` 0) or v's (1) flat view."""
+        stride_b, stride_h = self.descale_strides[2 * side:2 * side + 2]
+        return Descale[b * stride_b + h * stride_h]
+
+    def descales(self, KDescale, VDescale, b, h):
+        """(k's, v's) descale of sequence b and KV head h, each read once into a local (the values of
+        those locals); (None, None) without fp8."""
+        if not self.fp8:
+            return None, None
+        k_descale = T.alloc_var(F32, init=self.descale(KDescale, 0, b, h))
+        v_descale = T.alloc_var(F32, init=self.descale(VDescale, 1, b, h))
+        return k_descale[0], v_descale[0]
+
+    def score_scale(self, scale, descales):
+        """The score scale with k's descale folded in (fp8), else ``scale``."""
+        return scale if descales[0] is None else scale * descales[0]
+
+    def widen(self, x):
+        """A cache element in q's dtype: an fp8 one converted, else x itself."""
+        return T.cast(x, self.dtype) if self.fp8 else x
+
+    def quantise(self, x, descale):
+        """An appended element x (q's dtype) as the cache stores it: with fp8, x / descale in float32
+        (IEEE division), saturated to the dtype's finite range (NaN stays NaN) and rounded to nearest
+        even by the conversion (``reference.quantise``); else x itself."""
+        if not self.fp8:
+            return x
+        largest = FP8_LARGEST[self.cache_dtype]
+        y = T.ieee_fdiv(T.cast(x, F32), descale)  # an expression, inlined where used
+        return T.cast(T.if_then_else(y > largest, largest, T.if_then_else(y < -largest, -largest, y)),
+                      self.cache_dtype)
 
     def lse(self, B, Hq):
         """lse as the kernels index it: (B, Hq) for one query position, else (B, Hq, seqlen_q)."""
@@ -124,6 +184,11 @@ class Features:
     def head(self, h, r):
         return h * self.group + (r % self.group if self.seqlen_q > 1 else r)
 
+    def sink(self, Sinks, h, r):
+        """Query row r's sink logit in base 2 (the kernels' score units); rows past the query rows
+        (the q tile's padding) read the last row's."""
+        return Sinks[self.head(h, T.min(r, self.q_rows - 1))] * LOG2E
+
     # -- scores ------------------------------------------------------------------------------------
     def mask(self, base, end):
         """What ``attend`` needs of the tile starting at key ``base`` of a sequence whose keys end at
@@ -148,9 +213,13 @@ class Features:
                  tile[p * rows:(p + 1) * rows, c:c + width])
                 for p in range(self.pages_per_tile) for c in range(0, self.head_dim, width)]
 
-    def source(self, KNew, VNew, BlockTable, cached):
-        """Where ``load_tile`` reads keys (pages, appended tokens), or None for a contiguous cache."""
-        return _TileSource(self, KNew, VNew, BlockTable, cached) if self.paged or self.append else None
+    def source(self, KNew, VNew, BlockTable, cached, descales=(None, None)):
+        """Where ``load_tile`` reads keys (pages, appended tokens), or None for a contiguous cache.
+        ``descales``: (k's, v's) of the program's sequence and KV head, for appended tokens in an fp8
+        cache."""
+        if not (self.paged or self.append):
+            return None
+        return _TileSource(self, KNew, VNew, BlockTable, cached, descales)
 
 
     # -- the combine ---------------------------------------------------------------------------------
@@ -200,10 +269,11 @@ class _TileMask:
 
 class _TileSource:
     """Where the keys of a tile live: its page (a tile never crosses one) and, for appended tokens,
-    k/v from ``cached`` on."""
+    k/v from ``cached`` on (quantised as an fp8 cache stores them). Elements come in q's dtype."""
 
-    def __init__(self, features, KNew, VNew, BlockTable, cached):
+    def __init__(self, features, KNew, VNew, BlockTable, cached, descales):
         self.features, self.KNew, self.VNew, self.BlockTable, self.cached = features, KNew, VNew, BlockTable, cached
+        self.descales = descales
 
     def parts(self, block_n):
         """(first row, rows) of the parts of a tile that each lie within one page: a Python list (the
@@ -217,20 +287,21 @@ class _TileSource:
         return page_of(self.features, self.BlockTable, b, base) if self.features.paged else 0
 
     def key(self, K, b, page, base, j, h, d):
-        return self._read(K, self.KNew, b, page, base, j, h, d)
+        return self._read(K, self.KNew, self.descales[0], b, page, base, j, h, d)
 
     def value(self, V, b, page, base, j, h, d):
-        return self._read(V, self.VNew, b, page, base, j, h, d)
+        return self._read(V, self.VNew, self.descales[1], b, page, base, j, h, d)
 
-    def _read(self, cache, new, b, page, base, j, h, d):
+    def _read(self, cache, new, descale, b, page, base, j, h, d):
         f = self.features
         if f.paged:
-            stored = cache[page, base % f.page_size + j, h, d]
+            stored = f.widen(cache[page, base % f.page_size + j, h, d])
         else:
-            stored = cache[b, base + j, h, d]
+            stored = f.widen(cache[b, base + j, h, d])
         if not f.append:
             return stored
-        return T.if_then_else(base + j >= self.cached, new[b, base + j - self.cached, h, d], stored)
+        return T.if_then_else(base + j >= self.cached,
+                              f.widen(f.quantise(new[b, base + j - self.cached, h, d], descale)), stored)
 
 
 def page_of(features, BlockTable, b, position):
@@ -256,11 +327,11 @@ def bad_pages(BlockTable, b, first_page, end_page, num_pages, flags):
 
 
 @T.macro
-def write_appended(features, K, V, KNew, VNew, BlockTable, b, h, raw_len, capacity, head_dim):
-    """Writes sequence b's appended tokens of KV head h into the cache at cache_seqlens[b] + j,
-    skipping positions outside [0, capacity) and pages whose id is bad (a write never lands on a
-    clamped page). One program per (sequence, KV head) writes; every read of those keys in the
-    same call takes them from k/v, so nothing races."""
+def write_appended(features, K, V, KNew, VNew, BlockTable, b, h, raw_len, capacity, head_dim, descales):
+    """Writes sequence b's appended tokens of KV head h into the cache at cache_seqlens[b] + j
+    (fp8: ``quantise``d by ``descales``, k's and v's), skipping positions outside [0, capacity) and
+    pages whose id is bad (a write never lands on a clamped page). One program per (sequence, KV
+    head) writes; every read of those keys in the same call takes them from k/v, so nothing races."""
     for c in T.serial(T.ceildiv(features.new_tokens, APPEND_ROWS)):
         for j, d in T.Parallel(APPEND_ROWS, head_dim):
             token = c * APPEND_ROWS + j
@@ -269,11 +340,35 @@ def write_appended(features, K, V, KNew, VNew, BlockTable, b, h, raw_len, capaci
                 if features.paged:
                     page = BlockTable[b, position // features.page_size]
                     if T.And(page >= 0, page < features.num_pages):
-                        K[page, position % features.page_size, h, d] = KNew[b, token, h, d]
-                        V[page, position % features.page_size, h, d] = VNew[b, token, h, d]
+                        K[page, position % features.page_size, h, d] = features.quantise(KNew[b, token, h, d],
+                                                                                         descales[0])
+                        V[page, position % features.page_size, h, d] = features.quantise(VNew[b, token, h, d],
+                                                                                         descales[1])
                 else:
-                    K[b, position, h, d] = KNew[b, token, h, d]
-                    V[b, position, h, d] = VNew[b, token, h, d]
+                    K[b, position, h, d] = features.quantise(KNew[b, token, h, d], descales[0])
+                    V[b, position, h, d] = features.quantise(VNew[b, token, h, d], descales[1])
+
+
+@T.macro
+def fold_sink(features, Sinks, h, o_f, l_f, m_f, alpha, rows, head_dim):
+    """The online-softmax state (o_f, l_f, m_f) of KV head h's query rows with each row's sink in its
+    denominator: a key of the sink's score and value 0. A row whose max and sink are both -inf keeps
+    l = 0 (no key: out 0, lse -inf)."""
+    for i in T.Parallel(rows):
+        sink = features.sink(Sinks, h, i)  # read once per row
+        shift = T.if_then_else(T.max(m_f[i], sink) == -T.infinity(F32), 0, T.max(m_f[i], sink))
+        alpha[i] = T.exp2(m_f[i] - shift)
+        l_f[i] = l_f[i] * alpha[i] + T.exp2(sink - shift)
+        m_f[i] = T.max(m_f[i], sink)
+    for i, d in T.Parallel(rows, head_dim):
+        o_f[i, d] *= alpha[i]
+
+
+@T.macro
+def descale_output(o_f, v_descale, rows, head_dim):
+    """The output accumulator times v's descale (an fp8 cache's values were read as stored)."""
+    for i, d in T.Parallel(rows, head_dim):
+        o_f[i, d] *= v_descale
 
 
 def partial_value(features, o, l, bad):

@@ -18,15 +18,16 @@
 A length outside [0, capacity] is clamped for the schedule and the reads, and its rows of ``out``
 are NaN (``docs/design.md``, "Semantics").
 
-Each kernel serves paged KV, appended k/v, seqlen_q > 1, windows and softcap as compile-time gates
-(``features.py``): a feature off adds no parameter and no code, so the plain kernels' CUDA is what
-it was before the features existed. Keys [lo_b, hi_b) follow ``docs/design.md`` ("Semantics") and
+Each kernel serves paged KV, appended k/v, seqlen_q > 1, windows, softcap, sinks and fp8 caches
+as compile-time gates (``features.py``): a feature off adds no parameter and no code, so the plain
+kernels' CUDA is what it was before the features existed. Keys [lo_b, hi_b) follow ``docs/design.md`` ("Semantics") and
 the planner's work rule with key ranges.
 """
 import tilelang.language as T
 
 from .config import CONSUMER_THREADS, SCAN_WIDTH
-from .features import Features, bad_pages, partial_lse, partial_value, write_appended
+from .features import (Features, bad_pages, descale_output, fold_sink, partial_lse, partial_value,
+                       write_appended)
 from .macros import LN2, LOG2E, NAN, balanced_chunk, load_splits, tile_macros
 
 #: The split kernel's name in its CUDA source (``patches.py`` rewrites only that kernel).
@@ -41,7 +42,9 @@ def split_kernel(shape, config, can_split: bool, blocks_per_sm: int, register_sp
 
     Call: (q, k_cache, v_cache, cache_seqlens, out, lse, part_o, part_lse, programs, forced_splits,
     min_chunk, softmax_scale, then the features' block_table, k, v, softcap, window_left,
-    window_right where used); grid (programs, nheads_k)."""
+    window_right, the fp8 descales (k's and v's flat views, then their (batch, head) strides), sinks
+    where used); grid (programs, nheads_k). An fp8 cache's tiles are pipelined as they are stored
+    (1 byte an element) and converted to q's dtype in shared memory before the matrix products."""
     dtype, D, G, Hk = shape.dtype, shape.headdim, shape.group, shape.nheads_k
     block_n, num_stages = config.block_n, config.num_stages
     Hq, Sq, R = Hk * G, shape.seqlen_q, shape.q_rows
@@ -54,9 +57,12 @@ def split_kernel(shape, config, can_split: bool, blocks_per_sm: int, register_sp
     f32 = T.float32
 
     @T.macro
-    def finish(Out, Lse, PartO, PartLse, o_f, l_f, m_f, pid, b, h, nsplit, bad, bad_page):
-        """out and lse of an unsplit sequence, else this split's partials."""
+    def finish(Out, Lse, PartO, PartLse, Sinks, o_f, l_f, m_f, alpha, pid, b, h, nsplit, bad, bad_page):
+        """out and lse of an unsplit sequence (its rows' sinks folded in), else this split's
+        partials (the combine adds the sinks)."""
         if nsplit == 1:
+            if f.sinks is not None:
+                fold_sink(f, Sinks, h, o_f, l_f, m_f, alpha, rows, D)
             write_out(Out, Lse, o_f, l_f, m_f, b, h, bad)
         else:
             for i, d in T.Parallel(rows, D):
@@ -69,8 +75,8 @@ def split_kernel(shape, config, can_split: bool, blocks_per_sm: int, register_sp
     @T.prim_func
     def decode_split(
         Q: T.Tensor((B, Sq, Hq, D), dtype),
-        K: f.cache(B, S, Hk, D, dtype),
-        V: f.cache(B, S, Hk, D, dtype),
+        K: f.cache(B, S, Hk, D),
+        V: f.cache(B, S, Hk, D),
         seqlens: T.Tensor((B,), T.int32),
         Out: T.Tensor((B, Sq, Hq, D), dtype),
         Lse: f.lse(B, Hq),
@@ -86,6 +92,13 @@ def split_kernel(shape, config, can_split: bool, blocks_per_sm: int, register_sp
         softcap: f.softcap,
         window_left: f.window_left,
         window_right: f.window_right,
+        KDescale: f.descale_view(0),
+        VDescale: f.descale_view(1),
+        k_descale_stride_b: f.descale_strides[0],
+        k_descale_stride_h: f.descale_strides[1],
+        v_descale_stride_b: f.descale_strides[2],
+        v_descale_stride_h: f.descale_strides[3],
+        Sinks: f.sinks,
     ):
         with T.Kernel(programs, Hk, threads=threads) as (pid, h):
             T.annotate_min_blocks_per_sm(blocks_per_sm)
@@ -95,10 +108,13 @@ def split_kernel(shape, config, can_split: bool, blocks_per_sm: int, register_sp
             elif shared_registers:
                 T.no_set_max_nreg()  # two programs per SM: keep the even register split
             q_s = T.alloc_shared((rows, D), dtype)
-            k_s = T.alloc_shared((block_n, D), dtype)
-            v_s = T.alloc_shared((block_n, D), dtype)
+            k_s = T.alloc_shared((block_n, D), f.cache_dtype)
+            v_s = T.alloc_shared((block_n, D), f.cache_dtype)
             k_tail = T.alloc_shared((block_n, D), dtype)  # shares memory with k_s/v_s once
             v_tail = T.alloc_shared((block_n, D), dtype)  # the pipelined loop is done
+            if f.fp8:  # the pipelined fp8 tiles in q's dtype: a matrix product takes one type
+                k_wide = T.alloc_shared((block_n, D), dtype)
+                v_wide = T.alloc_shared((block_n, D), dtype)
             s_f, p_f, o_f, m_f, l_f, m_prev, alpha, rsum = softmax_state()
             counts = T.alloc_shared((SCAN_WIDTH,), T.int32)
 
@@ -128,7 +144,8 @@ def split_kernel(shape, config, can_split: bool, blocks_per_sm: int, register_sp
             blk_lo = f.first_block(seqlen) + T.cast(T.cast(split, T.int64) * nblk // nsplit, T.int32)
             blk_hi = f.first_block(seqlen) + T.cast(T.cast(split + 1, T.int64) * nblk // nsplit, T.int32)
             full_hi = f.pipeline_end(blk_lo, T.min(blk_hi, f.cached_end(raw_len, seqlen) // block_n))  # only valid keys
-            scale = softmax_scale * LOG2E
+            descales = f.descales(KDescale, VDescale, b, h)
+            scale = f.score_scale(softmax_scale * LOG2E, descales)
 
             load_q(Q, q_s, b, h)
             T.fill(o_f, 0)
@@ -150,8 +167,14 @@ def split_kernel(shape, config, can_split: bool, blocks_per_sm: int, register_sp
                         T.copy(source, destination)
                     for source, destination in f.tile_parts(V, BlockTable, b, kb, h, v_s):
                         T.copy(source, destination)
-                attend(q_s, k_s, v_s, s_f, p_f, o_f, m_f, l_f, m_prev, alpha, rsum, scale, block_n,
-                       f.mask(kb * block_n, seqlen))
+                if f.fp8:
+                    T.copy(k_s, k_wide)
+                    T.copy(v_s, v_wide)
+                    attend(q_s, k_wide, v_wide, s_f, p_f, o_f, m_f, l_f, m_prev, alpha, rsum, scale, block_n,
+                           f.mask(kb * block_n, seqlen))
+                else:
+                    attend(q_s, k_s, v_s, s_f, p_f, o_f, m_f, l_f, m_prev, alpha, rsum, scale, block_n,
+                           f.mask(kb * block_n, seqlen))
 
             if f.append:  # the tiles holding appended tokens, read from k/v
                 # Locals, not expressions: inlined into every element's index, these bounds made
@@ -164,7 +187,8 @@ def split_kernel(shape, config, can_split: bool, blocks_per_sm: int, register_sp
                 cached = f.cached_end(raw_len, seqlen)
                 for t in T.serial(blk_hi - tail_lo):
                     base = (tail_lo + t) * block_n
-                    load_tile(K, V, k_tail, v_tail, b, h, base, keys, f.source(KNew, VNew, BlockTable, cached))
+                    load_tile(K, V, k_tail, v_tail, b, h, base, keys,
+                              f.source(KNew, VNew, BlockTable, cached, descales))
                     attend(q_s, k_tail, v_tail, s_f, p_f, o_f, m_f, l_f, m_prev, alpha, rsum, scale,
                            keys - base, f.mask(base, keys))
             elif full_hi < blk_hi:  # the sequence's last block, partially filled: only its valid rows
@@ -173,16 +197,18 @@ def split_kernel(shape, config, can_split: bool, blocks_per_sm: int, register_sp
                 attend(q_s, k_tail, v_tail, s_f, p_f, o_f, m_f, l_f, m_prev, alpha, rsum, scale,
                        seqlen - base, f.mask(base, seqlen))
 
+            if f.fp8:
+                descale_output(o_f, descales[1], rows, D)
             if seq >= 0:
                 if f.paged:
-                    finish(Out, Lse, PartO, PartLse, o_f, l_f, m_f, pid, b, h, nsplit,
+                    finish(Out, Lse, PartO, PartLse, Sinks, o_f, l_f, m_f, alpha, pid, b, h, nsplit,
                            T.Or(f.bad_length(raw_len, seqlen), bad_page > 0), bad_page)
                 else:
-                    finish(Out, Lse, PartO, PartLse, o_f, l_f, m_f, pid, b, h, nsplit, f.bad_length(raw_len, seqlen),
-                           None)
+                    finish(Out, Lse, PartO, PartLse, Sinks, o_f, l_f, m_f, alpha, pid, b, h, nsplit,
+                           f.bad_length(raw_len, seqlen), None)
                 if f.append:
                     if split == 0:
-                        write_appended(f, K, V, KNew, VNew, BlockTable, b, h, raw_len, capacity, D)
+                        write_appended(f, K, V, KNew, VNew, BlockTable, b, h, raw_len, capacity, D, descales)
 
     return decode_split
 
@@ -192,7 +218,8 @@ def short_cache_kernel(shape, config, blocks_per_sm: int):
     grid (B, Hk), one warpgroup, ``blocks_per_sm`` the occupancy ptxas must allow.
 
     Call: (q, k_cache, v_cache, cache_seqlens, out, lse, softmax_scale, then the features'
-    block_table, k, v, softcap, window_left, window_right where used)."""
+    block_table, k, v, softcap, window_left, window_right, the fp8 descales, sinks where used). An fp8
+    cache is converted to q's dtype as each tile is loaded."""
     dtype, D, G, Hk = shape.dtype, shape.headdim, shape.group, shape.nheads_k
     block_n, rows, one_tile = config.block_n, config.block_m, config.one_tile
     Hq, Sq = Hk * G, shape.seqlen_q
@@ -205,8 +232,8 @@ def short_cache_kernel(shape, config, blocks_per_sm: int):
     @T.prim_func
     def decode_short_cache(
         Q: T.Tensor((B, Sq, Hq, D), dtype),
-        K: f.cache(B, S, Hk, D, dtype),
-        V: f.cache(B, S, Hk, D, dtype),
+        K: f.cache(B, S, Hk, D),
+        V: f.cache(B, S, Hk, D),
         seqlens: T.Tensor((B,), T.int32),
         Out: T.Tensor((B, Sq, Hq, D), dtype),
         Lse: f.lse(B, Hq),
@@ -217,6 +244,13 @@ def short_cache_kernel(shape, config, blocks_per_sm: int):
         softcap: f.softcap,
         window_left: f.window_left,
         window_right: f.window_right,
+        KDescale: f.descale_view(0),
+        VDescale: f.descale_view(1),
+        k_descale_stride_b: f.descale_strides[0],
+        k_descale_stride_h: f.descale_strides[1],
+        v_descale_stride_b: f.descale_strides[2],
+        v_descale_stride_h: f.descale_strides[3],
+        Sinks: f.sinks,
     ):
         with T.Kernel(B, Hk, threads=CONSUMER_THREADS) as (b, h):
             T.annotate_min_blocks_per_sm(blocks_per_sm)
@@ -227,7 +261,8 @@ def short_cache_kernel(shape, config, blocks_per_sm: int):
 
             raw_len = seqlens[b]
             seqlen = f.key_end(raw_len, capacity)
-            source = f.source(KNew, VNew, BlockTable, f.cached_end(raw_len, seqlen))
+            descales = f.descales(KDescale, VDescale, b, h)
+            source = f.source(KNew, VNew, BlockTable, f.cached_end(raw_len, seqlen), descales)
             if f.paged:
                 flags = T.alloc_shared((SCAN_WIDTH,), T.int32)
                 bad_page = T.max(
@@ -242,20 +277,25 @@ def short_cache_kernel(shape, config, blocks_per_sm: int):
             T.fill(m_f, -T.infinity(f32))
             if one_tile:
                 if seqlen > 0:
-                    attend(q_s, k_s, v_s, s_f, p_f, o_f, m_f, l_f, m_prev, alpha, rsum, softmax_scale * LOG2E,
-                           seqlen, f.mask(0, seqlen))
+                    attend(q_s, k_s, v_s, s_f, p_f, o_f, m_f, l_f, m_prev, alpha, rsum,
+                           f.score_scale(softmax_scale * LOG2E, descales), seqlen, f.mask(0, seqlen))
             else:
                 for t in T.serial(T.ceildiv(seqlen, block_n) - f.first_block(seqlen)):
                     load_tile(K, V, k_s, v_s, b, h, (f.first_block(seqlen) + t) * block_n, seqlen, source)
-                    attend(q_s, k_s, v_s, s_f, p_f, o_f, m_f, l_f, m_prev, alpha, rsum, softmax_scale * LOG2E,
+                    attend(q_s, k_s, v_s, s_f, p_f, o_f, m_f, l_f, m_prev, alpha, rsum,
+                           f.score_scale(softmax_scale * LOG2E, descales),
                            seqlen - (f.first_block(seqlen) + t) * block_n,
                            f.mask((f.first_block(seqlen) + t) * block_n, seqlen))
+            if f.fp8:
+                descale_output(o_f, descales[1], rows, D)
+            if f.sinks is not None:
+                fold_sink(f, Sinks, h, o_f, l_f, m_f, alpha, rows, D)
             if f.paged:
                 write_out(Out, Lse, o_f, l_f, m_f, b, h, T.Or(f.bad_length(raw_len, seqlen), bad_page > 0))
             else:
                 write_out(Out, Lse, o_f, l_f, m_f, b, h, f.bad_length(raw_len, seqlen))
             if f.append:
-                write_appended(f, K, V, KNew, VNew, BlockTable, b, h, raw_len, capacity, D)
+                write_appended(f, K, V, KNew, VNew, BlockTable, b, h, raw_len, capacity, D, descales)
 
     return decode_short_cache
 
@@ -266,7 +306,8 @@ def combine_kernel(shape, config, block_n: int):
     program per partial row (a query head when seqlen_q is 1), one thread per head-dim element.
 
     Call: (cache_seqlens, part_o, part_lse, out, lse, capacity, programs, forced_splits, min_chunk,
-    then seqlen_new and window_left where used)."""
+    then seqlen_new, window_left and sinks where used). With sinks the merge starts from the row's
+    sink: a partial of lse = sink and output 0, so it counts once."""
     dtype, D, G, Hk, step = shape.dtype, shape.headdim, shape.group, shape.nheads_k, config.step
     Hq, Sq, R = Hk * G, shape.seqlen_q, shape.q_rows
     f = Features(shape, block_n)
@@ -287,6 +328,7 @@ def combine_kernel(shape, config, block_n: int):
         min_chunk: T.int32,
         new_tokens: f.new_tokens if f.append else None,
         window_left: f.window_left,
+        Sinks: f.sinks,
     ):
         with T.Kernel(B, Hk * R, threads=D) as (bid, hq):
             d = T.get_thread_binding()
@@ -310,6 +352,9 @@ def combine_kernel(shape, config, block_n: int):
                     nsplit = counts[bid % SCAN_WIDTH]
 
             if nsplit > 1:
+                if f.sinks is not None:  # the partial row hq is row hq % R of KV head hq // R
+                    m = f.sink(Sinks, hq // R, hq % R)
+                    w_sum = T.if_then_else(m == -T.infinity(f32), 0, 1)
                 # A step's partials are all loaded before any is used, so their loads overlap.
                 for c in T.serial(T.ceildiv(nsplit, step)):
                     for s in T.unroll(step):

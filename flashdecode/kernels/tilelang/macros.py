@@ -146,7 +146,8 @@ def _load_macros(rows, block_n, head_dim, features, dtype):
     """The loads both the split and the short-cache kernel make with all their threads: the q tile
     (the query rows of KV head h, zero rows below them) and a K/V tile of which only the rows
     before ``seqlen`` are read (the others are zero: p = 0 there, and 0 * a stale NaN past the end
-    would be NaN). ``source`` (paged caches, appended tokens) says where each key lives."""
+    would be NaN). ``source`` (paged caches, appended tokens) says where each key lives; an fp8
+    cache's elements are converted to q's dtype as they are read (``Features.widen``)."""
     f = features
 
     @T.macro
@@ -158,8 +159,10 @@ def _load_macros(rows, block_n, head_dim, features, dtype):
     def load_tile(K, V, k_s, v_s, b, h, base, seqlen, source):
         if source is None:
             for j, d in T.Parallel(block_n, head_dim):
-                k_s[j, d] = T.if_then_else(base + j < seqlen, K[b, base + j, h, d], T.cast(0, dtype))
-                v_s[j, d] = T.if_then_else(base + j < seqlen, V[b, base + j, h, d], T.cast(0, dtype))
+                k_s[j, d] = T.if_then_else(base + j < seqlen, f.widen(K[b, base + j, h, d]),
+                                           T.cast(0, dtype))
+                v_s[j, d] = T.if_then_else(base + j < seqlen, f.widen(V[b, base + j, h, d]),
+                                           T.cast(0, dtype))
         else:  # one part per page of the tile (the whole tile unless it gathers pages)
             for offset, rows in source.parts(block_n):
                 page = source.page(b, base + offset)

@@ -4,7 +4,8 @@ Hardware facts (shared memory and registers per multiprocessor, the driver's sha
 per program, the register limit per thread) come from the
 :class:`~flashdecode.hardware.HardwareProfile`; the constants here are this backend's choices.
 ``shape`` arguments are a :class:`~flashdecode.problem.Problem` or a
-:class:`~.config.KernelShape`: only their ``headdim`` and ``element_bytes`` are read.
+:class:`~.config.KernelShape`: only their ``headdim``, ``element_bytes``, ``cache_element_bytes``
+and ``paged`` are read.
 """
 from .. import base
 from .config import CONSUMER_THREADS, SCAN_WIDTH, ShortCacheConfig, SplitConfig
@@ -21,24 +22,27 @@ REGISTER_GRANULE = 8
 
 
 def largest_block_n(shape, profile) -> int:
-    """``kernels.base.largest_block_n`` for RULE_PROGRAMS programs of RULE_STAGES stages."""
+    """``kernels.base.largest_block_n`` for RULE_PROGRAMS programs of RULE_STAGES stages of q's dtype
+    (an fp8 cache's tiles take as much: half-size stages and one converted pair, ``split_shared_bytes``)."""
     return base.largest_block_n(shape.headdim, shape.element_bytes, profile, RULE_STAGES, RULE_PROGRAMS)
 
 
 def split_shared_bytes(shape, config: SplitConfig, profile) -> int:
     """Shared memory of one split program: the q tile, the pipelined K/V stages (the last, partial
-    tile reuses them), P for q tiles under 64 rows, the lengths being scanned, and the driver's
-    reserve."""
+    tile reuses them), with an fp8 cache the K/V tiles converted to q's dtype, P for q tiles under
+    64 rows, the lengths being scanned, and the driver's reserve."""
     rows, block_n, size = config.block_m, config.block_n, shape.element_bytes
     q_tile = rows * shape.headdim * size
-    stages = config.num_stages * 2 * block_n * shape.headdim * size
+    stages = config.num_stages * 2 * block_n * shape.headdim * shape.cache_element_bytes
+    converted = 2 * block_n * shape.headdim * size if shape.cache_element_bytes != size else 0
     probabilities = rows * block_n * size if rows < 64 else 0
-    return q_tile + stages + probabilities + SCAN_WIDTH * 4 + profile.driver_reserved_shared_per_program
+    return q_tile + stages + converted + probabilities + SCAN_WIDTH * 4 + profile.driver_reserved_shared_per_program
 
 
 def short_cache_shared_bytes(shape, config: ShortCacheConfig, profile) -> int:
-    """Shared memory of one short-cache program: q, K and V tiles, P for q tiles under 64 rows, the
-    block ids being checked (paged caches)."""
+    """Shared memory of one short-cache program: q, K and V tiles (of q's dtype: an fp8 cache is
+    converted as it is loaded), P for q tiles under 64 rows, the block ids being checked (paged
+    caches)."""
     rows, block_n, size = config.block_m, config.block_n, shape.element_bytes
     probabilities = rows * block_n * size if rows < 64 else 0
     block_ids = SCAN_WIDTH * 4 if shape.paged else 0
