@@ -107,6 +107,9 @@ class Tuning:
     #: Pipeline stages of Triton's kernels where the grid leaves shared memory over
     #: (``TritonBackend.pipelined``); 0: the tile table's always.
     triton_pipelined_stages: int = 0
+    #: Pipeline stages of Triton's kernels over contiguous fp8 caches, in place of the tile table's
+    #: and ``triton_pipelined_stages`` (0: as 16-bit caches).
+    triton_fp8_stages: int = 0
     #: Split programs of Triton's kernel one multiprocessor holds, by padded head dim (at most).
     triton_resident_programs: tuple = ((64, 4), (128, 4), (256, 1))
     #: The same table for paged caches (empty: ``triton_resident_programs``); the register cap aims at it.
@@ -115,13 +118,14 @@ class Tuning:
 
 #: Hopper's tuning (H100, H200), measured on the H200 (docs/tuning.md): the merge in the split kernel,
 #: a dependent combine, shorter splits for Triton's combined, one-sequence and underfilled plans,
-#: deeper pipelines where the grid leaves shared memory over, and the paged kernel's register cap.
+#: deeper pipelines where the grid leaves shared memory over, 3 stages over fp8 caches (cases 7, 9,
+#: 11-14: 6-12% faster than 2 or 4, docs/iterations.md entry 41), and the paged kernel's register cap.
 HOPPER_TUNING = Tuning(max_splits_merged_in_split=16, max_rows_merged_in_split=512, dependent_combine=True,
                        underfilled_merge_caps=(8, 256),
                        min_blocks_per_combined_split=(("triton", 2),),
                        min_blocks_per_one_sequence_split=(("triton", 1),),
                        underfilled_split_above_blocks=(("triton", 4),), triton_pipelined_stages=4,
-                       triton_paged_resident_programs=((64, 4), (128, 5), (256, 1)))
+                       triton_fp8_stages=3, triton_paged_resident_programs=((64, 4), (128, 5), (256, 1)))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -488,3 +488,22 @@ def test_triton_pipelines_deeper_where_the_grid_leaves_shared_memory_over(batch,
     untuned = dataclasses.replace(PROFILES["h200"], tuning=dataclasses.replace(PROFILES["h200"].tuning,
                                                                                triton_pipelined_stages=0))
     assert plan(problem, untuned, get_backend("triton")).config.num_stages == (3 if headdim == 256 else 2)
+
+
+@pytest.mark.parametrize("batch, seqlen_cache, nheads_k, group, features, stages, untuned_stages", [
+    (64, 2048, 8, 4, {}, 3, 2),  # case 7: the tile table's 2
+    (1, 58966, 8, 4, {}, 3, 4),  # case 13: pipelined deeper, 1-byte tiles leaving room for 4
+    (16, 141, 4, 8, {}, 3, 4),  # a short cache pipelined deeper
+    (64, 2048, 8, 4, dict(page_size=16), 2, 2),  # not measured: paged
+])
+def test_triton_fp8_stages_on_contiguous_caches(batch, seqlen_cache, nheads_k, group, features, stages,
+                                                untuned_stages):
+    """Hopper's ``triton_fp8_stages`` (docs/iterations.md, entry 41): 3 stages over contiguous fp8
+    caches, whatever the tile table or the deeper pipeline would give; paged fp8 caches keep those
+    rules, as a profile without it does."""
+    problem = problem_for([seqlen_cache] * batch, seqlen_cache, nheads_k, group, 128, cache_dtype="float8_e4m3fn",
+                          **features)
+    assert plan(problem, PROFILES["h200"], get_backend("triton")).config.num_stages == stages
+    untuned = dataclasses.replace(PROFILES["h200"], tuning=dataclasses.replace(PROFILES["h200"].tuning,
+                                                                               triton_fp8_stages=0))
+    assert plan(problem, untuned, get_backend("triton")).config.num_stages == untuned_stages

@@ -105,6 +105,11 @@ def retiled(config: TritonConfig, headdim: int, profile: HardwareProfile, paged:
     return dataclasses.replace(config, max_registers=register_cap(config, headdim, profile, paged))
 
 
+def fp8_stages(problem: Problem, profile: HardwareProfile) -> int:
+    """The tuning's ``triton_fp8_stages`` for a contiguous fp8 cache, else 0 (measured only there)."""
+    return profile.tuning.triton_fp8_stages if problem.cache_dtype is not None and not problem.paged else 0
+
+
 def padded_headdim(headdim: int) -> int:
     """The head dim the kernels compute with: a power of two, at least 16 (tl.dot's minimum)."""
     return max(16, triton.next_power_of_2(headdim))
@@ -152,8 +157,9 @@ class TritonBackend(Backend):
         return frozenset((SINGLE_PASS, SPLIT))
 
     def default_config(self, problem: Problem, profile: HardwareProfile, kernel: str) -> TritonConfig:
-        """block_n, warps and stages from the profile's ``triton_tiles`` by padded head dim; block_m:
-        the packed rows rounded up to a power of two, 16 to MAX_BLOCK_M; warps doubled while the fp32
+        """block_n, warps and stages from the profile's ``triton_tiles`` by padded head dim (stages:
+        ``fp8_stages`` where set); block_m: the packed rows rounded up to a power of two, 16 to
+        MAX_BLOCK_M; warps doubled while the fp32
         output tile holds more than MAX_OUTPUT_PER_THREAD values a thread; block_n halved (down to 16),
         then stages dropped (down to 2), then block_m halved (more row tiles), until ``shared_bytes``
         fits a multiprocessor; then steered off a Triton miscompile (``workarounds``)."""
@@ -163,6 +169,8 @@ class TritonBackend(Backend):
         headdim = padded_headdim(problem.headdim)
         table = profile.tuning.triton_tiles
         _, block_n, num_warps, num_stages = next((row for row in table if row[0] >= headdim), table[-1])
+        if fp8_stages(problem, profile):
+            num_stages = fp8_stages(problem, profile)
         block_m = min(MAX_BLOCK_M, max(16, triton.next_power_of_2(problem.q_rows)))
         while block_m * headdim > MAX_OUTPUT_PER_THREAD * profile.wave_width * num_warps and num_warps < 8:
             num_warps *= 2
@@ -188,10 +196,10 @@ class TritonBackend(Backend):
         one where the grid's working programs all stay resident at that depth: a grid that leaves
         shared memory over lets each program keep several of its blocks in flight instead of
         waiting on memory once a block. A grid that fills the device keeps the table's stages:
-        fewer programs an SM would cost it a second wave. Only where measured: contiguous caches
-        without appended tokens or rotary, head dims 64-128 (docs/tuning.md)."""
+        fewer programs an SM would cost it a second wave. Only where measured: contiguous 16-bit
+        caches without appended tokens or rotary, head dims 64-128 (docs/tuning.md)."""
         stages, headdim = profile.tuning.triton_pipelined_stages, padded_headdim(problem.headdim)
-        if (not stages or blocks < stages - 1 or config.num_stages >= stages or problem.paged
+        if (not stages or fp8_stages(problem, profile) or blocks < stages - 1 or config.num_stages >= stages or problem.paged
                 or problem.seqlen_new > 0 or problem.rotary_dim > 0 or headdim not in (64, 128)):
             return config
         deeper = dataclasses.replace(config, num_stages=stages)
