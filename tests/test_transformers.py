@@ -457,6 +457,21 @@ def test_models_bench_rows_on_cpu(tmp_path, monkeypatch):
     assert "| tiny | 2 | 16 | eager |" in models.table(rows)
 
 
+def test_models_bench_steps_past_a_sliding_window():
+    """Gemma-2's and Mistral's StaticCache keeps only the window: a step at a context past it rolls
+    the window (the harness sets the layers' Python count too; else it writes past their end)."""
+    from transformers import AutoModelForCausalLM
+
+    from flashdecode.bench import models
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(tiny_config("mistral"), dtype=torch.float32).eval()
+    step = models.DecodeStep(model, batch=2, context=20, capacity=24)
+    for _ in range(2):
+        assert torch.isfinite(step()).all()
+        step.rewind()
+
+
 def test_models_bench_skips_what_fa2_build_lacks(tmp_path, monkeypatch):
     import json
 

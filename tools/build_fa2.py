@@ -58,7 +58,8 @@ CXX_FLAGS = ("-O3", "-std=c++17")
 
 API = "csrc/flash_attn/flash_api.cpp"
 INCLUDE_DIRS = ("csrc/flash_attn", "csrc/flash_attn/src", "csrc/cutlass/include")
-PYTHON_MODULES = ("flash_attn/__init__.py", "flash_attn/flash_attn_interface.py")
+# bert_padding: transformers' flash_attention_2 imports its pad_input and unpad_input (it needs einops)
+PYTHON_MODULES = ("flash_attn/__init__.py", "flash_attn/flash_attn_interface.py", "flash_attn/bert_padding.py")
 LEGAL = ("LICENSE", "AUTHORS")
 _INCLUDE = re.compile(rb'^\s*#\s*include\s*([<"])([^>"]+)[>"]', re.MULTILINE)
 

@@ -14,6 +14,8 @@
 #   bench ARGS  flashdecode bench with the given arguments (quote them as one word)
 #   sweep ARGS  tools/sweep.py with the given arguments
 #   sanitize    compute-sanitizer memcheck, racecheck, synccheck on a few cases (SANITIZE_BACKEND, default tilelang)
+#   models ARGS flashdecode models-bench with the given arguments, transformers' flash_attention_2 from
+#               .fa2-build/ (or the carried .fa2-build.tar.xz); rows in $OUT/model-decode.json
 #   profile N[:VARIANT]  flashdecode profile --case N [--variant VARIANT] for PROFILE_BACKENDS (default
 #               both) into $OUT/profiles.tar.gz
 #
@@ -43,7 +45,8 @@ while [ $# -gt 0 ]; do
       # TESTS_FILES: the files in the order to run them (default: all of tests/; with workers, the
       # order is xdist's). TESTS_WORKERS=N:
       # N pytest-xdist processes (compiles run in parallel), installed from the carried .xdist/
-      # wheels (pip download --no-deps pytest-xdist execnet -d .xdist).
+      # wheels (pip download --no-deps pytest-xdist execnet -d .xdist), with
+      # kernels==0.16.0 and tomlkit for transformers 5.17's paged path (generate_batch).
       workers=()
       if [ -n "${TESTS_WORKERS:-}" ]; then
         if python3 -m pip install -q --no-deps --no-index .xdist/*.whl > "$OUT/xdist_install.log" 2>&1; then
@@ -123,6 +126,17 @@ json.dump(fa_grid.merge_reports([json.load(open(p)) for p in paths]), open('$OUT
       # As for the bench: on the time limit, every Python thread's stack (a sweep hung once).
       timeout -k 30 -s ABRT "${STEP_TIMEOUT:-400}" python3 -X faulthandler tools/sweep.py $args 2>&1 | tee -a "$OUT/sweep.log" | tail -20
       summary+=("sweep rc=${PIPESTATUS[0]}");;
+    models)
+      args=$1; shift
+      [ -f .fa2-build.tar.xz ] && [ ! -d .fa2-build ] && tar -xJf .fa2-build.tar.xz
+      [ -d .fa2-build ] && export FLASHDECODE_FA2_PATH=$PWD/.fa2-build
+      # einops for FlashAttention's bert_padding (pip download einops --no-deps -d .xdist)
+      python3 -m pip install -q --no-deps --no-index .xdist/einops-*.whl > "$OUT/einops_install.log" 2>&1
+      timeout -k 30 -s ABRT "${STEP_TIMEOUT:-400}" python3 -X faulthandler -m flashdecode models-bench \
+        --out "$OUT/model-decode.json" $args > "$OUT/models.log" 2>&1
+      summary+=("models rc=$?")
+      grep -v "^|" "$OUT/models.log" | grep -iE "error|skipped|memory" | head -5
+      grep "^|" "$OUT/models.log" | cut -c1-150;;
     sanitize)
       for tool in memcheck racecheck synccheck; do
         timeout "${STEP_TIMEOUT:-400}" compute-sanitizer --tool $tool python3 tools/sanitize_target.py \

@@ -187,9 +187,12 @@ class DecodeStep:
         self.rewind()
 
     def rewind(self) -> None:
-        """Back to ``context`` cached tokens (a step writes one more)."""
+        """Back to ``context`` cached tokens (a step writes one more). Sliding-window layers branch on
+        a Python count too (at or past their window, a step rolls it by one token), set alike."""
         for layer in self.cache.layers:
             layer.cumulative_length.fill_(self.context)
+            if hasattr(layer, "cumulative_length_int"):
+                layer.cumulative_length_int = self.context
 
     @torch.no_grad()
     def __call__(self):

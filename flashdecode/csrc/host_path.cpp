@@ -321,6 +321,8 @@ DLDataType dl_dtype(at::ScalarType type) {
     case at::kFloat: return {kDLFloat, 32, 1};
     case at::kInt: return {kDLInt, 32, 1};
     case at::kLong: return {kDLInt, 64, 1};
+    case at::kFloat8_e4m3fn: return {kDLFloat8_e4m3fn, 8, 1};  // fp8 caches, coded as torch's DLPack export
+    case at::kFloat8_e5m2: return {kDLFloat8_e5m2, 8, 1};
     default: throw std::invalid_argument("host path: unsupported tensor dtype in a launch");
   }
 }
