@@ -969,7 +969,8 @@ def _fake_sdist(build_fa2, path):
         "csrc/cutlass/include/cutlass/unused.h": b"",
         "flash_attn/__init__.py": b'__version__ = "2.8.3"\n',
         "flash_attn/flash_attn_interface.py": b"import flash_attn_2_cuda\n",
-        "flash_attn/bert_padding.py": b"",
+        "flash_attn/bert_padding.py": b"from einops import rearrange\n",
+        "flash_attn/layers/rotary.py": b"",
         "LICENSE": b"BSD",
     }
     for name in build_fa2.kernel_sources():
@@ -986,7 +987,7 @@ def test_fa2_prepare_packs_only_what_the_build_includes(build_fa2, tmp_path):
     files = _fake_sdist(build_fa2, tmp_path / "sdist.tar.gz")
     chosen = build_fa2.prepare(tmp_path / "sdist.tar.gz", tmp_path / "src.tar.xz")
     left_out = {"csrc/flash_attn/src/flash_bwd_hdim128_bf16_sm80.cu", "csrc/flash_attn/src/flash_bwd_launch_template.h",
-                "csrc/cutlass/include/cutlass/unused.h", "flash_attn/bert_padding.py"}
+                "csrc/cutlass/include/cutlass/unused.h", "flash_attn/layers/rotary.py"}
     assert set(chosen) == set(files) - left_out
     src = build_fa2.unpack(tmp_path / "src.tar.xz", tmp_path / "work")
     assert sorted(str(p.relative_to(src)) for p in src.rglob("*") if p.is_file()) == sorted(chosen)
