@@ -10,16 +10,23 @@ is made), and the schema of the ops torch.compile traces (``ops``).
 
 Adding a keyword-only argument is one line at the end of ``ARGUMENTS``::
 
-    Argument("sinks", None, TENSOR, "Tensor?", keyword_only=True, host_path=False),
+    Argument("q_descale", None, TENSOR, "Tensor?", keyword_only=True, host_path=False),
 
-Every entry point then takes it (after ``out``), ``validate.check_call`` receives its metadata as
-the keyword ``sinks`` (add its check there), the Python path has it as ``call.sinks`` (hand it to
-the backend's ``LaunchArgs``), and the traced ops take it as a ``Tensor?``. ``host_path=False``
-keeps every call that passes it (anything but None) on the Python path: the compiled host path's key
-takes only None there, so such a call never hits, nor adds, a record. Drop the flag once the
-argument reaches the launches as itself: a tensor the kernels read through its data pointer (never a
-copy or a value read on the host: a record would replay the first call's), or a scalar that is
-part of the key by value.
+Every entry point then takes it (after ``max_seqlen_q``), ``validate.check_call`` receives its
+metadata as the keyword ``q_descale`` (add its check there), the Python path has it as
+``call.q_descale`` (hand it to the backend's ``LaunchArgs``), and the traced ops take it as a
+``Tensor?``. ``host_path=False`` keeps every call that passes it (anything but None) on the Python
+path: the compiled host path's key takes only None there, so such a call never hits, nor adds, a
+record. Drop the flag once the argument reaches the launches as itself: a tensor the kernels read
+through its data pointer (never a copy or a value read on the host: a record would replay the first
+call's), or a scalar that is part of the key by value.
+
+The serving arguments take the host path so: ``sinks`` and ``cu_seqlens_q`` reach the launches as
+themselves (the kernels read ``cu_seqlens_q`` on the device), ``max_seqlen_q`` is keyed by value, and a
+descale tensor as a view that starts at its data pointer (expanded to (batch, nheads_k), TileLang's
+flat view), which the record patches as the tensor (``HostPath.add`` records no launch argument
+that lies elsewhere in a call tensor's memory). A descale given as a number is keyed by value and
+its tensor (the workspace's, one per value) held by the record, as an int ``cache_seqlens``'s lengths.
 """
 from __future__ import annotations
 
@@ -92,11 +99,11 @@ ARGUMENTS = (
     Argument("backend", "auto", SCALAR, "str", keyword_only=True),
     Argument("out", None, TENSOR, None, keyword_only=True),
     # fp8 caches: float32 (batch, nheads_k), (nheads_k,) or () tensors, or numbers (eager calls only)
-    Argument("k_descale", None, TENSOR, "Tensor?", keyword_only=True, host_path=False),
-    Argument("v_descale", None, TENSOR, "Tensor?", keyword_only=True, host_path=False),
-    Argument("sinks", None, TENSOR, "Tensor?", keyword_only=True, host_path=False),
-    Argument("cu_seqlens_q", None, TENSOR, "Tensor?", keyword_only=True, copied=True, host_path=False),
-    Argument("max_seqlen_q", None, SCALAR, "int?", keyword_only=True, host_path=False),
+    Argument("k_descale", None, TENSOR, "Tensor?", keyword_only=True),
+    Argument("v_descale", None, TENSOR, "Tensor?", keyword_only=True),
+    Argument("sinks", None, TENSOR, "Tensor?", keyword_only=True),
+    Argument("cu_seqlens_q", None, TENSOR, "Tensor?", keyword_only=True, copied=True),
+    Argument("max_seqlen_q", None, SCALAR, "int?", keyword_only=True),
 )
 NAMES = tuple(argument.name for argument in ARGUMENTS)
 #: Position of each argument in a Call.

@@ -172,8 +172,8 @@ class DecodeContext:
         if arguments.tickets is not None and value_checks_enabled() and not capturing:
             _check_counters_left_at_zero(arguments.tickets)
         if host is not None and not host_checks and not copies:  # a record would replay this call's copies
-            self._record(host, call, chosen.host_launches(plan, problem, arguments), problem, result,
-                         lse if call.return_softmax_lse else None)
+            self._record(host, call, chosen.host_launches(plan, problem, arguments), result,
+                         lse if call.return_softmax_lse else None, lse.shape)
         return (result, lse) if call.return_softmax_lse else result
 
     # -- the compiled host path --------------------------------------------------------------------
@@ -197,14 +197,15 @@ class DecodeContext:
                     f"{device.type} is not a CUDA device"
         return self.host_path
 
-    def _record(self, host, call: Call, launches, problem, result, lse) -> None:
-        """Give the host path the record of a call the Python path just launched; the context's first
-        record of each kind (TVM-FFI, CUDA launches) is replayed and compared before any call uses it
-        (``HostPath.verify``)."""
+    def _record(self, host, call: Call, launches, result, lse, lse_shape) -> None:
+        """Give the host path the record of a call the Python path just launched (``lse_shape``: the
+        lse a hit allocates when asked for, (B, Hq, Sq) or a ragged call's (Hq, total_q)); the
+        context's first record of each kind (TVM-FFI, CUDA launches) is replayed and compared before
+        any call uses it (``HostPath.verify``)."""
         if launches is None:
             return
         keyed = (*call, self.stream)
-        if host.add(keyed, launches, result, lse, (problem.batch, problem.nheads, problem.seqlen_q)) and \
+        if host.add(keyed, launches, result, lse, tuple(lse_shape)) and \
                 host.needs_verify(launches):
             host.verify(keyed, launches, result, lse)
             if host.off_because is not None:

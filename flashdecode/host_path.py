@@ -192,24 +192,32 @@ class HostPath:
     def add(self, call: tuple, launches: list, result: torch.Tensor, lse: torch.Tensor | None, lse_shape) -> bool:
         """Record ``launches`` (``kernels.base.FfiLaunch`` es or ``CudaLaunch`` es, not both) of ``call``,
         whose out is ``result`` and whose lse (when the caller asked for it) is ``lse``. Each tensor
-        argument is matched to the call tensor with its data pointer (held by the record where none
-        has it; no record when two have it). Returns whether the record was added."""
+        argument is matched to the call tensor with its data pointer, a view of it included (an
+        expanded descale); it is held by the record where none has it. Where several call tensors
+        have it (k_descale is v_descale), it takes the first, and the record hits only calls whose
+        tensors share their data pointers alike. No record when it lies in a call tensor's memory at
+        another data pointer (a record would read the first call's memory there). Returns whether
+        the record was added."""
         owners: dict[int, list[int]] = {}
+        call_storages = set()
         for slot, name in enumerate(CALL_TENSORS):
             tensor = result if name == "out" else call[POSITION[name]]
             if isinstance(tensor, torch.Tensor) and tensor.numel():
                 owners.setdefault(tensor.data_ptr(), []).append(slot)
+                call_storages.add(_storage_of(tensor))
         if lse is not None:
             owners.setdefault(lse.data_ptr(), []).append(self._lse_slot)
-        specs = []
+            call_storages.add(_storage_of(lse))
+        specs, same_slots = [], set()
         for launch in launches:
             slots = []
             for argument in launch.arguments:
                 slot = CONSTANT
                 if isinstance(argument, torch.Tensor) and argument.numel():
                     found = owners.get(argument.data_ptr(), [])
-                    if len(found) > 1:
-                        return False  # aliased call tensors: a record could not tell them apart
+                    same_slots.update((found[0], other) for other in found[1:])
+                    if not found and _storage_of(argument) in call_storages:
+                        return False  # part of a call tensor at another offset: no slot patches it
                     slot = found[0] if found else CONSTANT
                 slots.append(slot)
             if isinstance(launch, CudaLaunch):
@@ -217,7 +225,7 @@ class HostPath:
                               list(launch.arguments), slots, list(launch.kinds), launch.dependent))
             else:
                 specs.append(("ffi", launch.function, list(launch.arguments), slots))
-        return bool(self._native.add(call, specs, list(lse_shape)))
+        return bool(self._native.add(call, specs, list(lse_shape), sorted(same_slots)))
 
     def needs_verify(self, launches: list) -> bool:
         """Whether no record of this kind of launches (TVM-FFI or CUDA) was verified yet."""
@@ -248,6 +256,11 @@ class HostPath:
         if self.off_because:
             self._native.clear()
         self._verified.add(_kind(launches))
+
+
+def _storage_of(tensor: torch.Tensor) -> tuple:
+    """The memory a tensor lies in: its device and its storage's first address."""
+    return tensor.device, tensor.untyped_storage().data_ptr()
 
 
 def _kind(launches: list) -> str:

@@ -32,7 +32,7 @@ import triton
 import triton.language as tl
 
 from conftest import HAS_CUDA, slow_except
-from flashdecode import cases, flash_attn_with_kvcache, plan_for
+from flashdecode import DecodeContext, cases, flash_attn_with_kvcache, plan_for
 from flashdecode.bench import peers
 from flashdecode.context import default_context
 from flashdecode.kernels.base import get_backend, select
@@ -548,17 +548,24 @@ def test_benchmark_cases_in_e4m3_keep_the_accuracy_rule(case_number):
 
 
 @pytest.mark.gpu
-def test_fp8_repeats_take_the_compiled_host_path_only_without_descales():
-    """An fp8 call without descales (1.0, the workspace's tensor) repeats through the compiled host
-    path with the same result; one with descales always takes the Python path."""
-    q, k_cache, v_cache, kwargs = make_call(descale=None, dtype=torch.bfloat16)
+@pytest.mark.parametrize("descale", ["table", "head", "tensor", "number", None])
+def test_fp8_repeats_take_the_compiled_host_path(descale):
+    """An fp8 call repeats through the compiled host path with the same result, whatever form its
+    descales take (one tensor for both here): tensors are keyed by metadata and patched per call, so
+    new values in a new tensor hit with the Python path's result; a number is keyed by value, so
+    another number misses."""
+    q, k_cache, v_cache, kwargs = make_call(descale=descale, dtype=torch.bfloat16)
     first = flash_attn_with_kvcache(q, k_cache, v_cache, **kwargs)
     host = default_context(q).host_path
     if host is None:
         pytest.skip(default_context(q).host_path_off_because)
     hits = host.hits
     assert torch.equal(flash_attn_with_kvcache(q, k_cache, v_cache, **kwargs), first) and host.hits == hits + 1
-    scaled = dict(kwargs, k_descale=torch.ones(2, 2, device="cuda"), v_descale=1.0)
-    for _ in range(2):
-        assert torch.equal(flash_attn_with_kvcache(q, k_cache, v_cache, **scaled), first)
-    assert host.hits == hits + 1
+    if descale is None:
+        return
+    doubled = kwargs["k_descale"] * 2
+    scaled = dict(kwargs, k_descale=doubled, v_descale=doubled)
+    got = flash_attn_with_kvcache(q, k_cache, v_cache, **scaled)
+    assert torch.equal(got, flash_attn_with_kvcache(q, k_cache, v_cache, **scaled, context=DecodeContext()))
+    assert not torch.equal(got, first)
+    assert host.hits == hits + (1 if descale == "number" else 2)

@@ -1,6 +1,7 @@
 """The compiled host path on the GPU (``flashdecode.host_path``): repeat calls of a metadata are
 launched from C++ and give the reference's result, for every kernel TileLang and Triton plan and
-every input the record patches (q, caches, pages, appended k/v, lengths, out, lse)."""
+every input the record patches (q, caches, pages, appended k/v, lengths, out, lse, fp8 descales,
+sinks, ragged queries), each repeat with values of its own."""
 import pytest
 import torch
 
@@ -34,6 +35,10 @@ def needs_the_host_path():
     (6, "append", {}),
     (4, "q4", {"return_softmax_lse": True}),
     (10, "plain", {"cache_seqlens": 5000}),  # an int: the record holds the lengths tensor
+    (6, "fp8", {}),  # descales (nheads_k,): expanded views of the call's tensors
+    (10, "fp8", {"return_softmax_lse": True}),
+    (6, "sinks", {"return_softmax_lse": True}),
+    (10, "sinks", {}),
 ], ids=str)
 @pytest.mark.parametrize("backend", ["tilelang", "triton"])
 def test_repeat_calls_take_the_host_path(number, variant, extras, backend):
@@ -98,6 +103,66 @@ def test_plain_calls_go_from_the_api_to_the_record(number, extras, backend, monk
     finally:
         set_value_checks(False)
     assert host.hits == CALLS - 1
+
+
+@pytest.mark.parametrize("number", [6, 10])
+def test_ragged_repeats_take_the_host_path(number):
+    """Ragged verify steps on Triton (TileLang takes no ragged queries): repeats of one draft layout
+    (so one total_q) with fresh q, k and v and a fresh cu_seqlens_q hit the record, writing out
+    and the ragged lse (nheads, total_q) as the reference does."""
+    context = DecodeContext()
+    generator = torch.Generator(device="cuda").manual_seed(number)
+    for index in range(CALLS):
+        call = make_call(CASES_BY_NUMBER[number], VARIANTS["ragged"], "cuda")
+        for tensor in (call.q, call.k, call.v):
+            tensor.copy_(torch.randn(tensor.shape, generator=generator, device="cuda"))
+        expected_out, expected_lse = reference_attention(call.q, call.k_cache.clone(), call.v_cache.clone(),
+                                                         **call.kwargs())
+        out, lse = flash_attn_with_kvcache(call.q, call.k_cache, call.v_cache, **call.kwargs(), backend="triton",
+                                           return_softmax_lse=True, context=context)
+        assert relative_error(out, expected_out) < TOLERANCE, f"call {index}"
+        assert lse.shape == expected_lse.shape
+        torch.testing.assert_close(lse, expected_lse, atol=1e-2, rtol=0)
+    assert context.host_path is not None and context.host_path.off_because is None
+    assert context.host_path.hits == CALLS - 1
+
+
+@pytest.mark.parametrize("backend", ["tilelang", "triton"])
+def test_new_descale_and_sink_values_reach_a_hit(backend):
+    """The same fp8 call with sinks, repeated with other descale and sink values in new tensors and
+    then in the first call's tensors written in place: each hit gives exactly what the Python path
+    gives for those values (a fresh context's first call). A record made with one tensor for both
+    descales hits calls that pass one tensor for both; a call that passes two makes its own."""
+    if backend == "tilelang":
+        pytest.importorskip("tilelang")
+    call = make_call(CASES_BY_NUMBER[6], VARIANTS["fp8"], "cuda")
+    sinks = torch.randn(CASES_BY_NUMBER[6].nheads, device="cuda")
+
+    def both(context, k_descale, v_descale, sinks):
+        arguments = dict(call.kwargs(), k_descale=k_descale, v_descale=v_descale, sinks=sinks)
+        hit = flash_attn_with_kvcache(call.q, call.k_cache, call.v_cache, **arguments, backend=backend,
+                                      context=context)
+        python = flash_attn_with_kvcache(call.q, call.k_cache, call.v_cache, **arguments, backend=backend,
+                                         context=DecodeContext())
+        assert torch.equal(hit, python)
+        return hit
+
+    context = DecodeContext()
+    first = both(context, call.k_descale, call.v_descale, sinks)
+    second = both(context, call.k_descale * 0.5, call.v_descale * 2.0, sinks - 1.0)
+    assert context.host_path.hits == 1 and not torch.equal(second, first)
+    call.k_descale.mul_(0.5)
+    call.v_descale.mul_(2.0)
+    sinks.sub_(1.0)
+    assert torch.equal(both(context, call.k_descale, call.v_descale, sinks), second)
+    assert context.host_path.hits == 2
+
+    aliased = DecodeContext()
+    other = call.v_descale * 3.0
+    for k_descale, v_descale in ((call.k_descale, call.k_descale), (call.v_descale, call.v_descale),
+                                 (call.v_descale, other), (other, other)):
+        both(aliased, k_descale, v_descale, sinks)
+    assert aliased.host_path.hits == 2  # the second on the first's record, the fourth on the third's
 
 
 def reference_attention_cache(call):

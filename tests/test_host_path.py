@@ -1,9 +1,10 @@
 """The compiled host path (``flashdecode.host_path``, ``csrc/host_path.cpp``) on the CPU: the
 extension builds (with TVM-FFI and without), a record launches its TVM-FFI functions with the new
 call's data pointers and the held tensors, a CUDA launch's parameter words are packed as its kinds
-say, a call whose metadata differs misses, and aliased call tensors get no record. A function
-registered with TVM-FFI stands in for TileLang's kernels; CUDA launches are only packed here. The
-GPU tier (``test_gpu_host_path.py``) compares the path with the Python path on real kernels."""
+say, a call whose metadata differs misses, and a record of aliased call tensors hits only calls
+aliased alike; fp8 descales, sinks and ragged queries are patched per call like the other tensors.
+A function registered with TVM-FFI stands in for TileLang's kernels; CUDA launches are only packed
+here. The GPU tier (``test_gpu_host_path.py``) compares the path with the Python path on real kernels."""
 import ctypes.util
 import dataclasses
 import shutil
@@ -13,7 +14,7 @@ import torch
 
 from conftest import last_dim_strided
 from flashdecode import host_path
-from flashdecode.call import Call
+from flashdecode.call import POSITION, Call
 from flashdecode.kernels.base import FLOAT32, INT8, INT32, INT64, POINTER, CudaLaunch, FfiLaunch
 
 pytestmark = pytest.mark.skipif(shutil.which("c++") is None and shutil.which("g++") is None,
@@ -41,11 +42,12 @@ class Kernel:
         return self.module.recorded_calls()
 
 
-def make_call(batch=2, seqlens=None, out=None, return_lse=False):
-    q = torch.randn(batch, 1, 4, 8)
+def make_call(batch=2, seqlens=None, out=None, return_lse=False, q=None, **extra):
+    """A call tuple as ``HostPath.run`` takes it (stream 0); ``extra``: more of the call's arguments."""
+    q = torch.randn(batch, 1, 4, 8) if q is None else q
     k_cache, v_cache = torch.randn(batch, 16, 2, 8), torch.randn(batch, 16, 2, 8)
     seqlens = torch.tensor([3] * batch, dtype=torch.int32) if seqlens is None else seqlens
-    return (*Call(q, k_cache, v_cache, cache_seqlens=seqlens, return_softmax_lse=return_lse, out=out), 0)  # stream 0
+    return (*Call(q, k_cache, v_cache, cache_seqlens=seqlens, return_softmax_lse=return_lse, out=out, **extra), 0)
 
 
 def test_a_record_launches_with_each_calls_tensors(module):
@@ -156,13 +158,37 @@ def test_an_argument_only_the_python_path_takes_is_keyed_as_none_only(module):
         module.HostPath(4, False, [host_path.KEY_SCALAR, *keys[1:]], out, return_lse)
 
 
-def test_aliased_call_tensors_get_no_record(module):
+def test_aliased_call_tensors_hit_only_calls_aliased_alike(module):
+    """A record made where two call tensors share a data pointer (v_descale is k_descale) launches
+    the first's for both: it hits calls whose two share theirs, and misses others, whose own record
+    (made by the Python path) then serves both kinds."""
+    kernel = Kernel(module)
     path = host_path.HostPath(module, max_records=4, real_launches=False)
-    call = make_call()
-    call = (call[0], call[1], call[1]) + call[3:]  # v_cache is k_cache
-    result = torch.empty_like(call[0])
-    assert not path.add(call, [FfiLaunch(Kernel(module).function, (call[1], result))], result, None, (2, 4, 1))
-    assert len(path) == 0
+
+    def call(aliased):
+        made = serving_call(v_descale=(2,))
+        if aliased:
+            made = made[:POSITION["v_descale"]] + (made[POSITION["k_descale"]],) + made[POSITION["v_descale"] + 1:]
+        return made
+
+    def launch(made, result):
+        k_descale, v_descale, _ = serving_tensors(made)
+        return [FfiLaunch(kernel.function, (result, k_descale, v_descale))]
+
+    first = call(aliased=True)
+    result = torch.empty_like(first[0])
+    assert path.add(first, launch(first, result), result, None, (2, 4, 1))
+    second = call(aliased=True)
+    out = path.run(*second)
+    descale = second[POSITION["k_descale"]].data_ptr()
+    assert kernel.calls == [[out.data_ptr(), descale, descale]]
+    separate = call(aliased=False)
+    assert path.run(*separate) is None and kernel.calls == []
+    assert path.add(separate, launch(separate, result), result, None, (2, 4, 1)) and len(path) == 1
+    for made in (call(aliased=False), call(aliased=True)):
+        out = path.run(*made)
+        k_descale, v_descale, _ = serving_tensors(made)
+        assert kernel.calls == [[out.data_ptr(), k_descale.data_ptr(), v_descale.data_ptr()]]
 
 
 def test_verify_keeps_a_record_that_replays_what_python_wrote(module):
@@ -400,3 +426,166 @@ def test_run_takes_the_calls_arguments_positionally_and_keeps_its_path_alive(mod
     second = make_call()
     out = run(*second)
     assert kernel.calls == [[second[0].data_ptr(), out.data_ptr()]]
+
+
+def serving_call(batch=2, k_descale=(2,), v_descale=(2, 2), sinks=True):
+    """An fp8-cache call with fresh descales and sinks (each a shape, a number, or None)."""
+    def descale(given):
+        return torch.rand(given) + 0.5 if isinstance(given, tuple) else given
+
+    call = make_call(batch, k_descale=descale(k_descale), v_descale=descale(v_descale),
+                     sinks=torch.randn(4) if sinks else None)
+    fp8 = [tensor.to(torch.float8_e4m3fn) for tensor in call[1:3]]
+    return (call[0], *fp8, *call[3:])
+
+
+def serving_tensors(call) -> list:
+    return [call[POSITION[name]] for name in ("k_descale", "v_descale", "sinks")]
+
+
+def tilelang_launch(kernel, call, result):
+    """A launch with the descales and sinks as TileLang's backend passes them: (batch, nheads_k)
+    expanded, then flat views and their strides (``flat_descale``), sinks as themselves."""
+    from flashdecode.kernels.tilelang.backend import flat_descale
+
+    k_descale, v_descale, sinks = serving_tensors(call)
+    batch = call[0].shape[0]
+    (k_view, *k_strides), (v_view, *v_strides) = (flat_descale(descale.expand(batch, 2))
+                                                  for descale in (k_descale, v_descale))
+    return FfiLaunch(kernel.function, (call[0], result, k_view, v_view, *k_strides, *v_strides, sinks))
+
+
+def test_descales_and_sinks_are_patched_per_call(module):
+    """A record of an fp8 call with sinks launches each repeat with its own descales and sinks
+    (new values in new tensors of the same metadata), never the first call's."""
+    kernel = Kernel(module)
+    path = host_path.HostPath(module, max_records=4, real_launches=False)
+    first = serving_call()
+    result = torch.empty_like(first[0])
+    assert path.add(first, [tilelang_launch(kernel, first, result)], result, None, (2, 4, 1))
+    second = serving_call()
+    out = path.run(*second)
+    k_descale, v_descale, sinks = serving_tensors(second)
+    assert kernel.calls == [[second[0].data_ptr(), out.data_ptr(), k_descale.data_ptr(), v_descale.data_ptr(),
+                             0, 1, 2, 1, sinks.data_ptr()]]
+    assert {tensor.data_ptr() for tensor in serving_tensors(first)}.isdisjoint(
+        tensor.data_ptr() for tensor in serving_tensors(second))
+
+
+def test_a_cuda_launch_gets_each_calls_descales_and_sinks(module):
+    """Triton's launch: the (batch, nheads_k) descale views' pointers and strides, the sinks' pointer."""
+    path = host_path.HostPath(module, max_records=4, real_launches=False)
+    result = torch.empty(2, 1, 4, 8)
+
+    def launch(call):
+        k_descale, v_descale, sinks = serving_tensors(call)
+        k_view, v_view = k_descale.expand(2, 2), v_descale.expand(2, 2)
+        return CudaLaunch(0x1234, (2, 2, 1), 128, 0, (call[0], result, k_view, v_view, sinks,
+                                                      *k_view.stride(), *v_view.stride()),
+                          (POINTER,) * 5 + (INT32,) * 4)
+
+    first = serving_call()
+    first = first[:POSITION["out"]] + (result,) + first[POSITION["out"] + 1:]
+    assert path.add(first, [launch(first)], result, None, (2, 4, 1))
+    second = serving_call()
+    second = second[:POSITION["out"]] + (result,) + second[POSITION["out"] + 1:]
+    k_descale, v_descale, sinks = serving_tensors(second)
+    assert path.parameter_words(second) == [words_of(
+        (POINTER, second[0].data_ptr()), (POINTER, result.data_ptr()), (POINTER, k_descale.data_ptr()),
+        (POINTER, v_descale.data_ptr()), (POINTER, sinks.data_ptr()), (INT32, 0), (INT32, 1), (INT32, 2),
+        (INT32, 1))]
+
+
+def with_transposed_v_descale(call):
+    index = POSITION["v_descale"]
+    return call[:index] + (call[index].t(),) + call[index + 1:]
+
+
+@pytest.mark.parametrize("other", [
+    lambda: serving_call(k_descale=()),  # a () descale: strides of 0 in both dimensions
+    lambda: serving_call(k_descale=(2, 2)),
+    lambda: serving_call(v_descale=(2,)),
+    lambda: with_transposed_v_descale(serving_call()),  # other strides
+    lambda: serving_call(k_descale=0.5),  # a number: keyed by value
+    lambda: serving_call(sinks=False),
+], ids=["k_descale ()", "k_descale (B, Hk)", "v_descale (Hk,)", "v_descale transposed", "k_descale number",
+        "no sinks"])
+def test_descales_or_sinks_of_other_metadata_miss(module, other):
+    kernel = Kernel(module)
+    path = host_path.HostPath(module, max_records=4, real_launches=False)
+    first = serving_call()
+    result = torch.empty_like(first[0])
+    assert path.add(first, [FfiLaunch(kernel.function, (first[0], result))], result, None, (2, 4, 1))
+    assert path.run(*other()) is None and kernel.calls == []
+    assert path.run(*serving_call()) is not None
+
+
+def test_a_launch_argument_elsewhere_in_a_call_tensors_memory_gets_no_record(module):
+    """A view of a call tensor that does not start at its data pointer (here the sinks after the
+    first) has no slot to be patched from: recorded, it would replay the first call's memory."""
+    kernel = Kernel(module)
+    path = host_path.HostPath(module, max_records=4, real_launches=False)
+    call = serving_call()
+    result = torch.empty_like(call[0])
+    sinks = call[POSITION["sinks"]]
+    assert not path.add(call, [FfiLaunch(kernel.function, (call[0], result, sinks[1:]))], result, None, (2, 4, 1))
+    assert path.add(call, [FfiLaunch(kernel.function, (call[0], result, sinks))], result, None, (2, 4, 1))
+
+
+def test_ragged_queries_are_patched_per_call_and_keyed_by_max_seqlen_q(module):
+    """cu_seqlens_q is a slot; max_seqlen_q is keyed by value; a hit's lse is the ragged (Hq, total_q)."""
+    kernel = Kernel(module)
+    path = host_path.HostPath(module, max_records=4, real_launches=False)
+
+    def ragged(rows=(0, 2, 5), longest=3):
+        return make_call(q=torch.randn(rows[-1], 4, 8), return_lse=True,
+                         cu_seqlens_q=torch.tensor(rows, dtype=torch.int32), max_seqlen_q=longest)
+
+    first = ragged()
+    result, lse = torch.empty_like(first[0]), torch.empty(4, 5)
+    cu_seqlens_q = POSITION["cu_seqlens_q"]
+    launch = FfiLaunch(kernel.function, (first[0], first[cu_seqlens_q], result, lse))
+    assert path.add(first, [launch], result, lse, (4, 5))
+    second = ragged(rows=(0, 4, 5))
+    out, lse_out = path.run(*second)
+    assert lse_out.shape == (4, 5) and out.shape == (5, 4, 8)
+    assert kernel.calls == [[second[0].data_ptr(), second[cu_seqlens_q].data_ptr(), out.data_ptr(),
+                             lse_out.data_ptr()]]
+    assert path.run(*ragged(longest=4)) is None and path.run(*ragged(rows=(0, 1, 3, 5))) is None
+
+
+def test_an_fp8_call_with_sinks_hits_its_record_with_new_tensors_or_the_same_numbers(module, monkeypatch):
+    """Through a context: repeats of an fp8 call with descale tensors and sinks hit the record
+    with their own tensors; descales given as numbers are keyed by value (the record holds the
+    workspace's tensor of that value), so another number is a miss and a record of its own."""
+    kernel = Kernel(module)
+    context = stand_in_context(module, monkeypatch)
+    launched = []
+
+    def host_launches(self, plan, problem, args):
+        launched.append((args.k_descale, args.v_descale))
+        return [FfiLaunch(kernel.function, (args.q, args.out, args.k_descale, args.v_descale, args.sinks))]
+
+    from flashdecode.kernels.reference import ReferenceBackend
+    monkeypatch.setattr(ReferenceBackend, "host_launches", host_launches, raising=False)
+    q = torch.randn(2, 1, 4, 8).half()
+    k_cache, v_cache = (cache.to(torch.float8_e4m3fn) for cache in small_cache())
+
+    def call(k_descale, v_descale):
+        return context.run(q, k_cache, v_cache, cache_seqlens=5, backend="reference", k_descale=k_descale,
+                           v_descale=v_descale, sinks=sinks)
+
+    sinks = torch.randn(4)
+    call(torch.rand(2) + 0.5, torch.rand(2, 2) + 0.5)
+    k_descale, v_descale, sinks = torch.rand(2) + 0.5, torch.rand(2, 2) + 0.5, torch.randn(4)
+    out = call(k_descale, v_descale)
+    assert context.host_path.hits == 1
+    assert kernel.calls == [[q.data_ptr(), out.data_ptr(), k_descale.data_ptr(), v_descale.data_ptr(),
+                             sinks.data_ptr()]]
+    call(0.5, 2.0)
+    held = [tensor.data_ptr() for tensor in launched[-1]]
+    assert [float(tensor[0, 0]) for tensor in launched[-1]] == [0.5, 2.0]
+    out = call(0.5, 2.0)
+    assert context.host_path.hits == 2 and kernel.calls == [[q.data_ptr(), out.data_ptr(), *held, sinks.data_ptr()]]
+    call(0.25, 2.0)
+    assert context.host_path.hits == 2 and len(context.host_path) == 3

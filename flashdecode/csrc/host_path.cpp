@@ -291,13 +291,16 @@ struct Record {
   std::vector<FfiLaunch> ffi_launches;
   std::vector<CudaLaunch> cuda_launches;  // a record has launches of one kind
   void* cuda_context = nullptr;  // the context raw launches' functions belong to
-  std::vector<int64_t> lse_shape;  // (B, Hq, Sq): allocated per call when the caller wants lse
+  std::vector<int64_t> lse_shape;  // (B, Hq, Sq), ragged (Hq, total_q): allocated per call when the caller wants lse
   int device_type = 0, device_id = 0;  // of the TVM-FFI launches' tensors (DLPack's numbering)
   // The allocator at::empty takes q's device's memory from, where q is a CUDA tensor (else null);
   // out_contiguous: q's strides are its shape's contiguous strides (at::empty_like's out is then
   // contiguous too). Both hold for every call of the record: its key has q's device and strides.
   c10::Allocator* cuda_allocator = nullptr;
   bool out_contiguous = false;
+  // Pairs of call slots that had one data pointer when the record was made, each pair's first the
+  // slot its launch arguments take: a call hits only where they still share it.
+  std::vector<std::pair<int, int>> same_slots;
 };
 
 // A hit's out or lse, contiguous: what at::empty gives, from the record's allocator on the current
@@ -383,13 +386,18 @@ class HostPath {
   // launches: [("ffi", function, [argument...], [slot...])] or [("cuda", CUfunction as an int, its
   // owner, (grid x, y, z), block x, shared bytes, [argument...], [slot...], [ParameterKind...],
   // dependent)]: slot >= 0 names the call tensor an argument is (its data pointer changes per call),
-  // -1 a tensor the record holds; scalars are ints/floats.
-  bool add(py::tuple call, py::list launches, std::vector<int64_t> lse_shape) {
+  // -1 a tensor the record holds; scalars are ints/floats. same_slots: Record::same_slots.
+  bool add(py::tuple call, py::list launches, std::vector<int64_t> lse_shape,
+           std::vector<std::pair<int, int>> same_slots) {
     Key key;
     Arguments args = tuple_arguments(call);
     if (!make_key(args, key)) return false;
     Record record;
     record.lse_shape = std::move(lse_shape);
+    for (auto [slot, same] : same_slots) {
+      if (slot < 0 || slot >= kSlots || same < 0 || same >= kSlots) return false;
+    }
+    record.same_slots = std::move(same_slots);
     const at::Tensor& q = THPVariable_Unpack(args[kQ]);
     if (q.is_cuda()) {  // the allocator of a tensor at::empty makes (the caching allocator, or the one set in its place)
       c10::Allocator* allocator = at::empty({1}, q.options()).storage().allocator();
@@ -601,6 +609,12 @@ class HostPath {
     }
     void* data[kSlots] = {};
     call_data(args, data);
+    for (auto [slot, same] : record.same_slots) {
+      if (data[slot] != data[same]) {  // the record's launches take one of the two: the Python path
+        if (out_given != nullptr) throw std::invalid_argument("host path: the record's aliased tensors differ");
+        return py::none();
+      }
+    }
     const at::Tensor& q = THPVariable_Unpack(args[kQ]);
     at::Tensor out;
     if (out_given != nullptr) {
@@ -793,7 +807,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_property_readonly("hits", &HostPath::hits)
       .def("run_function", &run_function)
       .def("replay", &HostPath::replay)
-      .def("add", &HostPath::add)
+      .def("add", &HostPath::add, py::arg("call"), py::arg("launches"), py::arg("lse_shape"),
+           py::arg("same_slots") = std::vector<std::pair<int, int>>())
       .def("parameter_words", &HostPath::parameter_words)
       .def("clear", &HostPath::clear)
       .def("__len__", &HostPath::size);
