@@ -402,34 +402,52 @@ def test_varlen_attention_matches_each_sequence(window):
 @pytest.mark.gpu
 def test_gpu_generate_batch_decodes_through_flashdecode_over_the_block_table(monkeypatch):
     """generate_batch with the paged kernel: its decode steps call flashdecode with a block table,
-    and the tokens are SDPA's."""
+    every sampled call's output matches the float32 reference over the same pages, and greedy
+    tokens stay with float32 SDPA's for at least half as many tokens as bf16 SDPA's do (the random
+    weights' near-flat logits flip bf16 near-ties between any two exact attentions, and a flip
+    changes every later token: on the H100 of 2026-12-05 bf16 flashdecode matched bf16 SDPA for 21
+    of prompt 0's 32 tokens, then flipped a repeated token, so identical tokens are not the test)."""
     import functools
 
     from transformers import GenerationConfig
+
+    from flashdecode.reference import reference_attention, relative_error
 
     name, _, _, _ = paged_kernel_module()
     import kernels
 
     module = kernels.get_kernel(name, version=1)
     original = module.flash_attn_with_kvcache
-    block_tables = []
+    calls, errors = [], []
 
     @functools.wraps(original)
-    def spy(*args, **kwargs):
-        block_tables.append(kwargs.get("block_table") is not None)
-        return original(*args, **kwargs)
+    def spy(q, k_cache, v_cache, *args, **kwargs):
+        calls.append(kwargs.get("block_table") is not None)
+        sampled = len(calls) % 97 == 1 and not args and kwargs.get("k") is None
+        expected = reference_attention(q, k_cache.clone(), v_cache.clone(), **kwargs)[0] if sampled else None
+        out = original(q, k_cache, v_cache, *args, **kwargs)
+        if sampled:
+            errors.append(relative_error(out[0] if isinstance(out, tuple) else out, expected))
+        return out
 
     monkeypatch.setattr(module, "flash_attn_with_kvcache", spy)
     model32, ids, mask = smollm2_batch()
     prompts = [row[keep.bool()].tolist() for row, keep in zip(ids, mask)]
     config = GenerationConfig(max_new_tokens=SMOLLM_STEPS, do_sample=False, eos_token_id=None)
     tokens = {}
-    for implementation in ("sdpa", name):
-        model = with_attention(model32.to("cuda"), implementation)
+    for implementation, dtype in (("sdpa", torch.float32), ("sdpa", torch.bfloat16), (name, torch.bfloat16)):
+        model = with_attention(model32.to("cuda"), implementation, dtype)
         results = model.generate_batch(inputs=prompts, generation_config=config)
-        tokens[implementation] = [results[key].generated_tokens for key in sorted(results)]
-    assert block_tables and all(block_tables)
-    assert tokens[name] == tokens["sdpa"]
+        tokens[implementation, dtype] = [results[key].generated_tokens for key in sorted(results)]
+    assert calls and all(calls)
+    assert errors and max(errors) < 1e-2, errors
+
+    def agreeing(run):  # tokens of each prompt before the first that differs from float32 SDPA's
+        return [next((i for i, (a, b) in enumerate(zip(ours, exact)) if a != b), len(exact))
+                for ours, exact in zip(tokens[run], tokens["sdpa", torch.float32])]
+
+    ours, sdpa = agreeing((name, torch.bfloat16)), agreeing(("sdpa", torch.bfloat16))
+    assert 2 * sum(ours) >= sum(sdpa), (ours, sdpa)
 
 
 # -- the decode-step benchmark ------------------------------------------------------------------
@@ -453,7 +471,9 @@ def test_models_bench_rows_on_cpu(tmp_path, monkeypatch):
         assert by_system["flash_attention_2"].skipped
     assert by_system["sdpa"].distance <= by_system["sdpa"].distance * models.NOISE_FACTOR
     assert json.loads(out.read_text())[0].keys() >= {"model", "batch", "context", "mode", "system", "ms_per_step",
-                                                     "tokens_per_s", "attention_share", "distance", "correct"}
+                                                     "tokens_per_s", "attention_share", "distance", "correct",
+                                                     "device"}
+    assert {row.device for row in rows} == {"cpu"}
     assert "| tiny | 2 | 16 | eager |" in models.table(rows)
 
 

@@ -86,6 +86,7 @@ class Row:
     distance: float | None = None
     correct: bool | None = None
     skipped: str | None = None
+    device: str | None = None  # the GPU's name (torch.cuda.get_device_name), or "cpu"
 
 
 def cache_bytes(config, batch: int, capacity: int) -> int:
@@ -268,6 +269,7 @@ def model_rows(name, batches, contexts, modes, systems, device, progress=print) 
         model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).eval()
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
     free = torch.cuda.mem_get_info()[0] if device == "cuda" else None
+    device_name = torch.cuda.get_device_name() if device == "cuda" else "cpu"
     rows = []
     for batch in batches:
         for context in contexts:
@@ -275,7 +277,8 @@ def model_rows(name, batches, contexts, modes, systems, device, progress=print) 
             cells = [(mode, system) for mode in modes for system in systems]
             if free is not None and cache_bytes(config, batch, capacity) + HEADROOM_BYTES > free:
                 reason = f"the cache ({cache_bytes(config, batch, capacity) / 2**30:.0f} GiB) does not fit"
-                rows += [Row(name, batch, context, mode, system, skipped=reason) for mode, system in cells]
+                rows += [Row(name, batch, context, mode, system, skipped=reason, device=device_name)
+                         for mode, system in cells]
                 continue
             step = DecodeStep(model, batch, context, capacity)
             try:  # eager attention's logits of this step; None where eager's score copies do not fit
@@ -293,7 +296,7 @@ def model_rows(name, batches, contexts, modes, systems, device, progress=print) 
                     floor = None
                     progress(f"  no attention share for {mode}: {type(error).__name__}: {error}")
                 for system in systems:
-                    row = Row(name, batch, context, mode, system)
+                    row = Row(name, batch, context, mode, system, device=device_name)
                     rows.append(row)
                     if system == "flash_attention_2" and (fa2_reason or mode == "graph"):
                         row.skipped = fa2_reason or FA2_NOT_GRAPHED
