@@ -196,18 +196,20 @@ class HostPath:
         expanded descale); it is held by the record where none has it. Where several call tensors
         have it (k_descale is v_descale), it takes the first, and the record hits only calls whose
         tensors share their data pointers alike. No record when it lies in a call tensor's memory at
-        another data pointer (a record would read the first call's memory there). Returns whether
-        the record was added."""
+        another data pointer (a record would read the first call's memory there), nor when out or
+        lse shares its data pointer with another call tensor (a replay into scratch outputs would
+        write the caller's). Returns whether the record was added."""
         owners: dict[int, list[int]] = {}
-        call_storages = set()
+        storages: dict[int, tuple] = {}  # slot -> the memory its tensor lies in
         for slot, name in enumerate(CALL_TENSORS):
             tensor = result if name == "out" else call[POSITION[name]]
             if isinstance(tensor, torch.Tensor) and tensor.numel():
                 owners.setdefault(tensor.data_ptr(), []).append(slot)
-                call_storages.add(_storage_of(tensor))
+                storages[slot] = _storage_of(tensor)
         if lse is not None:
             owners.setdefault(lse.data_ptr(), []).append(self._lse_slot)
-            call_storages.add(_storage_of(lse))
+            storages[self._lse_slot] = _storage_of(lse)
+        outputs = {CALL_TENSORS.index("out"), self._lse_slot}
         specs, same_slots = [], set()
         for launch in launches:
             slots = []
@@ -215,9 +217,12 @@ class HostPath:
                 slot = CONSTANT
                 if isinstance(argument, torch.Tensor) and argument.numel():
                     found = owners.get(argument.data_ptr(), [])
-                    same_slots.update((found[0], other) for other in found[1:])
-                    if not found and _storage_of(argument) in call_storages:
+                    if len(found) > 1 and outputs & set(found):
+                        return False  # an output is an input too (out=q)
+                    if (storages[found[0]] if found else None) != _storage_of(argument) and \
+                            _storage_of(argument) in storages.values():
                         return False  # part of a call tensor at another offset: no slot patches it
+                    same_slots.update((found[0], other) for other in found[1:])
                     slot = found[0] if found else CONSTANT
                 slots.append(slot)
             if isinstance(launch, CudaLaunch):

@@ -191,6 +191,16 @@ def test_aliased_call_tensors_hit_only_calls_aliased_alike(module):
         assert kernel.calls == [[out.data_ptr(), k_descale.data_ptr(), v_descale.data_ptr()]]
 
 
+def test_an_output_that_is_an_input_gets_no_record(module):
+    """out=q (the kernels write over their query): a replay into scratch outputs, or a record's
+    launch through q's slot, would write the caller's tensor; the Python path keeps such calls."""
+    path = host_path.HostPath(module, max_records=4, real_launches=False)
+    call = make_call()
+    call = make_call(out=call[0], q=call[0])
+    launches = [FfiLaunch(Kernel(module).function, (call[0], call[0]))]
+    assert not path.add(call, launches, call[0], None, (2, 4, 1)) and len(path) == 0
+
+
 def test_verify_keeps_a_record_that_replays_what_python_wrote(module):
     path = host_path.HostPath(module, max_records=4, real_launches=False)
     call = make_call()

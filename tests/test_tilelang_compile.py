@@ -310,7 +310,7 @@ def test_feature_kernels_compile_for_sm90a(name):
         assert source.count("tl::tma_load(") == (2 * pages * chunks if pages > 1 else 2)
     if problem.cache_dtype is not None:  # the pipeline moves 1-byte tiles, converted before the products
         fp8 = marker
-        assert f"tl::tma_load(K_desc" in source and f"(({fp8}*)k_s)" in source and f"(({fp8}*)v_s)" in source
+        assert "tl::tma_load(K_desc" in source and f"(({fp8}*)k_s)" in source and f"(({fp8}*)v_s)" in source
         assert f"arrive_and_expect_tx({config.block_n * problem.headdim})" in source
         assert "k_wide" in source and "v_wide" in source
         if problem.seqlen_new:  # appended tokens: divided by the descale (IEEE), saturated, stored as fp8

@@ -364,7 +364,8 @@ def table(rows) -> str:
                    and fa2.ms_per_step else "-")
         share = f"{ours.attention_share:.0%}" if ours and ours.attention_share is not None else "-"
         tokens = f"{ours.tokens_per_s:.0f}" if ours and ours.tokens_per_s else "-"
-        correct = ", ".join(f"{name}: {row.correct}" for name, row in systems.items() if row.correct is not None)
+        correct = ", ".join(f"{name}: {row.correct}" for name, row in systems.items()
+                            if row.correct is not None and row.ms_per_step is not None)  # of the rows that ran
         lines.append(f"| {model} | {batch} | {context} | {mode} | {ms(systems.get('sdpa'))} | {ms(fa2)} | {ms(ours)} | "
                      f"{tokens} | {share} | {speedup} | {correct or '-'} |")
     return "\n".join(lines)

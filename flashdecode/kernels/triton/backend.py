@@ -159,18 +159,17 @@ class TritonBackend(Backend):
     def default_config(self, problem: Problem, profile: HardwareProfile, kernel: str) -> TritonConfig:
         """block_n, warps and stages from the profile's ``triton_tiles`` by padded head dim (stages:
         ``fp8_stages`` where set); block_m: the packed rows rounded up to a power of two, 16 to
-        MAX_BLOCK_M; warps doubled while the fp32
-        output tile holds more than MAX_OUTPUT_PER_THREAD values a thread; block_n halved (down to 16),
-        then stages dropped (down to 2), then block_m halved (more row tiles), until ``shared_bytes``
-        fits a multiprocessor; then steered off a Triton miscompile (``workarounds``)."""
+        MAX_BLOCK_M; warps doubled while the fp32 output tile holds more than MAX_OUTPUT_PER_THREAD
+        values a thread; block_n halved (down to 16), then stages dropped (down to 2), then block_m
+        halved (more row tiles), until ``shared_bytes`` fits a multiprocessor; then steered off a
+        Triton miscompile (``workarounds``)."""
         if kernel not in self.kernels(problem):
             raise ValueError(f"kernel must be one of {sorted(self.kernels(problem))} for backend 'triton', "
                              f"got {kernel!r}")
         headdim = padded_headdim(problem.headdim)
         table = profile.tuning.triton_tiles
         _, block_n, num_warps, num_stages = next((row for row in table if row[0] >= headdim), table[-1])
-        if fp8_stages(problem, profile):
-            num_stages = fp8_stages(problem, profile)
+        num_stages = fp8_stages(problem, profile) or num_stages
         block_m = min(MAX_BLOCK_M, max(16, triton.next_power_of_2(problem.q_rows)))
         while block_m * headdim > MAX_OUTPUT_PER_THREAD * profile.wave_width * num_warps and num_warps < 8:
             num_warps *= 2
@@ -199,8 +198,8 @@ class TritonBackend(Backend):
         fewer programs an SM would cost it a second wave. Only where measured: contiguous 16-bit
         caches without appended tokens or rotary, head dims 64-128 (docs/tuning.md)."""
         stages, headdim = profile.tuning.triton_pipelined_stages, padded_headdim(problem.headdim)
-        if (not stages or fp8_stages(problem, profile) or blocks < stages - 1 or config.num_stages >= stages or problem.paged
-                or problem.seqlen_new > 0 or problem.rotary_dim > 0 or headdim not in (64, 128)):
+        if (not stages or fp8_stages(problem, profile) or blocks < stages - 1 or config.num_stages >= stages
+                or problem.paged or problem.seqlen_new > 0 or problem.rotary_dim > 0 or headdim not in (64, 128)):
             return config
         deeper = dataclasses.replace(config, num_stages=stages)
         per_multiprocessor = min(resident_by_headdim(headdim, profile), profile.shared_memory_per_multiprocessor //
