@@ -45,7 +45,7 @@ class Features:
         self.seqlen_q, self.group, self.page_size = shape.seqlen_q, shape.group, shape.page_size
         self.q_rows = shape.q_rows
         self.block_n = block_n
-        self.head_dim, self.element_bytes = shape.headdim, shape.cache_element_bytes  # of the cache tiles
+        self.head_dim, self.cache_element_bytes = shape.headdim, shape.cache_element_bytes
         if shape.page_size and max(block_n, shape.page_size) % min(block_n, shape.page_size):
             raise ValueError(f"block_n must divide the page size {shape.page_size} or be a multiple of it "
                              f"(a tile holds whole pages or part of one), got {block_n}")
@@ -208,7 +208,7 @@ class Features:
         a tile into shared ``tile``: per page, per 128-byte column chunk, as the swizzled shared
         layout stores a tile (chunk-major, so a page's rows of one chunk are contiguous there).
         A Python list: the loads are unrolled as the kernel is traced."""
-        rows, width = self.page_size, min(self.head_dim, 128 // self.element_bytes)
+        rows, width = self.page_size, min(self.head_dim, 128 // self.cache_element_bytes)
         return [(cache[page_of(self, BlockTable, b, kb * self.block_n + p * rows), 0:rows, h, c:c + width],
                  tile[p * rows:(p + 1) * rows, c:c + width])
                 for p in range(self.pages_per_tile) for c in range(0, self.head_dim, width)]
