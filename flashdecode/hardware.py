@@ -49,8 +49,7 @@ class AutoRule:
 
 #: The features of the calls ``auto`` may give TileLang: those its kernels were measured with on the
 #: H200 (docs/design.md, "Who runs what"). Calls with sinks or fp8 caches, which its kernels also
-#: take, stay on Triton under ``auto``: its fp8 calls measured 1.1-1.6x slower than its bf16 ones,
-#: its sinks only on cases where ``auto`` runs Triton anyway (docs/iterations.md, entry 41).
+#: take, stay on Triton under ``auto`` (the measurements: docs/design.md, "Who runs what").
 TILELANG_AUTO_FEATURES = ("seqlen_q>1", "paged", "append", "causal", "window", "softcap")
 
 
@@ -119,8 +118,8 @@ class Tuning:
 
 #: Hopper's tuning (H100, H200), measured on the H200 (docs/tuning.md): the merge in the split kernel,
 #: a dependent combine, shorter splits for Triton's combined, one-sequence and underfilled plans,
-#: deeper pipelines where the grid leaves shared memory over, 3 stages over fp8 caches (cases 7, 9,
-#: 11-14: 5-12% faster than 2 or 4, docs/iterations.md entry 41), and the paged kernel's register cap.
+#: deeper pipelines where the grid leaves shared memory over, 3 stages over contiguous fp8 caches, and
+#: the paged kernel's register cap.
 HOPPER_TUNING = Tuning(max_splits_merged_in_split=16, max_rows_merged_in_split=512, dependent_combine=True,
                        underfilled_merge_caps=(8, 256),
                        min_blocks_per_combined_split=(("triton", 2),),

@@ -219,8 +219,8 @@ class HostPath:
                     found = owners.get(argument.data_ptr(), [])
                     if len(found) > 1 and outputs & set(found):
                         return False  # an output is an input too (out=q)
-                    if (storages[found[0]] if found else None) != _storage_of(argument) and \
-                            _storage_of(argument) in storages.values():
+                    storage = _storage_of(argument)
+                    if (storages[found[0]] if found else None) != storage and storage in storages.values():
                         return False  # part of a call tensor at another offset: no slot patches it
                     same_slots.update((found[0], other) for other in found[1:])
                     slot = found[0] if found else CONSTANT

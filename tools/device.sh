@@ -46,7 +46,7 @@ while [ $# -gt 0 ]; do
       # order is xdist's). TESTS_WORKERS=N:
       # N pytest-xdist processes (compiles run in parallel), installed from the carried .xdist/
       # wheels (pip download --no-deps pytest-xdist execnet -d .xdist), with
-      # kernels==0.16.0 and tomlkit for transformers 5.17's paged path (generate_batch).
+      # kernels==0.16.0, kernels-data and tomlkit for transformers 5.17's paged path (generate_batch).
       workers=()
       if [ -n "${TESTS_WORKERS:-}" ]; then
         if python3 -m pip install -q --no-deps --no-index .xdist/*.whl > "$OUT/xdist_install.log" 2>&1; then

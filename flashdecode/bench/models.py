@@ -125,7 +125,7 @@ def expose_fa2() -> str | None:
     from transformers.utils import import_utils
 
     # transformers up to 5.2x maps import names to distributions once, at its import, in this dict
-    # (later ones memoize _package_distribution_mapping instead); tests/test_models_bench.py notices a change
+    # (later ones memoize _package_distribution_mapping instead); tests/test_transformers.py notices a change
     mapping = getattr(import_utils, "PACKAGE_DISTRIBUTION_MAPPING", None)
     if mapping is not None and "flash-attn" not in mapping.get("flash_attn", []):
         mapping.setdefault("flash_attn", []).append("flash-attn")
