@@ -48,8 +48,8 @@ class AutoRule:
 
 
 #: The features of the calls ``auto`` may give TileLang: those its kernels were measured with on the
-#: H200 (docs/design.md, "Who runs what"). Calls with sinks or fp8 caches, which its kernels also
-#: take, stay on Triton under ``auto`` (the measurements: docs/design.md, "Who runs what").
+#: H200 (docs/design.md, "Who runs what"). Calls with sinks, fp8 caches, left pads or heads-first
+#: caches, which its kernels also take, stay on Triton under ``auto`` (the measurements: docs/design.md).
 TILELANG_AUTO_FEATURES = ("seqlen_q>1", "paged", "append", "causal", "window", "softcap")
 
 

@@ -64,8 +64,9 @@ class Problem(DerivedSizes):
     alibi: int = ALIBI_NONE
     leftpad: bool = False  # cache_leftpad given
     batch_idx: bool = False  # cache_batch_idx given
-    #: q, caches, new k/v, block_table and out contiguous and 16-byte aligned (and, without
-    #: cache_batch_idx or block_table, a cache of exactly batch rows)
+    #: q, caches, new k/v, block_table and out contiguous (sizes of 1 taking any stride) and 16-byte
+    #: aligned, the caches possibly heads-first (and, without cache_batch_idx or block_table, a cache
+    #: of exactly batch rows)
     dense: bool = True
     offsets_32: bool = False  # every K/V element lies within 2**31 - 1 elements of its cache's start (offsets_fit_32)
     #: None: the caches hold q's dtype; else one of FP8_DTYPES, dequantised as cache * k_descale/v_descale
@@ -74,6 +75,9 @@ class Problem(DerivedSizes):
     #: q packed (total_q, nheads, headdim) by cu_seqlens_q: seqlen_q is max_seqlen_q, each sequence's
     #: rows (and, appending, its new tokens: seqlen_new is then max_seqlen_q too) are read on the device
     ragged: bool = False
+    #: contiguous caches stored (batch, nheads_k, seqlen_cache, headdim), seen (batch, seqlen_cache,
+    #: nheads_k, headdim) through a transpose, as transformers keeps them (``is_heads_first``)
+    heads_first: bool = False
 
     @property
     def group(self) -> int:
@@ -113,7 +117,8 @@ class Problem(DerivedSizes):
                            ("causal", self.causal), ("window", self.windowed and not self.causal),
                            ("softcap", self.softcap), ("alibi", self.alibi != ALIBI_NONE),
                            ("leftpad", self.leftpad), ("batch_idx", self.batch_idx),
-                           ("fp8", self.cache_dtype is not None), ("sinks", self.sinks), ("ragged", self.ragged)):
+                           ("fp8", self.cache_dtype is not None), ("sinks", self.sinks), ("ragged", self.ragged),
+                           ("heads_first", self.heads_first)):
             if used:
                 names.append(name)
         return tuple(names)
@@ -126,6 +131,20 @@ def contiguous_strides(shape) -> tuple[int, ...]:
         strides.append(step)
         step *= max(size, 1)
     return tuple(reversed(strides))
+
+
+def is_contiguous(shape, strides) -> bool:
+    """Whether ``strides`` lay a tensor of ``shape`` out contiguously, a dimension of size 1 taking any
+    stride (as ``torch.Tensor.is_contiguous`` and TileLang's argument checks have it)."""
+    return all(size == 1 or stride == expected
+               for size, stride, expected in zip(shape, strides, contiguous_strides(shape)))
+
+
+def is_heads_first(shape, strides) -> bool:
+    """Whether a (batch, seqlen, nheads, headdim) tensor of ``strides`` is a contiguous (batch, nheads,
+    seqlen, headdim) one seen through ``transpose(1, 2)`` (sizes of 1 taking any stride)."""
+    order = (0, 2, 1, 3)
+    return is_contiguous([shape[axis] for axis in order], [strides[axis] for axis in order])
 
 
 def offsets_fit_32(shape, strides=None) -> bool:

@@ -19,8 +19,8 @@ import os
 import torch
 
 from .planner import key_range
-from .problem import (ALIBI_NONE, ALIBI_PER_HEAD, ALIBI_PER_SEQUENCE, FP8_DTYPES, Problem, contiguous_strides,
-                      offsets_fit_32)
+from .problem import (ALIBI_NONE, ALIBI_PER_HEAD, ALIBI_PER_SEQUENCE, FP8_DTYPES, Problem, is_contiguous,
+                      is_heads_first, offsets_fit_32)
 from .reference import per_sequence
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
@@ -357,17 +357,21 @@ def check_call(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens,
     if backend[1] not in BACKENDS:
         _fail(ValueError, f"backend must be one of {BACKENDS}, got {backend[1]!r}")
 
-    dense = (q_aligned and q_stride == contiguous_strides(q[2])
-             and (paged or cache_batch_idx is not None or rows == batch))
-    for meta in (k_cache, v_cache, k, v, block_table):
+    caches = (k_cache, v_cache)
+    # heads-first: transformers' (batch, Hk, T, D) caches seen through a transpose (plain where both fit)
+    heads_first = not paged and not all(is_contiguous(meta[2], meta[3]) for meta in caches) and all(
+        is_heads_first(meta[2], meta[3]) for meta in caches)
+    dense = (q_aligned and is_contiguous(q[2], q_stride) and (paged or cache_batch_idx is not None or rows == batch)
+             and all(meta[4] and (heads_first or is_contiguous(meta[2], meta[3])) for meta in caches))
+    for meta in (k, v, block_table):
         if meta is not None:
-            dense = dense and meta[4] and meta[3] == contiguous_strides(meta[2])
+            dense = dense and meta[4] and is_contiguous(meta[2], meta[3])
     if out is not None:
         _require_tensor("out", out, len(q[2]), _PACKED if ragged else _BSHD)
         _require_like_q("out", out, q_dtype, device)
         if out[2] != q[2]:
             _fail(ValueError, f"out must have q's shape {tuple(q[2])}, got {tuple(out[2])}")
-        dense = dense and out[4] and out[3] == contiguous_strides(out[2])
+        dense = dense and out[4] and is_contiguous(out[2], out[3])
     offsets_32 = all(offsets_fit_32(meta[2], meta[3]) for meta in (k_cache, v_cache))
     return Problem(batch, capacity, nheads, nheads_k, headdim, str(q_dtype).removeprefix("torch."),
                    seqlen_q=seqlen_q, page_size=page_size, seqlen_new=seqlen_new, rotary_dim=rotary_dim,
@@ -376,7 +380,7 @@ def check_call(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens,
                    leftpad=cache_leftpad is not None, batch_idx=cache_batch_idx is not None, dense=bool(dense),
                    offsets_32=offsets_32,
                    cache_dtype=str(k_cache[0]).removeprefix("torch.") if k_cache[0] in FP8_CACHE_DTYPES else None,
-                   sinks=sinks is not None, ragged=ragged)
+                   sinks=sinks is not None, ragged=ragged, heads_first=heads_first)
 
 
 def _ragged_rows(cu_seqlens_q, max_seqlen_q, device) -> tuple[int, int]:

@@ -53,8 +53,9 @@ GPU_COMBOS = [] if not HAS_CUDA else (fa_grid.full_grid() if GRID_SIZE == "full"
                                       fa_grid.sample(2000 if GRID_SIZE == "sample" else int(GRID_SIZE),
                                                      seed=GRID_SEED)) + \
     fa_grid.sample(int(os.environ.get("FLASHDECODE_FA_GRID_FP8", "400")), seed=GRID_SEED + 3, restrict=fa_grid.FP8_AXES)
-#: The part of the grid the TileLang kernels implement (no rotary, ALiBi, cache_leftpad or
-#: cache_batch_idx; head dims 64, 128, 256); query rows over its q tile are still skipped. Its own
+#: The part of the grid the TileLang kernels implement (no rotary, ALiBi or cache_batch_idx; head dims
+#: 64, 128, 256), without cache_leftpad (which they take too: the whole grid's sample runs it there);
+#: query rows over its q tile are still skipped. Its own
 #: sample (FLASHDECODE_FA_GRID_TILELANG combos, default 60), as the whole grid's sample holds few.
 TILELANG_AXES = {"d": (64, 128, 256), "alibi": (False,), "rotary_fraction": (0.0,), "rotary_interleaved": (False,),
                  "has_leftpad": (False,), "has_batch_idx": (False,),

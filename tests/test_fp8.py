@@ -484,7 +484,7 @@ def test_flashinfer_fp8_decode_is_the_fp8_variants_peer(monkeypatch):
 
 #: The features of ``FEATURES`` TileLang's kernels take (``test_tilelang_takes_the_listed_features``).
 TILELANG_FEATURES = ["plain", "lengths", "e5m2", "head-descale", "number-descale", "no-descale", "paged32",
-                     "append", "causal", "window", "softcap"]
+                     "append", "causal", "window", "softcap", "leftpad"]
 
 
 def test_tilelang_takes_the_listed_features():

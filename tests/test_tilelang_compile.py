@@ -5,7 +5,8 @@ Runs on CPU machines: TileLang compiles without a GPU when given an explicit tar
 kernel must keep the Hopper features the design relies on: TMA loads (``tma_load``) into a
 warp-specialised pipeline whose producer loop runs on one warp (``patches.one_warp_producer``), and
 wgmma for both products where the q tile has 64 rows (mma.sync for smaller tiles). Every serving feature
-(paged, appended k/v, seqlen_q > 1 with causal, windows, softcap, sinks, fp8 caches) compiles too. Builds are shared
+(paged, appended k/v, seqlen_q > 1 with causal, windows, softcap, sinks, fp8 caches, left pads, heads-first
+caches) compiles too. Builds are shared
 through one backend instance (its cache) and TileLang's disk cache. The kernels run in the GPU tests
 (here: the fast launch against the public call, and each feature against the reference).
 """
@@ -108,7 +109,9 @@ def test_plans_name_the_kernels_the_backend_runs():
     (problem_of(seqlen_q=16), "at most 64 query rows"),
     (problem_of(rotary_dim=64, seqlen_new=1), "no rotary"),
     (problem_of(alibi=1), "no alibi"),
-    (problem_of(leftpad=True), "no leftpad"),
+    (problem_of(leftpad=True), None),
+    (problem_of(heads_first=True, leftpad=True, seqlen_q=4, window_left=7, window_right=0, softcap=True), None),
+    (problem_of(heads_first=True, dense=False), "heads-first"),
     (problem_of(batch_idx=True), "no batch_idx"),
     (problem_of(sinks=True, cache_dtype="float8_e5m2", page_size=64), None),
     (problem_of(seqlen_q=4, ragged=True), "no ragged (the TileLang kernels do not implement it)"),
@@ -269,6 +272,7 @@ def test_fast_entry_and_public_call_compute_the_same():
 
 
 # -- the serving features (compile tests: one kernel set per feature, sharing the builds above) --------
+HEAD_FIRST_OFFSET = "(((int64_t)((int)blockIdx.y)) * ((int64_t)capacity))"
 FEATURES = {  # name: (problem, the text its split kernel's source must have)
     "paged": (problem_of(page_size=256), "BlockTable"),
     "paged-16": (problem_of(page_size=16), "BlockTable"),
@@ -287,6 +291,9 @@ FEATURES = {  # name: (problem, the text its split kernel's source must have)
     "fp8-d256-paged-16": (problem_of(head_dim=256, page_size=16, cache_dtype="float8_e4m3fn"), "fp8_e4_t"),
     "fp8-features": (problem_of(seqlen_q=2, page_size=64, seqlen_new=2, window_left=100, window_right=0, softcap=True,
                                 sinks=True, cache_dtype="float8_e5m2"), "fp8_e5_t"),
+    # head h's keys start h * capacity * D elements into the sequence's (a heads-first cache)
+    "heads_first": (problem_of(heads_first=True), HEAD_FIRST_OFFSET),
+    "leftpad": (problem_of(leftpad=True), "LeftPad"),
 }
 
 
@@ -315,6 +322,15 @@ def test_feature_kernels_compile_for_sm90a(name):
         assert "k_wide" in source and "v_wide" in source
         if problem.seqlen_new:  # appended tokens: divided by the descale (IEEE), saturated, stored as fp8
             assert "__fdiv_rn" in source and ("0x1.cp+8f" if fp8 == "fp8_e4_t" else "0x1.cp+15f") in source
+    # the TMA descriptor's strides (bytes): a token D elements on, a head capacity * D (heads-first) or D
+    head_stride = f"(((int64_t)capacity) * (int64_t){problem.headdim * problem.cache_element_bytes})"
+    assert (head_stride in split.get_host_source()) == problem.heads_first
+    if problem.leftpad:  # the blocks start at the left pad's block, and the keys before it are masked
+        for kernel_source in (source, compiled_source(SHORT_CACHE, problem, short)):
+            assert "int leftpad = " in kernel_source and "min(max(leftpad, 0), " in kernel_source
+            assert "(start <= " in kernel_source and "(leftpad < 0)) || (raw_len < leftpad)" in kernel_source
+        sequence = "((int64_t)((int)blockIdx.x))"  # the combine's: a bad left pad makes its rows NaN too
+        assert f"(seqlens[{sequence}] < LeftPad[{sequence}])" in compiled_source("combine", problem)
 
 
 @needs_nvcc
@@ -337,23 +353,25 @@ def test_short_cache_kernel_reads_fp8_caches_as_bytes():
 
 
 def test_feature_parameters_follow_the_plain_ones_in_launch_order():
-    """The backend passes block_table, k, v, softcap and the window sizes after the plain arguments,
-    in this order (and seqlen_new, window_left to the combine)."""
+    """The backend passes block_table, k, v, softcap, the window sizes, the descales, sinks and
+    cache_leftpad after the plain arguments, in this order (and seqlen_new, window_left, sinks and
+    cache_leftpad to the combine)."""
     from flashdecode.kernels.tilelang import kernels
     from flashdecode.kernels.tilelang.config import KernelShape
 
     problem = problem_of(page_size=64, seqlen_q=2, window_left=9, window_right=0, softcap=True, seqlen_new=2,
-                         sinks=True, cache_dtype="float8_e4m3fn")
+                         sinks=True, cache_dtype="float8_e4m3fn", leftpad=True)
     shape, config = KernelShape.of(problem), BACKEND.default_config(problem, H200, SPLIT)
     features = ["BlockTable", "KNew", "VNew", "softcap", "window_left", "window_right", "KDescale", "VDescale",
-                "k_descale_stride_b", "k_descale_stride_h", "v_descale_stride_b", "v_descale_stride_h", "Sinks"]
+                "k_descale_stride_b", "k_descale_stride_h", "v_descale_stride_b", "v_descale_stride_h", "Sinks",
+                "LeftPad"]
     names = [param.name.removesuffix("_handle") for param in kernels.split_kernel(shape, config, True, 2).params]
     assert names[12:] == features
     short = BACKEND.default_config(problem, H200, SHORT_CACHE)
     names = [param.name.removesuffix("_handle") for param in kernels.short_cache_kernel(shape, short, 4).params]
     assert names[7:] == features
     names = [param.name.removesuffix("_handle") for param in kernels.combine_kernel(shape, config.combine, 64).params]
-    assert names[9:] == ["new_tokens", "window_left", "Sinks"]
+    assert names[9:] == ["new_tokens", "window_left", "Sinks", "LeftPad"]
 
 
 # -- the serving features against the reference (GPU; the lead's machine) ----------------------------
@@ -387,12 +405,25 @@ GPU_CASES = {
                   {"causal": True, "window_size": (200, 0), "softcap": 30.0}),
     "sinks-wide-head-window": (Problem(3, 1024, 16, 4, 256, "float16", seqlen_q=2, window_left=5, window_right=0,
                                        sinks=True), {"causal": True, "window_size": (5, 0)}),
+    # transformers' caches (``gpu_inputs`` lays them out heads-first) and left pads (a block's middle, none,
+    # the length: a sequence without keys)
+    "heads_first": (Problem(3, 1000, 32, 4, 128, "bfloat16", heads_first=True), {}),
+    "leftpad": (Problem(3, 1000, 32, 4, 128, "bfloat16", leftpad=True), {}),
+    "heads_first-leftpad-short-append": (Problem(3, 128, 32, 4, 128, "bfloat16", seqlen_new=3, heads_first=True,
+                                                 leftpad=True), {}),
+    "heads_first-leftpad-all": (Problem(3, 1000, 16, 4, 128, "bfloat16", seqlen_q=4, window_left=200, window_right=0,
+                                        softcap=True, heads_first=True, leftpad=True),
+                                {"causal": True, "window_size": (200, 0), "softcap": 30.0}),
+    "heads_first-leftpad-wide-head": (Problem(3, 1000, 8, 4, 256, "bfloat16", seqlen_q=6, window_left=7,
+                                              window_right=0, softcap=True, heads_first=True, leftpad=True),
+                                      {"causal": True, "window_size": (7, 0), "softcap": 30.0}),
 }
 
 
 def gpu_inputs(problem, seed=0):
-    """Random q, caches (pages in a shuffled block table when paged), new k/v, sinks and lengths
-    [full, 0, off a tile boundary] for ``problem``."""
+    """Random q, caches (pages in a shuffled block table when paged, (batch, nheads_k, seqlen, headdim)
+    transposed when heads-first), new k/v, sinks, lengths [full, 0, off a tile boundary] and left pads
+    [70, 0, the length] for ``problem``."""
     generator = torch.Generator("cuda").manual_seed(seed)
     dtype = getattr(torch, problem.dtype)
 
@@ -409,12 +440,18 @@ def gpu_inputs(problem, seed=0):
     else:
         cache_shape = (batch, problem.seqlen_cache, heads_k, head_dim)
     tensors["k_cache"], tensors["v_cache"] = randn(*cache_shape), randn(*cache_shape)
+    if problem.heads_first:
+        stored = (batch, heads_k, problem.seqlen_cache, head_dim)
+        tensors["k_cache"], tensors["v_cache"] = (randn(*stored).transpose(1, 2) for _ in range(2))
     if problem.seqlen_new:
         tensors["k"], tensors["v"] = (randn(batch, problem.seqlen_new, heads_k, head_dim) for _ in range(2))
     if problem.sinks:
         tensors["sinks"] = torch.randn(problem.nheads, generator=generator, device="cuda") * 3
     longest = problem.seqlen_cache - problem.seqlen_new
     tensors["cache_seqlens"] = torch.tensor([longest, 0, min(longest, 333)], dtype=torch.int32, device="cuda")
+    if problem.leftpad:
+        tensors["cache_leftpad"] = torch.tensor([min(longest, 70), 0, min(longest, 333)], dtype=torch.int32,
+                                                device="cuda")
     return tensors
 
 
@@ -422,11 +459,13 @@ def gpu_inputs(problem, seed=0):
 @pytest.mark.parametrize("num_splits", [0, 3])
 @pytest.mark.parametrize("name", GPU_CASES)
 def test_features_match_the_reference(name, num_splits):
-    from flashdecode import flash_attn_with_kvcache
+    from flashdecode import flash_attn_with_kvcache, plan_for
     from flashdecode.reference import reference_attention, relative_error
 
     problem, options = GPU_CASES[name]
     tensors = gpu_inputs(problem)
+    validated = plan_for(**tensors, **options, num_splits=num_splits, backend="reference").problem
+    assert (validated.dense, validated.heads_first, validated.leftpad) == (True, problem.heads_first, problem.leftpad)
     expected_caches = {cache: tensors[cache].clone() for cache in ("k_cache", "v_cache")}
     expected, expected_lse = reference_attention(**{**tensors, **expected_caches}, **options)
     out, lse = flash_attn_with_kvcache(**tensors, **options, num_splits=num_splits, return_softmax_lse=True,
@@ -454,6 +493,23 @@ def test_a_bad_block_id_gives_nan_rows_of_its_sequence_only():
         out = flash_attn_with_kvcache(**tensors, num_splits=num_splits, backend="tilelang")
         assert out[1].isnan().all() and not out[[0, 2]].isnan().any()
         assert relative_error(out[[0, 2]], expected[[0, 2]]) < 1e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("bad", [-1, 334])
+def test_a_bad_left_pad_gives_nan_rows_of_its_sequence_only(bad):
+    """A left pad outside [0, cache_seqlens[b]] (sequence 2 is 333 long) makes NaN rows, unsplit and
+    split (the combine flags it too)."""
+    from flashdecode import flash_attn_with_kvcache
+    from flashdecode.reference import reference_attention, relative_error
+
+    tensors = gpu_inputs(GPU_CASES["leftpad"][0])
+    expected, _ = reference_attention(**tensors)
+    tensors["cache_leftpad"][2] = bad
+    for num_splits in (0, 3):
+        out = flash_attn_with_kvcache(**tensors, num_splits=num_splits, backend="tilelang")
+        assert out[2].isnan().all() and not out[:2].isnan().any()
+        assert relative_error(out[:2], expected[:2]) < 1e-2
 
 
 def test_tilelang_source_names_workspaces_by_their_address(monkeypatch):

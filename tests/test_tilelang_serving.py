@@ -1,5 +1,6 @@
-"""The TileLang kernels' serving extensions (sinks, fp8 caches): what the backend takes, the arguments
-it passes, and ``auto``, which keeps such calls on Triton until TileLang is measured with them
+"""The TileLang kernels' serving extensions (sinks, fp8 caches, left pads, heads-first caches): what the
+backend takes, the arguments it passes, and ``auto``, which keeps such calls on Triton until TileLang is
+measured with them
 (``hardware.TILELANG_AUTO_FEATURES``). No compile and no GPU here: the kernels' builds are in
 ``test_tilelang_compile.py``, their results against the reference in the ``gpu`` tests of
 ``test_sinks.py``, ``test_fp8.py`` and ``test_tilelang_compile.py``.
@@ -19,7 +20,7 @@ from flashdecode.problem import Problem
 H200 = PROFILES["h200"]
 #: Serving extensions TileLang takes and ``auto`` does not give it: name -> Problem fields.
 EXTENSIONS = {"sinks": dict(sinks=True), "fp8": dict(cache_dtype="float8_e4m3fn"),
-              "fp8-e5m2+sinks": dict(cache_dtype="float8_e5m2", sinks=True)}
+              "fp8-e5m2+sinks": dict(cache_dtype="float8_e5m2", sinks=True), "leftpad": dict(leftpad=True)}
 
 
 def can_take(problem):
@@ -48,6 +49,17 @@ def test_auto_keeps_the_extensions_on_triton(extension, shape):
     assert problem_limitation(problem) is None
     assert auto_choice(problem, H200, can_take(problem)) == "triton"
     assert auto_choice(plain, H200, can_take(plain)) == auto_choice(plain, H200, can_take(problem))
+
+
+@pytest.mark.parametrize("shape", [shape for shape in SHAPES if "page_size" not in shape[4]], ids=str)
+def test_auto_keeps_transformers_caches_on_triton(shape):
+    """Heads-first caches (contiguous only), with and without left pads: TileLang takes them when
+    named, ``auto`` routes them to Triton."""
+    batch, capacity, nheads_k, headdim, features = shape
+    for extension in (dict(heads_first=True), dict(heads_first=True, leftpad=True)):
+        problem = Problem(batch, capacity, 4 * nheads_k, nheads_k, headdim, "bfloat16", **features, **extension)
+        assert problem_limitation(problem) is None and "heads_first" in FEATURES
+        assert auto_choice(problem, H200, can_take(problem)) == "triton"
 
 
 def test_plain_calls_still_reach_tilelang():

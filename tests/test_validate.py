@@ -287,6 +287,26 @@ def test_cache_with_more_rows_than_the_batch_reads_row_b():
     assert not flashdecode.plan_for(q, spare_k, spare_v, cache_seqlens=s, backend="reference").problem.dense
 
 
+def test_heads_first_caches_and_size_one_strides_are_dense():
+    """transformers' caches, (batch, Hk, T, D) seen through transpose(1, 2), are dense and heads-first
+    (the layout TileLang's kernels are specialised on); so is a decode step's q, whose size-1 query
+    dimension has another stride; a mix of layouts, or a strided cache, is not dense."""
+    q, k, v, s = good()
+    stored_k, stored_v = k.transpose(1, 2).contiguous(), v.transpose(1, 2).contiguous()
+    decode_q = q.as_strided(q.shape, (8 * 64, 64, 64, 1))  # as transformers' query.transpose(1, 2)
+    assert decode_q.stride() != q.stride()
+    problem = flashdecode.plan_for(decode_q, stored_k.transpose(1, 2), stored_v.transpose(1, 2), cache_seqlens=s,
+                                   backend="reference").problem
+    assert problem.dense and problem.heads_first and "heads_first" in problem.features()
+    assert not flashdecode.plan_for(q, k, v, cache_seqlens=s, backend="reference").problem.heads_first
+    mixed = flashdecode.plan_for(q, stored_k.transpose(1, 2), v, cache_seqlens=s, backend="reference").problem
+    assert not mixed.dense
+    torch.testing.assert_close(call(decode_q, stored_k.transpose(1, 2), stored_v.transpose(1, 2), s), call(q, k, v, s))
+    one_head = good(nheads_k=1)  # one KV head: both layouts at once, taken as the plain one
+    transposed = one_head[1].transpose(1, 2).contiguous().transpose(1, 2)
+    assert not flashdecode.plan_for(one_head[0], transposed, transposed, backend="reference").problem.heads_first
+
+
 def test_strided_q_new_tokens_and_index_tensors_are_copied_as_flashattention_does():
     """FlashAttention's wrapper makes q, k, v and the index tensors contiguous in their last
     dimension; the caches must be so already (they are written in place)."""

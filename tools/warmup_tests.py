@@ -3,7 +3,8 @@
 
 The tests' calls are read from the test modules (the random-shape test's kernel shapes, the paged
 tests' calls, TileLang's feature cases, its sinks and fp8 calls, the FlashAttention grid's TileLang
-and auto samples, the empty cache); each is planned as ``flashdecode warmup`` plans a case
+and auto samples, the empty cache) or recorded from the transformers models' GPU tests run here on
+the reference (``transformers_calls``); each is planned as ``flashdecode warmup`` plans a case
 (``kernels.tilelang.warmup``).
 Carry the folder packed (``tar -cJf .tl-cache.tar.xz .tl-cache``; ``tools/device.sh`` unpacks it).
 
@@ -55,8 +56,9 @@ def test_problems() -> list:
     for page_size, dtype, variant, shape in paged_calls:
         problems.append(problem_of_call(**test_paged.paged_call(page_size, variant, shape, dtype, 0)))
     calls = [(problem, splits) for problem in problems for splits in warmup.DEFAULT_SPLITS]
-    return calls + serving_calls() + [(fa_grid.problem_of(combo), combo.num_splits)
-                                      for combo in test_fa_kvcache.TILELANG_COMBOS + test_fa_kvcache.AUTO_COMBOS]
+    return calls + serving_calls() + transformers_calls() + [
+        (fa_grid.problem_of(combo), combo.num_splits)
+        for combo in test_fa_kvcache.TILELANG_COMBOS + test_fa_kvcache.AUTO_COMBOS]
 
 
 def serving_calls() -> list:
@@ -75,6 +77,38 @@ def serving_calls() -> list:
         calls += [(problem_of(*test_fp8.make_call(**features, dtype=dtype)), splits)
                   for features in test_fp8.TILELANG_SPLIT_FEATURES.values() for splits in (1, 3, 0)]
     return calls
+
+
+def transformers_calls() -> list:
+    """(problem, 0) of every flashdecode call of ``test_transformers``' GPU tests on TileLang (the tiny
+    models at TileLang's head dims, SmolLM2's config with random weights, both caches, bfloat16), recorded
+    from the same steps run here on the reference; none where transformers is missing."""
+    import importlib.util
+
+    if importlib.util.find_spec("transformers") is None:
+        return []
+    import test_transformers as models
+
+    from flashdecode.integrations import transformers as integration
+
+    problems, call = [], integration.flash_attn_with_kvcache
+
+    def recording(q, k_cache, v_cache, backend, **arguments):
+        problems.append((problem_of_call(q, k_cache, v_cache, **arguments), 0))
+        return call(q, k_cache, v_cache, backend=backend, **arguments)
+
+    integration.flash_attn_with_kvcache = recording
+    try:
+        name = integration.register("reference")
+        runs = [(models.gpu_tiny_model(family, "tilelang"), *models.padded_prompts(256), models.STEPS)
+                for family in models.FAMILIES]
+        runs.append((*models.smollm2_random_batch(layers=1), models.SMOLLM_STEPS))
+        for model32, ids, mask, steps in runs:
+            for cache_kind in ("dynamic", "static"):
+                models.step_logits(models.with_attention(model32, name), ids, mask, None, cache_kind, steps)
+    finally:
+        integration.flash_attn_with_kvcache = call
+    return list(dict.fromkeys(problems))  # each layer and step repeats a few
 
 
 def main():

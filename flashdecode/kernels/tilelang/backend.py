@@ -34,8 +34,9 @@ MIN_BLOCK_M = {SPLIT: 64, SINGLE_PASS: 64, SHORT_CACHE: 16}
 #: per tile.
 WIDE_HEAD_DIM, WIDE_HEAD_BLOCK_M, WIDE_HEAD_BLOCK_N, WIDE_HEAD_MIN_BLOCK_N = 256, 16, 64, 32
 #: Problem features (``Problem.features``) the kernels implement (``features.py``); rotary, ALiBi,
-#: cache_leftpad, cache_batch_idx and ragged q are left to the other backends.
-FEATURES = frozenset(("seqlen_q>1", "paged", "append", "causal", "window", "softcap", "sinks", "fp8"))
+#: cache_batch_idx and ragged q are left to the other backends.
+FEATURES = frozenset(("seqlen_q>1", "paged", "append", "causal", "window", "softcap", "sinks", "fp8", "leftpad",
+                      "heads_first"))
 #: Most query positions per call (the q tile holds seqlen_q * group <= MAX_Q_ROWS rows).
 MAX_SEQLEN_Q = 16
 #: Fewest tokens per page: a tile gathers whole pages with one TMA load per page (and 128-byte column
@@ -55,8 +56,8 @@ def q_tile_rows(q_rows: int, minimum: int) -> int:
 def problem_limitation(problem) -> str | None:
     """What of this problem the kernels cannot take, as the phrase after "needs", or None."""
     if not problem.dense:
-        return ("contiguous, 16-byte aligned q, k_cache, v_cache, k, v and out, and a contiguous cache of "
-                "q's batch rows")
+        return ("contiguous, 16-byte aligned q, k_cache, v_cache, k, v and out (the caches may be heads-first: "
+                "(batch, nheads_k, seqlen, headdim) seen through transpose(1, 2)), and a cache of q's batch rows")
     if problem.headdim not in HEAD_DIMS:
         return f"a head dim of 64, 128 or 256 (got {problem.headdim})"
     if problem.seqlen_q > MAX_SEQLEN_Q:
@@ -178,12 +179,13 @@ class TileLangBackend(Backend):
         # lse is (B, Hq, Sq); for one query position the kernels index it as (B, Hq), the same memory
         lse = args.lse.view(problem.batch, problem.nheads) if problem.seqlen_q == 1 else args.lse
         extra = () if plain else _feature_arguments(problem, args)
+        k_cache, v_cache = args.k_cache, args.v_cache
+        if problem.heads_first:  # the (B, Hk, T, D) tensors the transposed views are of
+            k_cache, v_cache = k_cache.transpose(1, 2), v_cache.transpose(1, 2)
         if plan.kernel == SHORT_CACHE:
-            return [(first, (args.q, args.k_cache, args.v_cache, args.cache_seqlens, args.out, lse,
-                             args.softmax_scale, *extra))]
-        calls = [(first, (args.q, args.k_cache, args.v_cache, args.cache_seqlens, args.out, lse, args.part_o,
-                          args.part_lse, plan.programs_per_head, plan.forced_splits, plan.min_chunk,
-                          args.softmax_scale, *extra))]
+            return [(first, (args.q, k_cache, v_cache, args.cache_seqlens, args.out, lse, args.softmax_scale, *extra))]
+        calls = [(first, (args.q, k_cache, v_cache, args.cache_seqlens, args.out, lse, args.part_o, args.part_lse,
+                          plan.programs_per_head, plan.forced_splits, plan.min_chunk, args.softmax_scale, *extra))]
         if combine is not None:
             calls.append((combine, (args.cache_seqlens, args.part_o, args.part_lse, args.out, lse,
                                     problem.seqlen_cache, plan.programs_per_head, plan.forced_splits,
@@ -243,8 +245,8 @@ class TileLangBackend(Backend):
 
 def _feature_arguments(problem, args) -> list:
     """The attention kernels' arguments after the plain ones: block_table, k and v, softcap, window
-    sizes, the fp8 descales (``flat_descale``: k's and v's views, then their strides), sinks, each
-    where the problem uses it."""
+    sizes, the fp8 descales (``flat_descale``: k's and v's views, then their strides), sinks,
+    cache_leftpad, each where the problem uses it."""
     extra = []
     if problem.paged:
         extra.append(args.block_table)
@@ -261,6 +263,8 @@ def _feature_arguments(problem, args) -> list:
         extra += [k_view, v_view, *k_strides, *v_strides]
     if problem.sinks:
         extra.append(args.sinks)
+    if problem.leftpad:
+        extra.append(args.cache_leftpad)
     return extra
 
 
@@ -276,11 +280,11 @@ def flat_descale(descale) -> tuple:
 
 
 def _combine_feature_arguments(problem, args) -> list:
-    """The combine kernel's arguments after the plain ones: what its key-range rule reads, and the
-    sinks its merge starts from."""
+    """The combine kernel's arguments after the plain ones: what its key-range rule reads (and the
+    left pads, after the sinks its merge starts from)."""
     extra = [problem.seqlen_new] if problem.seqlen_new else []
     extra += [problem.window_left] if problem.window_left >= 0 else []
-    return extra + ([args.sinks] if problem.sinks else [])
+    return extra + ([args.sinks] if problem.sinks else []) + ([args.cache_leftpad] if problem.leftpad else [])
 
 
 def _index(device) -> int:

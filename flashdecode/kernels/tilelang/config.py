@@ -67,12 +67,14 @@ class KernelShape(DerivedSizes):
     append: bool = False  # new k/v tokens read from k/v and written into the cache
     sinks: bool = False  # a sink logit per query head in every row's softmax denominator
     cache_dtype: str | None = None  # an fp8 cache's dtype (None: q's), read as cache * descale
+    heads_first: bool = False  # a contiguous cache stored (batch, nheads_k, capacity, headdim)
+    leftpad: bool = False  # keys before cache_leftpad[b] are masked
 
     @classmethod
     def of(cls, problem) -> "KernelShape":
         return cls(problem.dtype, problem.headdim, problem.group, problem.nheads_k, problem.seqlen_q,
                    problem.page_size, problem.window_left >= 0, problem.window_right >= 0, problem.softcap,
-                   problem.seqlen_new > 0, problem.sinks, problem.cache_dtype)
+                   problem.seqlen_new > 0, problem.sinks, problem.cache_dtype, problem.heads_first, problem.leftpad)
 
     @property
     def cache_element_bytes(self) -> int:
@@ -81,8 +83,8 @@ class KernelShape(DerivedSizes):
 
     @property
     def plain(self) -> bool:
-        """No feature: one query position, a contiguous cache of q's dtype, no appended tokens,
-        windows, softcap or sinks."""
+        """No feature: one query position, a contiguous (batch, capacity, nheads_k, headdim) cache of
+        q's dtype, no appended tokens, windows, softcap, sinks or left pads."""
         return self == KernelShape(self.dtype, self.headdim, self.group, self.nheads_k)
 
     @property

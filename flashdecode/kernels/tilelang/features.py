@@ -1,6 +1,6 @@
 """The serving features of the TileLang kernels, gated at compile time: paged KV, appended k/v,
-seqlen_q > 1, causal and sliding windows, softcap, attention sinks, fp8 caches (``docs/design.md``,
-"Semantics").
+seqlen_q > 1, causal and sliding windows, softcap, attention sinks, fp8 caches, left pads and
+heads-first caches (``docs/design.md``, "Semantics").
 
 A :class:`Features` is made once per kernel, before its prim_func: it holds the shape's flags, the
 symbolic sizes and runtime scalars the features add to the kernel's parameters (None where a feature
@@ -25,6 +25,15 @@ before the matrix products (``widen``), which take both operands in one type; k'
 program's (sequence, KV head) multiplies the score scale, v's the output. The descales arrive as a
 flat float32 view and its (batch, head) strides (the caller's (batch, nheads_k) view is often
 expanded). Appended tokens are stored ``quantise``d, and read so by the attention.
+
+Left pads (``cache_leftpad``): sequence b's keys start at lo_b = max(cache_leftpad[b], its window's
+start), clamped to [0, hi_b]; the schedule's blocks start at lo_b's, and the keys of that block
+before lo_b are masked (read, in bounds, like those before a window). A left pad outside [0,
+cache_seqlens[b]] gives its sequence NaN rows, as a bad length does.
+
+Heads-first caches (transformers' (batch, nheads_k, capacity, headdim), passed as that contiguous
+view): a tile of one head's ``block_n`` tokens is then one contiguous block, one TMA box like the
+(batch, capacity, nheads_k, headdim) cache's; ``cache_at`` indexes either layout.
 """
 import tilelang.language as T
 
@@ -52,7 +61,9 @@ class Features:
         #: Pages one K/V tile gathers (one TMA load each); 1 when a tile lies within a page.
         self.pages_per_tile = max(1, block_n // shape.page_size) if shape.page_size else 1
         self.paged, self.append = shape.paged, shape.append
-        self.windowed = shape.windowed
+        self.windowed, self.leftpad, self.heads_first = shape.windowed, shape.leftpad, shape.heads_first
+        #: Whether a row may see no key at all in a tile or a split (its max stays -inf): windows, left pads.
+        self.keyless_rows = shape.windowed or shape.leftpad
         #: Appended tokens per sequence: k/v's dimension 1 (0 without).
         self.new_tokens = T.dynamic("new_tokens") if shape.append else 0
         self.num_pages, self.max_blocks = T.dynamic("num_pages, max_blocks") if self.paged else (None, None)
@@ -67,18 +78,47 @@ class Features:
         self.descale_elements = T.dynamic("k_descale_elements, v_descale_elements") if self.fp8 else (None, None)
         self.descale_strides = tuple(T.Var(f"{side}_descale_stride_{axis}", I32) if self.fp8 else None
                                      for side in "kv" for axis in "bh")
-        #: The key range rule of the schedule when it differs from [0, length): None for plain keys.
-        self.keys = self if shape.append or shape.window_left else None
-        #: Whether ``attend`` masks more than a tile's invalid keys (windows) or transforms scores (softcap).
-        self.masks = shape.windowed or shape.softcap
+        #: Whether the key range of the schedule differs from [0, length) (``key_rule``).
+        self.ranged = shape.append or shape.window_left or shape.leftpad
+        #: Whether ``attend`` masks more than a tile's invalid keys (windows, left pads) or transforms
+        #: scores (softcap).
+        self.masks = shape.windowed or shape.softcap or shape.leftpad
 
     # -- parameter types ---------------------------------------------------------------------------
     def cache(self, B, S, Hk, D):
-        """k_cache / v_cache: (B, S, Hk, D), or pages (num_pages, page_size, Hk, D), of the caches'
-        dtype."""
+        """k_cache / v_cache: (B, S, Hk, D), heads-first (B, Hk, S, D), or pages (num_pages, page_size,
+        Hk, D), of the caches' dtype."""
         if self.paged:
             return T.Tensor((self.num_pages, self.page_size, Hk, D), self.cache_dtype)
+        if self.heads_first:
+            return T.Tensor((B, Hk, S, D), self.cache_dtype)
         return T.Tensor((B, S, Hk, D), self.cache_dtype)
+
+    def cache_at(self, cache, b, t, h, d):
+        """Element d of key t of sequence b and KV head h in a contiguous cache of either layout."""
+        return cache[b, h, t, d] if self.heads_first else cache[b, t, h, d]
+
+    def leftpads(self, B):
+        """cache_leftpad: int32 (B,)."""
+        return T.Tensor((B,), I32) if self.leftpad else None
+
+    def leftpad_of(self, LeftPad, b):
+        """cache_leftpad[b], or None without left pads."""
+        return LeftPad[b] if self.leftpad else None
+
+    def read_leftpad(self, LeftPad, b):
+        """cache_leftpad[b] read once into a local, or None without left pads."""
+        if not self.leftpad:
+            return None
+        leftpad = T.alloc_var(I32, init=LeftPad[b])
+        return leftpad[0]
+
+    def start_of(self, end, leftpad):
+        """lo_b (``key_start``) in a local, which every element's mask reads; None without left pads."""
+        if leftpad is None:
+            return None
+        start = T.alloc_var(I32, init=self.key_start(end, leftpad))
+        return start[0]
 
     def capacity(self, S):
         """Keys one sequence can hold: S, or max_blocks * page_size."""
@@ -140,30 +180,51 @@ class Features:
             return T.min(T.max(raw_len, 0), capacity)
         return T.min(T.max(raw_len + T.if_then_else(live, self.new_tokens, 0), 0), capacity)
 
-    def bad_length(self, raw_len, end):
-        """Whether the length was outside [0, capacity] (its rows are NaN); with appended tokens a
-        negative cache_seqlens can still sum into range, so it is flagged on its own."""
+    def bad_length(self, raw_len, end, leftpad=None):
+        """Whether the length was outside [0, capacity] or the left pad outside [0, raw_len] (the rows
+        are NaN); with appended tokens a negative cache_seqlens can still sum into range, so it is
+        flagged on its own."""
         if not self.append:
-            return raw_len + self.new_tokens != end
-        return T.Or(raw_len < 0, raw_len + self.new_tokens != end)
+            bad = raw_len + self.new_tokens != end
+        else:
+            bad = T.Or(raw_len < 0, raw_len + self.new_tokens != end)
+        return bad if leftpad is None else T.Or(bad, T.Or(leftpad < 0, leftpad > raw_len))
 
-    def combined_bad_length(self, raw_len, capacity):
+    def combined_bad_length(self, raw_len, capacity, leftpad=None):
         """``bad_length`` as the combine sees it: a split sequence's length is never negative on its
         own, but appended tokens can bring a negative one into range."""
         if not self.append:
-            return raw_len + self.new_tokens > capacity
-        return T.Or(raw_len < 0, raw_len + self.new_tokens > capacity)
+            bad = raw_len + self.new_tokens > capacity
+        else:
+            bad = T.Or(raw_len < 0, raw_len + self.new_tokens > capacity)
+        return bad if leftpad is None else T.Or(bad, T.Or(leftpad < 0, leftpad > raw_len))
 
     def pipeline_end(self, blk_lo, full_hi):
         """The pipeline's last block + 1: with appended tokens a split may start past the cached keys,
         so the extent is kept from going negative."""
         return T.max(blk_lo, full_hi) if self.append else full_hi
 
-    def first_block(self, end):
-        """lo_b // block_n: under a left window the keys before hi_b - seqlen_q - window_left go."""
+    def key_start(self, end, leftpad):
+        """lo_b of keys ending at ``end`` after a left pad of ``leftpad``: max(leftpad, end - seqlen_q -
+        window_left) clamped to [0, end] (``planner.key_range``)."""
+        start = T.max(leftpad, 0)
+        if self.window_left is not None:
+            start = T.max(start, end - self.seqlen_q - self.window_left)
+        return T.min(start, end)
+
+    def first_block(self, end, leftpad=None):
+        """lo_b // block_n: under a left window the keys before hi_b - seqlen_q - window_left go, and
+        those before ``leftpad`` (cache_leftpad[b]; None without)."""
+        if leftpad is not None:
+            return self.key_start(end, leftpad) // self.block_n
         if self.window_left is None:
             return 0
         return T.max(end - self.seqlen_q - self.window_left, 0) // self.block_n
+
+    def key_rule(self, LeftPad):
+        """The schedule's key range rule (``macros.ranged_blocks``) over the kernel's cache_leftpad
+        ``LeftPad``, or None for plain keys [0, length)."""
+        return _KeyRule(self, LeftPad) if self.ranged else None
 
     def cached_end(self, raw_len, end):
         """Keys before this come from the cache; the appended ones after it from k/v."""
@@ -190,14 +251,18 @@ class Features:
         return Sinks[self.head(h, T.min(r, self.q_rows - 1))] * LOG2E
 
     # -- scores ------------------------------------------------------------------------------------
-    def mask(self, base, end):
+    def mask(self, base, end, start=None):
         """What ``attend`` needs of the tile starting at key ``base`` of a sequence whose keys end at
-        ``end``, or None when it masks only the tile's invalid keys."""
-        return _TileMask(self, base, end) if self.masks else None
+        ``end`` (and, with left pads, start at ``start``), or None when it masks only the tile's
+        invalid keys."""
+        return _TileMask(self, base, end, start) if self.masks else None
 
     def tile(self, cache, BlockTable, b, kb, h):
         """Tile kb of sequence b's keys of KV head h in the cache, as a region TMA can load: in the
-        contiguous cache, or within the tile's page (``tile_parts`` when a tile gathers pages)."""
+        contiguous cache (either layout), or within the tile's page (``tile_parts`` when a tile
+        gathers pages)."""
+        if self.heads_first:
+            return cache[b, h, kb * self.block_n:(kb + 1) * self.block_n, :]
         if not self.paged:
             return cache[b, kb * self.block_n:(kb + 1) * self.block_n, h, :]
         offset = kb * self.block_n % self.page_size
@@ -224,26 +289,42 @@ class Features:
 
     # -- the combine ---------------------------------------------------------------------------------
     def combine_shift(self, m):
-        """The max the combine's exponents subtract: with windows 0 while every partial so far saw
-        no key (m = -inf)."""
-        return T.if_then_else(m == -T.infinity(F32), 0, m) if self.windowed else m
+        """The max the combine's exponents subtract: with windows or left pads 0 while every partial
+        so far saw no key (m = -inf)."""
+        return T.if_then_else(m == -T.infinity(F32), 0, m) if self.keyless_rows else m
 
     def combined(self, acc, w_sum, m):
-        """The merged output: acc / w_sum; with windows 0 for a row that saw no key."""
-        return T.if_then_else(m == -T.infinity(F32), 0, acc / w_sum) if self.windowed else acc / w_sum
+        """The merged output: acc / w_sum; with windows or left pads 0 for a row that saw no key."""
+        return T.if_then_else(m == -T.infinity(F32), 0, acc / w_sum) if self.keyless_rows else acc / w_sum
+
+
+class _KeyRule:
+    """Sequence b's key range [lo_b, hi_b) as the schedule counts its blocks (appended tokens, a left
+    window, left pads read from ``LeftPad``)."""
+
+    def __init__(self, features, LeftPad):
+        self.features, self.LeftPad = features, LeftPad
+
+    def key_end(self, raw_len, capacity):
+        return self.features.key_end(raw_len, capacity)
+
+    def first_block(self, end, b):
+        return self.features.first_block(end, self.features.leftpad_of(self.LeftPad, b))
 
 
 class _TileMask:
-    """Per-row visibility and score transform of one tile (windows and softcap)."""
+    """Per-row visibility and score transform of one tile (windows, left pads and softcap)."""
 
-    def __init__(self, features, base, end):
-        self.features, self.base, self.end = features, base, end
+    def __init__(self, features, base, end, start):
+        self.features, self.base, self.end, self.start = features, base, end, start
 
     def visible(self, i, j, n_valid):
-        """Key ``base + j`` for q-tile row i: valid, and inside the row's window, whose position is
-        p_i = end - seqlen_q + query(i) (bottom-right alignment)."""
+        """Key ``base + j`` for q-tile row i: valid, at or after the left pad's ``start``, and inside
+        the row's window, whose position is p_i = end - seqlen_q + query(i) (bottom-right alignment)."""
         f = self.features
         seen = j < n_valid
+        if self.start is not None:
+            seen = T.And(seen, self.base + j >= self.start)
         position = self.end - f.seqlen_q + i // f.group
         if f.window_left is not None:
             seen = T.And(seen, self.base + j >= position - f.window_left)
@@ -262,7 +343,7 @@ class _TileMask:
     def shift(self, m):
         """The max the exponents subtract: 0 for a row that has seen no key yet (m = -inf), so that its
         scores give exp2(-inf) = 0, not NaN."""
-        if not self.features.windowed:
+        if not self.features.keyless_rows:
             return m
         return T.if_then_else(m == -T.infinity(F32), 0, m)
 
@@ -297,7 +378,7 @@ class _TileSource:
         if f.paged:
             stored = f.widen(cache[page, base % f.page_size + j, h, d])
         else:
-            stored = f.widen(cache[b, base + j, h, d])
+            stored = f.widen(f.cache_at(cache, b, base + j, h, d))
         if not f.append:
             return stored
         return T.if_then_else(base + j >= self.cached,
@@ -344,6 +425,9 @@ def write_appended(features, K, V, KNew, VNew, BlockTable, b, h, raw_len, capaci
                                                                                          descales[0])
                         V[page, position % features.page_size, h, d] = features.quantise(VNew[b, token, h, d],
                                                                                          descales[1])
+                elif features.heads_first:
+                    K[b, h, position, d] = features.quantise(KNew[b, token, h, d], descales[0])
+                    V[b, h, position, d] = features.quantise(VNew[b, token, h, d], descales[1])
                 else:
                     K[b, position, h, d] = features.quantise(KNew[b, token, h, d], descales[0])
                     V[b, position, h, d] = features.quantise(VNew[b, token, h, d], descales[1])
@@ -372,13 +456,13 @@ def descale_output(o_f, v_descale, rows, head_dim):
 
 
 def partial_value(features, o, l, bad):
-    """A split's partial output row: o / l; with windows 0 for a row that saw no key (l = 0), and
-    NaN where the program met a bad block id (``bad``; None without pages)."""
-    value = T.if_then_else(l == 0, 0, o / l) if features.windowed else o / l
+    """A split's partial output row: o / l; with windows or left pads 0 for a row that saw no key
+    (l = 0), and NaN where the program met a bad block id (``bad``; None without pages)."""
+    value = T.if_then_else(l == 0, 0, o / l) if features.keyless_rows else o / l
     return value if bad is None else T.if_then_else(bad > 0, NAN, value)
 
 
 def partial_lse(features, l, m, bad):
     """A split's partial log2-sum-exp: -inf for a row that saw no key, NaN after a bad block id."""
-    value = T.if_then_else(l == 0, -T.infinity(F32), T.log2(l) + m) if features.windowed else T.log2(l) + m
+    value = T.if_then_else(l == 0, -T.infinity(F32), T.log2(l) + m) if features.keyless_rows else T.log2(l) + m
     return value if bad is None else T.if_then_else(bad > 0, NAN, value)

@@ -18,10 +18,10 @@
 A length outside [0, capacity] is clamped for the schedule and the reads, and its rows of ``out``
 are NaN (``docs/design.md``, "Semantics").
 
-Each kernel serves paged KV, appended k/v, seqlen_q > 1, windows, softcap, sinks and fp8 caches
-as compile-time gates (``features.py``): a feature off adds no parameter and no code, so the plain
-kernels' CUDA is what it was before the features existed. Keys [lo_b, hi_b) follow ``docs/design.md`` ("Semantics") and
-the planner's work rule with key ranges.
+Each kernel serves paged KV, appended k/v, seqlen_q > 1, windows, softcap, sinks, fp8 caches, left
+pads and heads-first caches as compile-time gates (``features.py``): a feature off adds no parameter
+and no code, so the plain kernels' CUDA is what it was before the features existed. Keys [lo_b, hi_b)
+follow ``docs/design.md`` ("Semantics") and the planner's work rule with key ranges.
 """
 import tilelang.language as T
 
@@ -42,8 +42,9 @@ def split_kernel(shape, config, can_split: bool, blocks_per_sm: int, register_sp
 
     Call: (q, k_cache, v_cache, cache_seqlens, out, lse, part_o, part_lse, programs, forced_splits,
     min_chunk, softmax_scale, then the features' block_table, k, v, softcap, window_left,
-    window_right, the fp8 descales (k's and v's flat views, then their (batch, head) strides), sinks
-    where used); grid (programs, nheads_k). An fp8 cache's tiles are pipelined as they are stored
+    window_right, the fp8 descales (k's and v's flat views, then their (batch, head) strides), sinks,
+    cache_leftpad where used); grid (programs, nheads_k). A heads-first cache comes as its contiguous
+    (batch, nheads_k, capacity, headdim) view. An fp8 cache's tiles are pipelined as they are stored
     (1 byte an element) and converted to q's dtype in shared memory before the matrix products."""
     dtype, D, G, Hk = shape.dtype, shape.headdim, shape.group, shape.nheads_k
     block_n, num_stages = config.block_n, config.num_stages
@@ -99,6 +100,7 @@ def split_kernel(shape, config, can_split: bool, blocks_per_sm: int, register_sp
         v_descale_stride_b: f.descale_strides[2],
         v_descale_stride_h: f.descale_strides[3],
         Sinks: f.sinks,
+        LeftPad: f.leftpads(B),
     ):
         with T.Kernel(programs, Hk, threads=threads) as (pid, h):
             T.annotate_min_blocks_per_sm(blocks_per_sm)
@@ -124,10 +126,11 @@ def split_kernel(shape, config, can_split: bool, blocks_per_sm: int, register_sp
             nsplit = T.alloc_var(T.int32, init=1)
             if can_split or forced_splits > 0:
                 chunk = balanced_chunk(seqlens, B, capacity, programs, forced_splits, min_chunk, block_n, can_split,
-                                       counts, f.keys)
+                                       counts, f.key_rule(LeftPad))
                 first = T.alloc_var(T.int32, init=0)
                 for c in T.serial(T.ceildiv(B, SCAN_WIDTH)):
-                    load_splits(seqlens, B, capacity, chunk, forced_splits, block_n, can_split, counts, c, f.keys)
+                    load_splits(seqlens, B, capacity, chunk, forced_splits, block_n, can_split, counts, c,
+                                f.key_rule(LeftPad))
                     for t in T.serial(T.min(SCAN_WIDTH, B - c * SCAN_WIDTH)):
                         if first <= pid and pid < first + counts[t]:
                             seq = c * SCAN_WIDTH + t
@@ -140,9 +143,11 @@ def split_kernel(shape, config, can_split: bool, blocks_per_sm: int, register_sp
             b = T.max(seq, 0)
             raw_len = T.if_then_else(seq >= 0, seqlens[b], 0)
             seqlen = f.key_end(raw_len, capacity, seq >= 0)  # hi_b; the blocks start at lo_b // block_n
-            nblk = T.ceildiv(seqlen, block_n) - f.first_block(seqlen)
-            blk_lo = f.first_block(seqlen) + T.cast(T.cast(split, T.int64) * nblk // nsplit, T.int32)
-            blk_hi = f.first_block(seqlen) + T.cast(T.cast(split + 1, T.int64) * nblk // nsplit, T.int32)
+            leftpad = f.read_leftpad(LeftPad, b)
+            start = f.start_of(seqlen, leftpad)  # lo_b where a left pad moves it
+            nblk = T.ceildiv(seqlen, block_n) - f.first_block(seqlen, leftpad)
+            blk_lo = f.first_block(seqlen, leftpad) + T.cast(T.cast(split, T.int64) * nblk // nsplit, T.int32)
+            blk_hi = f.first_block(seqlen, leftpad) + T.cast(T.cast(split + 1, T.int64) * nblk // nsplit, T.int32)
             full_hi = f.pipeline_end(blk_lo, T.min(blk_hi, f.cached_end(raw_len, seqlen) // block_n))  # only valid keys
             descales = f.descales(KDescale, VDescale, b, h)
             scale = f.score_scale(softmax_scale * LOG2E, descales)
@@ -171,10 +176,10 @@ def split_kernel(shape, config, can_split: bool, blocks_per_sm: int, register_sp
                     T.copy(k_s, k_wide)
                     T.copy(v_s, v_wide)
                     attend(q_s, k_wide, v_wide, s_f, p_f, o_f, m_f, l_f, m_prev, alpha, rsum, scale, block_n,
-                           f.mask(kb * block_n, seqlen))
+                           f.mask(kb * block_n, seqlen, start))
                 else:
                     attend(q_s, k_s, v_s, s_f, p_f, o_f, m_f, l_f, m_prev, alpha, rsum, scale, block_n,
-                           f.mask(kb * block_n, seqlen))
+                           f.mask(kb * block_n, seqlen, start))
 
             if f.append:  # the tiles holding appended tokens, read from k/v
                 # Locals, not expressions: inlined into every element's index, these bounds made
@@ -190,22 +195,22 @@ def split_kernel(shape, config, can_split: bool, blocks_per_sm: int, register_sp
                     load_tile(K, V, k_tail, v_tail, b, h, base, keys,
                               f.source(KNew, VNew, BlockTable, cached, descales))
                     attend(q_s, k_tail, v_tail, s_f, p_f, o_f, m_f, l_f, m_prev, alpha, rsum, scale,
-                           keys - base, f.mask(base, keys))
+                           keys - base, f.mask(base, keys, start))
             elif full_hi < blk_hi:  # the sequence's last block, partially filled: only its valid rows
                 base = full_hi * block_n
                 load_tile(K, V, k_tail, v_tail, b, h, base, seqlen, f.source(KNew, VNew, BlockTable, seqlen))
                 attend(q_s, k_tail, v_tail, s_f, p_f, o_f, m_f, l_f, m_prev, alpha, rsum, scale,
-                       seqlen - base, f.mask(base, seqlen))
+                       seqlen - base, f.mask(base, seqlen, start))
 
             if f.fp8:
                 descale_output(o_f, descales[1], rows, D)
             if seq >= 0:
                 if f.paged:
                     finish(Out, Lse, PartO, PartLse, Sinks, o_f, l_f, m_f, alpha, pid, b, h, nsplit,
-                           T.Or(f.bad_length(raw_len, seqlen), bad_page > 0), bad_page)
+                           T.Or(f.bad_length(raw_len, seqlen, leftpad), bad_page > 0), bad_page)
                 else:
                     finish(Out, Lse, PartO, PartLse, Sinks, o_f, l_f, m_f, alpha, pid, b, h, nsplit,
-                           f.bad_length(raw_len, seqlen), None)
+                           f.bad_length(raw_len, seqlen, leftpad), None)
                 if f.append:
                     if split == 0:
                         write_appended(f, K, V, KNew, VNew, BlockTable, b, h, raw_len, capacity, D, descales)
@@ -218,8 +223,8 @@ def short_cache_kernel(shape, config, blocks_per_sm: int):
     grid (B, Hk), one warpgroup, ``blocks_per_sm`` the occupancy ptxas must allow.
 
     Call: (q, k_cache, v_cache, cache_seqlens, out, lse, softmax_scale, then the features'
-    block_table, k, v, softcap, window_left, window_right, the fp8 descales, sinks where used). An fp8
-    cache is converted to q's dtype as each tile is loaded."""
+    block_table, k, v, softcap, window_left, window_right, the fp8 descales, sinks, cache_leftpad where
+    used). An fp8 cache is converted to q's dtype as each tile is loaded."""
     dtype, D, G, Hk = shape.dtype, shape.headdim, shape.group, shape.nheads_k
     block_n, rows, one_tile = config.block_n, config.block_m, config.one_tile
     Hq, Sq = Hk * G, shape.seqlen_q
@@ -251,6 +256,7 @@ def short_cache_kernel(shape, config, blocks_per_sm: int):
         v_descale_stride_b: f.descale_strides[2],
         v_descale_stride_h: f.descale_strides[3],
         Sinks: f.sinks,
+        LeftPad: f.leftpads(B),
     ):
         with T.Kernel(B, Hk, threads=CONSUMER_THREADS) as (b, h):
             T.annotate_min_blocks_per_sm(blocks_per_sm)
@@ -261,12 +267,14 @@ def short_cache_kernel(shape, config, blocks_per_sm: int):
 
             raw_len = seqlens[b]
             seqlen = f.key_end(raw_len, capacity)
+            leftpad = f.read_leftpad(LeftPad, b)
+            start = f.start_of(seqlen, leftpad)
             descales = f.descales(KDescale, VDescale, b, h)
             source = f.source(KNew, VNew, BlockTable, f.cached_end(raw_len, seqlen), descales)
             if f.paged:
                 flags = T.alloc_shared((SCAN_WIDTH,), T.int32)
                 bad_page = T.max(
-                    bad_pages(BlockTable, b, f.first_block(seqlen) * block_n // f.page_size,
+                    bad_pages(BlockTable, b, f.first_block(seqlen, leftpad) * block_n // f.page_size,
                               T.ceildiv(seqlen, f.page_size), f.num_pages, flags),
                     bad_pages(BlockTable, b, *f.appended_pages(raw_len, capacity, True), f.num_pages, flags))
             load_q(Q, q_s, b, h)
@@ -278,22 +286,22 @@ def short_cache_kernel(shape, config, blocks_per_sm: int):
             if one_tile:
                 if seqlen > 0:
                     attend(q_s, k_s, v_s, s_f, p_f, o_f, m_f, l_f, m_prev, alpha, rsum,
-                           f.score_scale(softmax_scale * LOG2E, descales), seqlen, f.mask(0, seqlen))
+                           f.score_scale(softmax_scale * LOG2E, descales), seqlen, f.mask(0, seqlen, start))
             else:
-                for t in T.serial(T.ceildiv(seqlen, block_n) - f.first_block(seqlen)):
-                    load_tile(K, V, k_s, v_s, b, h, (f.first_block(seqlen) + t) * block_n, seqlen, source)
+                for t in T.serial(T.ceildiv(seqlen, block_n) - f.first_block(seqlen, leftpad)):
+                    load_tile(K, V, k_s, v_s, b, h, (f.first_block(seqlen, leftpad) + t) * block_n, seqlen, source)
                     attend(q_s, k_s, v_s, s_f, p_f, o_f, m_f, l_f, m_prev, alpha, rsum,
                            f.score_scale(softmax_scale * LOG2E, descales),
-                           seqlen - (f.first_block(seqlen) + t) * block_n,
-                           f.mask((f.first_block(seqlen) + t) * block_n, seqlen))
+                           seqlen - (f.first_block(seqlen, leftpad) + t) * block_n,
+                           f.mask((f.first_block(seqlen, leftpad) + t) * block_n, seqlen, start))
             if f.fp8:
                 descale_output(o_f, descales[1], rows, D)
             if f.sinks is not None:
                 fold_sink(f, Sinks, h, o_f, l_f, m_f, alpha, rows, D)
             if f.paged:
-                write_out(Out, Lse, o_f, l_f, m_f, b, h, T.Or(f.bad_length(raw_len, seqlen), bad_page > 0))
+                write_out(Out, Lse, o_f, l_f, m_f, b, h, T.Or(f.bad_length(raw_len, seqlen, leftpad), bad_page > 0))
             else:
-                write_out(Out, Lse, o_f, l_f, m_f, b, h, f.bad_length(raw_len, seqlen))
+                write_out(Out, Lse, o_f, l_f, m_f, b, h, f.bad_length(raw_len, seqlen, leftpad))
             if f.append:
                 write_appended(f, K, V, KNew, VNew, BlockTable, b, h, raw_len, capacity, D, descales)
 
@@ -306,7 +314,7 @@ def combine_kernel(shape, config, block_n: int):
     program per partial row (a query head when seqlen_q is 1), one thread per head-dim element.
 
     Call: (cache_seqlens, part_o, part_lse, out, lse, capacity, programs, forced_splits, min_chunk,
-    then seqlen_new, window_left and sinks where used). With sinks the merge starts from the row's
+    then seqlen_new, window_left, sinks and cache_leftpad where used). With sinks the merge starts from the row's
     sink: a partial of lse = sink and output 0, so it counts once."""
     dtype, D, G, Hk, step = shape.dtype, shape.headdim, shape.group, shape.nheads_k, config.step
     Hq, Sq, R = Hk * G, shape.seqlen_q, shape.q_rows
@@ -329,6 +337,7 @@ def combine_kernel(shape, config, block_n: int):
         new_tokens: f.new_tokens if f.append else None,
         window_left: f.window_left,
         Sinks: f.sinks,
+        LeftPad: f.leftpads(B),
     ):
         with T.Kernel(B, Hk * R, threads=D) as (bid, hq):
             d = T.get_thread_binding()
@@ -341,11 +350,12 @@ def combine_kernel(shape, config, block_n: int):
 
             counts = T.alloc_shared((SCAN_WIDTH,), T.int32)
             chunk = balanced_chunk(seqlens, B, capacity, programs, forced_splits, min_chunk, block_n, can_split,
-                                   counts, f.keys)
+                                   counts, f.key_rule(LeftPad))
             first = T.alloc_var(T.int32, init=0)  # partial rows before this sequence's
             nsplit = T.alloc_var(T.int32, init=0)
             for c in T.serial(bid // SCAN_WIDTH + 1):
-                load_splits(seqlens, B, capacity, chunk, forced_splits, block_n, can_split, counts, c, f.keys)
+                load_splits(seqlens, B, capacity, chunk, forced_splits, block_n, can_split, counts, c,
+                            f.key_rule(LeftPad))
                 for t in T.serial(T.min(SCAN_WIDTH, bid - c * SCAN_WIDTH)):
                     first += counts[t]
                 if c == bid // SCAN_WIDTH:
@@ -371,7 +381,7 @@ def combine_kernel(shape, config, block_n: int):
                         w_sum = w_sum + T.exp2(part_lse[s] - f.combine_shift(m_new))
                         acc = acc + T.exp2(part_lse[s] - f.combine_shift(m_new)) * part_o[s]
                     m = m_new
-                bad = f.combined_bad_length(seqlens[bid], capacity)
+                bad = f.combined_bad_length(seqlens[bid], capacity, f.leftpad_of(LeftPad, bid))
                 if Sq == 1:
                     Out[bid, 0, hq, d] = T.cast(T.if_then_else(bad, NAN, f.combined(acc, w_sum, m)), dtype)
                     if d == 0:

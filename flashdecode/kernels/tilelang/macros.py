@@ -23,9 +23,9 @@ def sequence_blocks(seqlens, b, capacity, block_n):
 @T.macro
 def ranged_blocks(seqlens, b, capacity, block_n, keys):
     """KV blocks covering sequence b's keys [lo_b, hi_b) under ``keys``' rule (appended tokens, a
-    left window)."""
+    left window, left pads)."""
     end = keys.key_end(seqlens[b], capacity)
-    return T.ceildiv(end, block_n) - keys.first_block(end)
+    return T.ceildiv(end, block_n) - keys.first_block(end, b)
 
 
 @T.macro
@@ -159,9 +159,9 @@ def _load_macros(rows, block_n, head_dim, features, dtype):
     def load_tile(K, V, k_s, v_s, b, h, base, seqlen, source):
         if source is None:
             for j, d in T.Parallel(block_n, head_dim):
-                k_s[j, d] = T.if_then_else(base + j < seqlen, f.widen(K[b, base + j, h, d]),
+                k_s[j, d] = T.if_then_else(base + j < seqlen, f.widen(f.cache_at(K, b, base + j, h, d)),
                                            T.cast(0, dtype))
-                v_s[j, d] = T.if_then_else(base + j < seqlen, f.widen(V[b, base + j, h, d]),
+                v_s[j, d] = T.if_then_else(base + j < seqlen, f.widen(f.cache_at(V, b, base + j, h, d)),
                                            T.cast(0, dtype))
         else:  # one part per page of the tile (the whole tile unless it gathers pages)
             for offset, rows in source.parts(block_n):
