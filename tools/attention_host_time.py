@@ -1,0 +1,86 @@
+"""Host time of transformers' attention function per call, per system, in eager decode steps of a
+models-bench model: what an eager step's attention costs the host (eager steps of small models are
+host-bound, so this, not GPU time, sets their speed).
+
+Each system's attention function is wrapped with a wall clock (no synchronisation: the time to
+return, as the model's next op waits for it), over STEPS eager steps after WARMUP; printed per
+system with the step's median ms and a torch launch's host time (an empty tensor's add) beside it.
+
+Usage: python tools/attention_host_time.py [--model smollm2-135m] [--batch 1,64] [--context 1024]
+"""
+import argparse
+import pathlib
+import statistics
+import sys
+import time
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+from flashdecode.bench import models  # noqa: E402
+
+STEPS, WARMUP = 16, 3
+
+
+def launch_us() -> float:
+    """Host µs of one small torch launch (the unit the host-path targets are stated in)."""
+    x = torch.zeros(1, device="cuda")
+    for _ in range(100):
+        x.add_(1)
+    began = time.perf_counter()
+    for _ in range(1000):
+        x.add_(1)
+    torch.cuda.synchronize()
+    return (time.perf_counter() - began) * 1e3
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--batch", default="1,64")
+    parser.add_argument("--context", default="1024")
+    args = parser.parse_args()
+    from transformers import AttentionInterface, AutoModelForCausalLM
+
+    names = models.register_systems()
+    interface = AttentionInterface._global_mapping
+    spent = {}
+    for system in ("sdpa", "flashdecode"):
+        function = interface[names[system]]
+
+        def timed(*a, _function=function, _system=system, **kw):
+            began = time.perf_counter()
+            result = _function(*a, **kw)
+            spent[_system].append(time.perf_counter() - began)
+            return result
+
+        interface[names[system]] = timed
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = AutoModelForCausalLM.from_config(models.model_config(args.model), dtype=torch.bfloat16).eval()
+    print(f"torch launch: {launch_us():.1f} us host")
+    print("| batch | context | system | attention host us/call | step ms (median) |")
+    for batch in (int(b) for b in args.batch.split(",")):
+        for context in (int(c) for c in args.context.split(",")):
+            step = models.DecodeStep(model, batch, context, context + STEPS + 2 * WARMUP + 2)
+            for system in ("sdpa", "flashdecode"):
+                model.set_attn_implementation(names[system])
+                for _ in range(WARMUP):
+                    step()
+                step.rewind()
+                spent[system] = []
+                times = []
+                for _ in range(STEPS):
+                    torch.cuda.synchronize()
+                    began = time.perf_counter()
+                    step()
+                    torch.cuda.synchronize()
+                    times.append((time.perf_counter() - began) * 1e3)
+                step.rewind()
+                print(f"| {batch} | {context} | {system} | {statistics.median(spent[system]) * 1e6:.1f} | "
+                      f"{statistics.median(times):.2f} |")
+
+
+if __name__ == "__main__":
+    main()
