@@ -2,6 +2,9 @@
 # Runs on the H200 machine (the device tool): unpack the TileLang bundle, then each step named on
 # the command line, logging everything under $OUT (STEP_TIMEOUT, default 400 s, bounds the bench,
 # sweep and sanitize steps so one stuck step cannot eat the whole call). Steps:
+#   warmup      build the GPU tests' TileLang kernels missing from the carried cache here, in the
+#               background (WARMUP_SHARDS processes, default 12; tools/warmup_tests.py) while the later
+#               steps run; the call waits for them at its end and packs the cache as $OUT/tl-cache.tar.xz
 #   tests       every gpu-marked test (TESTS_K: a pytest -k filter; FLASHDECODE_FA_GRID: the FA grid's size)
 #   beforeafter ARGS  flashdecode bench ARGS on .before/ (an earlier tree's flashdecode/) then on this tree
 #   fa2build    build FlashAttention 2's kernels for the fa2 peer from the carried .fa2-src.tar.xz into
@@ -40,9 +43,16 @@ OUT=${OUT:-/tmp/out}
 for cache in .tl-cache.tar.xz .tl-cache-*.tar.xz; do [ -f "$cache" ] && tar -xJf "$cache"; done
 [ -d .tl-cache ] && export TILELANG_CACHE_DIR=$PWD/.tl-cache
 summary=()
+warmups=()
 while [ $# -gt 0 ]; do
   step=$1; shift
   case $step in
+    warmup)
+      shards=${WARMUP_SHARDS:-12}
+      for ((i = 0; i < shards; i++)); do
+        python3 tools/warmup_tests.py --cache-dir .tl-cache --shard "$i/$shards" > "/tmp/warmup_$i.log" 2>&1 &
+        warmups+=($!)
+      done;;
     tests)
       # Every gpu-marked test; FlashAttention's grid on FLASHDECODE_FA_GRID combos (default 2000).
       # TESTS_FILES: the files in the order to run them (default: all of tests/; with workers, the
@@ -165,4 +175,11 @@ json.dump(fa_grid.merge_reports([json.load(open(p)) for p in paths]), open('$OUT
     *) echo "unknown step $step"; exit 2;;
   esac
 done
+if [ ${#warmups[@]} -gt 0 ]; then
+  failed=0
+  for pid in "${warmups[@]}"; do wait "$pid" || failed=$((failed + 1)); done
+  tail -qn 1 /tmp/warmup_*.log > "$OUT/warmup.log"
+  XZ_OPT=-T0 tar -cJf "$OUT/tl-cache.tar.xz" .tl-cache
+  summary+=("warmup: ${#warmups[@]} shards, $failed failed; $(cat /tmp/warmup_*.log | grep -c '^built') built")
+fi
 printf '%s\n' "${summary[@]}"
