@@ -18,7 +18,6 @@ reference on the same cache is that of a 16-bit call (``test_triton_interpreter`
 """
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import pathlib
@@ -346,31 +345,6 @@ def test_bfloat16_q_rows_past_float16s_range(changes, num_splits):
         q[sequence, :, head] *= largest / q[sequence, :, head].float().abs().max()
     call = (q, k_cache, v_cache, kwargs)
     assert_matches(run(call, "triton", num_splits), expected(call), lse_relative=1e-5)
-
-
-#: Calls of the swapped products' test: its main loop's features, bfloat16 q's per-row factors, and the
-#: masked loop after it.
-SWAPPED = {name: FEATURES[name] for name in ("plain", "lengths", "e5m2", "paged4", "softcap", "alibi", "leftpad",
-                                              "head-dim-59", "everything")}
-SWAPPED["bfloat16-softcap"] = dict(FEATURES["softcap"], dtype=torch.bfloat16)
-
-
-@pytest.mark.parametrize("fp8_swap", [False, True], ids=["plain", "swapped"])
-@pytest.mark.parametrize("feature", slow_except(list(SWAPPED), ("plain", "bfloat16-softcap", "everything")))
-def test_swapped_products_match_the_reference(feature, fp8_swap):
-    """``TritonConfig.fp8_swap`` (the main loop's products transposed, ``attend.attend_block_swapped``)
-    gives the reference's output and lse, split or not; blocks of 16 keys, so a program's main loop
-    folds several."""
-    call = make_call(**SWAPPED[feature])
-    q, k_cache, v_cache, kwargs = call
-    config = plan_for(q, k_cache, v_cache, **kwargs, backend="triton").plan.config
-    context = DecodeContext(q.device, config=dataclasses.replace(config, block_n=16, fp8_swap=fp8_swap))
-    assert plan_for(q, k_cache, v_cache, **kwargs, backend="triton", context=context).plan.config.fp8_swap == fp8_swap
-    for num_splits in (0, 3):
-        k, v = k_cache.clone(), v_cache.clone()
-        out, lse = flash_attn_with_kvcache(q, k, v, **kwargs, num_splits=num_splits, return_softmax_lse=True,
-                                           backend="triton", context=context)
-        assert_matches((out, lse, k, v), expected(call))
 
 
 @pytest.mark.parametrize("fp8", FP8, ids=str)

@@ -243,47 +243,6 @@ def attend_block(acc, m, l, q, block_start, start, end, new_from,
     return acc, m_new, l
 
 
-
-@triton.jit
-def attend_block_swapped(acc_t, m, l, q_t, block_start, start, end, k_head, v_head, table_row, num_pages,
-                         stride_kp, stride_kt, stride_vp, stride_vt, row_pos, slopes, scale_log2, softcap_in,
-                         softcap_out, PAGE_SIZE: tl.constexpr, OFFSETS_32: tl.constexpr, SOFTCAP: tl.constexpr,
-                         ALIBI: tl.constexpr, LEFTPAD: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr,
-                         BLOCK_N: tl.constexpr):
-    """``attend_block`` of the main loop (no row masks) on an fp8 cache with both products transposed,
-    scores^T = K q^T and acc^T += V^T p^T, so that the converted K and V tiles are the dots' first
-    operands, which Hopper's wgmma may read from registers (an experiment, off by default:
-    ``TritonConfig.fp8_swap``). acc_t is (HEAD_PAD, BLOCK_M), q_t q^T in float16; scale_log2 and
-    softcap_in a number or a (1, BLOCK_M) row; the softmax reduces over axis 0 (keys)."""
-    tokens = block_start + tl.arange(0, BLOCK_N)
-    d = tl.arange(0, HEAD_PAD)
-    in_range = tokens < end
-    if LEFTPAD:
-        in_range = in_range & (tokens >= start)
-    k_offs, v_offs = cache_offsets(tokens, block_start, in_range, table_row, num_pages,
-                                   stride_kp, stride_kt, stride_vp, stride_vt, PAGE_SIZE, OFFSETS_32, BLOCK_N)
-    k = tl.load(k_head + k_offs[:, None] + d[None, :], mask=tile_mask(in_range, d, HEAD_DIM, HEAD_PAD),
-                other=0.0).to(q_t.dtype)
-    scores = tl.dot(k, q_t)  # (BLOCK_N, BLOCK_M)
-    if SOFTCAP:
-        scores = softcap_out * (1.0 - 2.0 / (tl.exp2(scores * softcap_in) + 1.0))
-    else:
-        scores = scores * scale_log2
-    if ALIBI:
-        scores -= slopes[None, :] * tl.abs(row_pos[None, :] - tokens[:, None]).to(tl.float32)
-    scores = tl.where(in_range[:, None], scores, float("-inf"))
-    m_new = tl.maximum(m, tl.max(scores, 0))
-    alpha = tl.exp2(m - m_new)
-    p = tl.exp2(scores - m_new[None, :])
-    l = l * alpha + tl.sum(p, 0)
-    v_mask = in_range[None, :]  # V^T loaded as such: a transpose in registers would go through shared memory
-    if HEAD_PAD != HEAD_DIM:
-        v_mask = v_mask & (d[:, None] < HEAD_DIM)
-    v_t = tl.load(v_head + v_offs[None, :] + d[:, None], mask=v_mask, other=0.0).to(q_t.dtype)
-    acc_t = acc_t * alpha[None, :] + tl.dot(v_t, p.to(v_t.dtype))
-    return acc_t, m_new, l
-
-
 @triton.jit
 def append_tokens(k_head, v_head, table_row, num_pages, stride_kp, stride_kt, stride_vp, stride_vt,
                   k_new, v_new, stride_nkt, stride_nvt, Cos, Sin, rotary_rows, first_position, seqlen_new, capacity,

@@ -53,9 +53,6 @@ class TritonConfig:
     #: Head dims one combine program merges (a power of two; None: the whole padded head): smaller
     #: chunks spread a row's partials over more programs.
     combine_dims: int | None = None
-    #: fp8 caches: the main loop's products transposed so that the converted K and V tiles are the
-    #: dots' first operands (``attend.attend_block_swapped``); an experiment, not measured on a GPU.
-    fp8_swap: bool = False
 
 
 def shared_bytes(config: TritonConfig, headdim: int, element_bytes: int, profile: HardwareProfile,
@@ -325,7 +322,7 @@ def _make_spec(plan, problem: Problem) -> _LaunchSpec:
         LEFTPAD=leftpad, BATCH_IDX=problem.batch_idx and not problem.paged, MERGE_IN_SPLIT=plan.merge_in_split,
         MERGE_STEP=merge_step_for(config.block_m) if plan.merge_in_split else 1,
         DEPENDENT_COMBINE=plan.dependent_combine, FP8=problem.cache_dtype is not None, SINKS=problem.sinks,
-        RAGGED=problem.ragged, FP8_SWAP=config.fp8_swap and problem.cache_dtype is not None)
+        RAGGED=problem.ragged)
     head_chunk = config.combine_dims or head_pad
     if head_chunk & (head_chunk - 1) or head_chunk > head_pad:
         raise ValueError(f"triton: combine_dims must be a power of two of at most the padded head dim {head_pad}, "

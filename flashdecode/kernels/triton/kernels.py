@@ -12,16 +12,15 @@ merges. Bad values (lengths, left pads, batch indices, block ids) are clamped fo
 make the program's rows NaN. fp8 caches (FP8): the program's k descale multiplies the score scale
 (and the softcap's inner factor), its v descale the output, before any partial is written; a
 bfloat16 q is converted to float16 once (after rotary), each row scaled by a power of two that the
-row's score factors undo (``attend.fp16_rows``), so both products take float16 operands. FP8_SWAP
-(``TritonConfig.fp8_swap``, an experiment) runs their main loop transposed (``attend.attend_block_swapped``).
+row's score factors undo (``attend.fp16_rows``), so both products take float16 operands.
 """
 from __future__ import annotations
 
 import triton
 import triton.language as tl
 
-from .attend import (LOG2E, append_tokens, attend_block, attend_block_swapped, bad_block_ids, fp16_rows,
-                     rotary_columns, rotate, row_offsets, tile_mask)
+from .attend import (LOG2E, append_tokens, attend_block, bad_block_ids, fp16_rows, rotary_columns, rotate,
+                     row_offsets, tile_mask)
 from .launch import gdc_launch_dependents, gdc_wait
 from .schedule import entry, key_range, locate, query_rows, split_counts
 
@@ -47,8 +46,7 @@ def split_kernel(Q, K, V, Lens, Out, Lse, PartO, PartLse, KNew, VNew, BatchIdx, 
                  ROTARY_INTERLEAVED: tl.constexpr, ROTARY_PER_ROW: tl.constexpr, WINDOW_LEFT: tl.constexpr,
                  WINDOW_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, LEFTPAD: tl.constexpr,
                  BATCH_IDX: tl.constexpr, MERGE_IN_SPLIT: tl.constexpr, MERGE_STEP: tl.constexpr,
-                 DEPENDENT_COMBINE: tl.constexpr, FP8: tl.constexpr, SINKS: tl.constexpr, RAGGED: tl.constexpr,
-                 FP8_SWAP: tl.constexpr):
+                 DEPENDENT_COMBINE: tl.constexpr, FP8: tl.constexpr, SINKS: tl.constexpr, RAGGED: tl.constexpr):
     if DEPENDENT_COMBINE:  # the combine may be scheduled once every program has started
         gdc_launch_dependents()
     pid = tl.program_id(0)
@@ -180,30 +178,14 @@ def split_kernel(Q, K, V, Lens, Out, Lse, PartO, PartLse, KNew, VNew, BatchIdx, 
 
         m = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l = tl.zeros([BLOCK_M], tl.float32)
-        if FP8_SWAP:  # the main loop's products transposed (``attend_block_swapped``), acc^T until its end
-            q_t = tl.trans(q)
-            scale_t, softcap_in_t = row_scale_log2, row_softcap_in
-            if Q.dtype.element_ty != tl.float16:  # q's rows were scaled: their factors as a (1, BLOCK_M) row
-                scale_t = tl.trans(row_scale_log2)
-                if SOFTCAP:
-                    softcap_in_t = tl.trans(row_softcap_in)
-            acc_t = tl.zeros([HEAD_PAD, BLOCK_M], tl.float32)
-            for block_start in range(main_lo, main_hi, BLOCK_N):
-                acc_t, m, l = attend_block_swapped(
-                    acc_t, m, l, q_t, block_start, start, end, k_head, v_head, table_row, cache_rows, stride_kb,
-                    stride_kt, stride_vb, stride_vt, row_pos, slopes, scale_t, softcap_in_t, softcap_out,
-                    PAGE_SIZE, OFFSETS_32, SOFTCAP, ALIBI, LEFTPAD, HEAD_DIM, HEAD_PAD, BLOCK_N)
-            acc = tl.trans(acc_t)
-        else:
-            acc = tl.zeros([BLOCK_M, HEAD_PAD], tl.float32)
-            for block_start in range(main_lo, main_hi, BLOCK_N):
-                acc, m, l = attend_block(
-                    acc, m, l, q, block_start, start, end, new_from, k_head, v_head, table_row, cache_rows,
-                    stride_kb, stride_kt, stride_vb, stride_vt, k_new, v_new, stride_nkt, stride_nvt, Cos, Sin,
-                    rotary_rows, row_pos, slopes, window_left, window_right, row_scale_log2, row_softcap_in,
-                    softcap_out, k_scale, v_scale, False, PAGE_SIZE, OFFSETS_32, APPEND, ROTARY_DIM,
-                    ROTARY_INTERLEAVED, WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP, ALIBI, LEFTPAD, FP8, HEAD_DIM, HEAD_PAD,
-                    BLOCK_N)
+        acc = tl.zeros([BLOCK_M, HEAD_PAD], tl.float32)
+        for block_start in range(main_lo, main_hi, BLOCK_N):
+            acc, m, l = attend_block(
+                acc, m, l, q, block_start, start, end, new_from, k_head, v_head, table_row, cache_rows,
+                stride_kb, stride_kt, stride_vb, stride_vt, k_new, v_new, stride_nkt, stride_nvt, Cos, Sin,
+                rotary_rows, row_pos, slopes, window_left, window_right, row_scale_log2, row_softcap_in, softcap_out,
+                k_scale, v_scale, False, PAGE_SIZE, OFFSETS_32, APPEND, ROTARY_DIM, ROTARY_INTERLEAVED, WINDOW_LEFT,
+                WINDOW_RIGHT, SOFTCAP, ALIBI, LEFTPAD, FP8, HEAD_DIM, HEAD_PAD, BLOCK_N)
         if WINDOW_LEFT or WINDOW_RIGHT or APPEND:  # the head [block_lo, main_lo), then the tail [main_hi, block_hi)
             head_blocks = (main_lo - block_lo) // BLOCK_N
             # Not pipelined: a second pipeline's buffers and registers cost the main loop occupancy
