@@ -10,7 +10,6 @@ GGUF) runs the same check on 5 chat prompts (``slow``); the GPU tier runs it on 
 import functools
 import importlib.util
 import inspect
-import os
 import sys
 
 import pytest

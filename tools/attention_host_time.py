@@ -45,7 +45,7 @@ def main():
 
     names = models.register_systems()
     interface = AttentionInterface._global_mapping
-    spent = {}
+    spent = {"sdpa": [], "flashdecode": []}  # the model's own sdpa runs from its first step
     for system in ("sdpa", "flashdecode"):
         function = interface[names[system]]
 

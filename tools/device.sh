@@ -4,7 +4,8 @@
 # sweep and sanitize steps so one stuck step cannot eat the whole call). Steps:
 #   warmup      build the GPU tests' TileLang kernels missing from the carried cache here, in the
 #               background (WARMUP_SHARDS processes, default 12; tools/warmup_tests.py) while the later
-#               steps run; the call waits for them at its end and packs the cache as $OUT/tl-cache.tar.xz
+#               steps that time nothing run (tests, fa2build, peers); a timing step waits for them
+#               first; the cache is packed as $OUT/tl-cache.tar.xz
 #   tests       every gpu-marked test (TESTS_K: a pytest -k filter; FLASHDECODE_FA_GRID: the FA grid's size)
 #   beforeafter ARGS  flashdecode bench ARGS on .before/ (an earlier tree's flashdecode/) then on this tree
 #   fa2build    build FlashAttention 2's kernels for the fa2 peer from the carried .fa2-src.tar.xz into
@@ -43,6 +44,17 @@ for cache in .tl-cache.tar.xz .tl-cache-*.tar.xz; do [ -f "$cache" ] && tar -xJf
 [ -d .tl-cache ] && export TILELANG_CACHE_DIR=$PWD/.tl-cache
 summary=()
 warmups=()
+# The background warm-up's shards (the warmup step), waited for once: its compiles would load the
+# host while a step times, and its cache is packed when they are done.
+wait_for_warmups() {
+  [ ${#warmups[@]} -gt 0 ] || return 0
+  local failed=0
+  for pid in "${warmups[@]}"; do wait "$pid" || failed=$((failed + 1)); done
+  tail -qn 1 /tmp/warmup_*.log > "$OUT/warmup.log"
+  XZ_OPT=-T0 tar -cJf "$OUT/tl-cache.tar.xz" .tl-cache
+  summary+=("warmup: ${#warmups[@]} shards, $failed failed; $(cat /tmp/warmup_*.log | grep -c '^built') built")
+  warmups=()
+}
 while [ $# -gt 0 ]; do
   step=$1; shift
   case $step in
@@ -85,6 +97,7 @@ json.dump(fa_grid.merge_reports([json.load(open(p)) for p in paths]), open('$OUT
       tail -2 "$OUT/gpu_tests.log"
       summary+=("tests rc=$rc");;
     beforeafter)
+      wait_for_warmups
       # The same bench ARGS on the tree in .before/ (a `git archive` of the earlier commit's
       # flashdecode/) and on this tree, one after the other in one call.
       args=$1; shift
@@ -122,6 +135,7 @@ json.dump(fa_grid.merge_reports([json.load(open(p)) for p in paths]), open('$OUT
       tail -n 3 /tmp/warm_*.log > "$OUT/peers_warm.log"
       summary+=("peers: ${#warm[@]} FlashInfer warm-ups, $failed failed; fa2 from ${FLASHDECODE_FA2_PATH:-an installed flash_attn, if any}");;
     bench)
+      wait_for_warmups
       args=$1; shift
       # stderr carries the progress bar: kept, so a slow or stuck run shows where it was; on the
       # time limit SIGABRT makes faulthandler print every thread's Python stack there, and
@@ -134,11 +148,13 @@ json.dump(fa_grid.merge_reports([json.load(open(p)) for p in paths]), open('$OUT
       summary+=("bench rc=${PIPESTATUS[0]}")
       kill $smi 2>/dev/null; trap - EXIT;;
     sweep)
+      wait_for_warmups
       args=$1; shift
       # As for the bench: on the time limit, every Python thread's stack (a sweep hung once).
       timeout -k 30 -s ABRT "${STEP_TIMEOUT:-400}" python3 -X faulthandler tools/sweep.py $args 2>&1 | tee -a "$OUT/sweep.log" | tail -20
       summary+=("sweep rc=${PIPESTATUS[0]}");;
     models)
+      wait_for_warmups
       args=$1; shift
       [ -f .fa2-build.tar.xz ] && [ ! -d .fa2-build ] && tar -xJf .fa2-build.tar.xz
       [ -d .fa2-build ] && export FLASHDECODE_FA2_PATH=$PWD/.fa2-build
@@ -156,6 +172,7 @@ json.dump(fa_grid.merge_reports([json.load(open(p)) for p in paths]), open('$OUT
         summary+=("sanitize $tool rc=${PIPESTATUS[0]}")
       done;;
     profile)
+      wait_for_warmups
       n=$1; shift  # N, or N:VARIANT (e.g. 7:paged64)
       number=${n%%:*}; variant=plain; [ "$n" != "$number" ] && variant=${n#*:}
       for backend in ${PROFILE_BACKENDS:-tilelang triton}; do
@@ -167,11 +184,5 @@ json.dump(fa_grid.merge_reports([json.load(open(p)) for p in paths]), open('$OUT
     *) echo "unknown step $step"; exit 2;;
   esac
 done
-if [ ${#warmups[@]} -gt 0 ]; then
-  failed=0
-  for pid in "${warmups[@]}"; do wait "$pid" || failed=$((failed + 1)); done
-  tail -qn 1 /tmp/warmup_*.log > "$OUT/warmup.log"
-  XZ_OPT=-T0 tar -cJf "$OUT/tl-cache.tar.xz" .tl-cache
-  summary+=("warmup: ${#warmups[@]} shards, $failed failed; $(cat /tmp/warmup_*.log | grep -c '^built') built")
-fi
+wait_for_warmups
 printf '%s\n' "${summary[@]}"

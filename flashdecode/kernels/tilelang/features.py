@@ -261,12 +261,12 @@ class Features:
         """Tile kb of sequence b's keys of KV head h in the cache, as a region TMA can load: in the
         contiguous cache (either layout), or within the tile's page (``tile_parts`` when a tile
         gathers pages)."""
+        if self.paged:  # pages are never heads-first (validate.py), as in cache() and write_appended
+            offset = kb * self.block_n % self.page_size
+            return cache[page_of(self, BlockTable, b, kb * self.block_n), offset:offset + self.block_n, h, :]
         if self.heads_first:
             return cache[b, h, kb * self.block_n:(kb + 1) * self.block_n, :]
-        if not self.paged:
-            return cache[b, kb * self.block_n:(kb + 1) * self.block_n, h, :]
-        offset = kb * self.block_n % self.page_size
-        return cache[page_of(self, BlockTable, b, kb * self.block_n), offset:offset + self.block_n, h, :]
+        return cache[b, kb * self.block_n:(kb + 1) * self.block_n, h, :]
 
     def tile_parts(self, cache, BlockTable, b, kb, h, tile):
         """(source, destination) regions of the TMA loads that gather tile kb from pages smaller than
