@@ -36,6 +36,8 @@ export PYTHONUNBUFFERED=1
 mkdir -p /tmp/tl && tar -xJf .gpu-bundle/tilelang-cp312.tar.xz -C /tmp/tl
 export PYTHONPATH=$PWD:/tmp/tl/tilelang_site${PYTHONPATH:+:$PYTHONPATH} CUDA_HOME=${CUDA_HOME:-/usr/local/cuda}
 OUT=${OUT:-/tmp/out}
+# A Triton compile that fails in a pass (PassManager::run failed) leaves its MLIR reproducer here
+export TRITON_REPRODUCER_PATH=${TRITON_REPRODUCER_PATH:-$OUT/triton-repro.mlir}
 # Kernels prebuilt on the CPU machine (flashdecode warmup --cache-dir .tl-cache for the bench's,
 # python tools/warmup_tests.py for the GPU tests'), carried as
 # .tl-cache.tar.xz (tar -cJf .tl-cache.tar.xz .tl-cache: ~2 MB instead of ~30 MB of the carry limit),
