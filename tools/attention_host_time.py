@@ -19,20 +19,9 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from flashdecode.bench import models  # noqa: E402
+from flashdecode.bench.timing import Timer  # noqa: E402
 
 STEPS, WARMUP = 16, 3
-
-
-def launch_us() -> float:
-    """Host µs of one small torch launch (the unit the host-path targets are stated in)."""
-    x = torch.zeros(1, device="cuda")
-    for _ in range(100):
-        x.add_(1)
-    began = time.perf_counter()
-    for _ in range(1000):
-        x.add_(1)
-    torch.cuda.synchronize()
-    return (time.perf_counter() - began) * 1e3
 
 
 def main():
@@ -59,7 +48,8 @@ def main():
     torch.manual_seed(0)
     with torch.device("cuda"):
         model = AutoModelForCausalLM.from_config(models.model_config(args.model), dtype=torch.bfloat16).eval()
-    print(f"torch launch: {launch_us():.1f} us host")
+    launch = torch.zeros(1, device="cuda")
+    print(f"torch launch: {Timer('cuda', iters=1, warmup=1).host_overhead_us(lambda: launch.add_(0)):.1f} us host")
     print("| batch | context | system | attention host us/call | step ms (median) |")
     for batch in (int(b) for b in args.batch.split(",")):
         for context in (int(c) for c in args.context.split(",")):
