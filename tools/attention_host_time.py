@@ -3,7 +3,7 @@ models-bench model: what an eager step's attention costs the host (eager steps o
 host-bound, so this, not GPU time, sets their speed).
 
 Each system's attention function is wrapped with a wall clock (no synchronisation: the time to
-return, as the model's next op waits for it), over STEPS eager steps after WARMUP; printed per
+return, as the model's next op waits for it), over the models-bench's eager steps (``models.time_step``); printed per
 system with the step's median ms and a torch launch's host time (an empty tensor's add) beside it.
 
 Usage: python tools/attention_host_time.py [--model smollm2-135m] [--batch 1,64] [--context 1024]
@@ -21,7 +21,6 @@ import torch  # noqa: E402
 from flashdecode.bench import models  # noqa: E402
 from flashdecode.bench.timing import Timer  # noqa: E402
 
-STEPS, WARMUP = 16, 3
 
 
 def main():
@@ -53,23 +52,14 @@ def main():
     print("| batch | context | system | attention host us/call | step ms (median) |")
     for batch in (int(b) for b in args.batch.split(",")):
         for context in (int(c) for c in args.context.split(",")):
-            step = models.DecodeStep(model, batch, context, context + STEPS + 2 * WARMUP + 2)
+            step = models.DecodeStep(model, batch, context,
+                                     context + 1 + max(models.STEPS.values()) + 2 * models.WARMUP)
             for system in ("sdpa", "flashdecode"):
                 model.set_attn_implementation(names[system])
-                for _ in range(WARMUP):
-                    step()
-                step.rewind()
                 spent[system] = []
-                times = []
-                for _ in range(STEPS):
-                    torch.cuda.synchronize()
-                    began = time.perf_counter()
-                    step()
-                    torch.cuda.synchronize()
-                    times.append((time.perf_counter() - began) * 1e3)
-                step.rewind()
+                ms = models.time_step(step, "eager")  # the models-bench's own eager timing
                 print(f"| {batch} | {context} | {system} | {statistics.median(spent[system]) * 1e6:.1f} | "
-                      f"{statistics.median(times):.2f} |")
+                      f"{ms:.2f} |")
 
 
 if __name__ == "__main__":
