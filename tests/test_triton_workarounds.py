@@ -1,14 +1,21 @@
-"""The Triton miscompile the backend steers around (``flashdecode.kernels.triton.workarounds``):
+"""The Triton faults the backend steers around (``flashdecode.kernels.triton.workarounds``):
 the steer on the CPU, and on the GPU that the fault is still there (else the steer can go) and that
 the steered default passes. The GPU checks run each call in a subprocess: the fault kills the
-CUDA context."""
+CUDA context. Under the interpreter (CPU): bfloat16 products are refused, and a bfloat16 ``tl.dot``
+still comes out wrong (else the refusal can go)."""
 import subprocess
 import sys
 
 import pytest
+import torch
+import triton
+import triton.language as tl
 
-from flashdecode.kernels.triton.backend import TritonBackend, TritonConfig
-from flashdecode.kernels.triton.workarounds import LAST_SEEN_ON, SAFE_BLOCK_N
+import flashdecode
+from conftest import HAS_CUDA
+from flashdecode.kernels.base import BackendError
+from flashdecode.kernels.triton.backend import INTERPRETED, TritonBackend, TritonConfig
+from flashdecode.kernels.triton.workarounds import INTERPRETER_BF16_LAST_SEEN_ON, LAST_SEEN_ON, SAFE_BLOCK_N
 from flashdecode.hardware import PROFILES
 from flashdecode.problem import Problem
 
@@ -28,6 +35,41 @@ def problem(headdim, interleaved, rotary_dim=16):
 def test_default_config_steers_only_the_faulting_specialisations(headdim, interleaved, rotary_dim, block_n):
     config = TritonBackend().default_config(problem(headdim, interleaved, rotary_dim), PROFILES["h200"], "split")
     assert config.block_n == block_n
+
+
+interpreted = pytest.mark.skipif(HAS_CUDA or not INTERPRETED, reason="Triton's interpreter on CPU tensors")
+
+
+@triton.jit
+def _dot_kernel(A, B, C, N: tl.constexpr):
+    rows = tl.arange(0, N)
+    tile = rows[:, None] * N + rows[None, :]
+    tl.store(C + tile, tl.dot(tl.load(A + tile), tl.load(B + tile)))
+
+
+@interpreted
+def test_the_interpreter_still_multiplies_bfloat16_bit_patterns():
+    a, b = (torch.randint(-2, 3, (16, 16)).to(torch.bfloat16) for _ in range(2))
+    c = torch.zeros(16, 16)
+    _dot_kernel[(1,)](a, b, c, N=16)
+    assert not torch.equal(c, a.float() @ b.float()), (
+        f"Triton {triton.__version__}'s interpreter now multiplies bfloat16 right (wrong up to "
+        f"{INTERPRETER_BF16_LAST_SEEN_ON}): lift INTERPRETER_BF16 in flashdecode/kernels/triton/workarounds.py")
+
+
+@interpreted
+@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float8_e4m3fn])
+def test_the_interpreter_refuses_bfloat16_products_only(cache_dtype):
+    q = torch.randn(1, 1, 4, 64, dtype=torch.bfloat16)
+    cache = torch.randn(1, 32, 2, 64).to(cache_dtype)
+    call = dict(cache_seqlens=torch.tensor([20], dtype=torch.int32), backend="triton")
+    if cache_dtype == torch.bfloat16:
+        with pytest.raises(BackendError, match=r"bfloat16 products.*triton-lang/triton#11584.*backend 'reference' can"):
+            flashdecode.flash_attn_with_kvcache(q, cache, cache, **call)
+    else:  # fp8 caches take float16 products
+        out = flashdecode.flash_attn_with_kvcache(q, cache, cache, **call)
+        want = flashdecode.flash_attn_with_kvcache(q, cache, cache, **{**call, "backend": "reference"})
+        assert torch.allclose(out.float(), want.float(), atol=2e-2)
 
 
 def run_combo(raw: bool) -> str:

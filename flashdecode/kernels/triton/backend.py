@@ -20,7 +20,7 @@ from ...problem import Problem
 from ..base import Backend, LaunchArgs
 from .kernels import combine_kernel, split_kernel
 from .launch import DEPENDENT_LAUNCH_UNAVAILABLE, REGISTER_CEILING, Launcher
-from .workarounds import steer
+from .workarounds import interpreter_limitation, steer
 
 LOG2E = 1.0 / math.log(2.0)
 #: Query rows of one program at most; more rows take more row tiles (programs).
@@ -149,8 +149,10 @@ class TritonBackend(Backend):
 
     # -- the planner's questions -------------------------------------------------------------------
     def limitation(self, problem: Problem, device: torch.device) -> str | None:
-        if device.type == "cuda" or (device.type == "cpu" and INTERPRETED):
+        if device.type == "cuda":
             return None
+        if device.type == "cpu" and INTERPRETED:
+            return interpreter_limitation(problem)
         return "a CUDA device, or TRITON_INTERPRET=1 for CPU tensors"
 
     def kernels(self, problem: Problem) -> frozenset[str]:

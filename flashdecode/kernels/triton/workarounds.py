@@ -12,6 +12,12 @@ there; a config given through ``DecodeContext(config=...)`` is used as given, wh
 
 Not fixed in any Triton release we know of, so the steer applies to every version; the GPU test
 fails once the installed Triton compiles the faulting config correctly, and says so.
+
+Triton's interpreter (CPU tensors, ``TRITON_INTERPRET=1``) stores bfloat16 as its uint16 bit
+patterns and ``tl.dot`` multiplies those patterns (values near 1e10; triton-lang/triton#11584,
+closed as "not supported yet"), so a bfloat16 call whose products are bfloat16 (a bfloat16
+cache) is refused there rather than answered wrongly; fp8 caches take float16 products and run.
+``tests/test_triton_workarounds.py`` fails once the installed interpreter multiplies bfloat16 right.
 """
 from __future__ import annotations
 
@@ -21,6 +27,18 @@ import dataclasses
 LAST_SEEN_ON = "3.6.0"
 #: The KV tile the faulting specialisations take instead.
 SAFE_BLOCK_N = 32
+
+
+#: The last Triton release whose interpreter was seen multiplying bfloat16 bit patterns.
+INTERPRETER_BF16_LAST_SEEN_ON = "3.9.0"
+#: Why the interpreter cannot take a call whose products are bfloat16 (``interpreter_limitation``).
+INTERPRETER_BF16 = ("a CUDA device for bfloat16 products: Triton's interpreter multiplies bfloat16 bit patterns "
+                    "(triton-lang/triton#11584); use float16 or backend='reference' on CPU tensors")
+
+
+def interpreter_limitation(problem) -> str | None:
+    """Why Triton's interpreter cannot run ``problem`` (module docstring), or None."""
+    return INTERPRETER_BF16 if problem.dtype == "bfloat16" and problem.cache_dtype is None else None
 
 
 def interleaved_rotary_small_head(problem, head_pad: int, block_n: int, num_warps: int) -> bool:
