@@ -4,6 +4,11 @@ culprit (the pytest grid cannot say which test's kernel faulted once the context
 
     python tools/fa_combos.py --backend triton float16-q64k800-d32-gqa-splits1-newkv-... [ID ...]
     python tools/fa_combos.py --backend triton --sample 40 --seed 2025
+    python tools/fa_combos.py --repeat 50 --value-checks bfloat16-q64k256-d59-gqa-splits0-alibi-causal-page256
+
+``--repeat`` runs each combo that many times on the same inputs (a race shows on some runs only);
+``--value-checks`` turns on the host checks (``flashdecode.set_value_checks``), which also find
+ticket counters an earlier merging split kernel left above zero.
 """
 from __future__ import annotations
 
@@ -28,12 +33,15 @@ def main(argv=None) -> int:
     parser.add_argument("--sample", type=int, default=0, help="also run this many sampled combos")
     parser.add_argument("--seed", type=int, default=2025)
     parser.add_argument("--dtype", action="append", help="with ids: also run each id in these dtypes")
+    parser.add_argument("--repeat", type=int, default=1, help="runs of each combo")
+    parser.add_argument("--value-checks", action="store_true", help="check index values and counters on the host")
     args = parser.parse_args(argv)
+    flashdecode.set_value_checks(args.value_checks)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     wanted = set(args.ids)
     for dtype in args.dtype or ():
         wanted |= {f"{dtype}-{i.split('-', 1)[1]}" for i in args.ids}
-    combos = [c for c in fa_grid.full_grid() if c.id in wanted] if wanted else []
+    combos = fa_grid.distinct([c for c in fa_grid.full_grid() if c.id in wanted]) if wanted else []
     missing = wanted - {c.id for c in combos}
     if missing:
         parser.error(f"not in the grid: {sorted(missing)}")
@@ -43,7 +51,7 @@ def main(argv=None) -> int:
     def call(**arguments):
         return flashdecode.flash_attn_with_kvcache(**arguments, backend=args.backend)
 
-    for combo in combos:
+    for combo in (combo for combo in combos for _ in range(args.repeat)):
         print(f"RUN  {combo.id}", flush=True)
         started = time.perf_counter()
         try:
@@ -56,8 +64,11 @@ def main(argv=None) -> int:
         except AssertionError as error:
             failed += 1
             verdict = f"FAIL {str(error).splitlines()[0][:160]}"
+        except ValueError as error:  # a value check
+            failed += 1
+            verdict = f"FAIL {type(error).__name__}: {str(error)[:160]}"
         print(f"     {verdict} {time.perf_counter() - started:.1f}s", flush=True)
-    print(f"{len(combos)} combos, {failed} failed")
+    print(f"{len(combos)} combos x {args.repeat} runs, {failed} failed")
     return 1 if failed else 0
 
 
