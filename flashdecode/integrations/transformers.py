@@ -12,8 +12,9 @@ seen as (batch, kv_len, kv_heads, head_dim) by a transpose, no copy. The mask fu
 transformers' mask into each sequence's visible key range, once per forward and layer type: its
 first key is ``cache_leftpad`` (left padding), its end ``cache_seqlens`` (StaticCache's buffers
 hold ``max_cache_len`` slots; the valid ones end there). Sliding windows, softcap and the model's
-scaling go to the call as they are. Longer queries (prefill) go to SDPA, or, for softcap models
-(which SDPA cannot run), to flashdecode too.
+scaling go to the call as they are, and gpt-oss's attention sinks (``s_aux``) as ``sinks``.
+Longer queries (prefill) go to SDPA, or, for softcap and sink models (which SDPA cannot run), to
+flashdecode too.
 
 The name has no "flash" in it: transformers 5.x sends every name containing "flash" to its
 flash-kernel loader, which would look for a hub kernel. The paged path of ``generate_batch`` does
@@ -36,8 +37,8 @@ MAX_DECODE_QUERY = 16
 NAMES = {"auto": "fdecode", "tilelang": "fdecode_tilelang", "triton": "fdecode_triton",
          "reference": "fdecode_reference"}
 #: The keyword arguments transformers (5.17.0, 5.25.0) passes the attention function of Llama, Qwen2,
-#: Mistral and Gemma-2 beyond (module, query, key, value, attention_mask); tests check it stays so.
-ATTENTION_ARGUMENTS = frozenset(("dropout", "scaling", "sliding_window", "softcap", "position_ids"))
+#: Mistral, Gemma-2 and gpt-oss beyond (module, query, key, value, attention_mask); tests check it stays so.
+ATTENTION_ARGUMENTS = frozenset(("dropout", "scaling", "sliding_window", "softcap", "s_aux", "position_ids"))
 #: The kernels-format package the paged path loads (``paged_kernel``): a repo id with "flash" and a
 #: version digit in it, as transformers' block-table gate asks, and its folder in this package.
 PAGED_KERNEL_REPO = "flashdecode/flash-attn2"
@@ -81,28 +82,27 @@ def key_bounds(mask: torch.Tensor) -> torch.Tensor:
 
 
 def attention_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None, sliding_window=None,
-                      softcap=None, backend="auto", **kwargs):
+                      softcap=None, s_aux=None, backend="auto", **kwargs):
     """transformers' attention interface: query (batch, heads, q_len, head_dim), key and value
-    (batch, kv_heads, kv_len, head_dim), the whole cache after this step's update; returns
-    ((batch, q_len, heads, head_dim), None)."""
-    if kwargs.get("s_aux") is not None:
-        raise ValueError("s_aux (attention sinks) is not supported by flashdecode")
+    (batch, kv_heads, kv_len, head_dim), the whole cache after this step's update; ``s_aux``: a
+    sink logit per head (gpt-oss); returns ((batch, q_len, heads, head_dim), None)."""
     if kwargs.get("output_attentions"):
         raise ValueError("output_attentions=True is not supported by flashdecode (it never forms the weights)")
     decode = attention_mask is not None and attention_mask.dtype == torch.int32
-    if not decode and softcap is None:
+    if not decode and softcap is None and s_aux is None:
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       **kwargs)
     if dropout:
-        raise ValueError(f"dropout must be 0 on flashdecode's path (decode steps, softcap), got {dropout}")
+        raise ValueError(f"dropout must be 0 on flashdecode's path (decode steps, softcap, sinks), got {dropout}")
     bounds = attention_mask if decode or attention_mask is None else key_bounds(attention_mask)
     first, end = (None, None) if bounds is None else bounds
     window = (-1, -1) if sliding_window is None else (sliding_window - 1, 0)
     out = flash_attn_with_kvcache(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2),
                                   cache_seqlens=end, cache_leftpad=first, softmax_scale=scaling, causal=True,
-                                  window_size=window, softcap=softcap or 0.0, backend=backend)
+                                  window_size=window, softcap=softcap or 0.0, backend=backend,
+                                  sinks=None if s_aux is None else s_aux.float())
     return out, None
 
 
