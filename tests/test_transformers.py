@@ -173,10 +173,37 @@ GRID = [pytest.param(family, cache_kind, backend, marks=grid_marks((family, cach
 
 @pytest.mark.parametrize("family, cache_kind, backend", GRID)
 def test_tiny_models_match_eager(family, cache_kind, backend):
-    """bf16 on the reference; float16 under Triton's interpreter, which computes bf16 wrongly (no bf16 numpy type)."""
+    """bf16 on the reference; float16 under Triton's interpreter, which refuses bf16 products (``workarounds``)."""
     ids, mask = padded_prompts(256)
     dtype = torch.float16 if backend == "triton" else torch.bfloat16
     check_against_baselines(tiny_model(family), ids, mask, STEPS, cache_kind, backend, "cpu", dtype)
+
+
+#: More architectures through the same check (reference backend, both caches): the adapter has nothing
+#: per model, so each must pass as it is (QK norms, partial rotary, experts, per-layer windows, MQA).
+MORE_ARCHITECTURES = {
+    "Qwen3Config": {}, "Qwen3MoeConfig": dict(moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2),
+    "Phi3Config": dict(pad_token_id=0), "PhiConfig": dict(partial_rotary_factor=0.5, num_key_value_heads=None,
+                                                          head_dim=None),
+    "Gemma3TextConfig": dict(sliding_window=8, layer_types=["sliding_attention", "full_attention"],
+                             query_pre_attn_scalar=16),
+    "MixtralConfig": {}, "Olmo2Config": {}, "Starcoder2Config": dict(sliding_window=8), "GraniteConfig": {},
+    "CohereConfig": {}, "Ministral3Config": {}, "Exaone4Config": dict(sliding_window=8),
+    "Glm4Config": dict(pad_token_id=0), "SmolLM3Config": dict(pad_token_id=0),
+    "FalconConfig": dict(new_decoder_architecture=True, num_kv_heads=2, intermediate_size=None, head_dim=None,
+                         num_key_value_heads=None),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("cache_kind", ["dynamic", "static"])
+@pytest.mark.parametrize("config_name", sorted(MORE_ARCHITECTURES))
+def test_more_architectures_match_eager(config_name, cache_kind):
+    settings = {key: value for key, value in {**TINY, **MORE_ARCHITECTURES[config_name]}.items() if value is not None}
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(getattr(transformers, config_name)(**settings)).eval()
+    ids, mask = padded_prompts(256)
+    check_against_baselines(model, ids, mask, STEPS, cache_kind, "reference", "cpu")
 
 
 def test_decode_reads_the_cache_in_place(monkeypatch):
