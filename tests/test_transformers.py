@@ -405,33 +405,59 @@ def paged_kernel_module():
 
 
 def test_paged_kernel_loads_offline_through_transformers():
-    from flashdecode import flash_attn_with_kvcache
+    from transformers.modeling_flash_attention_utils import _lazy_define_process_function
 
     name, flash, varlen, with_kvcache = paged_kernel_module()
     assert "flash" in name and "2" in name  # transformers' block-table gate asks for FlashAttention 2 or 3
     assert flash is None and varlen is fd_transformers.varlen_attention
-    assert inspect.unwrap(with_kvcache) is flash_attn_with_kvcache
-    assert "block_table" in inspect.signature(with_kvcache).parameters
+    assert inspect.unwrap(with_kvcache) is fd_transformers.kvcache_attention
+    # transformers passes the keywords the signatures name: the block table, softcap and sinks get through
+    wanted = dict(softcap=20.0, s_aux=torch.zeros(4), block_table=torch.zeros(1, 1, dtype=torch.int32),
+                  cache_seqlens=torch.zeros(1, dtype=torch.int32))
+    passed = _lazy_define_process_function(with_kvcache)(query_length=1, key_length=8, is_causal=True, **wanted)
+    assert set(wanted) <= set(passed), passed
+    passed = _lazy_define_process_function(varlen)(query_length=3, key_length=8, is_causal=True, softcap=20.0,
+                                                   s_aux=wanted["s_aux"])
+    assert {"softcap", "s_aux"} <= set(passed), passed
 
 
-@pytest.mark.parametrize("window", [(-1, -1), (2, 0)])
-def test_varlen_attention_matches_each_sequence(window):
-    """The paged path's prefill: packed sequences of 5, 1 and 3 queries over 5, 4 and 6 keys
-    (bottom-right causal), then two padding rows, against flashdecode's reference per sequence."""
+def test_paged_decode_takes_sinks_as_s_aux():
+    """The package's ``flash_attn_with_kvcache``: transformers' ``s_aux`` (bf16, as it passes them) are sinks."""
     from flashdecode import flash_attn_with_kvcache
 
     torch.manual_seed(0)
+    q, cache = torch.randn(2, 1, 4, 16).half(), torch.randn(2, 2, 10, 2, 16).half()
+    lengths, sinks = torch.tensor([7, 10], dtype=torch.int32), torch.randn(4) * 2
+    out = fd_transformers.kvcache_attention(q, *cache, cache_seqlens=lengths, s_aux=sinks.bfloat16(),
+                                            backend="reference")
+    expected = flash_attn_with_kvcache(q, *cache, cache_seqlens=lengths, sinks=sinks.bfloat16().float(),
+                                       backend="reference")
+    assert torch.equal(out, expected)
+    assert not torch.allclose(out, flash_attn_with_kvcache(q, *cache, cache_seqlens=lengths, backend="reference"))
+
+
+@pytest.mark.parametrize("window, softcap, sinks", [((-1, -1), 0.0, False), ((2, 0), 0.0, False),
+                                                    ((2, 0), 5.0, False), ((-1, -1), 0.0, True)])
+def test_varlen_attention_matches_each_sequence(window, softcap, sinks):
+    """The paged path's prefill: packed sequences of 5, 1 and 3 queries over 5, 4 and 6 keys
+    (bottom-right causal), then two padding rows, against flashdecode's reference per sequence;
+    SDPA's, and with softcap or sinks float32 PyTorch's."""
+    from flashdecode import flash_attn_with_kvcache
+
+    torch.manual_seed(0)
+    features = dict(softcap=softcap, **({"sinks": torch.randn(4) * 2} if sinks else {}))
     lengths_q, lengths_k = (5, 1, 3), (5, 4, 6)
     q = torch.randn(sum(lengths_q) + 2, 4, 16)
     k, v = torch.randn(2, sum(lengths_k), 2, 16).unbind(0)
     cu_q = torch.tensor([0, 5, 6, 9], dtype=torch.int32)
     cu_k = torch.tensor([0, 5, 9, 15], dtype=torch.int32)
     out = fd_transformers.varlen_attention(q, k, v, cu_q, cu_k, 5, 6, softmax_scale=0.3, causal=True,
-                                           window_size=window)
+                                           window_size=window, softcap=softcap, s_aux=features.get("sinks"))
     for b in range(3):
         rows, keys = slice(cu_q[b], cu_q[b + 1]), slice(cu_k[b], cu_k[b + 1])
         expected = flash_attn_with_kvcache(q[None, rows].half(), k[None, keys].half(), v[None, keys].half(),
-                                           softmax_scale=0.3, causal=True, window_size=window, backend="reference")
+                                           softmax_scale=0.3, causal=True, window_size=window, backend="reference",
+                                           **features)
         torch.testing.assert_close(out[rows], expected[0].float(), atol=2e-3, rtol=2e-3)
     assert out[9:].eq(0).all()
 

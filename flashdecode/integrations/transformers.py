@@ -25,6 +25,7 @@ Written against transformers 5.17.0 and 5.25.0 (``ATTENTION_ARGUMENTS`` records 
 from __future__ import annotations
 
 import functools
+import inspect
 import os
 
 import torch
@@ -106,17 +107,30 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
     return out, None
 
 
+def kvcache_attention(*args, s_aux=None, **kwargs):
+    """``flash_attn_with_kvcache`` for the paged path, taking transformers' name for attention
+    sinks: ``s_aux``, a logit per query head in any float dtype (gpt-oss), goes as ``sinks``."""
+    if s_aux is not None:
+        kwargs["sinks"] = s_aux.float()
+    return flash_attn_with_kvcache(*args, **kwargs)
+
+
+# transformers passes only the keywords a kernel's signature names (block_table, s_aux, ...)
+kvcache_attention.__signature__ = inspect.signature(flash_attn_with_kvcache).replace(parameters=[
+    *inspect.signature(flash_attn_with_kvcache).parameters.values(),
+    inspect.Parameter("s_aux", inspect.Parameter.KEYWORD_ONLY, default=None)])
+
+
 def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max_seqlen_k=None, dropout_p=0.0,
-                     softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, **unused):
-    """FlashAttention 2's ``flash_attn_varlen_func`` on SDPA, for the paged path's prefill: q
-    (total_q, heads, head_dim) and k, v (total_k, kv_heads, head_dim) pack the sequences that
+                     softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, s_aux=None, **unused):
+    """FlashAttention 2's ``flash_attn_varlen_func``, for the paged path's prefill: q (total_q,
+    heads, head_dim) and k, v (total_k, kv_heads, head_dim) pack the sequences that
     ``cu_seqlens_q``/``cu_seqlens_k`` (int32 (batch + 1,)) delimit; causal masks are bottom-right
-    aligned. One masked SDPA call, built from tensors only (no host sync). Rows outside every
-    sequence (padding) give zeros. Returns (total_q, heads, head_dim)."""
+    aligned. One masked SDPA call, built from tensors only (no host sync); with ``softcap`` or
+    sinks (``s_aux``, a logit per head), which SDPA cannot run, the same attention in float32
+    PyTorch. Rows outside every sequence (padding) give zeros. Returns (total_q, heads, head_dim)."""
     if dropout_p:
         raise ValueError(f"dropout_p must be 0, got {dropout_p}")
-    if softcap:
-        raise ValueError(f"softcap must be 0 on the paged path's prefill (SDPA), got {softcap}")
     batch = cu_seqlens_q.shape[0] - 1
 
     def sequence_and_distance_to_end(total, cu_seqlens):
@@ -136,10 +150,29 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max
         visible &= behind <= left
     if right >= 0:
         visible &= behind >= -right
-    out = torch.nn.functional.scaled_dot_product_attention(
-        q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], attn_mask=visible,
-        scale=softmax_scale, enable_gqa=True)[0].transpose(0, 1)
+    if softcap or s_aux is not None:
+        out = _masked_attention(q, k, v, visible, softmax_scale, softcap, s_aux)
+    else:
+        out = torch.nn.functional.scaled_dot_product_attention(
+            q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], attn_mask=visible,
+            scale=softmax_scale, enable_gqa=True)[0].transpose(0, 1)
     return out.masked_fill(~visible.any(-1)[:, None, None], 0)
+
+
+def _masked_attention(q, k, v, visible, scale, softcap, sinks):
+    """Attention of q (Tq, H, D) over k, v (Tk, Hk, D) where ``visible`` (Tq, Tk), in float32: scores
+    soft-capped (``softcap`` > 0) and each row's softmax denominator joined by its head's sink logit."""
+    group = q.shape[1] // k.shape[1]
+    k, v = (x.float().repeat_interleave(group, dim=1) for x in (k, v))
+    scores = torch.einsum("qhd,khd->hqk", q.float(), k) * (q.shape[-1] ** -0.5 if scale is None else scale)
+    if softcap:
+        scores = softcap * torch.tanh(scores / softcap)
+    scores = scores.masked_fill(~visible, float("-inf"))
+    logits = scores if sinks is None else torch.cat([scores, sinks.float()[:, None, None].expand(
+        *scores.shape[:2], 1)], -1)
+    lse = torch.logsumexp(logits, -1, keepdim=True)
+    weights = torch.where(torch.isneginf(lse), 0.0, torch.exp(scores - lse))  # a row without keys or sink
+    return torch.einsum("hqk,khd->qhd", weights, v).to(q.dtype)
 
 
 def paged_kernel() -> str:
