@@ -436,14 +436,17 @@ def test_paged_decode_takes_sinks_as_s_aux():
     assert not torch.allclose(out, flash_attn_with_kvcache(q, *cache, cache_seqlens=lengths, backend="reference"))
 
 
-@pytest.mark.parametrize("window, softcap, sinks", [((-1, -1), 0.0, False), ((2, 0), 0.0, False),
-                                                    ((2, 0), 5.0, False), ((-1, -1), 0.0, True)])
-def test_varlen_attention_matches_each_sequence(window, softcap, sinks):
+@pytest.mark.parametrize("window, softcap, sinks, scores", [((-1, -1), 0.0, False, None), ((2, 0), 0.0, False, None),
+                                                            ((2, 0), 5.0, False, None), ((-1, -1), 0.0, True, None),
+                                                            ((2, 0), 5.0, True, 130)])
+def test_varlen_attention_matches_each_sequence(window, softcap, sinks, scores, monkeypatch):
     """The paged path's prefill: packed sequences of 5, 1 and 3 queries over 5, 4 and 6 keys
     (bottom-right causal), then two padding rows, against flashdecode's reference per sequence;
-    SDPA's, and with softcap or sinks float32 PyTorch's."""
+    SDPA's, and with softcap or sinks float32 PyTorch's (``scores``: its budget, 2 rows a block)."""
     from flashdecode import flash_attn_with_kvcache
 
+    if scores:
+        monkeypatch.setattr(fd_transformers, "MASKED_ATTENTION_SCORES", scores)
     torch.manual_seed(0)
     features = dict(softcap=softcap, **({"sinks": torch.randn(4) * 2} if sinks else {}))
     lengths_q, lengths_k = (5, 1, 3), (5, 4, 6)

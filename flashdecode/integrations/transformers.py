@@ -159,20 +159,30 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max
     return out.masked_fill(~visible.any(-1)[:, None, None], 0)
 
 
+#: float32 scores ``_masked_attention`` holds at once (256 MiB): long prefills go a block of rows at a time.
+MASKED_ATTENTION_SCORES = 1 << 26
+
+
 def _masked_attention(q, k, v, visible, scale, softcap, sinks):
     """Attention of q (Tq, H, D) over k, v (Tk, Hk, D) where ``visible`` (Tq, Tk), in float32: scores
-    soft-capped (``softcap`` > 0) and each row's softmax denominator joined by its head's sink logit."""
+    soft-capped (``softcap`` > 0) and each row's softmax denominator joined by its head's sink logit.
+    Rows go in blocks of at most MASKED_ATTENTION_SCORES scores (sizes from shapes: no host sync)."""
     group = q.shape[1] // k.shape[1]
     k, v = (x.float().repeat_interleave(group, dim=1) for x in (k, v))
-    scores = torch.einsum("qhd,khd->hqk", q.float(), k) * (q.shape[-1] ** -0.5 if scale is None else scale)
-    if softcap:
-        scores = softcap * torch.tanh(scores / softcap)
-    scores = scores.masked_fill(~visible, float("-inf"))
-    logits = scores if sinks is None else torch.cat([scores, sinks.float()[:, None, None].expand(
-        *scores.shape[:2], 1)], -1)
-    lse = torch.logsumexp(logits, -1, keepdim=True)
-    weights = torch.where(torch.isneginf(lse), 0.0, torch.exp(scores - lse))  # a row without keys or sink
-    return torch.einsum("hqk,khd->qhd", weights, v).to(q.dtype)
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    rows = max(1, MASKED_ATTENTION_SCORES // max(1, q.shape[1] * k.shape[0]))
+    out = []
+    for first in range(0, q.shape[0], rows):
+        scores = torch.einsum("qhd,khd->hqk", q[first:first + rows].float(), k) * scale
+        if softcap:
+            scores = softcap * torch.tanh(scores / softcap)
+        scores = scores.masked_fill(~visible[first:first + rows], float("-inf"))
+        logits = scores if sinks is None else torch.cat(
+            [scores, sinks.float()[:, None, None].expand(*scores.shape[:2], 1)], -1)
+        lse = torch.logsumexp(logits, -1, keepdim=True)
+        weights = torch.where(torch.isneginf(lse), 0.0, torch.exp(scores - lse))  # a row without keys or sink
+        out.append(torch.einsum("hqk,khd->qhd", weights, v))
+    return torch.cat(out).to(q.dtype)
 
 
 def paged_kernel() -> str:
