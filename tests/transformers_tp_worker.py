@@ -34,6 +34,9 @@ def main(model_dir, prompts_path, out_path, backend="reference"):
     logits = step_logits(model, ids, mask, tokens, "dynamic")
     if int(os.environ.get("RANK", "0")) == 0:
         torch.save({"logits": logits, "local_heads": sorted(heads), "world": world}, out_path)
+    if torch.distributed.is_initialized():  # torn down here: left to exit, gloo's threads once aborted rank 0
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
