@@ -465,17 +465,12 @@ def test_varlen_attention_matches_each_sequence(window, softcap, sinks, scores, 
     assert out[9:].eq(0).all()
 
 
-@pytest.mark.gpu
-def test_gpu_generate_batch_decodes_through_flashdecode_over_the_block_table(monkeypatch):
-    """generate_batch with the paged kernel: its decode steps call flashdecode with a block table,
-    every sampled call's output matches the float32 reference over the same pages, and the greedy
-    tokens are bf16 SDPA's with the model's own weights. With random weights (no wheel) they stay
-    with float32 SDPA's for at least half as many tokens as bf16 SDPA's do: near-flat logits flip
-    bf16 near-ties between any two exact attentions (on the H100 of 2026-12-05, bf16 flashdecode
-    matched bf16 SDPA for 21 of prompt 0's 32 tokens, then flipped a repeated token)."""
+def spy_on_paged_decode(monkeypatch):
+    """The paged package's ``flash_attn_with_kvcache`` wrapped: ``calls`` records each call's keywords,
+    ``errors`` every 97th call's relative error against the float32 reference over the same pages
+    (transformers passes the step's k, v positionally: they are appended to copies there; its ``s_aux``
+    goes to the reference as ``sinks``). Returns (name, calls, errors)."""
     import functools
-
-    from transformers import GenerationConfig
 
     from flashdecode.reference import reference_attention, relative_error
 
@@ -488,15 +483,34 @@ def test_gpu_generate_batch_decodes_through_flashdecode_over_the_block_table(mon
 
     @functools.wraps(original)
     def spy(q, k_cache, v_cache, *args, **kwargs):
-        calls.append(kwargs.get("block_table") is not None)
-        sampled = len(calls) % 97 == 1  # transformers passes this step's k, v positionally: appended to copies
-        expected = reference_attention(q, k_cache.clone(), v_cache.clone(), *args, **kwargs)[0] if sampled else None
+        calls.append(set(kwargs))
+        expected = None
+        if len(calls) % 97 == 1:
+            sinks = kwargs.get("s_aux")
+            reference_kwargs = {key: value for key, value in kwargs.items() if key != "s_aux"}
+            if sinks is not None:
+                reference_kwargs["sinks"] = sinks.float()
+            expected = reference_attention(q, k_cache.clone(), v_cache.clone(), *args, **reference_kwargs)[0]
         out = original(q, k_cache, v_cache, *args, **kwargs)
-        if sampled:
+        if expected is not None:
             errors.append(relative_error(out[0] if isinstance(out, tuple) else out, expected))
         return out
 
     monkeypatch.setattr(module, "flash_attn_with_kvcache", spy)
+    return name, calls, errors
+
+
+@pytest.mark.gpu
+def test_gpu_generate_batch_decodes_through_flashdecode_over_the_block_table(monkeypatch):
+    """generate_batch with the paged kernel: its decode steps call flashdecode with a block table,
+    every sampled call's output matches the float32 reference over the same pages, and the greedy
+    tokens are bf16 SDPA's with the model's own weights. With random weights (no wheel) they stay
+    with float32 SDPA's for at least half as many tokens as bf16 SDPA's do: near-flat logits flip
+    bf16 near-ties between any two exact attentions (on the H100 of 2026-12-05, bf16 flashdecode
+    matched bf16 SDPA for 21 of prompt 0's 32 tokens, then flipped a repeated token)."""
+    from transformers import GenerationConfig
+
+    name, calls, errors = spy_on_paged_decode(monkeypatch)
     model32, ids, mask = smollm2_batch()
     prompts = [row[keep.bool()].tolist() for row, keep in zip(ids, mask)]
     config = GenerationConfig(max_new_tokens=SMOLLM_STEPS, do_sample=False, eos_token_id=None)
@@ -505,7 +519,7 @@ def test_gpu_generate_batch_decodes_through_flashdecode_over_the_block_table(mon
         model = with_attention(model32.to("cuda"), implementation, dtype)
         results = model.generate_batch(inputs=prompts, generation_config=config)
         tokens[implementation, dtype] = [results[key].generated_tokens for key in sorted(results)]
-    assert calls and all(calls)
+    assert calls and all("block_table" in keywords for keywords in calls)
     assert errors and max(errors) < 1e-2, errors
 
     def agreeing(run):  # tokens of each prompt before the first that differs from float32 SDPA's
@@ -516,6 +530,22 @@ def test_gpu_generate_batch_decodes_through_flashdecode_over_the_block_table(mon
     if installed_smollm2_gguf() is not None:  # the model's own weights: SDPA's very tokens
         assert tokens[name, torch.bfloat16] == tokens["sdpa", torch.bfloat16], (ours, sdpa)
     assert 2 * sum(ours) >= sum(sdpa), (ours, sdpa)
+
+
+@pytest.mark.gpu
+def test_gpu_generate_batch_takes_gpt_oss_sinks(monkeypatch):
+    """A tiny gpt-oss through generate_batch: every decode call gets the layer's sinks (``s_aux``)
+    with the block table, and the sampled calls match the float32 reference with those sinks."""
+    from transformers import GenerationConfig
+
+    name, calls, errors = spy_on_paged_decode(monkeypatch)
+    ids, mask = padded_prompts(256, lengths=(6, 3, 9))
+    prompts = [row[keep.bool()].tolist() for row, keep in zip(ids, mask)]
+    model = with_attention(tiny_model("gpt_oss", head_dim=64).to("cuda"), name)
+    model.generate_batch(inputs=prompts, generation_config=GenerationConfig(max_new_tokens=40, do_sample=False,
+                                                                            eos_token_id=None))
+    assert calls and all({"block_table", "s_aux"} <= keywords for keywords in calls)
+    assert errors and max(errors) < 1e-2, errors
 
 
 # -- the decode-step benchmark ------------------------------------------------------------------
