@@ -10,6 +10,7 @@ for Triton's PTX):
 
 Usage: python tools/tilelang_source.py DIR                  # write DIR/<problem>-<kernel>.cu
        python tools/tilelang_source.py DIR --compare OTHER  # and say which differ from OTHER's
+       python tools/tilelang_source.py DIR --problems leftpad-split,leftpad-append  # only these
 The kernels compiled are those of the tree this script lies in (its folder's parent goes first on
 the import path, ahead of an installed flashdecode): run each tree's own copy. About 10-30 s a
 kernel on 2 idle cores (13 plans, 20 kernels).
@@ -32,7 +33,7 @@ from flashdecode.problem import Problem  # noqa: E402
 #: Plans of every kernel kind: the short-cache kernel with and without its loop (cases 1 and 5), a
 #: single pass (case 6), splits and their combine (cases 7 and 10), head dims 64 and 256 (the
 #: wide-head tile), pages gathered (16) and whole (256), and the features: query rows with causal
-#: masks, appended tokens, a window, softcap.
+#: masks, appended tokens, a window, softcap, left pads (over a heads-first cache too).
 PROBLEMS = {
     "case1": Problem(1, 1, 32, 4, 128, "bfloat16"),
     "case5": Problem(16, 141, 32, 4, 128, "bfloat16"),
@@ -48,6 +49,10 @@ PROBLEMS = {
                               window_left=200, window_right=0, softcap=True),
     "features-split": Problem(3, 8192, 32, 4, 128, "bfloat16", seqlen_q=2, page_size=64, seqlen_new=2,
                               window_left=1000, window_right=0, softcap=True),
+    "leftpad-split": Problem(8, 4096, 32, 8, 128, "bfloat16", leftpad=True, heads_first=True),
+    "leftpad-append": Problem(4, 1024, 16, 4, 64, "float16", seqlen_q=2, seqlen_new=2, window_right=0,
+                              leftpad=True),
+    "leftpad-short": Problem(4, 100, 16, 4, 64, "float16", seqlen_q=2, seqlen_new=2, window_right=0, leftpad=True),
 }
 
 #: A shared-memory workspace TileLang declares, ``void* NAME = ADDRESS;``: two builds of one kernel
@@ -62,14 +67,16 @@ def canonical(source: str) -> str:
     return re.sub(r"\bworkspace\w*", lambda found: addresses.get(found.group(0), found.group(0)), source)
 
 
-def write(folder: pathlib.Path) -> list[str]:
-    """Build every kernel of every problem's plan; write its generated source; return the file names."""
+def write(folder: pathlib.Path, labels) -> list[str]:
+    """Build every kernel of the plans of the problems ``labels`` names; write its generated source;
+    return the file names."""
     import tilelang
 
     tilelang.disable_cache()
     folder.mkdir(parents=True, exist_ok=True)
     backend, h200, names = TileLangBackend(), PROFILES["h200"], []
-    for label, problem in PROBLEMS.items():
+    for label in labels:
+        problem = PROBLEMS[label]
         the_plan = plan(problem, h200, backend)
         for kernel in [the_plan.kernel] + (["combine"] if the_plan.needs_combine else []):
             built = backend.compiled(kernel, problem, the_plan.config, h200, SM90A)
@@ -83,8 +90,13 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("folder", type=pathlib.Path)
     parser.add_argument("--compare", type=pathlib.Path, default=None, help="a folder an earlier run wrote")
+    parser.add_argument("--problems", default=",".join(PROBLEMS), help="labels of PROBLEMS, comma-separated")
     args = parser.parse_args()
-    write(args.folder)
+    labels = args.problems.split(",")
+    unknown = sorted(set(labels) - set(PROBLEMS))
+    if unknown:
+        parser.error(f"--problems: unknown {unknown}; known: {sorted(PROBLEMS)}")
+    write(args.folder, labels)
     if args.compare is not None:
         for name, verdict in compare(args.folder, args.compare, "*.cu").items():
             print(f"{name}: {verdict}")
