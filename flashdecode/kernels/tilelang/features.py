@@ -182,21 +182,18 @@ class Features:
 
     def bad_length(self, raw_len, end, leftpad=None):
         """Whether the length was outside [0, capacity] or the left pad outside [0, raw_len] (the rows
-        are NaN); with appended tokens a negative cache_seqlens can still sum into range, so it is
-        flagged on its own."""
-        if not self.append:
-            bad = raw_len + self.new_tokens != end
-        else:
-            bad = T.Or(raw_len < 0, raw_len + self.new_tokens != end)
-        return bad if leftpad is None else T.Or(bad, T.Or(leftpad < 0, leftpad > raw_len))
+        are NaN): the clamped ``end`` differs from the sum."""
+        return self._flag_bad(raw_len, raw_len + self.new_tokens != end, leftpad)
 
     def combined_bad_length(self, raw_len, capacity, leftpad=None):
         """``bad_length`` as the combine sees it: a split sequence's length is never negative on its
-        own, but appended tokens can bring a negative one into range."""
-        if not self.append:
-            bad = raw_len + self.new_tokens > capacity
-        else:
-            bad = T.Or(raw_len < 0, raw_len + self.new_tokens > capacity)
+        own, so the sum past ``capacity`` is what is flagged."""
+        return self._flag_bad(raw_len, raw_len + self.new_tokens > capacity, leftpad)
+
+    def _flag_bad(self, raw_len, out_of_range, leftpad):
+        """``out_of_range``, or a negative cache_seqlens with appended tokens (which can still sum into
+        range), or a left pad outside [0, raw_len]."""
+        bad = T.Or(raw_len < 0, out_of_range) if self.append else out_of_range
         return bad if leftpad is None else T.Or(bad, T.Or(leftpad < 0, leftpad > raw_len))
 
     def pipeline_end(self, blk_lo, full_hi):
