@@ -145,7 +145,7 @@ def tiny_model(family, seed=0, head_dim=TINY["head_dim"]):
     model = AutoModelForCausalLM.from_config(tiny_config(family, head_dim)).eval()
     with torch.no_grad():
         for layer in model.model.layers:
-            if hasattr(layer.self_attn, "sinks"):  # gpt-oss: sinks of the scale of its scores (zeros on init)
+            if hasattr(layer.self_attn, "sinks"):  # gpt-oss: sinks of its scores' scale (init: std 0.02)
                 layer.self_attn.sinks.normal_(0.0, 2.0)
     return model
 
@@ -394,6 +394,29 @@ def test_gpu_smollm2_chat_matches_eager(cache_kind, backend):
 
 # -- the paged path: the kernels-format package generate_batch loads ------------------------------
 
+#: Where transformers keeps the flash functions it loaded first (5.17, 5.25): a spy set on the package
+#: afterwards would never be called.
+LOADED_FLASH_GLOBALS = ("_loaded_implementation", "_flash_fn", "_flash_varlen_fn", "_flash_with_kvcache_fn",
+                        "_pad_fn", "_unpad_fn", "_process_flash_kwargs_fn", "_process_with_kvcache_kwargs_fn")
+
+
+def spy_on_package(monkeypatch, function_name, spy_of):
+    """The paged package's ``function_name`` replaced by ``spy_of(original)`` and transformers made to
+    load the package's functions again at its next use; its globals are put back after the test."""
+    import transformers.modeling_flash_attention_utils as loader
+
+    name, _, _, _ = paged_kernel_module()
+    import kernels
+
+    module = kernels.get_kernel(name, version=1)
+    for global_name in LOADED_FLASH_GLOBALS:
+        if hasattr(loader, global_name):
+            monkeypatch.setattr(loader, global_name, getattr(loader, global_name))
+    monkeypatch.setattr(loader, "_loaded_implementation", None)
+    monkeypatch.setattr(module, function_name, spy_of(getattr(module, function_name)))
+    return name
+
+
 def paged_kernel_module():
     """The kernels-format package, loaded through transformers' hub-kernel loader (offline)."""
     pytest.importorskip("kernels")
@@ -405,15 +428,17 @@ def paged_kernel_module():
 
 
 def test_paged_kernel_loads_offline_through_transformers():
-    from transformers.modeling_flash_attention_utils import _lazy_define_process_function
+    from transformers.modeling_flash_attention_utils import _lazy_define_process_function, _process_flash_attention_kwargs
 
     name, flash, varlen, with_kvcache = paged_kernel_module()
     assert "flash" in name and "2" in name  # transformers' block-table gate asks for FlashAttention 2 or 3
     assert flash is None and varlen is fd_transformers.varlen_attention
     assert inspect.unwrap(with_kvcache) is fd_transformers.kvcache_attention
-    # transformers passes the keywords the signatures name: the block table, softcap and sinks get through
-    wanted = dict(softcap=20.0, s_aux=torch.zeros(4), block_table=torch.zeros(1, 1, dtype=torch.int32),
-                  cache_seqlens=torch.zeros(1, dtype=torch.int32))
+    # transformers passes the keywords the signatures name: softcap, sinks and (5.2x's kwargs processing:
+    # 5.17 passes them itself) the block table and lengths get through
+    wanted = dict(softcap=20.0, s_aux=torch.zeros(4))
+    if "block_table" in inspect.signature(_process_flash_attention_kwargs).parameters:
+        wanted.update(block_table=torch.zeros(1, 1, dtype=torch.int32), cache_seqlens=torch.zeros(1, dtype=torch.int32))
     passed = _lazy_define_process_function(with_kvcache)(query_length=1, key_length=8, is_causal=True, **wanted)
     assert set(wanted) <= set(passed), passed
     passed = _lazy_define_process_function(varlen)(query_length=3, key_length=8, is_causal=True, softcap=20.0,
@@ -465,39 +490,40 @@ def test_varlen_attention_matches_each_sequence(window, softcap, sinks, scores, 
     assert out[9:].eq(0).all()
 
 
-def spy_on_paged_decode(monkeypatch):
-    """The paged package's ``flash_attn_with_kvcache`` wrapped: ``calls`` records each call's keywords,
-    ``errors`` every 97th call's relative error against the float32 reference over the same pages
-    (transformers passes the step's k, v positionally: they are appended to copies there; its ``s_aux``
-    goes to the reference as ``sinks``). Returns (name, calls, errors)."""
+@pytest.mark.slow
+def test_generate_batch_on_cpu_runs_the_package_with_softcap(monkeypatch):
+    """On the CPU (no block table there) generate_batch runs every step of a float32 Gemma-2 (softcap,
+    windows) through the package's flash_attn_varlen_func, which gets the softcap, and gives eager's
+    greedy tokens. transformers 5.17's paged path passes no softcap at all (``docs/integrations.md``)."""
     import functools
 
-    from flashdecode.reference import reference_attention, relative_error
+    from transformers import GenerationConfig
+    from transformers.modeling_flash_attention_utils import _process_flash_attention_kwargs
 
-    name, _, _, _ = paged_kernel_module()
-    import kernels
+    if "block_table" not in inspect.signature(_process_flash_attention_kwargs).parameters:
+        pytest.skip(f"transformers {transformers.__version__}'s paged path passes no softcap")
 
-    module = kernels.get_kernel(name, version=1)
-    original = module.flash_attn_with_kvcache
-    calls, errors = [], []
+    softcaps = []
 
-    @functools.wraps(original)
-    def spy(q, k_cache, v_cache, *args, **kwargs):
-        calls.append(set(kwargs))
-        expected = None
-        if len(calls) % 97 == 1:
-            sinks = kwargs.get("s_aux")
-            reference_kwargs = {key: value for key, value in kwargs.items() if key != "s_aux"}
-            if sinks is not None:
-                reference_kwargs["sinks"] = sinks.float()
-            expected = reference_attention(q, k_cache.clone(), v_cache.clone(), *args, **reference_kwargs)[0]
-        out = original(q, k_cache, v_cache, *args, **kwargs)
-        if expected is not None:
-            errors.append(relative_error(out[0] if isinstance(out, tuple) else out, expected))
-        return out
+    def spy_of(varlen):
+        @functools.wraps(varlen)  # the signature transformers reads to choose what to pass
+        def spy(*args, **kwargs):
+            softcaps.append(kwargs.get("softcap"))
+            return varlen(*args, **kwargs)
+        return spy
 
-    monkeypatch.setattr(module, "flash_attn_with_kvcache", spy)
-    return name, calls, errors
+    name = spy_on_package(monkeypatch, "flash_attn_varlen_func", spy_of)
+    model32 = tiny_model("gemma2")
+    ids, mask = padded_prompts(256, lengths=(6, 3, 9))
+    prompts = [row[keep.bool()].tolist() for row, keep in zip(ids, mask)]
+    config = GenerationConfig(max_new_tokens=12, do_sample=False, eos_token_id=None)
+    tokens = {}
+    for implementation in ("eager", name):
+        results = with_attention(model32, implementation, torch.float32).generate_batch(
+            inputs=prompts, generation_config=config)
+        tokens[implementation] = [results[key].generated_tokens for key in sorted(results)]
+    assert softcaps and set(softcaps) == {model32.config.attn_logit_softcapping}, softcaps
+    assert tokens[name] == tokens["eager"]
 
 
 @pytest.mark.gpu
@@ -508,9 +534,27 @@ def test_gpu_generate_batch_decodes_through_flashdecode_over_the_block_table(mon
     with float32 SDPA's for at least half as many tokens as bf16 SDPA's do: near-flat logits flip
     bf16 near-ties between any two exact attentions (on the H100 of 2026-12-05, bf16 flashdecode
     matched bf16 SDPA for 21 of prompt 0's 32 tokens, then flipped a repeated token)."""
+    import functools
+
     from transformers import GenerationConfig
 
-    name, calls, errors = spy_on_paged_decode(monkeypatch)
+    from flashdecode.reference import reference_attention, relative_error
+
+    calls, errors = [], []
+
+    def spy_of(original):
+        @functools.wraps(original)  # the signature transformers reads to choose what to pass
+        def spy(q, k_cache, v_cache, *args, **kwargs):
+            calls.append(kwargs.get("block_table") is not None)
+            sampled = len(calls) % 97 == 1  # transformers passes this step's k, v positionally: appended to copies
+            expected = reference_attention(q, k_cache.clone(), v_cache.clone(), *args, **kwargs)[0] if sampled else None
+            out = original(q, k_cache, v_cache, *args, **kwargs)
+            if sampled:
+                errors.append(relative_error(out[0] if isinstance(out, tuple) else out, expected))
+            return out
+        return spy
+
+    name = spy_on_package(monkeypatch, "flash_attn_with_kvcache", spy_of)
     model32, ids, mask = smollm2_batch()
     prompts = [row[keep.bool()].tolist() for row, keep in zip(ids, mask)]
     config = GenerationConfig(max_new_tokens=SMOLLM_STEPS, do_sample=False, eos_token_id=None)
@@ -519,7 +563,7 @@ def test_gpu_generate_batch_decodes_through_flashdecode_over_the_block_table(mon
         model = with_attention(model32.to("cuda"), implementation, dtype)
         results = model.generate_batch(inputs=prompts, generation_config=config)
         tokens[implementation, dtype] = [results[key].generated_tokens for key in sorted(results)]
-    assert calls and all("block_table" in keywords for keywords in calls)
+    assert calls and all(calls)
     assert errors and max(errors) < 1e-2, errors
 
     def agreeing(run):  # tokens of each prompt before the first that differs from float32 SDPA's
@@ -530,22 +574,6 @@ def test_gpu_generate_batch_decodes_through_flashdecode_over_the_block_table(mon
     if installed_smollm2_gguf() is not None:  # the model's own weights: SDPA's very tokens
         assert tokens[name, torch.bfloat16] == tokens["sdpa", torch.bfloat16], (ours, sdpa)
     assert 2 * sum(ours) >= sum(sdpa), (ours, sdpa)
-
-
-@pytest.mark.gpu
-def test_gpu_generate_batch_takes_gpt_oss_sinks(monkeypatch):
-    """A tiny gpt-oss through generate_batch: every decode call gets the layer's sinks (``s_aux``)
-    with the block table, and the sampled calls match the float32 reference with those sinks."""
-    from transformers import GenerationConfig
-
-    name, calls, errors = spy_on_paged_decode(monkeypatch)
-    ids, mask = padded_prompts(256, lengths=(6, 3, 9))
-    prompts = [row[keep.bool()].tolist() for row, keep in zip(ids, mask)]
-    model = with_attention(tiny_model("gpt_oss", head_dim=64).to("cuda"), name)
-    model.generate_batch(inputs=prompts, generation_config=GenerationConfig(max_new_tokens=40, do_sample=False,
-                                                                            eos_token_id=None))
-    assert calls and all({"block_table", "s_aux"} <= keywords for keywords in calls)
-    assert errors and max(errors) < 1e-2, errors
 
 
 # -- the decode-step benchmark ------------------------------------------------------------------

@@ -18,7 +18,8 @@
 #   bench ARGS  flashdecode bench with the given arguments (quote them as one word)
 #   sweep ARGS  tools/sweep.py with the given arguments
 #   combos ARGS tools/fa_combos.py with the given arguments (a grid combo by id, --repeat, --value-checks),
-#               then the same under compute-sanitizer memcheck once (COMBOS_MEMCHECK=0: not)
+#               then the same once under compute-sanitizer memcheck (COMBOS_MEMCHECK=0: not;
+#               MEMCHECK_TIMEOUT, default 150 s)
 #   sanitize    compute-sanitizer memcheck, racecheck, synccheck on a few cases (SANITIZE_BACKEND, default tilelang)
 #   models ARGS flashdecode models-bench with the given arguments, transformers' flash_attention_2 from
 #               .fa2-build/ (or the carried .fa2-build.tar.xz); rows in $OUT/model-decode.json
@@ -170,13 +171,15 @@ json.dump(fa_grid.merge_reports([json.load(open(p)) for p in paths]), open('$OUT
       grep -v "^|" "$OUT/models.log" | grep -iE "error|skipped|memory" | head -5
       grep "^|" "$OUT/models.log" | cut -c1-150;;
     combos)
+      wait_for_warmups
       args=$1; shift
       timeout -k 10 "${STEP_TIMEOUT:-400}" python3 tools/fa_combos.py $args > "$OUT/combos.log" 2>&1
       summary+=("combos rc=$?")
-      grep -E "FAIL|combos x" "$OUT/combos.log" | sort | uniq -c | head -10
-      if [ "${COMBOS_MEMCHECK:-1}" = 1 ]; then
-        timeout -k 10 "${STEP_TIMEOUT:-400}" compute-sanitizer --tool memcheck python3 tools/fa_combos.py \
-          $(echo "$args" | sed -E 's/--repeat [0-9]+//') > "$OUT/combos_memcheck.log" 2>&1
+      # each FAIL line once, with its count (its time stripped)
+      grep -E "FAIL|combos x" "$OUT/combos.log" | sed -E 's/ [0-9.]+s$//' | sort | uniq -c | head -10
+      if [ "${COMBOS_MEMCHECK:-1}" = 1 ]; then  # once, without --repeat (MEMCHECK_TIMEOUT, default 150 s)
+        timeout -k 10 "${MEMCHECK_TIMEOUT:-150}" compute-sanitizer --tool memcheck python3 tools/fa_combos.py \
+          $(echo "$args" | sed -E 's/--repeat[= ][0-9]+//') > "$OUT/combos_memcheck.log" 2>&1
         summary+=("combos memcheck rc=$?")
         grep -E "ERROR SUMMARY|FAIL" "$OUT/combos_memcheck.log" | head -5
       fi;;

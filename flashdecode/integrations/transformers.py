@@ -159,29 +159,34 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max
     return out.masked_fill(~visible.any(-1)[:, None, None], 0)
 
 
-#: float32 scores ``_masked_attention`` holds at once (256 MiB): long prefills go a block of rows at a time.
+#: float32 scores ``_masked_attention`` computes at once (256 MiB; about twice that at its peak):
+#: long prefills go a block of query rows at a time.
 MASKED_ATTENTION_SCORES = 1 << 26
 
 
 def _masked_attention(q, k, v, visible, scale, softcap, sinks):
     """Attention of q (Tq, H, D) over k, v (Tk, Hk, D) where ``visible`` (Tq, Tk), in float32: scores
     soft-capped (``softcap`` > 0) and each row's softmax denominator joined by its head's sink logit.
-    Rows go in blocks of at most MASKED_ATTENTION_SCORES scores (sizes from shapes: no host sync)."""
-    group = q.shape[1] // k.shape[1]
-    k, v = (x.float().repeat_interleave(group, dim=1) for x in (k, v))
+    Query head h reads KV head h // (H / Hk); K and V are not repeated per head. Rows go in blocks of
+    at most MASKED_ATTENTION_SCORES scores (sizes from shapes: no host sync)."""
+    heads_k = k.shape[1]
+    group = q.shape[1] // heads_k
+    k, v = k.float(), v.float()
     scale = q.shape[-1] ** -0.5 if scale is None else scale
+    sink = None if sinks is None else sinks.float().view(heads_k, group, 1, 1)
     rows = max(1, MASKED_ATTENTION_SCORES // max(1, q.shape[1] * k.shape[0]))
     out = []
     for first in range(0, q.shape[0], rows):
-        scores = torch.einsum("qhd,khd->hqk", q[first:first + rows].float(), k) * scale
+        block = q[first:first + rows].float().unflatten(1, (heads_k, group))  # (rows, Hk, G, D)
+        scores = torch.einsum("rkgd,tkd->kgrt", block, k).mul_(scale)
         if softcap:
-            scores = softcap * torch.tanh(scores / softcap)
-        scores = scores.masked_fill(~visible[first:first + rows], float("-inf"))
-        logits = scores if sinks is None else torch.cat(
-            [scores, sinks.float()[:, None, None].expand(*scores.shape[:2], 1)], -1)
-        lse = torch.logsumexp(logits, -1, keepdim=True)
-        weights = torch.where(torch.isneginf(lse), 0.0, torch.exp(scores - lse))  # a row without keys or sink
-        out.append(torch.einsum("hqk,khd->qhd", weights, v))
+            scores.div_(softcap).tanh_().mul_(softcap)
+        scores.masked_fill_(~visible[first:first + rows], float("-inf"))
+        lse = torch.logsumexp(scores, -1, keepdim=True)
+        if sink is not None:
+            lse = torch.logaddexp(lse, sink)
+        weights = scores.sub_(lse).exp_().masked_fill_(torch.isneginf(lse), 0.0)  # a row without keys or sink
+        out.append(torch.einsum("kgrt,tkd->rkgd", weights, v).flatten(1, 2))
     return torch.cat(out).to(q.dtype)
 
 
@@ -190,9 +195,11 @@ def paged_kernel() -> str:
     ``attn_implementation`` name that selects it (e.g. for ``generate_batch``).
 
     transformers' continuous batching runs decode-only batches through a kernel package's
-    ``flash_attn_with_kvcache`` over the block table, and only for names that ask for FlashAttention
-    2 or 3; the package here (``hf_kernel/``) is that call of flashdecode's, with prefill on SDPA
-    (``flash_attn_varlen_func``). The ``kernels`` library loads it through ``LOCAL_KERNELS``."""
+    ``flash_attn_with_kvcache`` over the block table (on CUDA, for models without sliding windows),
+    and only for names that ask for FlashAttention 2 or 3; the package here (``hf_kernel/``) is that
+    call of flashdecode's, the other batches on SDPA (``varlen_attention``). The ``kernels`` library
+    loads it through ``LOCAL_KERNELS``. gpt-oss cannot take it: transformers swaps any "flash" name
+    for its own kernel there (``docs/integrations.md``)."""
     entry = f"{PAGED_KERNEL_REPO}={PAGED_KERNEL_PATH}"
     current = os.environ.get("LOCAL_KERNELS")
     if current is None:
