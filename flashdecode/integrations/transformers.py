@@ -100,7 +100,9 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
     bounds = attention_mask if decode or attention_mask is None else key_bounds(attention_mask)
     first, end = (None, None) if bounds is None else bounds
     window = (-1, -1) if sliding_window is None else (sliding_window - 1, 0)
-    out = flash_attn_with_kvcache(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2),
+    # q (batch, q_len, heads, head_dim): a copy only where a model's q is heads-first in memory and q_len > 1
+    # (its prefill through flashdecode; TileLang takes contiguous queries), never the cache
+    out = flash_attn_with_kvcache(query.transpose(1, 2).contiguous(), key.transpose(1, 2), value.transpose(1, 2),
                                   cache_seqlens=end, cache_leftpad=first, softmax_scale=scaling, causal=True,
                                   window_size=window, softcap=softcap or 0.0, backend=backend,
                                   sinks=None if s_aux is None else s_aux.float())
