@@ -67,9 +67,9 @@ def canonical(source: str) -> str:
     return re.sub(r"\bworkspace\w*", lambda found: addresses.get(found.group(0), found.group(0)), source)
 
 
-def write(folder: pathlib.Path, labels) -> list[str]:
-    """Build every kernel of the plans of the problems ``labels`` names; write its generated source;
-    return the file names."""
+def write(folder: pathlib.Path, labels=tuple(PROBLEMS)) -> list[str]:
+    """Build every kernel of the plans of the problems ``labels`` names (default: all); write its
+    generated source; return the file names."""
     import tilelang
 
     tilelang.disable_cache()
