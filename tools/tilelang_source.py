@@ -67,15 +67,15 @@ def canonical(source: str) -> str:
     return re.sub(r"\bworkspace\w*", lambda found: addresses.get(found.group(0), found.group(0)), source)
 
 
-def write(folder: pathlib.Path, labels=tuple(PROBLEMS)) -> list[str]:
-    """Build every kernel of the plans of the problems ``labels`` names (default: all); write its
-    generated source; return the file names."""
+def write(folder: pathlib.Path, labels=None) -> list[str]:
+    """Build every kernel of the plans of the problems ``labels`` names (None: all of PROBLEMS); write
+    its generated source; return the file names."""
     import tilelang
 
     tilelang.disable_cache()
     folder.mkdir(parents=True, exist_ok=True)
     backend, h200, names = TileLangBackend(), PROFILES["h200"], []
-    for label in labels:
+    for label in PROBLEMS if labels is None else labels:
         problem = PROBLEMS[label]
         the_plan = plan(problem, h200, backend)
         for kernel in [the_plan.kernel] + (["combine"] if the_plan.needs_combine else []):
