@@ -8,7 +8,9 @@ culprit (the pytest grid cannot say which test's kernel faulted once the context
 
 ``--repeat`` runs each combo that many times on the same inputs (a race shows on some runs only);
 ``--value-checks`` turns on the host checks (``flashdecode.set_value_checks``), which also find
-ticket counters an earlier merging split kernel left above zero.
+ticket counters an earlier merging split kernel left above zero. ``--diagnose`` prints, for each
+combo, its drawn lengths and plan and, for its own split count and 1, 2 and 3 splits, the output's
+and lse's largest errors against the oracle and where the lse is off (sequence, head, query row).
 """
 from __future__ import annotations
 
@@ -35,6 +37,7 @@ def main(argv=None) -> int:
     parser.add_argument("--dtype", action="append", help="with ids: also run each id in these dtypes")
     parser.add_argument("--repeat", type=int, default=1, help="runs of each combo")
     parser.add_argument("--value-checks", action="store_true", help="check index values and counters on the host")
+    parser.add_argument("--diagnose", action="store_true", help="errors by split count and the rows that are off")
     args = parser.parse_args(argv)
     flashdecode.set_value_checks(args.value_checks)
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -51,6 +54,10 @@ def main(argv=None) -> int:
     def call(**arguments):
         return flashdecode.flash_attn_with_kvcache(**arguments, backend=args.backend)
 
+    if args.diagnose:
+        for combo in combos:
+            diagnose(combo, device, args.backend)
+        return 0
     for combo in (combo for combo in combos for _ in range(args.repeat)):
         print(f"RUN  {combo.id}", flush=True)
         started = time.perf_counter()
@@ -75,6 +82,28 @@ def main(argv=None) -> int:
         print(f"     {verdict} {time.perf_counter() - started:.1f}s", flush=True)
     print(f"{len(combos)} combos x {args.repeat} runs, {failed} failed")
     return 1 if failed else 0
+
+
+def diagnose(combo, device, backend):
+    """The combo's lengths and plan, then for each split count its errors (``--diagnose``)."""
+    case = fa_grid.make_case(combo, device)
+    call = case.call
+    print(f"{combo.id}: cache_seqlens {call['cache_seqlens'].tolist()}", flush=True)
+    print(f"  {flashdecode.plan_for(**{k: v for k, v in call.items() if k != 'return_softmax_lse'}, backend=backend).plan}")
+    keys = ~torch.isneginf(case.lse_ref)
+    for splits in sorted({combo.num_splits, 1, 2, 3}):
+        out, lse = flashdecode.flash_attn_with_kvcache(**{**call, "num_splits": splits}, backend=backend)
+        error = torch.where(keys, (lse - case.lse_ref).abs(), torch.zeros_like(lse))
+        off = (error > 0.01).nonzero().tolist()  # (sequence, head, query row)
+        print(f"  splits={splits}: out error {(out.float() - case.out_ref.float()).abs().max().item():.3g}, "
+              f"lse error {error.max().item():.3g}, -inf rows alike {torch.equal(torch.isneginf(lse), ~keys)}, "
+              f"{len(off)} lse rows off by > 0.01", flush=True)
+        if off:
+            print(f"    per sequence {[sum(1 for row in off if row[0] == b) for b in range(lse.shape[0])]}, "
+                  f"heads {sorted({row[1] for row in off})}, query rows {sorted({row[2] for row in off})[:24]}")
+            b, h, r = off[0]
+            print(f"    first: ours {lse[b, h, r].item():.4f}, oracle {case.lse_ref[b, h, r].item():.4f}, "
+                  f"PyTorch's {case.lse_pt[b, h, r].item():.4f}")
 
 
 if __name__ == "__main__":
