@@ -62,7 +62,7 @@ def window_mask(positions_q, positions_k, window_left, window_right):
     return inside
 
 
-def _softmax_rows(scores, visible, sinks=None):
+def masked_softmax(scores, visible, sinks=None):
     """(probs, lse) of masked scores; a row with no visible key has probs 0 and lse -inf. ``sinks``
     (broadcastable to scores[..., 0]): a logit per row that joins the denominator and the lse but
     weighs no value (a row with no visible key then has lse = its sink)."""
@@ -121,7 +121,7 @@ def attention_ref(q, k, v, key_padding_mask=None, attn_bias=None, causal=False, 
     visible = visible.expand(batch, nheads, seqlen_q, seqlen_k)
     if attn_bias is not None:
         scores = scores + attn_bias
-    probs, lse = _softmax_rows(scores, visible, None if sinks is None else sinks.view(1, nheads, 1))
+    probs, lse = masked_softmax(scores, visible, None if sinks is None else sinks.view(1, nheads, 1))
     out = torch.einsum("bhqk,bkhd->bqhd", probs.to(v.dtype), v)
     return out.to(dtype), lse
 
@@ -343,7 +343,7 @@ def _attend_sequence(query, k_cache, v_cache, b, first, end, positions_q, cache_
     if slopes is not None:
         scores = scores - slopes * (positions_q[:, None] - positions_k[None, :]).abs()
     visible = window_mask(positions_q, positions_k, window_left, window_right).expand_as(scores)
-    probs, lse = _softmax_rows(scores, visible, None if sinks is None else sinks.view(nheads_k, group, 1))
+    probs, lse = masked_softmax(scores, visible, None if sinks is None else sinks.view(nheads_k, group, 1))
     probs = probs.view(nheads_k, rows, end - first).to(query.dtype)  # ALiBi's float32 slopes promote the scores
     out = sum(probs[..., lo - first:hi - first] @ keys(v_cache, lo, hi, v_descale) for lo, hi in chunks)
     out = out.view(nheads_k * group, seqlen_q, headdim).transpose(0, 1)

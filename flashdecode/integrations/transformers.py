@@ -31,6 +31,7 @@ import os
 import torch
 
 from ..api import flash_attn_with_kvcache
+from ..reference import masked_softmax
 
 #: Most new tokens of a sequence on the decode path (the TileLang kernels' limit); more go to prefill.
 MAX_DECODE_QUERY = 16
@@ -161,21 +162,22 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max
     return out.masked_fill(~visible.any(-1)[:, None, None], 0)
 
 
-#: float32 scores ``_masked_attention`` computes at once (256 MiB; about twice that at its peak):
-#: long prefills go a block of query rows at a time.
+#: float32 scores ``_masked_attention`` computes at once (256 MiB; its softmax holds a few arrays of
+#: that size): long prefills go a block of query rows at a time.
 MASKED_ATTENTION_SCORES = 1 << 26
 
 
 def _masked_attention(q, k, v, visible, scale, softcap, sinks):
     """Attention of q (Tq, H, D) over k, v (Tk, Hk, D) where ``visible`` (Tq, Tk), in float32: scores
-    soft-capped (``softcap`` > 0) and each row's softmax denominator joined by its head's sink logit.
-    Query head h reads KV head h // (H / Hk); K and V are not repeated per head. Rows go in blocks of
-    at most MASKED_ATTENTION_SCORES scores (sizes from shapes: no host sync)."""
+    soft-capped (``softcap`` > 0), then the reference's masked softmax (``reference.masked_softmax``:
+    each row's denominator joined by its head's sink logit; a row without keys gives 0). Query head
+    h reads KV head h // (H / Hk); K and V are not repeated per head. Rows go in blocks of at most
+    MASKED_ATTENTION_SCORES scores (sizes from shapes: no host sync)."""
     heads_k = k.shape[1]
     group = q.shape[1] // heads_k
     k, v = k.float(), v.float()
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    sink = None if sinks is None else sinks.float().view(heads_k, group, 1, 1)
+    sink = None if sinks is None else sinks.float().view(heads_k, group, 1)
     rows = max(1, MASKED_ATTENTION_SCORES // max(1, q.shape[1] * k.shape[0]))
     out = []
     for first in range(0, q.shape[0], rows):
@@ -183,11 +185,7 @@ def _masked_attention(q, k, v, visible, scale, softcap, sinks):
         scores = torch.einsum("rkgd,tkd->kgrt", block, k).mul_(scale)
         if softcap:
             scores.div_(softcap).tanh_().mul_(softcap)
-        scores.masked_fill_(~visible[first:first + rows], float("-inf"))
-        lse = torch.logsumexp(scores, -1, keepdim=True)
-        if sink is not None:
-            lse = torch.logaddexp(lse, sink)
-        weights = scores.sub_(lse).exp_().masked_fill_(torch.isneginf(lse), 0.0)  # a row without keys or sink
+        weights, _ = masked_softmax(scores, visible[first:first + rows], sink)
         out.append(torch.einsum("kgrt,tkd->rkgd", weights, v).flatten(1, 2))
     return torch.cat(out).to(q.dtype)
 
