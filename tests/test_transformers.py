@@ -317,6 +317,8 @@ def smollm2():
     folder, name = smollm2_gguf()
     tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
     model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32).eval()
+    if tokenizer.pad_token is None:  # transformers 5.17 reads no pad token from the GGUF; the model's config has it
+        tokenizer.pad_token = tokenizer.convert_ids_to_tokens(model.generation_config.pad_token_id)
     return model, tokenizer
 
 
