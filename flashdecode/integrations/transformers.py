@@ -99,7 +99,7 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
     if dropout:
         raise ValueError(f"dropout must be 0 on flashdecode's path (decode steps, softcap, sinks), got {dropout}")
     bounds = attention_mask if decode or attention_mask is None else key_bounds(attention_mask)
-    first, end = (None, None) if bounds is None else bounds
+    first, end = (None, None) if bounds is None else bounds.unbind()  # one op: iterating costs ~2 us more
     window = (-1, -1) if sliding_window is None else (sliding_window - 1, 0)
     # q (batch, q_len, heads, head_dim): a copy only where a model's q is heads-first in memory and q_len > 1
     # (its prefill through flashdecode; TileLang takes contiguous queries), never the cache
