@@ -419,6 +419,15 @@ def spy_on_package(monkeypatch, function_name, spy_of):
     return name
 
 
+def paged_keywords_processed() -> bool:
+    """Whether transformers' kwargs processing passes a kernel the paged keywords (block_table,
+    cache_seqlens, softcap) itself: 5.2x does; 5.17 passes the block table and lengths at the call
+    and no softcap on the paged path."""
+    from transformers.modeling_flash_attention_utils import _process_flash_attention_kwargs
+
+    return "block_table" in inspect.signature(_process_flash_attention_kwargs).parameters
+
+
 def paged_kernel_module():
     """The kernels-format package, loaded through transformers' hub-kernel loader (offline)."""
     pytest.importorskip("kernels")
@@ -430,7 +439,7 @@ def paged_kernel_module():
 
 
 def test_paged_kernel_loads_offline_through_transformers():
-    from transformers.modeling_flash_attention_utils import _lazy_define_process_function, _process_flash_attention_kwargs
+    from transformers.modeling_flash_attention_utils import _lazy_define_process_function
 
     name, flash, varlen, with_kvcache = paged_kernel_module()
     assert "flash" in name and "2" in name  # transformers' block-table gate asks for FlashAttention 2 or 3
@@ -439,7 +448,7 @@ def test_paged_kernel_loads_offline_through_transformers():
     # transformers passes the keywords the signatures name: softcap, sinks and (5.2x's kwargs processing:
     # 5.17 passes them itself) the block table and lengths get through
     wanted = dict(softcap=20.0, s_aux=torch.zeros(4))
-    if "block_table" in inspect.signature(_process_flash_attention_kwargs).parameters:
+    if paged_keywords_processed():
         wanted.update(block_table=torch.zeros(1, 1, dtype=torch.int32), cache_seqlens=torch.zeros(1, dtype=torch.int32))
     passed = _lazy_define_process_function(with_kvcache)(query_length=1, key_length=8, is_causal=True, **wanted)
     assert set(wanted) <= set(passed), passed
@@ -500,9 +509,8 @@ def test_generate_batch_on_cpu_runs_the_package_with_softcap(monkeypatch):
     import functools
 
     from transformers import GenerationConfig
-    from transformers.modeling_flash_attention_utils import _process_flash_attention_kwargs
 
-    if "block_table" not in inspect.signature(_process_flash_attention_kwargs).parameters:
+    if not paged_keywords_processed():
         pytest.skip(f"transformers {transformers.__version__}'s paged path passes no softcap")
 
     softcaps = []
