@@ -9,12 +9,14 @@ culprit (the pytest grid cannot say which test's kernel faulted once the context
 ``--repeat`` runs each combo that many times on the same inputs (a race shows on some runs only);
 ``--value-checks`` turns on the host checks (``flashdecode.set_value_checks``), which also find
 ticket counters an earlier merging split kernel left above zero. ``--diagnose`` prints, for each
-combo, its drawn lengths and plan and, for its own split count and 1, 2 and 3 splits, the output's
+combo, its drawn lengths and plan and, for its own split count and 1, 2 and 3 splits (on a GPU under Triton also without
+the register cap and with the splits merged by their own kernel), the output's
 and lse's largest errors against the oracle and where the lse is off (sequence, head, query row).
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import pathlib
 import sys
 import time
@@ -25,6 +27,8 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "tests"))
 import fa_grid  # noqa: E402
 
 import flashdecode  # noqa: E402
+from flashdecode.context import DecodeContext  # noqa: E402
+from flashdecode.hardware import current  # noqa: E402
 from flashdecode.kernels.base import BackendError  # noqa: E402
 
 
@@ -89,13 +93,21 @@ def diagnose(combo, device, backend):
     case = fa_grid.make_case(combo, device)
     call = case.call
     print(f"{combo.id}: cache_seqlens {call['cache_seqlens'].tolist()}", flush=True)
-    print(f"  {flashdecode.plan_for(**{k: v for k, v in call.items() if k != 'return_softmax_lse'}, backend=backend).plan}")
+    plan = flashdecode.plan_for(**{k: v for k, v in call.items() if k != 'return_softmax_lse'}, backend=backend).plan
+    print(f"  {plan}")
     keys = ~torch.isneginf(case.lse_ref)
-    for splits in sorted({combo.num_splits, 1, 2, 3}):
-        out, lse = flashdecode.flash_attn_with_kvcache(**{**call, "num_splits": splits}, backend=backend)
+    runs = [(f"splits={splits}", {"num_splits": splits}) for splits in sorted({combo.num_splits, 1, 2, 3})]
+    if backend == "triton" and device == "cuda":  # the combo's own plan without what only the GPU runs
+        tuning = current().tuning
+        runs += [("no register cap", {"context": DecodeContext(
+                     "cuda", config=dataclasses.replace(plan.config, max_registers=None))}),
+                 ("merged by its own kernel", {"context": DecodeContext(
+                     "cuda", tuning=dataclasses.replace(tuning, max_splits_merged_in_split=0))})]
+    for label, changes in runs:
+        out, lse = flashdecode.flash_attn_with_kvcache(**{**call, **changes}, backend=backend)
         error = torch.where(keys, (lse - case.lse_ref).abs(), torch.zeros_like(lse))
         off = (error > 0.01).nonzero().tolist()  # (sequence, head, query row)
-        print(f"  splits={splits}: out error {(out.float() - case.out_ref.float()).abs().max().item():.3g}, "
+        print(f"  {label}: out error {(out.float() - case.out_ref.float()).abs().max().item():.3g}, "
               f"lse error {error.max().item():.3g}, -inf rows alike {torch.equal(torch.isneginf(lse), ~keys)}, "
               f"{len(off)} lse rows off by > 0.01", flush=True)
         if off:
