@@ -234,16 +234,62 @@ def test_decode_reads_the_cache_in_place(monkeypatch):
         assert k_cache.stride() == key.transpose(1, 2).stride() and v_cache.data_ptr() == value.data_ptr()
 
 
+def causal_rows(q_len, kv_len, first, end, window=None):
+    """A generation mask's rows for one sequence: row i sees keys [first, end - q_len + i + 1), the
+    last ``window`` of them."""
+    rows = torch.zeros(q_len, kv_len, dtype=torch.bool)
+    for i in range(q_len):
+        last = end - q_len + i + 1
+        rows[i, max(first, last - window) if window else first:last] = True
+    return rows
+
+
 def test_key_bounds_of_left_padding_window_and_static_slots():
     mask = torch.zeros(3, 1, 2, 8, dtype=torch.bool)
-    mask[0, 0, :, 2:6] = True  # 2 pads, 4 keys, then empty static slots
-    mask[1, 0, 0, 3:5] = True  # a window: the rows see different runs
-    mask[1, 0, 1, 4:6] = True
-    mask[2] = True
-    bounds = fd_transformers.key_bounds(mask)
-    assert bounds.dtype == torch.int32 and bounds.tolist() == [[2, 3, 0], [6, 6, 8]]
-    additive = torch.where(mask, 0.0, torch.finfo(torch.float32).min)
+    mask[0, 0] = causal_rows(2, 8, 2, 6)  # 2 pads, 4 keys, then empty static slots
+    mask[1, 0] = causal_rows(2, 8, 0, 8)
+    bounds = fd_transformers.key_bounds(mask[:2])
+    assert bounds.dtype == torch.int32 and bounds.tolist() == [[2, 0], [6, 8]]
+    additive = torch.where(mask[:2], 0.0, torch.finfo(torch.float32).min)
     assert fd_transformers.key_bounds(additive).tolist() == bounds.tolist()
+    for b, (first, end) in enumerate(((2, 6), (0, 8), (1, 7))):  # a window: the rows see different runs
+        mask[b, 0] = causal_rows(2, 8, first, end, window=3)
+    assert fd_transformers.key_bounds(mask, window=3).tolist() == [[2, 4, 3], [6, 8, 7]]
+
+
+def masks_the_call_cannot_reproduce(device="cpu"):
+    """Sequence 0 a generation mask; then keys with a hole, a row that sees a later row's key, a
+    window the call is not given, and (additive) a bias on a visible key."""
+    mask = causal_rows(2, 8, 0, 8)[None, None].repeat(5, 1, 1, 1)
+    mask[1, 0, :, 3] = False
+    mask[2, 0, 0, 7] = True
+    mask[3, 0] = causal_rows(2, 8, 0, 8, window=3)
+    additive = torch.where(mask, 0.0, float("-inf"))
+    additive[4, 0, 1, 2] = -0.5  # ALiBi's, say
+    return mask.to(device), additive.to(device)
+
+
+def test_key_bounds_refuse_masks_the_call_cannot_reproduce():
+    mask, additive = masks_the_call_cannot_reproduce()
+    assert fd_transformers.key_bounds(mask[:1]).tolist() == [[0], [8]]
+    with pytest.raises(ValueError, match=r"attention_mask: .* sequences \[1, 2, 3\]"):
+        fd_transformers.key_bounds(mask)
+    with pytest.raises(ValueError, match=r"sequences \[1, 2, 3, 4\]"):
+        fd_transformers.key_bounds(additive)
+
+
+@pytest.mark.gpu
+def test_masks_the_call_cannot_reproduce_give_nan_rows_on_the_gpu():
+    """On a GPU (no host sync) such a sequence's first key lies past its end: the call's NaN rows."""
+    mask, additive = masks_the_call_cannot_reproduce("cuda")
+    for tested, bad in ((mask, [1, 2, 3]), (additive, [1, 2, 3, 4])):
+        first, end = fd_transformers.key_bounds(tested).tolist()
+        assert [b for b in range(5) if first[b] > end[b]] == bad and first[0] == 0 and end == [8] * 5
+    query = torch.randn(5, 4, 2, 16, dtype=torch.bfloat16, device="cuda")
+    key, value = (torch.randn(5, 2, 8, 16, dtype=torch.bfloat16, device="cuda") for _ in range(2))
+    out, _ = fd_transformers.attention_forward(None, query, key, value, fd_transformers.key_bounds(mask),
+                                               backend="triton")
+    assert out[1:4].isnan().all() and not out[0].isnan().any()
 
 
 def test_register_names_and_rejects_unknown_backends():

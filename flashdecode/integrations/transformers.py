@@ -63,23 +63,43 @@ def register(backend: str = "auto") -> str:
 def decode_mask(*args, **kwargs):
     """transformers' mask function for flashdecode: for decode steps (``q_length`` at most
     MAX_DECODE_QUERY) the visible key range of each sequence as an int32 (2, batch) tensor
-    (``key_bounds``); for longer queries SDPA's mask."""
+    (``key_bounds``, the layer's window from ``local_size``); for longer queries SDPA's mask."""
     from transformers.masking_utils import sdpa_mask
 
     if kwargs["q_length"] > MAX_DECODE_QUERY:
         return sdpa_mask(*args, **kwargs)
-    return key_bounds(sdpa_mask(*args, **{**kwargs, "allow_is_causal_skip": False}))
+    return key_bounds(sdpa_mask(*args, **{**kwargs, "allow_is_causal_skip": False}), kwargs.get("local_size"))
 
 
-def key_bounds(mask: torch.Tensor) -> torch.Tensor:
+def key_bounds(mask: torch.Tensor, window: int | None = None) -> torch.Tensor:
     """The first and one past the last key any query row of each sequence sees, as an int32
     (2, batch) tensor, from a 4D mask (batch, 1, q_len, kv_len) (boolean, True: visible; or
-    additive, 0: visible). Keys visible to a sequence must be one run (left padding, causal,
-    windows), as transformers' masks for generation are."""
-    visible = mask.any(dim=2)[:, 0] if mask.dtype == torch.bool else (mask == 0).any(dim=2)[:, 0]
-    positions = torch.arange(visible.shape[-1], device=mask.device)
-    first = torch.where(visible, positions, visible.shape[-1]).amin(-1)
-    end = torch.where(visible, positions + 1, 0).amax(-1)
+    additive, 0: visible, the dtype's lowest or -inf: not). The call reproduces the mask of
+    generation (left padding, causal rows aligned to the last key, a ``window`` of keys a row):
+    a sequence whose mask it cannot (keys with holes, other rows, chunks, an additive bias) raises
+    ValueError for a CPU mask, and on a GPU (no host sync) gets a first key past its end, which the
+    call answers with NaN rows: never a silently wrong result."""
+    if mask.dtype == torch.bool:
+        visible, biased = mask[:, 0], None
+    else:
+        visible = mask[:, 0] == 0
+        biased = ~visible & (mask[:, 0] > torch.finfo(mask.dtype).min)
+    q_len, kv_len = visible.shape[-2:]
+    positions = torch.arange(kv_len, device=mask.device)
+    seen = visible.any(dim=1)
+    first = torch.where(seen, positions, kv_len).amin(-1)
+    end = torch.where(seen, positions + 1, 0).amax(-1)
+    # what the call shows row i: keys [first, last_i) (with a window, the last ``window`` of them)
+    last = end[:, None] - q_len + torch.arange(1, q_len + 1, device=mask.device)
+    lowest = first[:, None] if window is None else torch.maximum(first[:, None], last - window)
+    shown = (positions >= lowest[..., None]) & (positions < last[..., None])
+    unlike = (shown != visible).flatten(1).any(-1)
+    if biased is not None:
+        unlike |= biased.flatten(1).any(-1)
+    if mask.device.type == "cpu" and unlike.any():
+        raise ValueError(f"attention_mask: flashdecode takes masks of left padding, causal rows and the layer's "
+                         f"window (of {window}), not those of sequences {unlike.nonzero().flatten().tolist()}")
+    first = torch.where(unlike, kv_len + 1, first)
     return torch.stack((first, end)).to(torch.int32)
 
 
@@ -98,7 +118,7 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
                                       **kwargs)
     if dropout:
         raise ValueError(f"dropout must be 0 on flashdecode's path (decode steps, softcap, sinks), got {dropout}")
-    bounds = attention_mask if decode or attention_mask is None else key_bounds(attention_mask)
+    bounds = attention_mask if decode or attention_mask is None else key_bounds(attention_mask, sliding_window)
     first, end = (None, None) if bounds is None else bounds.unbind()  # one op: iterating costs ~2 us more
     window = (-1, -1) if sliding_window is None else (sliding_window - 1, 0)
     # q (batch, q_len, heads, head_dim): a copy only where a model's q is heads-first in memory and q_len > 1
