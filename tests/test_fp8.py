@@ -18,6 +18,7 @@ reference on the same cache is that of a 16-bit call (``test_triton_interpreter`
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import pathlib
@@ -37,7 +38,7 @@ from flashdecode.bench import peers
 from flashdecode.context import default_context
 from flashdecode.kernels.base import get_backend, select
 from flashdecode.kernels.tilelang.backend import problem_limitation
-from flashdecode.kernels.triton.attend import quantise as triton_quantise
+from flashdecode.kernels.triton.attend import fp8_bits_to_f16, quantise as triton_quantise
 from flashdecode.hardware import PROFILES
 from flashdecode.reference import descale_table, quantise, reference_attention, relative_error
 
@@ -319,6 +320,54 @@ def test_triton_matches_the_reference(feature, num_splits):
     assert_matches(run(call, "triton", num_splits), expected(call))
 
 
+#: ``TritonConfig.fp8_v`` modes past the cast (``attend.FP8_V_MODES``; under the interpreter their
+#: inline assembly is replaced by integer ops with the same values, ``attend.fp8_bits_to_f16``), on
+#: every feature and on longer caches whose main loop takes several blocks.
+FP8_V_FEATURES = {**FEATURES, "long-d128": dict(capacity=700, headdim=128, group=4, lengths=[700, 389]),
+                  "long-d80-e5m2-pages": dict(capacity=512, headdim=80, page_size=16, fp8=torch.float8_e5m2)}
+
+
+def run_fp8_v(call, mode, num_splits):
+    """``run`` with the plan's own tile config but ``fp8_v`` = ``mode``."""
+    q, k_cache, v_cache, kwargs = call
+    config = plan_for(q, k_cache, v_cache, **kwargs, num_splits=num_splits, backend="triton").plan.config
+    context = DecodeContext(DEVICE, config=dataclasses.replace(config, fp8_v=mode))
+    k_cache, v_cache = k_cache.clone(), v_cache.clone()
+    out, lse = flash_attn_with_kvcache(q, k_cache, v_cache, **kwargs, num_splits=num_splits,
+                                       return_softmax_lse=True, backend="triton", context=context)
+    return out, lse, k_cache, v_cache
+
+
+@pytest.mark.parametrize("mode", [1, 2])
+@pytest.mark.parametrize("feature", slow_except(list(FP8_V_FEATURES),
+                                                ("plain", "lengths", "e5m2", "paged4", "long-d128",
+                                                 "long-d80-e5m2-pages", "everything")))
+@pytest.mark.parametrize("num_splits", [0, 3])
+def test_fp8_v_modes_match_the_reference(mode, feature, num_splits):
+    call = make_call(**FP8_V_FEATURES[feature])
+    assert_matches(run_fp8_v(call, mode, num_splits), expected(call))
+
+
+@triton.jit
+def _fp8_bits_kernel(X, Out, E5M2: tl.constexpr):
+    offsets = tl.arange(0, 256)
+    tl.store(Out + offsets, fp8_bits_to_f16(tl.load(X + offsets), E5M2))
+
+
+@pytest.mark.parametrize("fp8", FP8, ids=str)
+def test_fp8_bits_to_f16_is_the_conversion(fp8):
+    """The integer conversion that stands for fp8_v's inline assembly under the interpreter gives
+    torch's float16 of every fp8 byte, NaN for NaN (e4m3: 0x7f, 0xff; e5m2: its NaNs and infs)."""
+    bits = torch.arange(256, dtype=torch.int32).to(torch.int16)
+    got = torch.empty(256, dtype=torch.float16, device=DEVICE)
+    _fp8_bits_kernel[(1,)](bits.to(DEVICE), got, E5M2=fp8 == torch.float8_e5m2)
+    want = torch.arange(256, dtype=torch.uint8).view(fp8).to(torch.float16)
+    got = got.cpu()
+    assert torch.equal(got.isnan(), want.isnan())
+    assert torch.equal(got[~want.isnan()], want[~want.isnan()])
+    assert torch.equal(got[~want.isnan()].view(torch.int16), want[~want.isnan()].view(torch.int16))  # -0.0
+
+
 #: Features whose appended keys are rotated: in bfloat16 the interpreter truncates them where torch
 #: rounds (the GPU tier covers them).
 ROTATED = ("rotary", "head-dim-59", "everything")
@@ -505,6 +554,17 @@ def test_fp8_on_the_gpu(backend, feature, dtype):
     call = make_call(**FEATURES[feature], dtype=dtype)
     tolerance = OUT_TOLERANCE if dtype == torch.float16 else 1e-2  # out rounded to bfloat16: 8x float16's step
     assert_matches(run(call, backend), expected(call), tolerance, 1e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("mode", [1, 2])
+@pytest.mark.parametrize("num_splits", [0, 3])
+@pytest.mark.parametrize("feature", FP8_V_FEATURES)
+def test_fp8_v_modes_on_the_gpu(feature, num_splits, mode, dtype):
+    call = make_call(**FP8_V_FEATURES[feature], dtype=dtype)
+    tolerance = OUT_TOLERANCE if dtype == torch.float16 else 1e-2
+    assert_matches(run_fp8_v(call, mode, num_splits), expected(call), tolerance, 1e-2)
 
 
 #: TileLang's kernels on caches of several tiles (``FEATURES``' 100 keys mostly take its short-cache

@@ -13,6 +13,7 @@ import math
 
 import triton
 import triton.language as tl
+from triton.runtime.jit import JITFunction
 
 LOG2E = tl.constexpr(1.0 / math.log(2.0))
 
@@ -89,6 +90,79 @@ def fp16_rows(q):
     return (wide * down[:, None]).to(tl.float16), up
 
 
+#: How the V tile of an fp8 cache reaches the PV product (``TritonConfig.fp8_v``; iterations.md
+#: entry 46). 0: cast to float16 (``x.to``): Triton hoists the dot operand's layout conversion
+#: above the cast, so each thread reads its fp8 operand bytes from shared memory one at a time
+#: (``ld.shared.b8``: V is contracted over keys, its bytes for one head dim are a row apart).
+#: 1: cast in the loaded (blocked) layout, 16 bytes a load, by ``cvt.rn.f16x2.e4m3x2`` (e5m2x2) in
+#: inline assembly marked impure, which the hoisting does not cross: the float16 tile then goes
+#: through shared memory once more (``st.shared`` + ``ldmatrix.trans``); 16 KB more shared memory.
+#: 2: V read as 16-bit words (two adjacent head dims of a key), which the operand layout loads with
+#: ``ldmatrix.trans`` (a register holds keys k, k + 1 of a dim pair); a byte permute and a ``cvt``
+#: give the float16 operands of the even and of the odd head dims, two products into two
+#: accumulators (even and odd dims) interleaved after the loop. The interpreter runs no inline
+#: assembly: there 1 and 2 convert by integer ops (``fp8_bits_to_f16``), with the same values.
+FP8_V_MODES = (0, 1, 2)
+
+
+@triton.jit
+def fp8_bits_to_f16(bits, E5M2: tl.constexpr):
+    """Float16 of the fp8 values whose bytes are the low 8 bits of ``bits`` (an integer tile), by
+    integer ops: exact for e4m3fn (NaN kept) and e5m2. e4m3: its exponent and mantissa shifted into
+    float16's fields read as 2^-8 of the value (subnormals included), times 2^8 in float16."""
+    bits = bits.to(tl.uint16, bitcast=True) & 0xFF
+    if E5M2:
+        return (bits << 8).to(tl.float16, bitcast=True)
+    else:
+        sign = (bits & 0x80) << 8
+        magnitude = bits & 0x7F
+        scaled = ((magnitude << 7) | sign).to(tl.float16, bitcast=True) * 256.0
+        return tl.where(magnitude == 0x7F, (sign | 0x7E00).to(tl.float16, bitcast=True), scaled)
+
+
+#: Whether Triton's interpreter runs the kernels (no inline assembly there).
+INTERPRETED = tl.constexpr(not isinstance(fp8_bits_to_f16, JITFunction))
+
+
+@triton.jit
+def fp8_blocked_to_f16(x):
+    """Float16 of the fp8 tile ``x`` where it lies (``FP8_V_MODES`` 1): one ``cvt`` a byte pair in
+    inline assembly marked impure, so that Triton does not move the dot operand's layout
+    conversion above it."""
+    if INTERPRETED:
+        return fp8_bits_to_f16(x.to(tl.int8, bitcast=True).to(tl.int16), x.dtype.is_fp8e5())
+    if x.dtype.is_fp8e5():
+        cvt: tl.constexpr = "cvt.rn.f16x2.e5m2x2"
+    else:
+        cvt: tl.constexpr = "cvt.rn.f16x2.e4m3x2"
+    return tl.inline_asm_elementwise(
+        "{ .reg .b16 lo, hi; mov.b32 {lo, hi}, $2; " + cvt + " $0, lo; " + cvt + " $1, hi; }", "=r,=r,r",
+        [x.to(tl.int8, bitcast=True)], dtype=tl.float16, is_pure=False, pack=4)
+
+
+@triton.jit
+def fp8_pair_to_f16(words, HIGH: tl.constexpr, E5M2: tl.constexpr):
+    """Float16 of the low (HIGH false) or high byte of each 16-bit word of ``words`` (``FP8_V_MODES``
+    2): a byte permute and one ``cvt`` a pair of words, pure, so that Triton hoists the operand
+    layout above it, to the 16-bit load."""
+    if INTERPRETED:
+        if HIGH:
+            words = words >> 8
+        return fp8_bits_to_f16(words, E5M2)
+    if E5M2:
+        cvt: tl.constexpr = "cvt.rn.f16x2.e5m2x2"
+    else:
+        cvt: tl.constexpr = "cvt.rn.f16x2.e4m3x2"
+    if HIGH:
+        half: tl.constexpr = "hi"
+    else:
+        half: tl.constexpr = "lo"
+    # the same permute in both calls (ptxas may keep one): low bytes below, high bytes above
+    return tl.inline_asm_elementwise(
+        "{ .reg .b32 t; .reg .b16 lo, hi; prmt.b32 t, $1, 0, 0x3120; mov.b32 {lo, hi}, t; "
+        + cvt + " $0, " + half + "; }", "=r,r", [words], dtype=tl.float16, is_pure=True, pack=2)
+
+
 @triton.jit
 def cache_offsets(tokens, block_start, in_range, table_row, num_pages, stride_kp, stride_kt, stride_vp, stride_vt,
                   PAGE_SIZE: tl.constexpr, OFFSETS_32: tl.constexpr, BLOCK_N: tl.constexpr):
@@ -156,7 +230,8 @@ def attend_block(acc, m, l, q, block_start, start, end, new_from,
                  ROW_MASKS: tl.constexpr, PAGE_SIZE: tl.constexpr, OFFSETS_32: tl.constexpr, APPEND: tl.constexpr,
                  ROTARY_DIM: tl.constexpr, ROTARY_INTERLEAVED: tl.constexpr, WINDOW_LEFT: tl.constexpr,
                  WINDOW_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, LEFTPAD: tl.constexpr,
-                 FP8: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr, BLOCK_N: tl.constexpr):
+                 FP8: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
+                 FP8_V: tl.constexpr = 0):
     """One KV block folded into the online softmax (acc, m, l). Keys outside [start, end) are
     dropped (a column mask). Without ROW_MASKS (the main loop) every key is cached and seen by
     every row. With ROW_MASKS (the head and tail blocks) keys outside each row's window are dropped
@@ -170,7 +245,7 @@ def attend_block(acc, m, l, q, block_start, start, end, new_from,
     folded into scale_log2 and softcap_in; with ``fp16_rows``'s q, per-row factors of shape
     (BLOCK_M, 1) with its rows' 2^e). FP8: cached K/V are converted to q's dtype (float16) as loaded,
     appended tokens are ``quantise``d by k_scale/v_scale (the descales) and converted so, and the
-    caller multiplies the output by v's descale."""
+    caller multiplies the output by v's descale; FP8_V picks how V is converted (``FP8_V_MODES``)."""
     tokens = block_start + tl.arange(0, BLOCK_N)
     d = tl.arange(0, HEAD_PAD)
     in_range = tokens < end
@@ -230,16 +305,32 @@ def attend_block(acc, m, l, q, block_start, start, end, new_from,
         p = tl.exp2(scores - m_new[:, None])
     l = l * alpha + tl.sum(p, 1)
 
+    # V as 16-bit words (``FP8_V_MODES`` 2; the caller keeps it to the main loop): acc is then the
+    # pair (even head dims, odd head dims)
+    pairs: tl.constexpr = FP8 and FP8_V == 2 and not (ROW_MASKS and APPEND)
     if ROW_MASKS and APPEND and FP8:
         v = tl.load(v_ptrs, mask=tile_mask(in_range & ~fresh, d, HEAD_DIM, HEAD_PAD), other=0.0).to(q.dtype)
         v_fresh = tl.load(v_new + new_rows * stride_nvt + d[None, :],
                           mask=tile_mask(in_range & fresh, d, HEAD_DIM, HEAD_PAD), other=0.0)
         v = tl.where(fresh[:, None], quantise(v_fresh, v_scale, v_head.dtype.element_ty).to(q.dtype), v)
+    elif pairs:
+        d2 = tl.arange(0, HEAD_PAD // 2)
+        words = tl.load(v_head.to(tl.pointer_type(tl.int16)) + (v_offs // 2)[:, None] + d2[None, :],
+                        mask=tile_mask(in_range, d2, HEAD_DIM // 2, HEAD_PAD // 2), other=0)
+        e5m2: tl.constexpr = v_head.dtype.element_ty.is_fp8e5()
+        p = p.to(tl.float16)
+        acc_even, acc_odd = acc
+        acc = (acc_even * alpha[:, None] + tl.dot(p, fp8_pair_to_f16(words, False, e5m2)),
+               acc_odd * alpha[:, None] + tl.dot(p, fp8_pair_to_f16(words, True, e5m2)))
     else:
         v = tl.load(v_ptrs, mask=tile_mask(in_range, d, HEAD_DIM, HEAD_PAD), other=0.0)
         if FP8:
-            v = v.to(q.dtype)
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            if FP8_V == 1:
+                v = fp8_blocked_to_f16(v)
+            else:
+                v = v.to(q.dtype)
+    if not pairs:
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
     return acc, m_new, l
 
 

@@ -18,6 +18,7 @@ from ...hardware import HardwareProfile
 from ...planner import SINGLE_PASS, SPLIT
 from ...problem import Problem
 from ..base import Backend, LaunchArgs
+from .attend import FP8_V_MODES
 from .kernels import combine_kernel, split_kernel
 from .launch import DEPENDENT_LAUNCH_UNAVAILABLE, REGISTER_CEILING, Launcher
 from .workarounds import interpreter_limitation, steer
@@ -53,6 +54,9 @@ class TritonConfig:
     #: Head dims one combine program merges (a power of two; None: the whole padded head): smaller
     #: chunks spread a row's partials over more programs.
     combine_dims: int | None = None
+    #: fp8 caches: how the V tile becomes float16 (``attend.FP8_V_MODES``; 0: the plain cast, whose
+    #: operand reads shared memory a byte at a time; an experiment, not measured on a GPU).
+    fp8_v: int = 0
 
 
 def shared_bytes(config: TritonConfig, headdim: int, element_bytes: int, profile: HardwareProfile,
@@ -272,7 +276,10 @@ class TritonBackend(Backend):
         tensors = (q, k_cache, v_cache, args.cache_seqlens, out, args.lse, args.part_o, args.part_lse,
                    k_new, v_new, args.cache_batch_idx, args.cache_leftpad, table, cos, args.rotary_sin, alibi,
                    args.tickets, k_descale, v_descale, args.sinks, args.cu_seqlens_q)
-        launches = [(split_kernel, spec.split_grid, tensors, scalars, spec.split_constexprs, spec.split_options)]
+        split_constexprs = spec.split_constexprs
+        if split_constexprs["FP8_V"] == 2 and (v_cache.data_ptr() % 2 or any(s % 2 for s in v_cache.stride()[:3])):
+            split_constexprs = {**split_constexprs, "FP8_V": 0}  # V's 16-bit words need even addresses
+        launches = [(split_kernel, spec.split_grid, tensors, scalars, split_constexprs, spec.split_options)]
         if spec.combine_grid is not None:
             launches.append((
                 combine_kernel, spec.combine_grid,
@@ -301,6 +308,16 @@ def _sequence_strides(tensor: torch.Tensor, problem: Problem) -> tuple:
     return tensor.stride()[:3]
 
 
+def fp8_v_mode(mode: int, problem: Problem) -> int:
+    """The kernel's ``FP8_V`` for ``TritonConfig.fp8_v`` (``attend.FP8_V_MODES``): 0 without an fp8
+    cache; mode 2 (V read as 16-bit words) needs an even head dim, else the cast (0) is taken."""
+    if mode not in FP8_V_MODES:
+        raise ValueError(f"triton: fp8_v must be one of {FP8_V_MODES}, got {mode}")
+    if problem.cache_dtype is None or (mode == 2 and problem.headdim % 2):
+        return 0
+    return mode
+
+
 def _make_spec(plan, problem: Problem) -> _LaunchSpec:
     config = plan.config
     page = problem.page_size
@@ -324,7 +341,7 @@ def _make_spec(plan, problem: Problem) -> _LaunchSpec:
         LEFTPAD=leftpad, BATCH_IDX=problem.batch_idx and not problem.paged, MERGE_IN_SPLIT=plan.merge_in_split,
         MERGE_STEP=merge_step_for(config.block_m) if plan.merge_in_split else 1,
         DEPENDENT_COMBINE=plan.dependent_combine, FP8=problem.cache_dtype is not None, SINKS=problem.sinks,
-        RAGGED=problem.ragged)
+        RAGGED=problem.ragged, FP8_V=fp8_v_mode(config.fp8_v, problem))
     head_chunk = config.combine_dims or head_pad
     if head_chunk & (head_chunk - 1) or head_chunk > head_pad:
         raise ValueError(f"triton: combine_dims must be a power of two of at most the padded head dim {head_pad}, "
