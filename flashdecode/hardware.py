@@ -110,6 +110,9 @@ class Tuning:
     #: Pipeline stages of Triton's kernels over contiguous fp8 caches, in place of the tile table's
     #: and ``triton_pipelined_stages`` (0: as 16-bit caches).
     triton_fp8_stages: int = 0
+    #: Triton's kernels read an fp8 cache's V tile as 16-bit words (``TritonConfig.fp8_v_words``;
+    #: its conversion needs sm_89 or later).
+    triton_fp8_v_words: bool = False
     #: Split programs of Triton's kernel one multiprocessor holds, by padded head dim (at most).
     triton_resident_programs: tuple = ((64, 4), (128, 4), (256, 1))
     #: The same table for paged caches (empty: ``triton_resident_programs``); the register cap aims at it.
@@ -118,14 +121,15 @@ class Tuning:
 
 #: Hopper's tuning (H100, H200), measured on the H200 (docs/tuning.md): the merge in the split kernel,
 #: a dependent combine, shorter splits for Triton's combined, one-sequence and underfilled plans,
-#: deeper pipelines where the grid leaves shared memory over, 3 stages over contiguous fp8 caches, and
-#: the paged kernel's register cap.
+#: deeper pipelines where the grid leaves shared memory over, 3 stages over contiguous fp8 caches, fp8
+#: V tiles read as 16-bit words (measured on an H100), and the paged kernel's register cap.
 HOPPER_TUNING = Tuning(max_splits_merged_in_split=16, max_rows_merged_in_split=512, dependent_combine=True,
                        underfilled_merge_caps=(8, 256),
                        min_blocks_per_combined_split=(("triton", 2),),
                        min_blocks_per_one_sequence_split=(("triton", 1),),
                        underfilled_split_above_blocks=(("triton", 4),), triton_pipelined_stages=4,
-                       triton_fp8_stages=3, triton_paged_resident_programs=((64, 4), (128, 5), (256, 1)))
+                       triton_fp8_stages=3, triton_fp8_v_words=True,
+                       triton_paged_resident_programs=((64, 4), (128, 5), (256, 1)))
 
 
 @dataclasses.dataclass(frozen=True)

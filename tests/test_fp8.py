@@ -320,32 +320,32 @@ def test_triton_matches_the_reference(feature, num_splits):
     assert_matches(run(call, "triton", num_splits), expected(call))
 
 
-#: ``TritonConfig.fp8_v`` modes past the cast (``attend.FP8_V_MODES``; under the interpreter their
-#: inline assembly is replaced by integer ops with the same values, ``attend.fp8_bits_to_f16``), on
-#: every feature and on longer caches whose main loop takes several blocks.
+#: fp8 V read as 16-bit words (``TritonConfig.fp8_v_words``, Hopper's default) and the plain cast;
+#: under the interpreter the words' inline assembly is replaced by integer ops with the same values
+#: (``attend.fp8_bits_to_f16``). Every feature, and longer caches whose main loop takes several blocks.
 FP8_V_FEATURES = {**FEATURES, "long-d128": dict(capacity=700, headdim=128, group=4, lengths=[700, 389]),
                   "long-d80-e5m2-pages": dict(capacity=512, headdim=80, page_size=16, fp8=torch.float8_e5m2)}
 
 
-def run_fp8_v(call, mode, num_splits):
-    """``run`` with the plan's own tile config but ``fp8_v`` = ``mode``."""
+def run_fp8_v(call, words, num_splits):
+    """``run`` with the plan's own tile config but ``fp8_v_words`` = ``words``."""
     q, k_cache, v_cache, kwargs = call
     config = plan_for(q, k_cache, v_cache, **kwargs, num_splits=num_splits, backend="triton").plan.config
-    context = DecodeContext(DEVICE, config=dataclasses.replace(config, fp8_v=mode))
+    context = DecodeContext(DEVICE, config=dataclasses.replace(config, fp8_v_words=words))
     k_cache, v_cache = k_cache.clone(), v_cache.clone()
     out, lse = flash_attn_with_kvcache(q, k_cache, v_cache, **kwargs, num_splits=num_splits,
                                        return_softmax_lse=True, backend="triton", context=context)
     return out, lse, k_cache, v_cache
 
 
-@pytest.mark.parametrize("mode", [1, 2])
+@pytest.mark.parametrize("words", [False, True], ids=["cast", "words"])
 @pytest.mark.parametrize("feature", slow_except(list(FP8_V_FEATURES),
                                                 ("plain", "lengths", "e5m2", "paged4", "long-d128",
                                                  "long-d80-e5m2-pages", "everything")))
 @pytest.mark.parametrize("num_splits", [0, 3])
-def test_fp8_v_modes_match_the_reference(mode, feature, num_splits):
+def test_fp8_v_words_and_cast_match_the_reference(words, feature, num_splits):
     call = make_call(**FP8_V_FEATURES[feature])
-    assert_matches(run_fp8_v(call, mode, num_splits), expected(call))
+    assert_matches(run_fp8_v(call, words, num_splits), expected(call))
 
 
 @triton.jit
@@ -356,7 +356,7 @@ def _fp8_bits_kernel(X, Out, E5M2: tl.constexpr):
 
 @pytest.mark.parametrize("fp8", FP8, ids=str)
 def test_fp8_bits_to_f16_is_the_conversion(fp8):
-    """The integer conversion that stands for fp8_v's inline assembly under the interpreter gives
+    """The integer conversion that stands for fp8_v_words' inline assembly under the interpreter gives
     torch's float16 of every fp8 byte, NaN for NaN (e4m3: 0x7f, 0xff; e5m2: its NaNs and infs)."""
     bits = torch.arange(256, dtype=torch.int32).to(torch.int16)
     got = torch.empty(256, dtype=torch.float16, device=DEVICE)
@@ -558,13 +558,13 @@ def test_fp8_on_the_gpu(backend, feature, dtype):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("mode", [1, 2])
+@pytest.mark.parametrize("words", [False, True], ids=["cast", "words"])
 @pytest.mark.parametrize("num_splits", [0, 3])
 @pytest.mark.parametrize("feature", FP8_V_FEATURES)
-def test_fp8_v_modes_on_the_gpu(feature, num_splits, mode, dtype):
+def test_fp8_v_words_and_cast_on_the_gpu(feature, num_splits, words, dtype):
     call = make_call(**FP8_V_FEATURES[feature], dtype=dtype)
     tolerance = OUT_TOLERANCE if dtype == torch.float16 else 1e-2
-    assert_matches(run_fp8_v(call, mode, num_splits), expected(call), tolerance, 1e-2)
+    assert_matches(run_fp8_v(call, words, num_splits), expected(call), tolerance, 1e-2)
 
 
 #: TileLang's kernels on caches of several tiles (``FEATURES``' 100 keys mostly take its short-cache

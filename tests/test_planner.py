@@ -10,6 +10,7 @@ from hypothesis import given, settings, strategies as st
 from flashdecode.cases import CASES, case_seqlens
 from flashdecode.hardware import PROFILES, Tuning
 from flashdecode.kernels import get_backend
+from flashdecode.kernels.triton.backend import fp8_v_words
 from flashdecode.planner import SHORT_CACHE, SINGLE_PASS, SPLIT, Problem, key_range, plan, work_list
 
 PROFILE_NAMES = sorted(PROFILES)
@@ -507,3 +508,17 @@ def test_triton_fp8_stages_on_contiguous_caches(batch, seqlen_cache, nheads_k, g
     untuned = dataclasses.replace(PROFILES["h200"], tuning=dataclasses.replace(PROFILES["h200"].tuning,
                                                                                triton_fp8_stages=0))
     assert plan(problem, untuned, get_backend("triton")).config.num_stages == untuned_stages
+
+
+@pytest.mark.parametrize("headdim, cache_dtype, words", [
+    (128, "float8_e4m3fn", True), (80, "float8_e5m2", True),
+    (59, "float8_e4m3fn", False),  # an odd head dim: a word would hold two heads' dims
+    (128, None, False)])  # 16-bit caches: nothing to convert
+def test_triton_fp8_v_words_on_hopper(headdim, cache_dtype, words):
+    """Hopper's ``triton_fp8_v_words`` (docs/iterations.md, entry 47): the kernels read an fp8 cache's V
+    as 16-bit words where the head dim is even; a profile without it, and other caches, cast."""
+    problem = problem_for([2048] * 8, 2048, 8, 4, headdim, cache_dtype=cache_dtype)
+    config = plan(problem, PROFILES["h200"], get_backend("triton")).config
+    assert fp8_v_words(config, problem) is words
+    untuned = dataclasses.replace(PROFILES["h200"], tuning=Tuning())
+    assert fp8_v_words(plan(problem, untuned, get_backend("triton")).config, problem) is False

@@ -3,7 +3,7 @@ sm_90a without a GPU by the installed Triton: registers, stack, shared memory, a
 class in its main loop (the largest loop holding HMMA) / in the whole kernel. Compiled as the
 launcher does: again with the register ceiling only where the kernel exceeds it (CAPPED rows).
 
-Usage: python tools/fp8_sass.py [--cases 7,9,13] [--field fp8_v --values 0,1,2] [--dump DIR]
+Usage: python tools/fp8_sass.py [--cases 7,9,13] [--field fp8_v_words --values 0,1] [--dump DIR]
 (``--field``: a TritonConfig field set to each of ``--values``)
 """
 import argparse
@@ -111,7 +111,7 @@ def report(label, compiled, dump=None):
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--cases", default="7,9,13")
-    parser.add_argument("--field", default="", help="TritonConfig field to set, e.g. fp8_v_path")
+    parser.add_argument("--field", default="", help="TritonConfig field to set, e.g. fp8_v_words")
     parser.add_argument("--values", default="", help="its values, comma list (ints)")
     parser.add_argument("--tag", default="")
     parser.add_argument("--dump", default=None)

@@ -5,7 +5,7 @@ logs the plan that ran.
 Variants are values given to a ``DecodeContext(tuning=..., config=...)``; nothing is reassigned.
 Usage: python tools/sweep.py --backend tilelang,triton --ppsm 2,3,4 --block-n 32,64
        [--tl-stages 2,3 --tl-rows 64,16 --tl-producer-regs 24,0 --warps 4,8 --max-registers 0,128
-       --merge-splits 0,16 --fp8-v 0,1,2] [--matrix wide] [--cases 7,12]
+       --merge-splits 0,16 --fp8-v-words 0,1] [--matrix wide] [--cases 7,12]
        [--shapes 64x4096x8x4x256:uniform,...] [--variant plain,paged256] [--log FILE]
 ``--min-chunk`` sets the fewest blocks per split, whatever merges the splits (both Tuning fields; one
 sequence on a backend with ``min_blocks_per_one_sequence_split`` and the short caches split for idle
@@ -17,7 +17,7 @@ has unsplit, unless ``underfilled_split_above_blocks`` splits it: at or below it
 from the case's planned config: without ``--tl-stages`` it keeps that plan's pipeline depth, which
 ``Backend.pipelined`` chose for the default tile, not for the swept one); ``--warps`` Triton's
 ``num_warps``; ``--max-registers`` Triton's register cap (0: none; -1: the shipped rule's for the tile);
-``--fp8-v 0,1,2`` Triton's ``fp8_v`` (fp8 caches: how the V tile reaches its product, ``attend.FP8_V_MODES``);
+``--fp8-v-words 0,1`` Triton's ``fp8_v_words`` (fp8 caches: V read as 16-bit words, not byte by byte);
 ``--combine-step`` and ``--combine-dims`` Triton's combine: partials a program loads at once, head
 dims it merges (0: the whole head); ``--merge-splits`` the most splits a sequence may have for the
 split kernel to merge them itself (0: never); ``--dependent-combine 0,1`` the combine as a
@@ -61,7 +61,7 @@ def main():
     for flag in ("--ppsm", "--min-chunk", "--short-max-blocks", "--block-n", "--tl-stages", "--tl-rows",
                  "--tl-producer-regs", "--warps", "--max-registers", "--merge-splits",
                  "--dependent-combine", "--triton-resident", "--one-sequence-min-blocks", "--split-above",
-                 "--underfilled-above", "--combine-step", "--combine-dims", "--fp8-v"):
+                 "--underfilled-above", "--combine-step", "--combine-dims", "--fp8-v-words"):
         parser.add_argument(flag, default="", help="comma list (default: the measured value)")
     parser.add_argument("--underfilled-caps", default="", help="comma list of SPLITS:ROWS or none "
                         "(Tuning.underfilled_merge_caps; default: the measured value)")
@@ -89,13 +89,13 @@ def main():
         resident_row = next((dim for dim, _ in base.triton_resident_programs if dim >= headdim),
                             base.triton_resident_programs[-1][0])
         for backend, ppsm, min_chunk, short_max, block_n, stages, q_rows, producer, warps, registers, merge, \
-                dependent, resident, one_sequence, split_above, underfilled, combine_step, combine_dims, fp8_v, \
+                dependent, resident, one_sequence, split_above, underfilled, combine_step, combine_dims, fp8_v_words, \
                 underfilled_caps in itertools.product(
                     args.backend.split(","), *(values(getattr(args, name)) for name in (
                         "ppsm", "min_chunk", "short_max_blocks", "block_n", "tl_stages", "tl_rows",
                         "tl_producer_regs", "warps", "max_registers", "merge_splits",
                         "dependent_combine", "triton_resident", "one_sequence_min_blocks", "split_above",
-                        "underfilled_above", "combine_step", "combine_dims", "fp8_v")),
+                        "underfilled_above", "combine_step", "combine_dims", "fp8_v_words")),
                     caps(args.underfilled_caps)):
             tuning = dataclasses.replace(base, **{name: value for name, value in (
                 ("programs_per_multiprocessor", ppsm), ("min_blocks_per_split", min_chunk),
@@ -119,7 +119,9 @@ def main():
             changes = {name: value for name, value in (("block_n", block_n), ("num_stages", stages),
                                                        ("block_m", q_rows), ("producer_registers", producer),
                                                        ("num_warps", warps), ("combine_step", combine_step),
-                                                       ("combine_dims", combine_dims or None), ("fp8_v", fp8_v))
+                                                       ("combine_dims", combine_dims or None),
+                                                       ("fp8_v_words",
+                                                        None if fp8_v_words is None else bool(fp8_v_words)))
                        if value is not None and hasattr(default, name)}
             if registers is not None and registers >= 0 and isinstance(default, TritonConfig):  # 0: no cap
                 changes["max_registers"] = registers or None

@@ -90,19 +90,14 @@ def fp16_rows(q):
     return (wide * down[:, None]).to(tl.float16), up
 
 
-#: How the V tile of an fp8 cache reaches the PV product (``TritonConfig.fp8_v``; iterations.md
-#: entry 46). 0: cast to float16 (``x.to``): Triton hoists the dot operand's layout conversion
-#: above the cast, so each thread reads its fp8 operand bytes from shared memory one at a time
-#: (``ld.shared.b8``: V is contracted over keys, its bytes for one head dim are a row apart).
-#: 1: cast in the loaded (blocked) layout, 16 bytes a load, by ``cvt.rn.f16x2.e4m3x2`` (e5m2x2) in
-#: inline assembly marked impure, which the hoisting does not cross: the float16 tile then goes
-#: through shared memory once more (``st.shared`` + ``ldmatrix.trans``); 16 KB more shared memory.
-#: 2: V read as 16-bit words (two adjacent head dims of a key), which the operand layout loads with
-#: ``ldmatrix.trans`` (a register holds keys k, k + 1 of a dim pair); a byte permute and a ``cvt``
-#: give the float16 operands of the even and of the odd head dims, two products into two
-#: accumulators (even and odd dims) interleaved after the loop. The interpreter runs no inline
-#: assembly: there 1 and 2 convert by integer ops (``fp8_bits_to_f16``), with the same values.
-FP8_V_MODES = (0, 1, 2)
+#: fp8 V tiles read as 16-bit words (``TritonConfig.fp8_v_words``; iterations.md entries 46-47): a
+#: plain cast (``v.to``) lets Triton hoist the dot operand's layout conversion above it, so each
+#: thread reads its operand bytes from shared memory one at a time (``ld.shared.b8``: V is
+#: contracted over keys, a head dim's bytes lie a row apart). Two adjacent head dims of a key as one
+#: 16-bit word load with ``ldmatrix.trans`` (a register holds keys k, k + 1 of a dim pair); a byte
+#: permute and a ``cvt`` give the float16 operands of the even and of the odd head dims, two
+#: products into two accumulators, interleaved after the loop. The interpreter runs no inline
+#: assembly: there integer ops convert (``fp8_bits_to_f16``), to the same values.
 
 
 @triton.jit
@@ -125,26 +120,10 @@ INTERPRETED = tl.constexpr(not isinstance(fp8_bits_to_f16, JITFunction))
 
 
 @triton.jit
-def fp8_blocked_to_f16(x):
-    """Float16 of the fp8 tile ``x`` where it lies (``FP8_V_MODES`` 1): one ``cvt`` a byte pair in
-    inline assembly marked impure, so that Triton does not move the dot operand's layout
-    conversion above it."""
-    if INTERPRETED:
-        return fp8_bits_to_f16(x.to(tl.int8, bitcast=True).to(tl.int16), x.dtype.is_fp8e5())
-    if x.dtype.is_fp8e5():
-        cvt: tl.constexpr = "cvt.rn.f16x2.e5m2x2"
-    else:
-        cvt: tl.constexpr = "cvt.rn.f16x2.e4m3x2"
-    return tl.inline_asm_elementwise(
-        "{ .reg .b16 lo, hi; mov.b32 {lo, hi}, $2; " + cvt + " $0, lo; " + cvt + " $1, hi; }", "=r,=r,r",
-        [x.to(tl.int8, bitcast=True)], dtype=tl.float16, is_pure=False, pack=4)
-
-
-@triton.jit
 def fp8_pair_to_f16(words, HIGH: tl.constexpr, E5M2: tl.constexpr):
-    """Float16 of the low (HIGH false) or high byte of each 16-bit word of ``words`` (``FP8_V_MODES``
-    2): a byte permute and one ``cvt`` a pair of words, pure, so that Triton hoists the operand
-    layout above it, to the 16-bit load."""
+    """Float16 of the low (HIGH false) or high byte of each 16-bit word of ``words`` (fp8 V read
+    as words): a byte permute and one ``cvt`` a pair of words, pure, so that Triton hoists the
+    operand layout above it, to the 16-bit load (``cvt.rn.f16x2.e4m3x2``: sm_89 and later)."""
     if INTERPRETED:
         if HIGH:
             words = words >> 8
@@ -231,7 +210,7 @@ def attend_block(acc, m, l, q, block_start, start, end, new_from,
                  ROTARY_DIM: tl.constexpr, ROTARY_INTERLEAVED: tl.constexpr, WINDOW_LEFT: tl.constexpr,
                  WINDOW_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, LEFTPAD: tl.constexpr,
                  FP8: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
-                 FP8_V: tl.constexpr = 0):
+                 FP8_V_WORDS: tl.constexpr = False):
     """One KV block folded into the online softmax (acc, m, l). Keys outside [start, end) are
     dropped (a column mask). Without ROW_MASKS (the main loop) every key is cached and seen by
     every row. With ROW_MASKS (the head and tail blocks) keys outside each row's window are dropped
@@ -245,7 +224,9 @@ def attend_block(acc, m, l, q, block_start, start, end, new_from,
     folded into scale_log2 and softcap_in; with ``fp16_rows``'s q, per-row factors of shape
     (BLOCK_M, 1) with its rows' 2^e). FP8: cached K/V are converted to q's dtype (float16) as loaded,
     appended tokens are ``quantise``d by k_scale/v_scale (the descales) and converted so, and the
-    caller multiplies the output by v's descale; FP8_V picks how V is converted (``FP8_V_MODES``)."""
+    caller multiplies the output by v's descale. FP8_V_WORDS: the cached V read as 16-bit words
+    (``fp8_pair_to_f16``), acc then the pair (even head dims, odd head dims); the caller keeps it to
+    the main loop."""
     tokens = block_start + tl.arange(0, BLOCK_N)
     d = tl.arange(0, HEAD_PAD)
     in_range = tokens < end
@@ -305,9 +286,7 @@ def attend_block(acc, m, l, q, block_start, start, end, new_from,
         p = tl.exp2(scores - m_new[:, None])
     l = l * alpha + tl.sum(p, 1)
 
-    # V as 16-bit words (``FP8_V_MODES`` 2; the caller keeps it to the main loop): acc is then the
-    # pair (even head dims, odd head dims)
-    pairs: tl.constexpr = FP8 and FP8_V == 2 and not (ROW_MASKS and APPEND)
+    pairs: tl.constexpr = FP8 and FP8_V_WORDS and not (ROW_MASKS and APPEND)
     if ROW_MASKS and APPEND and FP8:
         v = tl.load(v_ptrs, mask=tile_mask(in_range & ~fresh, d, HEAD_DIM, HEAD_PAD), other=0.0).to(q.dtype)
         v_fresh = tl.load(v_new + new_rows * stride_nvt + d[None, :],
@@ -325,10 +304,7 @@ def attend_block(acc, m, l, q, block_start, start, end, new_from,
     else:
         v = tl.load(v_ptrs, mask=tile_mask(in_range, d, HEAD_DIM, HEAD_PAD), other=0.0)
         if FP8:
-            if FP8_V == 1:
-                v = fp8_blocked_to_f16(v)
-            else:
-                v = v.to(q.dtype)
+            v = v.to(q.dtype)
     if not pairs:
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
     return acc, m_new, l

@@ -18,7 +18,6 @@ from ...hardware import HardwareProfile
 from ...planner import SINGLE_PASS, SPLIT
 from ...problem import Problem
 from ..base import Backend, LaunchArgs
-from .attend import FP8_V_MODES
 from .kernels import combine_kernel, split_kernel
 from .launch import DEPENDENT_LAUNCH_UNAVAILABLE, REGISTER_CEILING, Launcher
 from .workarounds import interpreter_limitation, steer
@@ -54,9 +53,9 @@ class TritonConfig:
     #: Head dims one combine program merges (a power of two; None: the whole padded head): smaller
     #: chunks spread a row's partials over more programs.
     combine_dims: int | None = None
-    #: fp8 caches: how the V tile becomes float16 (``attend.FP8_V_MODES``; 0: the plain cast, whose
-    #: operand reads shared memory a byte at a time; an experiment, not measured on a GPU).
-    fp8_v: int = 0
+    #: fp8 caches: V read as 16-bit words (``attend.fp8_pair_to_f16``), not byte by byte; even head
+    #: dims only, needs sm_89's fp8 conversions (``Tuning.triton_fp8_v_words``).
+    fp8_v_words: bool = False
 
 
 def shared_bytes(config: TritonConfig, headdim: int, element_bytes: int, profile: HardwareProfile,
@@ -182,7 +181,8 @@ class TritonBackend(Backend):
         one_sequence = problem.batch == 1
         config = TritonConfig(block_n, block_m, num_warps, num_stages,
                               COMBINE_STEP_ONE_SEQUENCE if one_sequence else COMBINE_STEP_BATCH,
-                              combine_dims=min(COMBINE_DIMS_ONE_SEQUENCE, headdim) if one_sequence else None)
+                              combine_dims=min(COMBINE_DIMS_ONE_SEQUENCE, headdim) if one_sequence else None,
+                              fp8_v_words=profile.tuning.triton_fp8_v_words and problem.cache_dtype is not None)
         while shared_bytes(config, headdim, problem.element_bytes, profile, problem.cache_element_bytes) > \
                 profile.shared_memory_per_multiprocessor:
             if config.block_n > 16:
@@ -277,8 +277,9 @@ class TritonBackend(Backend):
                    k_new, v_new, args.cache_batch_idx, args.cache_leftpad, table, cos, args.rotary_sin, alibi,
                    args.tickets, k_descale, v_descale, args.sinks, args.cu_seqlens_q)
         split_constexprs = spec.split_constexprs
-        if split_constexprs["FP8_V"] == 2 and (v_cache.data_ptr() % 2 or any(s % 2 for s in v_cache.stride()[:3])):
-            split_constexprs = {**split_constexprs, "FP8_V": 0}  # V's 16-bit words need even addresses
+        if split_constexprs["FP8_V_WORDS"] and (v_cache.data_ptr() % 16 or any(s % 2 for s in v_cache.stride()[:3])):
+            # V's 16-bit words need even strides and addresses (16-byte aligned: the host path keys on that)
+            split_constexprs = {**split_constexprs, "FP8_V_WORDS": False}
         launches = [(split_kernel, spec.split_grid, tensors, scalars, split_constexprs, spec.split_options)]
         if spec.combine_grid is not None:
             launches.append((
@@ -308,14 +309,9 @@ def _sequence_strides(tensor: torch.Tensor, problem: Problem) -> tuple:
     return tensor.stride()[:3]
 
 
-def fp8_v_mode(mode: int, problem: Problem) -> int:
-    """The kernel's ``FP8_V`` for ``TritonConfig.fp8_v`` (``attend.FP8_V_MODES``): 0 without an fp8
-    cache; mode 2 (V read as 16-bit words) needs an even head dim, else the cast (0) is taken."""
-    if mode not in FP8_V_MODES:
-        raise ValueError(f"triton: fp8_v must be one of {FP8_V_MODES}, got {mode}")
-    if problem.cache_dtype is None or (mode == 2 and problem.headdim % 2):
-        return 0
-    return mode
+def fp8_v_words(config: TritonConfig, problem: Problem) -> bool:
+    """The kernel's ``FP8_V_WORDS``: ``config.fp8_v_words`` over an fp8 cache of an even head dim."""
+    return config.fp8_v_words and problem.cache_dtype is not None and problem.headdim % 2 == 0
 
 
 def _make_spec(plan, problem: Problem) -> _LaunchSpec:
@@ -341,7 +337,7 @@ def _make_spec(plan, problem: Problem) -> _LaunchSpec:
         LEFTPAD=leftpad, BATCH_IDX=problem.batch_idx and not problem.paged, MERGE_IN_SPLIT=plan.merge_in_split,
         MERGE_STEP=merge_step_for(config.block_m) if plan.merge_in_split else 1,
         DEPENDENT_COMBINE=plan.dependent_combine, FP8=problem.cache_dtype is not None, SINKS=problem.sinks,
-        RAGGED=problem.ragged, FP8_V=fp8_v_mode(config.fp8_v, problem))
+        RAGGED=problem.ragged, FP8_V_WORDS=fp8_v_words(config, problem))
     head_chunk = config.combine_dims or head_pad
     if head_chunk & (head_chunk - 1) or head_chunk > head_pad:
         raise ValueError(f"triton: combine_dims must be a power of two of at most the padded head dim {head_pad}, "

@@ -47,7 +47,7 @@ def split_kernel(Q, K, V, Lens, Out, Lse, PartO, PartLse, KNew, VNew, BatchIdx, 
                  WINDOW_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, LEFTPAD: tl.constexpr,
                  BATCH_IDX: tl.constexpr, MERGE_IN_SPLIT: tl.constexpr, MERGE_STEP: tl.constexpr,
                  DEPENDENT_COMBINE: tl.constexpr, FP8: tl.constexpr, SINKS: tl.constexpr, RAGGED: tl.constexpr,
-                 FP8_V: tl.constexpr):
+                 FP8_V_WORDS: tl.constexpr):
     if DEPENDENT_COMBINE:  # the combine may be scheduled once every program has started
         gdc_launch_dependents()
     pid = tl.program_id(0)
@@ -179,7 +179,7 @@ def split_kernel(Q, K, V, Lens, Out, Lse, PartO, PartLse, KNew, VNew, BatchIdx, 
 
         m = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l = tl.zeros([BLOCK_M], tl.float32)
-        if FP8_V == 2:  # V as 16-bit words: the even and the odd head dims in two accumulators
+        if FP8_V_WORDS:  # V as 16-bit words: the even and the odd head dims in two accumulators
             acc = (tl.zeros([BLOCK_M, HEAD_PAD // 2], tl.float32), tl.zeros([BLOCK_M, HEAD_PAD // 2], tl.float32))
         else:
             acc = tl.zeros([BLOCK_M, HEAD_PAD], tl.float32)
@@ -189,8 +189,8 @@ def split_kernel(Q, K, V, Lens, Out, Lse, PartO, PartLse, KNew, VNew, BatchIdx, 
                 stride_kb, stride_kt, stride_vb, stride_vt, k_new, v_new, stride_nkt, stride_nvt, Cos, Sin,
                 rotary_rows, row_pos, slopes, window_left, window_right, row_scale_log2, row_softcap_in, softcap_out,
                 k_scale, v_scale, False, PAGE_SIZE, OFFSETS_32, APPEND, ROTARY_DIM, ROTARY_INTERLEAVED, WINDOW_LEFT,
-                WINDOW_RIGHT, SOFTCAP, ALIBI, LEFTPAD, FP8, HEAD_DIM, HEAD_PAD, BLOCK_N, FP8_V)
-        if FP8_V == 2:  # dims 2j and 2j + 1 side by side
+                WINDOW_RIGHT, SOFTCAP, ALIBI, LEFTPAD, FP8, HEAD_DIM, HEAD_PAD, BLOCK_N, FP8_V_WORDS)
+        if FP8_V_WORDS:  # dims 2j and 2j + 1 side by side
             acc = tl.reshape(tl.join(acc[0], acc[1]), [BLOCK_M, HEAD_PAD])
         if WINDOW_LEFT or WINDOW_RIGHT or APPEND:  # the head [block_lo, main_lo), then the tail [main_hi, block_hi)
             head_blocks = (main_lo - block_lo) // BLOCK_N
@@ -204,7 +204,7 @@ def split_kernel(Q, K, V, Lens, Out, Lse, PartO, PartLse, KNew, VNew, BatchIdx, 
                     rotary_rows, row_pos, slopes, window_left, window_right, row_scale_log2, row_softcap_in,
                     softcap_out, k_scale, v_scale, True, PAGE_SIZE, OFFSETS_32, APPEND, ROTARY_DIM, ROTARY_INTERLEAVED,
                     WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP, ALIBI, LEFTPAD, FP8, HEAD_DIM, HEAD_PAD, BLOCK_N,
-                    FP8_V if FP8_V != 2 else 0)
+                    False)
 
         if SINKS:
             sink = tl.load(Sinks + head_k * GROUP + rows % GROUP, mask=row_live, other=float("-inf")) * LOG2E
