@@ -278,6 +278,35 @@ def test_key_bounds_refuse_masks_the_call_cannot_reproduce():
         fd_transformers.key_bounds(additive)
 
 
+def test_a_window_over_several_new_tokens_needs_the_layers_sliding_window():
+    """decode_mask's bounds carry the window where it shapes several rows; the call applies the
+    model's sliding_window there, and where the model passes none (Qwen2-MoE, say) SDPA runs over the
+    mask the bounds stand for, rather than every row seeing the keys of the first."""
+    from transformers.masking_utils import sliding_window_causal_mask_function
+
+    arguments = dict(batch_size=2, q_length=2, kv_length=8, q_offset=6,
+                     mask_function=sliding_window_causal_mask_function(3),
+                     attention_mask=torch.tensor([[0, 0, 1, 1, 1, 1, 1, 1], [1] * 8]).bool(), local_size=3)
+    bounds = fd_transformers.decode_mask(**arguments)
+    assert bounds.tolist() == [[4, 4], [8, 8], [3, 3]]
+    assert fd_transformers.decode_mask(**{**arguments, "q_length": 1, "q_offset": 7}).shape == (2, 2)
+    torch.manual_seed(0)
+    query = torch.randn(2, 4, 2, 16, dtype=torch.bfloat16)
+    key, value = (torch.randn(2, 2, 8, 16, dtype=torch.bfloat16) for _ in range(2))
+    mask = torch.stack([causal_rows(2, 8, 2, 8, window=3), causal_rows(2, 8, 0, 8, window=3)])[:, None]
+    assert torch.equal(fd_transformers.window_mask(bounds, 2, 8), mask)
+    expected = torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=mask,
+                                                                enable_gqa=True).transpose(1, 2)
+    module = torch.nn.Module()
+    module.is_causal, module.num_key_value_groups = True, 2
+    for window in (3, None):  # given, then not: SDPA over the window's mask
+        out, _ = fd_transformers.attention_forward(module, query, key, value, bounds, sliding_window=window,
+                                                   backend="reference")
+        torch.testing.assert_close(out, expected, atol=2e-2, rtol=2e-2)
+    with pytest.raises(ValueError, match="sliding_window=None"):
+        fd_transformers.attention_forward(module, query, key, value, bounds, softcap=30.0, backend="reference")
+
+
 @pytest.mark.gpu
 def test_masks_the_call_cannot_reproduce_give_nan_rows_on_the_gpu():
     """On a GPU (no host sync) such a sequence's first key lies past its end: the call's NaN rows."""

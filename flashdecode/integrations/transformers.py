@@ -63,12 +63,18 @@ def register(backend: str = "auto") -> str:
 def decode_mask(*args, **kwargs):
     """transformers' mask function for flashdecode: for decode steps (``q_length`` at most
     MAX_DECODE_QUERY) the visible key range of each sequence as an int32 (2, batch) tensor
-    (``key_bounds``, the layer's window from ``local_size``); for longer queries SDPA's mask."""
+    (``key_bounds``, the layer's window from ``local_size``), with a third row (the window) where
+    a window shapes the rows of several new tokens, which the call must then be given; for longer
+    queries SDPA's mask."""
     from transformers.masking_utils import sdpa_mask
 
     if kwargs["q_length"] > MAX_DECODE_QUERY:
         return sdpa_mask(*args, **kwargs)
-    return key_bounds(sdpa_mask(*args, **{**kwargs, "allow_is_causal_skip": False}), kwargs.get("local_size"))
+    window = kwargs.get("local_size")
+    bounds = key_bounds(sdpa_mask(*args, **{**kwargs, "allow_is_causal_skip": False}), window)
+    if window is None or kwargs["q_length"] == 1:  # one row: its range already starts inside the window
+        return bounds
+    return torch.cat((bounds, torch.full_like(bounds[:1], window)))
 
 
 def key_bounds(mask: torch.Tensor, window: int | None = None) -> torch.Tensor:
@@ -119,6 +125,16 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
     if dropout:
         raise ValueError(f"dropout must be 0 on flashdecode's path (decode steps, softcap, sinks), got {dropout}")
     bounds = attention_mask if decode or attention_mask is None else key_bounds(attention_mask, sliding_window)
+    if bounds is not None and len(bounds) == 3:  # a windowed mask over several new tokens (decode_mask)
+        if sliding_window is None:  # the model passes no window (Qwen2-MoE): SDPA over the mask it came from
+            if softcap is not None or s_aux is not None:
+                raise ValueError("attention_mask has a sliding window the model does not pass to its attention "
+                                 "function (sliding_window=None); with softcap or sinks flashdecode cannot apply it")
+            from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+            return sdpa_attention_forward(module, query, key, value, window_mask(bounds, query.shape[2], key.shape[2]),
+                                          dropout=dropout, scaling=scaling, **kwargs)
+        bounds = bounds[:2]
     first, end = (None, None) if bounds is None else bounds.unbind()  # one op: iterating costs ~2 us more
     window = (-1, -1) if sliding_window is None else (sliding_window - 1, 0)
     # q (batch, q_len, heads, head_dim): a copy only where a model's q is heads-first in memory and q_len > 1
@@ -128,6 +144,17 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
                                   window_size=window, softcap=softcap or 0.0, backend=backend,
                                   sinks=None if s_aux is None else s_aux.float())
     return out, None
+
+
+def window_mask(bounds: torch.Tensor, q_len: int, kv_len: int) -> torch.Tensor:
+    """The boolean (batch, 1, q_len, kv_len) mask that ``decode_mask``'s windowed bounds (first key,
+    end, window: int32 (3, batch)) stand for: row i sees the last ``window`` keys of [first, end - q_len
+    + i + 1). Built from tensors: no host sync."""
+    first, end, window = bounds.long()[..., None]
+    positions = torch.arange(kv_len, device=bounds.device)
+    last = end - q_len + torch.arange(1, q_len + 1, device=bounds.device)
+    lowest = torch.maximum(first, last - window)
+    return ((positions >= lowest[..., None]) & (positions < last[..., None]))[:, None]
 
 
 def kvcache_attention(*args, s_aux=None, **kwargs):
