@@ -348,6 +348,34 @@ def test_fp8_v_words_and_cast_match_the_reference(words, feature, num_splits):
     assert_matches(run_fp8_v(call, words, num_splits), expected(call))
 
 
+@pytest.mark.parametrize("layout", ["aligned", "offset-8-bytes", "odd-strides"])
+def test_fp8_v_words_fall_back_to_the_cast_where_v_is_not_aligned(monkeypatch, layout):
+    """A V cache whose words would straddle elements (odd strides) or that is not 16-byte aligned
+    (the host path's key) takes the cast; both match the reference."""
+    from flashdecode.kernels.triton.backend import TritonBackend
+
+    q, k_cache, v_cache, kwargs = call = make_call(capacity=300, headdim=64)
+    room = {"aligned": 0, "offset-8-bytes": 16, "odd-strides": 1}[layout]
+    store = torch.zeros(*v_cache.shape[:-1], v_cache.shape[-1] + room, dtype=v_cache.dtype, device=DEVICE)
+    v_view = store[..., 8:8 + v_cache.shape[-1]] if layout == "offset-8-bytes" else store[..., :v_cache.shape[-1]]
+    v_view.copy_(v_cache)
+    words = []
+    launches = TritonBackend.launches
+
+    def recording(self, plan, problem, args):
+        result = launches(self, plan, problem, args)
+        words.append(result[0][4]["FP8_V_WORDS"])
+        return result
+
+    monkeypatch.setattr(TritonBackend, "launches", recording)
+    config = plan_for(q, k_cache, v_view, **kwargs, backend="triton").plan.config
+    context = DecodeContext(DEVICE, config=dataclasses.replace(config, fp8_v_words=True))
+    out, lse = flash_attn_with_kvcache(q, k_cache, v_view, **kwargs, return_softmax_lse=True, backend="triton",
+                                       context=context)
+    assert words == [layout == "aligned"]
+    assert_matches((out, lse, k_cache, v_view), expected(call))
+
+
 @triton.jit
 def _fp8_bits_kernel(X, Out, E5M2: tl.constexpr):
     offsets = tl.arange(0, 256)
