@@ -522,3 +522,15 @@ def test_triton_fp8_v_words_on_hopper(headdim, cache_dtype, words):
     assert fp8_v_words(config, problem) is words
     untuned = dataclasses.replace(PROFILES["h200"], tuning=Tuning())
     assert fp8_v_words(plan(problem, untuned, get_backend("triton")).config, problem) is False
+
+
+@pytest.mark.parametrize("headdim, group, seqlen_q, page_size, cap", [
+    (128, 4, 1, 0, 128),  # case 9's tile: 16 rows, 64 keys
+    (64, 2, 64, 256, None),  # 64 rows of 128 keys: the cap spilled 1.5 KB a thread, a merged lse came out wrong
+    (64, 71, 1, 0, None),  # Falcon-7B's 71 query heads on one KV head: the same tile
+])
+def test_triton_register_cap_leaves_large_tiles_uncapped(headdim, group, seqlen_q, page_size, cap):
+    """No register cap where the fp32 output and score tiles alone fill half of it (iterations 47)."""
+    problem = problem_for([256] * 2, 768, 3, group, headdim, seqlen_q=seqlen_q, page_size=page_size,
+                          offsets_32=True)
+    assert plan(problem, PROFILES["h200"], get_backend("triton")).config.max_registers == cap

@@ -504,7 +504,8 @@ def test_default_config():
 @pytest.mark.parametrize("profile", ["h200", "c500"])
 def test_register_cap_lets_the_planned_programs_fit(headdim, rows, profile):
     """The cap leaves room for the resident programs the planner sizes its grid with, and is only
-    set where it binds below the compiler's limit and leaves the output tile three quarters of it."""
+    set where it binds below the compiler's limit and leaves the output tile three quarters of it
+    and the output and score tiles half of it."""
     hardware = PROFILES[profile]
     problem = Problem(2, 4096, rows, 1, headdim, "bfloat16")
     config = BACKEND.default_config(problem, hardware, SPLIT)
@@ -512,11 +513,13 @@ def test_register_cap_lets_the_planned_programs_fit(headdim, rows, profile):
     resident = BACKEND.resident_programs(problem, config, hardware)
     share = hardware.registers_per_multiprocessor // (resident * threads) // 8 * 8  # registers a thread may have
     if config.max_registers is None:
-        assert share >= hardware.max_registers_per_thread or config.block_m * max(16, headdim) * 4 > threads * share
+        assert (share >= hardware.max_registers_per_thread or config.block_m * max(16, headdim) * 4 > threads * share
+                or config.block_m * (max(16, headdim) + config.block_n) * 2 > threads * share)
     else:
         assert config.max_registers % 8 == 0 and config.max_registers < hardware.max_registers_per_thread
         assert resident * threads * config.max_registers <= hardware.registers_per_multiprocessor
         assert config.block_m * max(16, headdim) <= threads * config.max_registers // 4
+        assert config.block_m * (max(16, headdim) + config.block_n) <= threads * config.max_registers // 2
     q = torch.empty(2, 1, rows, headdim, dtype=torch.bfloat16)
     cache = torch.empty(2, 4096, 1, headdim, dtype=torch.bfloat16)
     chosen = plan(problem, hardware, BACKEND, num_splits=2)

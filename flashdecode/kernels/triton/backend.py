@@ -78,14 +78,17 @@ def resident_by_headdim(headdim: int, profile: HardwareProfile, paged: bool = Fa
 
 def register_cap(config: TritonConfig, headdim: int, profile: HardwareProfile, paged: bool = False) -> int | None:
     """Registers a thread may use so that ``resident_by_headdim`` programs fit a multiprocessor;
-    None where no cap is needed (the compiler's limit already lets them fit) or where the fp32
-    output tile alone would take more than a quarter of it (a paged cache's tile then takes the
+    None where no cap is needed (the compiler's limit already lets them fit), where the fp32 output
+    and score tiles would take more than half of it (it would spill them: iterations 47), or where
+    the output tile alone would take more than a quarter of it (a paged cache's tile then takes the
     contiguous cache's cap). Features add registers (pages, appended tokens, 32 query rows), i.e.
     fewer programs per SM and a second wave without the cap (docs/tuning.md)."""
     resident = resident_by_headdim(headdim, profile, paged)
     threads = profile.wave_width * config.num_warps
     cap = profile.registers_per_multiprocessor // (resident * threads) // 8 * 8
     if cap >= profile.max_registers_per_thread:
+        return None
+    if config.block_m * (headdim + config.block_n) > threads * cap // 2:
         return None
     if config.block_m * headdim > threads * cap // 4:
         return register_cap(config, headdim, profile) if paged else None
