@@ -113,12 +113,12 @@ def make_call(batch=2, capacity=100, nheads_k=2, group=3, headdim=64, seqlen_q=1
     return q, k_cache.to(DEVICE), v_cache.to(DEVICE), kwargs
 
 
-def run(call, backend, num_splits=0):
-    """(out, lse, k_cache, v_cache) of the public call on copies of the caches."""
+def run(call, backend, num_splits=0, context=None):
+    """(out, lse, k_cache, v_cache) of the public call (on ``context``, if given) on copies of the caches."""
     q, k_cache, v_cache, kwargs = call
     k_cache, v_cache = k_cache.clone(), v_cache.clone()
     out, lse = flash_attn_with_kvcache(q, k_cache, v_cache, **kwargs, num_splits=num_splits,
-                                       return_softmax_lse=True, backend=backend)
+                                       return_softmax_lse=True, backend=backend, context=context)
     return out, lse, k_cache, v_cache
 
 
@@ -328,14 +328,10 @@ FP8_V_FEATURES = {**FEATURES, "long-d128": dict(capacity=700, headdim=128, group
 
 
 def run_fp8_v(call, words, num_splits):
-    """``run`` with the plan's own tile config but ``fp8_v_words`` = ``words``."""
+    """``run`` on Triton with the plan's own tile config but ``fp8_v_words`` = ``words``."""
     q, k_cache, v_cache, kwargs = call
     config = plan_for(q, k_cache, v_cache, **kwargs, num_splits=num_splits, backend="triton").plan.config
-    context = DecodeContext(DEVICE, config=dataclasses.replace(config, fp8_v_words=words))
-    k_cache, v_cache = k_cache.clone(), v_cache.clone()
-    out, lse = flash_attn_with_kvcache(q, k_cache, v_cache, **kwargs, num_splits=num_splits,
-                                       return_softmax_lse=True, backend="triton", context=context)
-    return out, lse, k_cache, v_cache
+    return run(call, "triton", num_splits, DecodeContext(DEVICE, config=dataclasses.replace(config, fp8_v_words=words)))
 
 
 @pytest.mark.parametrize("words", [False, True], ids=["cast", "words"])

@@ -9,9 +9,10 @@ culprit (the pytest grid cannot say which test's kernel faulted once the context
 ``--repeat`` runs each combo that many times on the same inputs (a race shows on some runs only);
 ``--value-checks`` turns on the host checks (``flashdecode.set_value_checks``), which also find
 ticket counters an earlier merging split kernel left above zero. ``--diagnose`` prints, for each
-combo, its drawn lengths and plan and, for its own split count and 1, 2 and 3 splits (on a GPU under Triton also without
-the register cap and with the splits merged by their own kernel), the output's
-and lse's largest errors against the oracle and where the lse is off (sequence, head, query row).
+combo, its drawn lengths and plan and, for its own split count and 1, 2 and 3 splits (on a GPU under
+Triton also its plan without the register cap, and with the splits merged by the combine kernel),
+the output's and lse's largest errors against the oracle and where the lse is off (sequence, head,
+query row).
 """
 from __future__ import annotations
 

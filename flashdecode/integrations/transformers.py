@@ -122,20 +122,19 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
 
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       **kwargs)
-    if decode and len(attention_mask) == 3 and sliding_window is None:
-        # decode_mask's window over several new tokens, which the model does not pass (Qwen2-MoE): SDPA over its mask
-        if softcap is not None or s_aux is not None:
-            raise ValueError("attention_mask has a sliding window the model does not pass to its attention "
-                             "function (sliding_window=None); with softcap or sinks flashdecode cannot apply it")
-        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    if decode and len(attention_mask) == 3:  # decode_mask's window over several new tokens
+        if sliding_window is None:  # which the model does not pass (Qwen2-MoE): SDPA over the window's mask
+            if softcap is not None or s_aux is not None:
+                raise ValueError("attention_mask has a sliding window the model does not pass to its attention "
+                                 "function (sliding_window=None); with softcap or sinks flashdecode cannot apply it")
+            from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-        mask = window_mask(attention_mask, query.shape[2], key.shape[2])
-        return sdpa_attention_forward(module, query, key, value, mask, dropout=dropout, scaling=scaling, **kwargs)
+            mask = window_mask(attention_mask, query.shape[2], key.shape[2])
+            return sdpa_attention_forward(module, query, key, value, mask, dropout=dropout, scaling=scaling, **kwargs)
+        attention_mask = attention_mask[:2]  # the call applies sliding_window itself
     if dropout:
         raise ValueError(f"dropout must be 0 on flashdecode's path (decode steps, softcap, sinks), got {dropout}")
     bounds = attention_mask if decode or attention_mask is None else key_bounds(attention_mask, sliding_window)
-    if bounds is not None and len(bounds) == 3:  # decode_mask's window over several new tokens: the call applies it
-        bounds = bounds[:2]
     first, end = (None, None) if bounds is None else bounds.unbind()  # one op: iterating costs ~2 us more
     window = (-1, -1) if sliding_window is None else (sliding_window - 1, 0)
     # q (batch, q_len, heads, head_dim): a copy only where a model's q is heads-first in memory and q_len > 1
