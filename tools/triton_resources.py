@@ -58,7 +58,8 @@ def plan_launches(problem: Problem, the_plan) -> list:
                       part_o=torch.empty(1, 1, problem.headdim), part_lse=torch.empty(1, 1), softmax_scale=0.1,
                       softcap=1.0, k_new=new, v_new=new, rotary_cos=rotary, rotary_sin=rotary, block_table=table,
                       tickets=torch.zeros(the_plan.ticket_count(problem), dtype=torch.int32), k_descale=descale,
-                      v_descale=descale)
+                      v_descale=descale, sinks=torch.empty(problem.nheads) if problem.sinks else None,
+                      cu_seqlens_q=torch.empty(problem.batch + 1, dtype=torch.int32) if problem.ragged else None)
     return get_backend("triton").launches(the_plan, problem, args)
 
 
