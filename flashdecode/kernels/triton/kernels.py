@@ -207,8 +207,8 @@ def split_kernel(Q, K, V, Lens, Out, Lse, PartO, PartLse, KNew, VNew, BatchIdx, 
                     False)
 
         if SINKS:
-            sink = tl.load(Sinks + head_k * GROUP + rows % GROUP, mask=row_live, other=float("-inf")) * LOG2E
             if num_splits == 1:  # the sink joins the denominator here; split, the merge adds it once
+                sink = tl.load(Sinks + head_k * GROUP + rows % GROUP, mask=row_live, other=float("-inf")) * LOG2E
                 acc, m, l = fold_sink(acc, m, l, sink)
         # Only l == 0 means "no key": a NaN in the data makes l NaN, and NaN must come out.
         empty = l == 0
@@ -272,17 +272,14 @@ def merge_if_last(Tickets, PartO, PartLse, Out, Lse, Sinks, seq, head_k, tile, f
     The barrier orders every thread's partial stores before the ticket's release (acq_rel, GPU
     scope); the merger's loads skip L1 (``.cg``), which may hold lines read before the others'
     stores. A row no split saw a key of (windows) comes out 0 with lse -inf, as from the combine
-    kernel, or NaN where a split flagged a bad value (as one split's rows do). SINKS: the merge
-    starts from each row's sink (a partial of lse = sink and output 0), so it counts once."""
+    kernel, or NaN where a split flagged a bad value (as one split's rows do). SINKS: the merged
+    state takes each row's sink once, after the partials (``fold_sink``)."""
     tl.debug_barrier()
     ticket_ptr = Tickets + (seq * tl.num_programs(1) + head_k) * tl.num_programs(2) + tile
     if tl.atomic_add(ticket_ptr, 1, sem="acq_rel", scope="gpu") == num_splits - 1:
         tl.store(ticket_ptr, 0)
         m = tl.full([BLOCK_M], float("-inf"), tl.float32)
         weight = tl.zeros([BLOCK_M], tl.float32)
-        if SINKS:
-            m = tl.load(Sinks + head_k * GROUP + rows % GROUP, mask=row_live, other=float("-inf")) * LOG2E
-            weight = tl.where(m == float("-inf"), 0.0, 1.0)
         acc = tl.zeros([BLOCK_M, HEAD_PAD], tl.float32)
         row_dims = tile_mask(row_live, d, HEAD_DIM, HEAD_PAD)
         for s0 in range(0, num_splits, MERGE_STEP):
@@ -299,6 +296,9 @@ def merge_if_last(Tickets, PartO, PartLse, Out, Lse, Sinks, seq, head_k, tile, f
                 acc = acc * alpha[:, None] + w[:, None] * part_o
                 weight = weight * alpha + w
                 m = m_new
+        if SINKS:  # the sink joins the merged denominator once
+            sink = tl.load(Sinks + head_k * GROUP + rows % GROUP, mask=row_live, other=float("-inf")) * LOG2E
+            acc, m, weight = fold_sink(acc, m, weight, sink)
         empty = weight == 0  # acc is 0 there, or NaN when a split flagged a bad value: kept
         o = tl.where(empty[:, None], acc, acc / tl.where(empty, 1.0, weight)[:, None])
         lse2 = tl.where(empty, float("-inf"), m + tl.log2(tl.where(empty, 1.0, weight)))
