@@ -6,7 +6,10 @@ Each system's attention function is wrapped with a wall clock (no synchronisatio
 return, as the model's next op waits for it), over the models-bench's eager steps (``models.time_step``); printed per
 system with the step's median ms and a torch launch's host time (an empty tensor's add) beside it.
 
-Usage: python tools/attention_host_time.py [--model smollm2-135m] [--batch 1,64] [--context 1024]
+``--profile N``: also one eager step per row under torch's profiler, its N ops of most host time
+(self) printed per system: where a step's host time goes beyond attention.
+
+Usage: python tools/attention_host_time.py [--model smollm2-135m] [--batch 1,64] [--context 1024] [--profile 25]
 """
 import argparse
 import pathlib
@@ -28,6 +31,7 @@ def main():
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--batch", default="1,64")
     parser.add_argument("--context", default="1024")
+    parser.add_argument("--profile", type=int, default=0, metavar="N", help="print a profiled step's N costliest ops")
     args = parser.parse_args()
     from transformers import AttentionInterface, AutoModelForCausalLM
 
@@ -60,6 +64,12 @@ def main():
                 ms = models.time_step(step, "eager")  # the models-bench's own eager timing
                 print(f"| {batch} | {context} | {system} | {statistics.median(spent[system]) * 1e6:.1f} | "
                       f"{ms:.2f} |")
+                if args.profile:
+                    step.rewind()
+                    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profiler:
+                        step()
+                    step.rewind()
+                    print(profiler.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.profile))
 
 
 if __name__ == "__main__":
