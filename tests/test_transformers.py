@@ -192,6 +192,12 @@ MORE_ARCHITECTURES = {
     "Glm4Config": dict(pad_token_id=0), "SmolLM3Config": dict(pad_token_id=0),
     "FalconConfig": dict(new_decoder_architecture=True, num_kv_heads=2, intermediate_size=None, head_dim=None,
                          num_key_value_heads=None),
+    # MLA: keys of 24 dims, values of 16 (expanded from the cached latent each step, transformers 5.25)
+    "DeepseekV3Config": dict(num_key_value_heads=4, head_dim=8, qk_nope_head_dim=16, qk_rope_head_dim=8,
+                             v_head_dim=16, kv_lora_rank=32, q_lora_rank=None, n_routed_experts=4,
+                             num_experts_per_tok=2, first_k_dense_replace=1, moe_intermediate_size=32, n_group=1,
+                             topk_group=1),
+    "Gemma4TextConfig": {},  # its global layers' head dim, 512, is above the kernels': SDPA
 }
 
 
@@ -199,6 +205,8 @@ MORE_ARCHITECTURES = {
 @pytest.mark.parametrize("cache_kind", ["dynamic", "static"])
 @pytest.mark.parametrize("config_name", sorted(MORE_ARCHITECTURES))
 def test_more_architectures_match_eager(config_name, cache_kind):
+    if not hasattr(transformers, config_name):
+        pytest.skip(f"transformers {transformers.__version__} has no {config_name}")
     settings = {key: value for key, value in {**TINY, **MORE_ARCHITECTURES[config_name]}.items() if value is not None}
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(getattr(transformers, config_name)(**settings)).eval()
@@ -294,7 +302,7 @@ def test_a_window_over_several_new_tokens_needs_the_layers_sliding_window():
     query = torch.randn(2, 4, 2, 16, dtype=torch.bfloat16)
     key, value = (torch.randn(2, 2, 8, 16, dtype=torch.bfloat16) for _ in range(2))
     mask = torch.stack([causal_rows(2, 8, 2, 8, window=3), causal_rows(2, 8, 0, 8, window=3)])[:, None]
-    assert torch.equal(fd_transformers.window_mask(bounds, 2, 8), mask)
+    assert torch.equal(fd_transformers.bounds_mask(bounds, 2, 8), mask)
     expected = torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=mask,
                                                                 enable_gqa=True).transpose(1, 2)
     module = torch.nn.Module()
@@ -305,6 +313,31 @@ def test_a_window_over_several_new_tokens_needs_the_layers_sliding_window():
         torch.testing.assert_close(out, expected, atol=2e-2, rtol=2e-2)
     with pytest.raises(ValueError, match="sliding_window=None"):
         fd_transformers.attention_forward(module, query, key, value, bounds, softcap=30.0, backend="reference")
+
+
+@pytest.mark.parametrize("query_dim, value_dim", [(24, 16), (320, 320)])
+def test_value_head_dims_below_the_querys_and_head_dims_above_the_kernels(query_dim, value_dim):
+    """MLA's value head dim below the query's (DeepSeek-V2/V3) goes through the call padded and comes
+    out cropped; head dims above MAX_HEADDIM (Gemma-4's global layers) run on SDPA over the mask the
+    bounds stand for, and with softcap, which SDPA cannot apply, raise naming the head dim."""
+    from flashdecode.validate import MAX_HEADDIM
+
+    torch.manual_seed(0)
+    query = torch.randn(2, 4, 1, query_dim, dtype=torch.bfloat16)
+    key = torch.randn(2, 2, 8, query_dim, dtype=torch.bfloat16)
+    value = torch.randn(2, 2, 8, value_dim, dtype=torch.bfloat16)
+    bounds = torch.tensor([[2, 0], [7, 8]], dtype=torch.int32)  # left padding, then a shorter sequence
+    mask = torch.stack([causal_rows(1, 8, 2, 7), causal_rows(1, 8, 0, 8)])[:, None]
+    expected = torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=mask,
+                                                                enable_gqa=True).transpose(1, 2)
+    module = torch.nn.Module()
+    module.is_causal, module.num_key_value_groups = True, 2
+    out, _ = fd_transformers.attention_forward(module, query, key, value, bounds, backend="reference")
+    assert out.shape == (2, 1, 4, value_dim)
+    torch.testing.assert_close(out, expected, atol=2e-2, rtol=2e-2)
+    if query_dim > MAX_HEADDIM:
+        with pytest.raises(ValueError, match=f"head dim {query_dim} is above"):
+            fd_transformers.attention_forward(module, query, key, value, bounds, softcap=30.0, backend="reference")
 
 
 @pytest.mark.gpu

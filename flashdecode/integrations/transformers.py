@@ -32,6 +32,7 @@ import torch
 
 from ..api import flash_attn_with_kvcache
 from ..reference import masked_softmax
+from ..validate import MAX_HEADDIM
 
 #: Most new tokens of a sequence on the decode path (the TileLang kernels' limit); more go to prefill.
 MAX_DECODE_QUERY = 16
@@ -113,47 +114,58 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
                       softcap=None, s_aux=None, backend="auto", **kwargs):
     """transformers' attention interface: query (batch, heads, q_len, head_dim), key and value
     (batch, kv_heads, kv_len, head_dim), the whole cache after this step's update; ``s_aux``: a
-    sink logit per head (gpt-oss); returns ((batch, q_len, heads, head_dim), None)."""
+    sink logit per head (gpt-oss); returns ((batch, q_len, heads, value head_dim), None).
+
+    What the kernels cannot take goes to SDPA: prefill without softcap or sinks, head dims above
+    ``MAX_HEADDIM`` (Gemma-4's global layers), and a window the model builds into its masks but
+    does not pass (Qwen2-MoE). A value head dim below the query's (MLA: DeepSeek-V2/V3) is padded
+    with zeros for the call and cropped from its output, as transformers' FlashAttention path does."""
     if kwargs.get("output_attentions"):
         raise ValueError("output_attentions=True is not supported by flashdecode (it never forms the weights)")
     decode = attention_mask is not None and attention_mask.dtype == torch.int32
-    if not decode and softcap is None and s_aux is None:
+    windowed = decode and len(attention_mask) == 3  # decode_mask's window over several new tokens
+    wide = query.shape[-1] > MAX_HEADDIM
+    if wide or windowed and sliding_window is None or not decode and softcap is None and s_aux is None:
+        if softcap is not None or s_aux is not None:
+            why = (f"head dim {query.shape[-1]} is above flashdecode's {MAX_HEADDIM}" if wide else
+                   "attention_mask has a sliding window the model does not pass to its attention function "
+                   "(sliding_window=None)")
+            raise ValueError(f"{why}; with softcap or sinks SDPA cannot stand in for the call")
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+        if decode:  # decode_mask's bounds, as the boolean mask they stand for
+            attention_mask = bounds_mask(attention_mask, query.shape[2], key.shape[2])
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       **kwargs)
-    if decode and len(attention_mask) == 3:  # decode_mask's window over several new tokens
-        if sliding_window is None:  # which the model does not pass (Qwen2-MoE): SDPA over the window's mask
-            if softcap is not None or s_aux is not None:
-                raise ValueError("attention_mask has a sliding window the model does not pass to its attention "
-                                 "function (sliding_window=None); with softcap or sinks flashdecode cannot apply it")
-            from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
-            mask = window_mask(attention_mask, query.shape[2], key.shape[2])
-            return sdpa_attention_forward(module, query, key, value, mask, dropout=dropout, scaling=scaling, **kwargs)
-        attention_mask = attention_mask[:2]  # the call applies sliding_window itself
     if dropout:
         raise ValueError(f"dropout must be 0 on flashdecode's path (decode steps, softcap, sinks), got {dropout}")
+    # decode_mask's bounds (a third row, the window, only where the call applies sliding_window itself)
     bounds = attention_mask if decode or attention_mask is None else key_bounds(attention_mask, sliding_window)
+    if windowed:
+        bounds = bounds[:2]
     first, end = (None, None) if bounds is None else bounds.unbind()  # one op: iterating costs ~2 us more
     window = (-1, -1) if sliding_window is None else (sliding_window - 1, 0)
+    value_dim = value.shape[-1]
+    if value_dim < key.shape[-1]:  # MLA: zeros up to the query's head dim, cropped from the output below
+        value = torch.nn.functional.pad(value, (0, key.shape[-1] - value_dim))
     # q (batch, q_len, heads, head_dim): a copy only where a model's q is heads-first in memory and q_len > 1
     # (its prefill through flashdecode; TileLang takes contiguous queries), never the cache
     out = flash_attn_with_kvcache(query.transpose(1, 2).contiguous(), key.transpose(1, 2), value.transpose(1, 2),
                                   cache_seqlens=end, cache_leftpad=first, softmax_scale=scaling, causal=True,
                                   window_size=window, softcap=softcap or 0.0, backend=backend,
                                   sinks=None if s_aux is None else s_aux.float())
-    return out, None
+    return (out if out.shape[-1] == value_dim else out[..., :value_dim]), None
 
 
-def window_mask(bounds: torch.Tensor, q_len: int, kv_len: int) -> torch.Tensor:
-    """The boolean (batch, 1, q_len, kv_len) mask that ``decode_mask``'s windowed bounds (first key,
-    end, window: int32 (3, batch)) stand for: row i sees the last ``window`` keys of [first, end - q_len
-    + i + 1). Built from tensors: no host sync."""
-    first, end, window = bounds.long()[..., None]
+def bounds_mask(bounds: torch.Tensor, q_len: int, kv_len: int) -> torch.Tensor:
+    """The boolean (batch, 1, q_len, kv_len) mask that ``decode_mask``'s bounds (first key, end and,
+    where a window shapes the rows, the window: int32 (2 or 3, batch)) stand for: row i sees
+    [first, end - q_len + i + 1), its last ``window`` keys where there is one. Built from tensors:
+    no host sync."""
+    first, end = bounds[:2].long()[..., None]
     positions = torch.arange(kv_len, device=bounds.device)
     last = end - q_len + torch.arange(1, q_len + 1, device=bounds.device)
-    lowest = torch.maximum(first, last - window)
+    lowest = first if len(bounds) == 2 else torch.maximum(first, last - bounds[2].long()[:, None])
     return ((positions >= lowest[..., None]) & (positions < last[..., None]))[:, None]
 
 
