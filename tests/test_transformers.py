@@ -198,6 +198,7 @@ MORE_ARCHITECTURES = {
                              num_experts_per_tok=2, first_k_dense_replace=1, moe_intermediate_size=32, n_group=1,
                              topk_group=1),
     "Gemma4TextConfig": {},  # its global layers' head dim, 512, is above the kernels': SDPA
+    "Llama4TextConfig": dict(attention_chunk_size=4),  # chunks start inside the prompts: SDPA's mask there
 }
 
 

@@ -66,16 +66,24 @@ def decode_mask(*args, **kwargs):
     MAX_DECODE_QUERY) the visible key range of each sequence as an int32 (2, batch) tensor
     (``key_bounds``, the layer's window from ``local_size``), with a third row (the window) where
     a window shapes the rows of several new tokens, which the call must then be given; for longer
-    queries SDPA's mask."""
+    queries, and several new tokens of a chunked layer, SDPA's mask."""
     from transformers.masking_utils import sdpa_mask
 
-    if kwargs["q_length"] > MAX_DECODE_QUERY:
-        return sdpa_mask(*args, **kwargs)
     window = kwargs.get("local_size")
+    if kwargs["q_length"] > MAX_DECODE_QUERY or kwargs["q_length"] > 1 and chunked(kwargs.get("config"), window):
+        return sdpa_mask(*args, **kwargs)
     bounds = key_bounds(sdpa_mask(*args, **{**kwargs, "allow_is_causal_skip": False}), window)
     if window is None or kwargs["q_length"] == 1:  # one row: its range already starts inside the window
         return bounds
     return torch.cat((bounds, torch.full_like(bounds[:1], window)))
+
+
+def chunked(config, size: int | None) -> bool:
+    """Whether a mask of ``local_size`` ``size`` is of chunked attention (Llama 4's layers of
+    ``attention_chunk_size``): among several new tokens a chunk's start gives rows different first
+    keys, which one call cannot take, so such steps get SDPA's mask."""
+    return (size is not None and getattr(config, "attention_chunk_size", None) == size
+            and "chunked_attention" in (getattr(config, "layer_types", None) or ()))
 
 
 def key_bounds(mask: torch.Tensor, window: int | None = None) -> torch.Tensor:
