@@ -339,6 +339,10 @@ def test_value_head_dims_below_the_querys_and_head_dims_above_the_kernels(query_
     if query_dim > MAX_HEADDIM:
         with pytest.raises(ValueError, match=f"head dim {query_dim} is above"):
             fd_transformers.attention_forward(module, query, key, value, bounds, softcap=30.0, backend="reference")
+        # a sequence key_bounds flagged on a GPU (its first key past its end): NaN rows, not SDPA's zeros
+        flagged, _ = fd_transformers.attention_forward(module, query, key, value, torch.tensor(
+            [[2, 9], [7, 8]], dtype=torch.int32), backend="reference")
+        assert flagged[1].isnan().all() and torch.equal(flagged[0], out[0])
 
 
 @pytest.mark.gpu

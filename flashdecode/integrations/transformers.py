@@ -141,10 +141,15 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
             raise ValueError(f"{why}; with softcap or sinks SDPA cannot stand in for the call")
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-        if decode:  # decode_mask's bounds, as the boolean mask they stand for
-            attention_mask = bounds_mask(attention_mask, query.shape[2], key.shape[2])
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
-                                      **kwargs)
+        if not decode:
+            return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
+                                          scaling=scaling, **kwargs)
+        out, weights = sdpa_attention_forward(module, query, key, value,
+                                              bounds_mask(attention_mask, query.shape[2], key.shape[2]),
+                                              dropout=dropout, scaling=scaling, **kwargs)
+        # a sequence whose mask the bounds cannot hold (key_bounds: first key past the end) gets NaN rows,
+        # as from the call; SDPA would give its rows, which see no key, zeros
+        return out.masked_fill((attention_mask[0] > attention_mask[1])[:, None, None, None], float("nan")), weights
     if dropout:
         raise ValueError(f"dropout must be 0 on flashdecode's path (decode steps, softcap, sinks), got {dropout}")
     # decode_mask's bounds (a third row, the window, only where the call applies sliding_window itself)
