@@ -210,7 +210,7 @@ def attend_block(acc, m, l, q, block_start, start, end, new_from,
                  ROTARY_DIM: tl.constexpr, ROTARY_INTERLEAVED: tl.constexpr, WINDOW_LEFT: tl.constexpr,
                  WINDOW_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, LEFTPAD: tl.constexpr,
                  FP8: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
-                 FP8_V_WORDS: tl.constexpr = False):
+                 FP8_V_WORDS: tl.constexpr):
     """One KV block folded into the online softmax (acc, m, l). Keys outside [start, end) are
     dropped (a column mask). Without ROW_MASKS (the main loop) every key is cached and seen by
     every row. With ROW_MASKS (the head and tail blocks) keys outside each row's window are dropped
@@ -224,9 +224,9 @@ def attend_block(acc, m, l, q, block_start, start, end, new_from,
     folded into scale_log2 and softcap_in; with ``fp16_rows``'s q, per-row factors of shape
     (BLOCK_M, 1) with its rows' 2^e). FP8: cached K/V are converted to q's dtype (float16) as loaded,
     appended tokens are ``quantise``d by k_scale/v_scale (the descales) and converted so, and the
-    caller multiplies the output by v's descale. FP8_V_WORDS: the cached V read as 16-bit words
-    (``fp8_pair_to_f16``), acc then the pair (even head dims, odd head dims); the caller keeps it to
-    the main loop."""
+    caller multiplies the output by v's descale. FP8_V_WORDS (fp8 caches, the main loop only: no
+    row masks, no appended tokens): the cached V read as 16-bit words (``fp8_pair_to_f16``), acc
+    then the pair (even head dims, odd head dims)."""
     tokens = block_start + tl.arange(0, BLOCK_N)
     d = tl.arange(0, HEAD_PAD)
     in_range = tokens < end
@@ -286,13 +286,7 @@ def attend_block(acc, m, l, q, block_start, start, end, new_from,
         p = tl.exp2(scores - m_new[:, None])
     l = l * alpha + tl.sum(p, 1)
 
-    pairs: tl.constexpr = FP8 and FP8_V_WORDS and not (ROW_MASKS and APPEND)
-    if ROW_MASKS and APPEND and FP8:
-        v = tl.load(v_ptrs, mask=tile_mask(in_range & ~fresh, d, HEAD_DIM, HEAD_PAD), other=0.0).to(q.dtype)
-        v_fresh = tl.load(v_new + new_rows * stride_nvt + d[None, :],
-                          mask=tile_mask(in_range & fresh, d, HEAD_DIM, HEAD_PAD), other=0.0)
-        v = tl.where(fresh[:, None], quantise(v_fresh, v_scale, v_head.dtype.element_ty).to(q.dtype), v)
-    elif pairs:
+    if FP8_V_WORDS:
         d2 = tl.arange(0, HEAD_PAD // 2)
         words = tl.load(v_head.to(tl.pointer_type(tl.int16)) + (v_offs // 2)[:, None] + d2[None, :],
                         mask=tile_mask(in_range, d2, HEAD_DIM // 2, HEAD_PAD // 2), other=0)
@@ -302,10 +296,15 @@ def attend_block(acc, m, l, q, block_start, start, end, new_from,
         acc = (acc_even * alpha[:, None] + tl.dot(p, fp8_pair_to_f16(words, False, e5m2)),
                acc_odd * alpha[:, None] + tl.dot(p, fp8_pair_to_f16(words, True, e5m2)))
     else:
-        v = tl.load(v_ptrs, mask=tile_mask(in_range, d, HEAD_DIM, HEAD_PAD), other=0.0)
-        if FP8:
-            v = v.to(q.dtype)
-    if not pairs:
+        if ROW_MASKS and APPEND and FP8:
+            v = tl.load(v_ptrs, mask=tile_mask(in_range & ~fresh, d, HEAD_DIM, HEAD_PAD), other=0.0).to(q.dtype)
+            v_fresh = tl.load(v_new + new_rows * stride_nvt + d[None, :],
+                              mask=tile_mask(in_range & fresh, d, HEAD_DIM, HEAD_PAD), other=0.0)
+            v = tl.where(fresh[:, None], quantise(v_fresh, v_scale, v_head.dtype.element_ty).to(q.dtype), v)
+        else:
+            v = tl.load(v_ptrs, mask=tile_mask(in_range, d, HEAD_DIM, HEAD_PAD), other=0.0)
+            if FP8:
+                v = v.to(q.dtype)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
     return acc, m_new, l
 
