@@ -10,7 +10,8 @@ culprit (the pytest grid cannot say which test's kernel faulted once the context
 ``--value-checks`` turns on the host checks (``flashdecode.set_value_checks``), which also find
 ticket counters an earlier merging split kernel left above zero. ``--diagnose`` prints, for each
 combo, its drawn lengths and plan and, for its own split count and 1, 2 and 3 splits (on a GPU under
-Triton also its plan without the register cap, and with the splits merged by the combine kernel),
+Triton also its plan without the register cap, with the splits merged by the combine kernel, and
+first, where its plan reads an fp8 V as words, with the cast instead),
 the output's and lse's largest errors against the oracle and where the lse is off (sequence, head,
 query row).
 """
@@ -49,10 +50,10 @@ def main(argv=None) -> int:
     wanted = set(args.ids)
     for dtype in args.dtype or ():
         wanted |= {f"{dtype}-{i.split('-', 1)[1]}" for i in args.ids}
-    combos = fa_grid.distinct([c for c in fa_grid.full_grid() if c.id in wanted]) if wanted else []
-    missing = wanted - {c.id for c in combos}
+    combos = [fa_grid.Combo.from_id(wanted_id) for wanted_id in sorted(wanted)]
+    missing = sorted(wanted - {c.id for c in combos if fa_grid.skip_reason(c) is None})
     if missing:
-        parser.error(f"not in the grid: {sorted(missing)}")
+        parser.error(f"not in the grid: {missing}")
     combos += fa_grid.sample(args.sample, seed=args.seed) if args.sample else []
     failed = 0
 
@@ -104,6 +105,9 @@ def diagnose(combo, device, backend):
                      "cuda", config=dataclasses.replace(plan.config, max_registers=None))}),
                  ("merged by its own kernel", {"context": DecodeContext(
                      "cuda", tuning=dataclasses.replace(tuning, max_splits_merged_in_split=0))})]
+    if backend == "triton" and device == "cuda" and plan.config.fp8_v_words:  # first: words may fault
+        runs.insert(0, ("fp8 V cast, not words", {"context": DecodeContext(
+            "cuda", config=dataclasses.replace(plan.config, fp8_v_words=False))}))
     for label, changes in runs:
         out, lse = flashdecode.flash_attn_with_kvcache(**{**call, **changes}, backend=backend)
         error = torch.where(keys, (lse - case.lse_ref).abs(), torch.zeros_like(lse))
