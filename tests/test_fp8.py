@@ -308,6 +308,7 @@ FEATURES = {
     "leftpad": dict(leftpad=[37, 16], lengths=[100, 30]),
     "batch-idx": dict(batch_idx=True, seqlen_new=4, lengths=[96, 7]),
     "head-dim-59": dict(headdim=59, seqlen_new=3, rotary_dim=32, lengths=[90, 12]),
+    "rows-64": dict(headdim=32, group=4, seqlen_q=16, capacity=200, lengths=[190, 77]),  # a 64-row tile
     "everything": dict(page_size=4, seqlen_new=5, seqlen_q=5, rotary_dim=32, causal=True, window=(9, -1),
                        softcap=1.5, alibi=True, leftpad=[3, 0], lengths=[70, 5], fp8=torch.float8_e5m2),
 }
@@ -324,9 +325,7 @@ def test_triton_matches_the_reference(feature, num_splits):
 #: under the interpreter the words' inline assembly is replaced by integer ops with the same values
 #: (``attend.fp8_bits_to_f16``). Every feature, and longer caches whose main loop takes several blocks.
 FP8_V_FEATURES = {**FEATURES, "long-d128": dict(capacity=700, headdim=128, group=4, lengths=[700, 389]),
-                  "long-d80-e5m2-pages": dict(capacity=512, headdim=80, page_size=16, fp8=torch.float8_e5m2),
-                  # 64 query rows at head dim 32 (a 64-row tile, which casts: ``FP8_V_WORDS_MAX_BLOCK_M``)
-                  "rows-64-d32": dict(capacity=700, headdim=32, group=4, seqlen_q=16, lengths=[653, 295])}
+                  "long-d80-e5m2-pages": dict(capacity=512, headdim=80, page_size=16, fp8=torch.float8_e5m2)}
 
 
 def run_fp8_v(call, words, num_splits):

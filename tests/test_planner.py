@@ -524,18 +524,6 @@ def test_triton_fp8_v_words_on_hopper(headdim, cache_dtype, words):
     assert fp8_v_words(plan(problem, untuned, get_backend("triton")).config, problem) is False
 
 
-@pytest.mark.parametrize("headdim, group, seqlen_q, words", [
-    (64, 4, 8, True),  # 32 query rows: a 32-row tile
-    (64, 4, 16, False),  # 64 rows: words gave wrong outputs and out-of-bounds shared reads on an H100
-    (32, 1, 64, False), (128, 8, 16, False)])
-def test_triton_fp8_v_words_only_in_tiles_of_at_most_32_rows(headdim, group, seqlen_q, words):
-    """fp8 V is read as words only in row tiles of at most ``FP8_V_WORDS_MAX_BLOCK_M`` rows; larger
-    tiles cast it, which the FlashAttention grid's fp8 combos of 64 and 128 query rows need."""
-    problem = problem_for([2048] * 2, 2048, 2, group, headdim, cache_dtype="float8_e4m3fn", seqlen_q=seqlen_q)
-    config = plan(problem, PROFILES["h200"], get_backend("triton")).config
-    assert config.fp8_v_words and fp8_v_words(config, problem) is words
-
-
 @pytest.mark.parametrize("headdim, group, seqlen_q, page_size, cap", [
     (128, 4, 1, 0, 128),  # case 9's tile: 16 rows, 64 keys
     (64, 2, 64, 256, None),  # 64 rows of 128 keys: the cap spilled 1.5 KB a thread, a merged lse came out wrong

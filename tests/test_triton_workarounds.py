@@ -1,6 +1,6 @@
 """The Triton faults the backend steers around (``flashdecode.kernels.triton.workarounds``):
-the steer on the CPU, and on the GPU that the fault is still there (else the steer can go) and that
-the steered default passes. The GPU checks run each call in a subprocess: the fault kills the
+the steers on the CPU, and on the GPU that each fault is still there (else its steer can go) and
+that the steered default passes. The GPU checks run each call in a subprocess: the fault kills the
 CUDA context. Under the interpreter (CPU): bfloat16 products are refused, and a bfloat16 ``tl.dot``
 still comes out wrong (else the refusal can go)."""
 import subprocess
@@ -15,13 +15,18 @@ import flashdecode
 from conftest import HAS_CUDA
 from flashdecode.kernels.base import BackendError
 from flashdecode.kernels.triton.backend import INTERPRETED, TritonBackend, TritonConfig
-from flashdecode.kernels.triton.workarounds import INTERPRETER_BF16_LAST_SEEN_ON, LAST_SEEN_ON, SAFE_BLOCK_N
+from flashdecode.kernels.triton.workarounds import (FP8_V_WORDS_LAST_SEEN_ON, INTERPRETER_BF16_LAST_SEEN_ON,
+                                                    LAST_SEEN_ON, SAFE_BLOCK_N)
 from flashdecode.hardware import PROFILES
 from flashdecode.problem import Problem
 
-#: A FlashAttention-grid combo that faults with the raw config on Triton 3.6.0 (H200).
-FAULTING = "float16-q64k800-d32-gqa-splits1-newkv-alibi-causal-neweq-rot0.5i-page256"
-RAW = dict(block_n=64, block_m=64, num_warps=4, num_stages=2, combine_step=16)
+#: FlashAttention-grid combos that fail with a raw config on Triton 3.6.0, each with that config:
+#: interleaved rotary at head dim 32 (H200), fp8 V read as words in a 64-row tile (H100).
+FAULTING = {"rotary": ("float16-q64k800-d32-gqa-splits1-newkv-alibi-causal-neweq-rot0.5i-page256",
+                       dict(block_n=64, block_m=64, num_warps=4, num_stages=2, combine_step=16)),
+            "fp8-words": ("float16-q64k2048-d64-gqa-splits1-float8e4m3fn",
+                          dict(block_n=128, block_m=64, num_warps=4, num_stages=3, combine_step=16, fp8_v_words=True))}
+LAST_SEEN = {"rotary": LAST_SEEN_ON, "fp8-words": FP8_V_WORDS_LAST_SEEN_ON}
 
 
 def problem(headdim, interleaved, rotary_dim=16):
@@ -35,6 +40,14 @@ def problem(headdim, interleaved, rotary_dim=16):
 def test_default_config_steers_only_the_faulting_specialisations(headdim, interleaved, rotary_dim, block_n):
     config = TritonBackend().default_config(problem(headdim, interleaved, rotary_dim), PROFILES["h200"], "split")
     assert config.block_n == block_n
+
+
+@pytest.mark.parametrize("headdim, group, seqlen_q, words", [
+    (64, 4, 8, True),  # 32 query rows: a 32-row tile, mma.sync
+    (64, 4, 16, False), (32, 1, 64, False), (128, 8, 16, False)])  # 64-row tiles (wgmma): the cast
+def test_default_config_reads_fp8_v_as_words_only_in_tiles_of_at_most_32_rows(headdim, group, seqlen_q, words):
+    problem = Problem(2, 2048, 2 * group, 2, headdim, "bfloat16", seqlen_q=seqlen_q, cache_dtype="float8_e4m3fn")
+    assert TritonBackend().default_config(problem, PROFILES["h200"], "split").fp8_v_words is words
 
 
 interpreted = pytest.mark.skipif(HAS_CUDA or not INTERPRETED, reason="Triton's interpreter on CPU tensors")
@@ -72,26 +85,28 @@ def test_the_interpreter_refuses_bfloat16_products_only(cache_dtype):
         assert torch.allclose(out.float(), want.float(), atol=2e-2)
 
 
-def run_combo(raw: bool) -> str:
-    result = subprocess.run([sys.executable, __file__, "raw" if raw else "default"], capture_output=True, text=True,
-                            timeout=300)
+def run_combo(fault: str, raw: bool) -> str:
+    result = subprocess.run([sys.executable, __file__, fault, "raw" if raw else "default"], capture_output=True,
+                            text=True, timeout=300)
     lines = result.stdout.strip().splitlines()
     return lines[-1] if lines else f"no output (rc {result.returncode}): {result.stderr[-400:]}"
 
 
 @pytest.mark.gpu
-def test_the_miscompile_is_still_there():
-    outcome = run_combo(raw=True)
-    assert outcome != "OK", (f"the raw config now compiles correctly (last seen faulting on Triton {LAST_SEEN_ON}): "
-                             "remove the steer in flashdecode/kernels/triton/workarounds.py")
+@pytest.mark.parametrize("fault", FAULTING)
+def test_the_miscompile_is_still_there(fault):
+    outcome = run_combo(fault, raw=True)
+    assert outcome != "OK", (f"the raw {fault} config now compiles correctly (last seen failing on Triton "
+                             f"{LAST_SEEN[fault]}): remove its steer in flashdecode/kernels/triton/workarounds.py")
 
 
 @pytest.mark.gpu
-def test_the_steered_default_is_right():
-    assert run_combo(raw=False) == "OK"
+@pytest.mark.parametrize("fault", FAULTING)
+def test_the_steered_default_is_right(fault):
+    assert run_combo(fault, raw=False) == "OK"
 
 
-def _child(mode: str) -> None:
+def _child(fault: str, mode: str) -> None:
     import pathlib
 
     import torch
@@ -100,8 +115,9 @@ def _child(mode: str) -> None:
     sys.path.insert(0, str(pathlib.Path(__file__).parent))
     import fa_grid
 
-    combo = next(c for c in fa_grid.full_grid(dtypes=("float16",)) if c.id == FAULTING)
-    context = flashdecode.DecodeContext(config=TritonConfig(**RAW)) if mode == "raw" else None
+    combo_id, raw = FAULTING[fault]
+    combo = fa_grid.Combo.from_id(combo_id)
+    context = flashdecode.DecodeContext(config=TritonConfig(**raw)) if mode == "raw" else None
 
     def call(**arguments):
         return flashdecode.flash_attn_with_kvcache(**arguments, backend="triton", context=context)
@@ -116,4 +132,4 @@ def _child(mode: str) -> None:
 
 
 if __name__ == "__main__":
-    _child(sys.argv[1])
+    _child(*sys.argv[1:])

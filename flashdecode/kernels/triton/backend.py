@@ -312,18 +312,9 @@ def _sequence_strides(tensor: torch.Tensor, problem: Problem) -> tuple:
     return tensor.stride()[:3]
 
 
-#: The largest row tile that reads fp8 V as words; larger ones cast it. 64-row tiles compile their
-#: products to warp-group MMAs, and there words gave wrong outputs at head dims 32 and 64 on an H100
-#: (2026-12-06; shared reads out of bounds under compute-sanitizer), the cast right; words were
-#: measured faster on 16-row tiles (``mma.sync``; docs/iterations.md, entries 47 and 49).
-FP8_V_WORDS_MAX_BLOCK_M = 32
-
-
 def fp8_v_words(config: TritonConfig, problem: Problem) -> bool:
-    """The kernel's ``FP8_V_WORDS``: ``config.fp8_v_words`` over an fp8 cache of an even head dim,
-    in row tiles of at most ``FP8_V_WORDS_MAX_BLOCK_M``."""
-    return (config.fp8_v_words and problem.cache_dtype is not None and problem.headdim % 2 == 0
-            and config.block_m <= FP8_V_WORDS_MAX_BLOCK_M)
+    """The kernel's ``FP8_V_WORDS``: ``config.fp8_v_words`` over an fp8 cache of an even head dim."""
+    return config.fp8_v_words and problem.cache_dtype is not None and problem.headdim % 2 == 0
 
 
 def _make_spec(plan, problem: Problem) -> _LaunchSpec:

@@ -10,8 +10,17 @@ under Triton's interpreter, with non-interleaved rotary, at head dim 64, and wit
 there; a config given through ``DecodeContext(config=...)`` is used as given, which is how
 ``tests/test_triton_workarounds.py`` checks on the GPU that the fault is still there.
 
-Not fixed in any Triton release we know of, so the steer applies to every version; the GPU test
-fails once the installed Triton compiles the faulting config correctly, and says so.
+fp8 V read as 16-bit words (``TritonConfig.fp8_v_words``) in 64-row tiles, whose products Triton
+3.6.0 compiles to warp-group MMAs (``wgmma``; 16- and 32-row tiles take ``mma.sync``): at head dims
+32 and 64 (the words' products ``m64n16`` and ``m64n32``) the output is wrong (errors 0.3-2.4) or
+the kernel reads shared memory out of bounds (compute-sanitizer memcheck: "Invalid __shared__
+read of size 1024 bytes" at the words' ``tl.dot``), on an H100; the cast is right, and so are words
+at head dims 80-256 (``docs/iterations.md``, entry 49). The default config casts in tiles of more
+than ``FP8_V_WORDS_MAX_BLOCK_M`` rows at every head dim: words were measured faster on 16-row
+tiles only.
+
+Neither is fixed in any Triton release we know of, so the steers apply to every version; the GPU
+tests fail once the installed Triton compiles a faulting config correctly, and say so.
 
 Triton's interpreter (CPU tensors, ``TRITON_INTERPRET=1``) stores bfloat16 as its uint16 bit
 patterns and ``tl.dot`` multiplies those patterns (values near 1e10; triton-lang/triton#11584,
@@ -27,6 +36,10 @@ import dataclasses
 LAST_SEEN_ON = "3.6.0"
 #: The KV tile the faulting specialisations take instead.
 SAFE_BLOCK_N = 32
+#: The last Triton release whose 64-row tiles were seen failing with fp8 V read as words (H100).
+FP8_V_WORDS_LAST_SEEN_ON = "3.6.0"
+#: The largest row tile the default config lets read fp8 V as words.
+FP8_V_WORDS_MAX_BLOCK_M = 32
 
 
 #: The last Triton release whose interpreter was seen multiplying bfloat16 bit patterns.
@@ -48,7 +61,9 @@ def interleaved_rotary_small_head(problem, head_pad: int, block_n: int, num_warp
 
 
 def steer(problem, config, head_pad: int):
-    """``config`` with the tile the faulting specialisations need, else unchanged."""
+    """``config`` off the faulting specialisations (module docstring), else unchanged."""
     if interleaved_rotary_small_head(problem, head_pad, config.block_n, config.num_warps):
-        return dataclasses.replace(config, block_n=SAFE_BLOCK_N)
+        config = dataclasses.replace(config, block_n=SAFE_BLOCK_N)
+    if config.fp8_v_words and config.block_m > FP8_V_WORDS_MAX_BLOCK_M:
+        config = dataclasses.replace(config, fp8_v_words=False)
     return config
