@@ -3,6 +3,7 @@ and ``gpu`` tests are deselected. Tiers: ``python -m pytest`` (fast), ``python -
 (interpreter grids and a build of each TileLang kernel kind; CI runs both), ``-m gpu`` (CUDA),
 ``-m build`` (TileLang's sm_90a builds of every specialisation and feature), ``-m model`` (whole models)."""
 import os
+import zlib
 
 import pytest
 import torch
@@ -12,15 +13,29 @@ if not HAS_CUDA:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
+def shard_of(nodeid: str, count: int) -> int:
+    """The shard (of ``count``) a test belongs to: by a hash of its id, the same in every process."""
+    return zlib.crc32(nodeid.encode()) % count
+
+
 def pytest_collection_modifyitems(config, items):
     """Without CUDA, ``gpu``-marked tests are deselected, not skipped: a CPU run reports only the
-    skips that say something (each with its reason, ``-rs``)."""
-    if HAS_CUDA:
-        return
-    gpu = [item for item in items if item.get_closest_marker("gpu") is not None]
-    if gpu:
-        config.hook.pytest_deselected(items=gpu)
-        items[:] = [item for item in items if item.get_closest_marker("gpu") is None]
+    skips that say something (each with its reason, ``-rs``). FLASHDECODE_TEST_SHARD=I/N keeps the
+    I-th of N shards of the tests (N runs, one shard each, run them all: e.g. a GPU tier longer
+    than one device call)."""
+    drop = []
+    if not HAS_CUDA:
+        drop = [item for item in items if item.get_closest_marker("gpu") is not None]
+    shard = os.environ.get("FLASHDECODE_TEST_SHARD")
+    if shard:
+        index, count = (int(part) for part in shard.split("/"))
+        if not 0 <= index < count:
+            raise pytest.UsageError(f"FLASHDECODE_TEST_SHARD must be I/N with 0 <= I < N, got {shard!r}")
+        drop += [item for item in items if shard_of(item.nodeid, count) != index]
+    if drop:
+        dropped = set(map(id, drop))
+        config.hook.pytest_deselected(items=drop)
+        items[:] = [item for item in items if id(item) not in dropped]
 
 
 def pytest_terminal_summary(terminalreporter):
