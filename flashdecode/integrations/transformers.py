@@ -119,10 +119,12 @@ def key_bounds(mask: torch.Tensor, window: int | None = None) -> torch.Tensor:
 
 
 def attention_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None, sliding_window=None,
-                      softcap=None, s_aux=None, backend="auto", **kwargs):
+                      softcap=None, s_aux=None, backend="auto", kernel=None, **kwargs):
     """transformers' attention interface: query (batch, heads, q_len, head_dim), key and value
     (batch, kv_heads, kv_len, head_dim), the whole cache after this step's update; ``s_aux``: a
     sink logit per head (gpt-oss); returns ((batch, q_len, heads, value head_dim), None).
+    ``kernel``: what to call in place of flashdecode's ``flash_attn_with_kvcache`` (same arguments;
+    the decode-step benchmark times FlashAttention 2's over the same cache view).
 
     What the kernels cannot take goes to SDPA: prefill without softcap or sinks, head dims above
     ``MAX_HEADDIM`` (Gemma-4's global layers), and a window the model builds into its masks but
@@ -163,10 +165,10 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
         value = torch.nn.functional.pad(value, (0, key.shape[-1] - value_dim))
     # q (batch, q_len, heads, head_dim): a copy only where a model's q is heads-first in memory and q_len > 1
     # (its prefill through flashdecode; TileLang takes contiguous queries), never the cache
-    out = flash_attn_with_kvcache(query.transpose(1, 2).contiguous(), key.transpose(1, 2), value.transpose(1, 2),
-                                  cache_seqlens=end, cache_leftpad=first, softmax_scale=scaling, causal=True,
-                                  window_size=window, softcap=softcap or 0.0, backend=backend,
-                                  sinks=None if s_aux is None else s_aux.float())
+    out = (kernel or flash_attn_with_kvcache)(
+        query.transpose(1, 2).contiguous(), key.transpose(1, 2), value.transpose(1, 2), cache_seqlens=end,
+        cache_leftpad=first, softmax_scale=scaling, causal=True, window_size=window, softcap=softcap or 0.0,
+        backend=backend, sinks=None if s_aux is None else s_aux.float())
     return (out if out.shape[-1] == value_dim else out[..., :value_dim]), None
 
 
