@@ -28,9 +28,10 @@ def pytest_collection_modifyitems(config, items):
         drop = [item for item in items if item.get_closest_marker("gpu") is not None]
     shard = os.environ.get("FLASHDECODE_TEST_SHARD")
     if shard:
-        index, count = (int(part) for part in shard.split("/"))
-        if not 0 <= index < count:
+        index, _, count = shard.partition("/")
+        if not (index.isdigit() and count.isdigit() and int(index) < int(count)):
             raise pytest.UsageError(f"FLASHDECODE_TEST_SHARD must be I/N with 0 <= I < N, got {shard!r}")
+        index, count = int(index), int(count)
         drop += [item for item in items if shard_of(item.nodeid, count) != index]
     if drop:
         dropped = set(map(id, drop))

@@ -39,6 +39,7 @@ from flashdecode.context import default_context
 from flashdecode.kernels.base import get_backend, select
 from flashdecode.kernels.tilelang.backend import problem_limitation
 from flashdecode.kernels.triton.attend import fp8_bits_to_f16, quantise as triton_quantise
+from flashdecode.kernels.triton.workarounds import FP8_V_WORDS_MAX_BLOCK_M
 from flashdecode.hardware import PROFILES
 from flashdecode.reference import descale_table, quantise, reference_attention, relative_error
 
@@ -329,9 +330,13 @@ FP8_V_FEATURES = {**FEATURES, "long-d128": dict(capacity=700, headdim=128, group
 
 
 def run_fp8_v(call, words, num_splits):
-    """``run`` on Triton with the plan's own tile config but ``fp8_v_words`` = ``words``."""
+    """``run`` on Triton with the plan's own tile config but ``fp8_v_words`` = ``words`` (on a GPU
+    not in tiles the default steers off words: there Triton miscompiles them, which
+    ``tests/test_triton_workarounds.py`` checks)."""
     q, k_cache, v_cache, kwargs = call
     config = plan_for(q, k_cache, v_cache, **kwargs, num_splits=num_splits, backend="triton").plan.config
+    if words and HAS_CUDA and config.block_m > FP8_V_WORDS_MAX_BLOCK_M:
+        pytest.skip(f"a {config.block_m}-row tile: Triton miscompiles fp8 V words there (workarounds)")
     return run(call, "triton", num_splits, DecodeContext(DEVICE, config=dataclasses.replace(config, fp8_v_words=words)))
 
 

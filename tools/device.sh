@@ -8,7 +8,7 @@
 #               first; the cache is packed as $OUT/tl-cache.tar.xz
 #   tests       every gpu-marked test (TESTS_K: a pytest -k filter; FLASHDECODE_FA_GRID: the FA grid's size;
 #               FLASHDECODE_TEST_SHARD=I/N: the I-th of N shards, for a tier longer than one call: with
-#               8 workers on an H100 the default tier took ~1,400 s on 2026-12-06, so 0/3, 1/3, 2/3)
+#               8 workers on an H100 the default tier ran 40% in 570 s on 2026-12-06, so 0/3, 1/3, 2/3)
 #   beforeafter ARGS  flashdecode bench ARGS on .before/ (an earlier tree's flashdecode/) then on this tree
 #   fa2build    build FlashAttention 2's kernels for the fa2 peer from the carried .fa2-src.tar.xz into
 #               .fa2-build/ (tools/build_fa2.py, ~4 min on 16 cores) and pack it as

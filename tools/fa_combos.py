@@ -32,6 +32,7 @@ import flashdecode  # noqa: E402
 from flashdecode.context import DecodeContext  # noqa: E402
 from flashdecode.hardware import current  # noqa: E402
 from flashdecode.kernels.base import BackendError  # noqa: E402
+from flashdecode.kernels.triton.backend import fp8_v_words  # noqa: E402
 
 
 def main(argv=None) -> int:
@@ -50,10 +51,16 @@ def main(argv=None) -> int:
     wanted = set(args.ids)
     for dtype in args.dtype or ():
         wanted |= {f"{dtype}-{i.split('-', 1)[1]}" for i in args.ids}
-    combos = [fa_grid.Combo.from_id(wanted_id) for wanted_id in sorted(wanted)]
-    missing = sorted(wanted - {c.id for c in combos if fa_grid.skip_reason(c) is None})
-    if missing:
-        parser.error(f"not in the grid: {missing}")
+    combos = []
+    for wanted_id in sorted(wanted):
+        try:
+            combo = fa_grid.Combo.from_id(wanted_id)
+        except (ValueError, IndexError) as error:
+            parser.error(f"not a grid id: {wanted_id} ({error})")
+        why = "it reads back as " + combo.id if combo.id != wanted_id else fa_grid.skip_reason(combo)
+        if why:
+            parser.error(f"not in the grid: {wanted_id} ({why})")
+        combos.append(combo)
     combos += fa_grid.sample(args.sample, seed=args.seed) if args.sample else []
     failed = 0
 
@@ -105,9 +112,9 @@ def diagnose(combo, device, backend):
                      "cuda", config=dataclasses.replace(plan.config, max_registers=None))}),
                  ("merged by its own kernel", {"context": DecodeContext(
                      "cuda", tuning=dataclasses.replace(tuning, max_splits_merged_in_split=0))})]
-    if backend == "triton" and device == "cuda" and plan.config.fp8_v_words:  # first: words may fault
-        runs.insert(0, ("fp8 V cast, not words", {"context": DecodeContext(
-            "cuda", config=dataclasses.replace(plan.config, fp8_v_words=False))}))
+        if fp8_v_words(plan.config, fa_grid.problem_of(combo)):  # first: a words kernel may fault
+            runs.insert(0, ("fp8 V cast, not words", {"context": DecodeContext(
+                "cuda", config=dataclasses.replace(plan.config, fp8_v_words=False))}))
     for label, changes in runs:
         out, lse = flashdecode.flash_attn_with_kvcache(**{**call, **changes}, backend=backend)
         error = torch.where(keys, (lse - case.lse_ref).abs(), torch.zeros_like(lse))

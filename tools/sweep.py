@@ -17,7 +17,8 @@ has unsplit, unless ``underfilled_split_above_blocks`` splits it: at or below it
 from the case's planned config: without ``--tl-stages`` it keeps that plan's pipeline depth, which
 ``Backend.pipelined`` chose for the default tile, not for the swept one); ``--warps`` Triton's
 ``num_warps``; ``--max-registers`` Triton's register cap (0: none; -1: the shipped rule's for the tile);
-``--fp8-v-words 0,1`` Triton's ``fp8_v_words`` (fp8 caches: V read as 16-bit words, not byte by byte);
+``--fp8-v-words 0,1`` Triton's ``fp8_v_words`` (fp8 caches: V read as 16-bit words, not byte by byte;
+without it a swept Triton tile is steered off Triton's miscompiles as the default is, ``workarounds.steer``);
 ``--combine-step`` and ``--combine-dims`` Triton's combine: partials a program loads at once, head
 dims it merges (0: the whole head); ``--merge-splits`` the most splits a sequence may have for the
 split kernel to merge them itself (0: never); ``--dependent-combine 0,1`` the combine as a
@@ -41,6 +42,7 @@ from flashdecode.bench.timing import Timer
 from flashdecode.cases import MATRICES, VARIANTS, make_call, parse_shapes, select
 from flashdecode.hardware import current
 from flashdecode.kernels.triton.backend import TritonConfig, padded_headdim, retiled
+from flashdecode.kernels.triton.workarounds import steer
 from flashdecode.reference import reference_attention, relative_error
 
 
@@ -114,8 +116,9 @@ def main():
                 if value is not None})
             if underfilled_caps is not None:  # () is none: the rule off
                 tuning = dataclasses.replace(tuning, underfilled_merge_caps=underfilled_caps or None)
-            default = plan_for(inputs.q, inputs.k_cache, inputs.v_cache, **inputs.kwargs(), backend=backend,
-                               context=DecodeContext("cuda", tuning=tuning)).plan.config
+            resolved = plan_for(inputs.q, inputs.k_cache, inputs.v_cache, **inputs.kwargs(), backend=backend,
+                                context=DecodeContext("cuda", tuning=tuning))
+            default = resolved.plan.config
             changes = {name: value for name, value in (("block_n", block_n), ("num_stages", stages),
                                                        ("block_m", q_rows), ("producer_registers", producer),
                                                        ("num_warps", warps), ("combine_step", combine_step),
@@ -128,6 +131,8 @@ def main():
             if isinstance(default, TritonConfig):  # the swept tile's register ceiling, not the default's
                 config = retiled(default, headdim, dataclasses.replace(current(), tuning=tuning),
                                  inputs.block_table is not None, **changes)
+                if fp8_v_words is None:  # a swept tile off Triton's miscompiles, as the default is
+                    config = steer(resolved.problem, config, headdim)
             else:
                 config = dataclasses.replace(default, **changes)
             row = dict(case=case.label, shape=case.describe(), variant=variant, backend=backend,

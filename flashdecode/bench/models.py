@@ -188,7 +188,8 @@ def fa2_limitation(config) -> str | None:
 
 def fa2_kvcache(q, k_cache, v_cache, *, backend, sinks, **arguments):
     """FlashAttention 2's ``flash_attn_with_kvcache`` in the adapter's place (``backend`` is
-    flashdecode's; FA2 has no sinks)."""
+    flashdecode's; FA2 has no sinks). A mask the adapter's bounds cannot hold gives flashdecode NaN
+    rows but FA2 undefined ones; the benchmark's masks (generation's) never do."""
     from flash_attn import flash_attn_with_kvcache
 
     if sinks is not None:

@@ -12,10 +12,10 @@ there; a config given through ``DecodeContext(config=...)`` is used as given, wh
 
 fp8 V read as 16-bit words (``TritonConfig.fp8_v_words``) in 64-row tiles, whose products Triton
 3.6.0 compiles to warp-group MMAs (``wgmma``; 16- and 32-row tiles take ``mma.sync``): at head dims
-32 and 64 (the words' products ``m64n16`` and ``m64n32``) the output is wrong (errors 0.3-2.4) or
+32 and 64 (the words' products ``m64n16`` and ``m64n32``) the output is wrong (errors 0.41-2.28) or
 the kernel reads shared memory out of bounds (compute-sanitizer memcheck: "Invalid __shared__
-read of size 1024 bytes" at the words' ``tl.dot``), on an H100; the cast is right, and so are words
-at head dims 80-256 (``docs/iterations.md``, entry 49). The default config casts in tiles of more
+read of size 1024 bytes" at the words' ``tl.dot``), on an H100; the cast is right, and so were the
+grid's combos with words at head dims 80-256 (``docs/iterations.md``, entry 49). The default config casts in tiles of more
 than ``FP8_V_WORDS_MAX_BLOCK_M`` rows at every head dim: words were measured faster on 16-row
 tiles only.
 
@@ -32,9 +32,9 @@ from __future__ import annotations
 
 import dataclasses
 
-#: The last Triton release the fault was reproduced on (H200, sm_90a).
+#: The last Triton release the interleaved-rotary fault was reproduced on (H200, sm_90a).
 LAST_SEEN_ON = "3.6.0"
-#: The KV tile the faulting specialisations take instead.
+#: The KV tile the interleaved-rotary specialisations take instead.
 SAFE_BLOCK_N = 32
 #: The last Triton release whose 64-row tiles were seen failing with fp8 V read as words (H100).
 FP8_V_WORDS_LAST_SEEN_ON = "3.6.0"
