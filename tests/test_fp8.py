@@ -309,7 +309,7 @@ FEATURES = {
     "leftpad": dict(leftpad=[37, 16], lengths=[100, 30]),
     "batch-idx": dict(batch_idx=True, seqlen_new=4, lengths=[96, 7]),
     "head-dim-59": dict(headdim=59, seqlen_new=3, rotary_dim=32, lengths=[90, 12]),
-    "rows-64": dict(headdim=32, group=4, seqlen_q=16, capacity=200, lengths=[190, 77]),  # a 64-row tile
+    "rows-64": dict(group=4, seqlen_q=16, capacity=200, lengths=[190, 77]),  # a 64-row tile (head dim 64)
     "everything": dict(page_size=4, seqlen_new=5, seqlen_q=5, rotary_dim=32, causal=True, window=(9, -1),
                        softcap=1.5, alibi=True, leftpad=[3, 0], lengths=[70, 5], fp8=torch.float8_e5m2),
 }
@@ -563,7 +563,7 @@ def test_flashinfer_fp8_decode_is_the_fp8_variants_peer(monkeypatch):
 
 #: The features of ``FEATURES`` TileLang's kernels take (``test_tilelang_takes_the_listed_features``).
 TILELANG_FEATURES = ["plain", "lengths", "e5m2", "head-descale", "number-descale", "no-descale", "paged32",
-                     "append", "causal", "window", "softcap", "leftpad"]
+                     "append", "causal", "window", "softcap", "leftpad", "rows-64"]
 
 
 def test_tilelang_takes_the_listed_features():
