@@ -15,9 +15,9 @@ fp8 V read as 16-bit words (``TritonConfig.fp8_v_words``) in 64-row tiles, whose
 32 and 64 (the words' products ``m64n16`` and ``m64n32``) the output is wrong (errors 0.41-2.28) or
 the kernel reads shared memory out of bounds (compute-sanitizer memcheck: "Invalid __shared__
 read of size 1024 bytes" at the words' ``tl.dot``), on an H100; the cast is right, and so were the
-grid's combos with words at head dims 80-256 (``docs/iterations.md``, entry 49). The default config casts in tiles of more
-than ``FP8_V_WORDS_MAX_BLOCK_M`` rows at every head dim: words were measured faster on 16-row
-tiles only.
+grid's combos with words at head dims 80-256 (``docs/iterations.md``, entry 49). The default
+config casts in tiles of more than ``FP8_V_WORDS_MAX_BLOCK_M`` rows at every head dim: words were
+measured faster on 16-row tiles only.
 
 Neither is fixed in any Triton release we know of, so the steers apply to every version; the GPU
 tests fail once the installed Triton compiles a faulting config correctly, and say so.
