@@ -21,7 +21,7 @@ from flashdecode.problem import Problem  # noqa: E402
 
 #: Plans of every kernel kind: single passes (cases 1 and 5, short caches at head dims 59-64, a
 #: full grid), splits merged in the kernel and combined (case 7, case 10, one sequence at a padded
-#: head dim: the combine's chunks), 4 query rows, pages.
+#: head dim: the combine's chunks), 4 query rows, pages, sinks.
 PROBLEMS = {
     "case1": Problem(1, 1, 32, 4, 128, "bfloat16"),
     "case5": Problem(16, 141, 32, 4, 128, "bfloat16"),
@@ -34,6 +34,10 @@ PROBLEMS = {
     "q4-d96": Problem(4, 2048, 16, 4, 96, "bfloat16", seqlen_q=4),
     "merge-d80": Problem(16, 4096, 32, 8, 80, "bfloat16"),
     "pages16": Problem(16, 4096, 32, 8, 128, "bfloat16", page_size=16, offsets_32=True),
+    # sinks: folded in one pass, in the split kernel's merge, and by the combine
+    "case1-sinks": Problem(1, 1, 32, 4, 128, "bfloat16", sinks=True),
+    "case7-sinks": Problem(64, 2048, 32, 8, 128, "bfloat16", sinks=True),
+    "case10-sinks": Problem(1, 8192, 32, 4, 128, "bfloat16", sinks=True),
 }
 #: Line starts that only say where an instruction came from.
 LOCATORS = (".loc", ".file", "$L__info", "$L__tmp", "//")

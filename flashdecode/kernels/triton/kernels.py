@@ -208,8 +208,7 @@ def split_kernel(Q, K, V, Lens, Out, Lse, PartO, PartLse, KNew, VNew, BatchIdx, 
 
         if SINKS:
             if num_splits == 1:  # the sink joins the denominator here; split, the merge adds it once
-                sink = tl.load(Sinks + head_k * GROUP + rows % GROUP, mask=row_live, other=float("-inf")) * LOG2E
-                acc, m, l = fold_sink(acc, m, l, sink)
+                acc, m, l = fold_sink(acc, m, l, Sinks, head_k, rows, row_live, GROUP)
         # Only l == 0 means "no key": a NaN in the data makes l NaN, and NaN must come out.
         empty = l == 0
         o = tl.where(empty[:, None], 0.0, acc / tl.where(empty, 1.0, l)[:, None])
@@ -232,9 +231,11 @@ def split_kernel(Q, K, V, Lens, Out, Lse, PartO, PartLse, KNew, VNew, BatchIdx, 
 
 
 @triton.jit
-def fold_sink(acc, m, l, sink):
-    """The online softmax state (acc, m, l) with each row's sink logit (base 2) in its denominator:
-    a key of that score and value 0. A row whose max and sink are both -inf keeps l = 0 (no key)."""
+def fold_sink(acc, m, l, Sinks, head_k, rows, row_live, GROUP: tl.constexpr):
+    """The online softmax state (acc, m, l) with each row's sink logit (its query head's, read here,
+    in base 2) in its denominator: a key of that score and value 0. A row whose max and sink are
+    both -inf keeps l = 0 (no key)."""
+    sink = tl.load(Sinks + head_k * GROUP + rows % GROUP, mask=row_live, other=float("-inf")) * LOG2E
     m_new = tl.maximum(m, sink)
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
     alpha = tl.exp2(m - m_safe)
@@ -297,8 +298,7 @@ def merge_if_last(Tickets, PartO, PartLse, Out, Lse, Sinks, seq, head_k, tile, f
                 weight = weight * alpha + w
                 m = m_new
         if SINKS:  # the sink joins the merged denominator once
-            sink = tl.load(Sinks + head_k * GROUP + rows % GROUP, mask=row_live, other=float("-inf")) * LOG2E
-            acc, m, weight = fold_sink(acc, m, weight, sink)
+            acc, m, weight = fold_sink(acc, m, weight, Sinks, head_k, rows, row_live, GROUP)
         empty = weight == 0  # acc is 0 there, or NaN when a split flagged a bad value: kept
         o = tl.where(empty[:, None], acc, acc / tl.where(empty, 1.0, weight)[:, None])
         lse2 = tl.where(empty, float("-inf"), m + tl.log2(tl.where(empty, 1.0, weight)))
