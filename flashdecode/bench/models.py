@@ -186,19 +186,21 @@ def fa2_limitation(config) -> str | None:
     return None
 
 
-def fa2_kvcache(q, k_cache, v_cache, *, backend, sinks, **arguments):
-    """FlashAttention 2's ``flash_attn_with_kvcache`` in the adapter's place (``backend`` is
-    flashdecode's; FA2 has no sinks). A mask the adapter's bounds cannot hold gives flashdecode NaN
-    rows but FA2 undefined ones; the benchmark's masks (generation's) never do."""
-    from flash_attn import flash_attn_with_kvcache
-
-    if sinks is not None:
-        raise ValueError("FlashAttention 2 has no attention sinks")
-    return flash_attn_with_kvcache(q, k_cache, v_cache, **arguments)
+def fa2_kernel(fa2_call):
+    """The adapter's kernel for FlashAttention 2's ``flash_attn_with_kvcache`` (``fa2_call``, resolved
+    once: an eager step calls it every layer): ``backend`` is flashdecode's, and FA2 has no sinks. A
+    mask the adapter's bounds cannot hold gives flashdecode NaN rows but FA2 undefined ones; the
+    benchmark's masks (generation's) never do."""
+    def kernel(q, k_cache, v_cache, *, backend, sinks, **arguments):
+        if sinks is not None:
+            raise ValueError("FlashAttention 2 has no attention sinks")
+        return fa2_call(q, k_cache, v_cache, **arguments)
+    return kernel
 
 
 def register_systems() -> dict[str, str]:
-    """attn_implementation names: each system's, and the no-op attention of the attention share."""
+    """attn_implementation names: each system's, and the no-op attention of the attention share
+    (fa2_kvcache's where flash_attn imports: ``expose_fa2`` first)."""
     import functools
 
     from transformers import AttentionInterface
@@ -209,8 +211,14 @@ def register_systems() -> dict[str, str]:
     def noop_attention(module, query, key, value, attention_mask, **kwargs):
         return query.transpose(1, 2), None
 
-    for name, function in ((NOOP, noop_attention),
-                           (FA2_KVCACHE, functools.partial(fd_transformers.attention_forward, kernel=fa2_kvcache))):
+    functions = [(NOOP, noop_attention)]
+    try:
+        from flash_attn import flash_attn_with_kvcache as fa2_call
+        functions.append((FA2_KVCACHE, functools.partial(fd_transformers.attention_forward,
+                                                         kernel=fa2_kernel(fa2_call))))
+    except ImportError:  # its rows are skipped with expose_fa2's reason
+        pass
+    for name, function in functions:
         AttentionInterface.register(name, function)
         AttentionMaskInterface.register(name, fd_transformers.decode_mask)
     return {"sdpa": "sdpa", "flash_attention_2": "flash_attention_2", "fa2_kvcache": FA2_KVCACHE,
@@ -311,10 +319,10 @@ def is_correct(distance: float, noise: float | None) -> bool:
 
 def model_rows(name, batches, contexts, modes, systems, device, progress=print) -> list[Row]:
     """Every row of one model: its weights made once, a cache per (batch, context)."""
+    fa2_reason = expose_fa2() if set(FA2_SYSTEMS) & set(systems) else None
     names = register_systems()
     model, weights = load_model(name, device)
     config = model.config
-    fa2_reason = expose_fa2() if set(FA2_SYSTEMS) & set(systems) else None
     fa2_reason = fa2_reason or fa2_limitation(config)
     free = torch.cuda.mem_get_info()[0] if device == "cuda" else None
     device_name = torch.cuda.get_device_name() if device == "cuda" else "cpu"
