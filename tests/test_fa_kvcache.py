@@ -8,15 +8,22 @@ queries at each pair of causal and new k/v), each for the "reference" backend an
 (under its interpreter without CUDA; bfloat16 is wrong there); 3 of the 32, one fp8 combo and the
 extension combos in the fast tier, the rest ``slow``.
 GPU tier (``gpu`` marker): "triton" and "tilelang", float16 and bfloat16, on FLASHDECODE_FA_GRID=
-"sample" (default: 2000 combos stratified over pairs of features), N (that many) or "full" (all
+"sample" (default: 240 combos stratified over pairs of features), N (that many) or "full" (all
 506,880 combos per backend: about a million tests, hours), plus FLASHDECODE_FA_GRID_FP8 combos of the
-fp8 part (default 400; "full" is not drawn there). FLASHDECODE_FA_GRID_SEED (default 2025)
-draws another sample, so that runs cut by a time limit cover new combos, not the same first ones.
+fp8 part (default 80; "full" is not drawn there). FLASHDECODE_FA_GRID_SEED (default 2025)
+draws another sample, so that runs cut by a time limit cover new combos, not the same first ones;
+a smaller sample of a seed is the start of a larger one.
 The extension axes' GPU tier: "triton", "auto" and "tilelang" on FLASHDECODE_FA_GRID_EXTENSION combos
-of each part (default 40; TileLang takes sinks, not ragged queries: those combos are skipped).
+of each part (default 8; TileLang takes sinks, not ragged queries: those combos are skipped).
 Two more GPU tiers on the part of the grid TileLang implements: "tilelang" on its own sample
-(FLASHDECODE_FA_GRID_TILELANG combos, or "full") and ``backend="auto"`` on another
-(FLASHDECODE_FA_GRID_AUTO), what a user's call runs. A backend that cannot take a combo raises
+(FLASHDECODE_FA_GRID_TILELANG combos, default 30, or "full") and ``backend="auto"`` on another
+(FLASHDECODE_FA_GRID_AUTO, default 30), what a user's call runs.
+The defaults keep the whole GPU tier within one session's device time: with 14 pytest-xdist
+workers on an H100 (2026-12-06) a grid test took about 0.7 s of wall time (738 in 520 s), and the
+earlier defaults (2000 + 400 combos, 40 and 60 a part) made a tier of about 6,300 tests, whose
+first third ran 35% in 520 s. FLASHDECODE_FA_GRID=2000 FLASHDECODE_FA_GRID_FP8=400
+FLASHDECODE_FA_GRID_EXTENSION=40 run that deeper sample, in shards (``FLASHDECODE_TEST_SHARD``).
+A backend that cannot take a combo raises
 BackendError: that combo is skipped with its message.
 With FLASHDECODE_FA_GRID_REPORT=PATH, pass/fail/skip counts per tier, backend, dtype and feature
 are written there as JSON every few seconds and at the end (a file per pytest-xdist worker, merged
@@ -48,15 +55,18 @@ GRID_SEED = int(os.environ.get("FLASHDECODE_FA_GRID_SEED", "2025"))
 if GRID_SIZE not in ("sample", "full") and not GRID_SIZE.isdigit():
     raise ValueError(f"FLASHDECODE_FA_GRID must be 'sample', 'full' or a number of sampled combos, got {GRID_SIZE!r}")
 CPU_FP8_COMBOS = fa_grid.sample(8, seed=2340, dtypes=("float16",), max_seqlen_k=800, restrict=fa_grid.FP8_AXES)
-#: Drawn only where CUDA is (a CPU run deselects the gpu tier; the draw of 2000 takes seconds).
+#: The GPU tier's default draws of the grid and of its fp8 part (the docstring says why these sizes).
+GPU_SAMPLE, GPU_FP8_SAMPLE = 240, 80
+#: Drawn only where CUDA is (a CPU run deselects the gpu tier; a draw of thousands takes seconds).
 GPU_COMBOS = [] if not HAS_CUDA else (fa_grid.full_grid() if GRID_SIZE == "full" else
-                                      fa_grid.sample(2000 if GRID_SIZE == "sample" else int(GRID_SIZE),
+                                      fa_grid.sample(GPU_SAMPLE if GRID_SIZE == "sample" else int(GRID_SIZE),
                                                      seed=GRID_SEED)) + \
-    fa_grid.sample(int(os.environ.get("FLASHDECODE_FA_GRID_FP8", "400")), seed=GRID_SEED + 3, restrict=fa_grid.FP8_AXES)
+    fa_grid.sample(int(os.environ.get("FLASHDECODE_FA_GRID_FP8", GPU_FP8_SAMPLE)), seed=GRID_SEED + 3,
+                   restrict=fa_grid.FP8_AXES)
 #: The part of the grid the TileLang kernels implement (no rotary, ALiBi or cache_batch_idx; head dims
 #: 64, 128, 256), without cache_leftpad (which they take too: the whole grid's sample runs it there);
 #: query rows over its q tile are still skipped. Its own
-#: sample (FLASHDECODE_FA_GRID_TILELANG combos, default 60), as the whole grid's sample holds few.
+#: sample (FLASHDECODE_FA_GRID_TILELANG combos, default 30), as the whole grid's sample holds few.
 TILELANG_AXES = {"d": (64, 128, 256), "alibi": (False,), "rotary_fraction": (0.0,), "rotary_interleaved": (False,),
                  "has_leftpad": (False,), "has_batch_idx": (False,),
                  "seqlens": tuple(pair for pair in fa_grid.SEQLEN_PAIRS if pair[0] <= 16)}
@@ -74,13 +84,13 @@ def part_combos(variable, default, seed):
 
 
 CPU_EXTENSION_COMBOS = fa_grid.extension_sample(1, seed=2026, dtypes=("float16",), max_seqlen_k=339)
-GPU_EXTENSION_COMBOS = fa_grid.extension_sample(int(os.environ.get("FLASHDECODE_FA_GRID_EXTENSION", "40")),
+GPU_EXTENSION_COMBOS = fa_grid.extension_sample(int(os.environ.get("FLASHDECODE_FA_GRID_EXTENSION", "8")),
                                                 seed=GRID_SEED + 3)
-TILELANG_COMBOS = part_combos("FLASHDECODE_FA_GRID_TILELANG", "60", GRID_SEED + 1)
+TILELANG_COMBOS = part_combos("FLASHDECODE_FA_GRID_TILELANG", "30", GRID_SEED + 1)
 #: What a user gets: the same part of the grid through ``backend="auto"`` (FLASHDECODE_FA_GRID_AUTO
-#: combos, default 60). On Hopper it sends head dim 256 and small plain caches to TileLang and the
+#: combos, default 30). On Hopper it sends head dim 256 and small plain caches to TileLang and the
 #: rest to Triton, so this tier checks the route as well as the kernels.
-AUTO_COMBOS = part_combos("FLASHDECODE_FA_GRID_AUTO", "60", GRID_SEED + 2)
+AUTO_COMBOS = part_combos("FLASHDECODE_FA_GRID_AUTO", "30", GRID_SEED + 2)
 
 
 def _report_path():
@@ -209,6 +219,18 @@ def test_sample_covers_every_value_several_times():
     for axis in ("kv_dtype", "softcap", "paged_kv_block_size", "new_kv", "num_splits", "local", "causal",
                  "has_batch_idx"):
         assert len({getattr(combo, axis) for combo in CPU_FP8_COMBOS}) == 2, axis
+
+
+def test_the_default_gpu_samples_cover_every_value_and_start_the_deeper_ones():
+    """The GPU tier's default draws (GPU_SAMPLE combos, GPU_FP8_SAMPLE fp8 ones): every value of every
+    axis in several combos, and the first combos of a deeper draw of the same seed."""
+    general = fa_grid.sample(GPU_SAMPLE, seed=GRID_SEED)
+    fp8 = fa_grid.sample(GPU_FP8_SAMPLE, seed=GRID_SEED + 3, restrict=fa_grid.FP8_AXES)
+    for axes, combos, least in ((fa_grid.AXES, general, 10), ({**fa_grid.AXES, **fa_grid.FP8_AXES}, fp8, 4)):
+        for axis, values in axes.items():
+            for value in values:
+                assert sum(getattr(combo, axis) == value for combo in combos) >= least, (axis, value)
+    assert fa_grid.sample(2 * GPU_SAMPLE, seed=GRID_SEED)[:GPU_SAMPLE] == general
 
 
 def test_report_is_written_after_every_combo_and_merges_across_workers(tmp_path):
