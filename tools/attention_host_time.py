@@ -3,7 +3,7 @@ models-bench model: what an eager step's attention costs the host (eager steps o
 host-bound, so this, not GPU time, sets their speed).
 
 Each system's attention function is wrapped with a wall clock (no synchronisation: the time to
-return, as the model's next op waits for it), over the models-bench's eager steps (``models.time_step``); printed per
+return, as the model's next op waits for it), over the models-bench's eager steps (``models.time_systems``); printed per
 system with the step's median ms and a torch launch's host time (an empty tensor's add) beside it.
 
 ``--profile N``: also one eager step per row under torch's profiler, its N ops of most host time
@@ -56,12 +56,13 @@ def main():
     print("| batch | context | system | attention host us/call | step ms (median) |")
     for batch in (int(b) for b in args.batch.split(",")):
         for context in (int(c) for c in args.context.split(",")):
-            step = models.DecodeStep(model, batch, context,
-                                     context + 1 + max(models.STEPS.values()) + 2 * models.WARMUP)
+            step = models.DecodeStep(model, batch, context, models.step_capacity(context))
             for system in ("sdpa", "flashdecode"):
-                model.set_attn_implementation(names[system])
                 spent[system] = []
-                ms = models.time_step(step, "eager")  # the models-bench's own eager timing
+                times, errors = models.time_systems(step, "eager", {system: names[system]})
+                if errors:
+                    raise errors[system]
+                ms = times[system]
                 print(f"| {batch} | {context} | {system} | {statistics.median(spent[system]) * 1e6:.1f} | "
                       f"{ms:.2f} |")
                 if args.profile:

