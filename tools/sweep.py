@@ -6,7 +6,8 @@ Variants are values given to a ``DecodeContext(tuning=..., config=...)``; nothin
 Usage: python tools/sweep.py --backend tilelang,triton --ppsm 2,3,4 --block-n 32,64
        [--tl-stages 2,3 --tl-rows 64,16 --tl-producer-regs 24,0 --warps 4,8 --max-registers 0,128
        --merge-splits 0,16 --fp8-v-words 0,1] [--matrix wide] [--cases 7,12]
-       [--shapes 64x4096x8x4x256:uniform,...] [--variant plain,paged256] [--log FILE]
+       [--shapes 64x4096x8x4x256:uniform,...] [--variant plain,paged256] [--q-dtype bfloat16,float16]
+       [--log FILE]
 ``--min-chunk`` sets the fewest blocks per split, whatever merges the splits (both Tuning fields; one
 sequence on a backend with ``min_blocks_per_one_sequence_split`` and the short caches split for idle
 multiprocessors take their own, shorter ones); ``--one-sequence-min-blocks`` sets one sequence's
@@ -72,6 +73,8 @@ def main():
                         "with --shapes)")
     parser.add_argument("--shapes", default="")
     parser.add_argument("--variant", default="plain", help="comma list of cases.VARIANTS (default: plain)")
+    parser.add_argument("--q-dtype", default="bfloat16", help="comma list of bfloat16, float16: q's dtype (and "
+                        "the cache's, but for fp8 variants; default: bfloat16)")
     parser.add_argument("--log", default=None)
     args = parser.parse_args()
     chosen = select(args.matrix, args.cases) if args.cases else () if args.shapes else MATRICES[args.matrix]
@@ -82,8 +85,8 @@ def main():
     timer = Timer(torch.device("cuda"), iters=50, warmup=5)
     base = current().tuning
     rows = []
-    for case, variant in itertools.product(cases, args.variant.split(",")):
-        inputs = make_call(case, VARIANTS[variant], device="cuda")
+    for case, variant, q_dtype in itertools.product(cases, args.variant.split(","), args.q_dtype.split(",")):
+        inputs = make_call(case, VARIANTS[variant], device="cuda", dtype=getattr(torch, q_dtype))
         expected = reference_attention(inputs.q, inputs.k_cache, inputs.v_cache, **inputs.kwargs())[0]
         nbytes = inputs.bytes_moved()
         headdim = padded_headdim(inputs.q.shape[-1])
@@ -135,7 +138,7 @@ def main():
                     config = steer(resolved.problem, config, headdim)
             else:
                 config = dataclasses.replace(default, **changes)
-            row = dict(case=case.label, shape=case.describe(), variant=variant, backend=backend,
+            row = dict(case=case.label, shape=case.describe(), variant=variant, q_dtype=q_dtype, backend=backend,
                        tuning=dataclasses.asdict(tuning), config=changes, effective=dataclasses.asdict(config))
             try:  # a combination the compiler rejects is logged, the sweep goes on
                 context = DecodeContext("cuda", tuning=tuning, config=config)
