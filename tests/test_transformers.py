@@ -796,12 +796,42 @@ def test_models_bench_times_a_cells_systems_in_interleaved_rounds(monkeypatch):
     blocks = [(system[name], len(list(run))) for name, run in itertools.groupby(steps)]
     assert blocks == [("eager", 1), ("sdpa", 1), ("flashdecode", 1),  # the reference and the distances
                       ("noop", 3), ("sdpa", 3), ("flashdecode", 3),  # round 1: warm-up, then 2 timed
-                      ("noop", 2), ("sdpa", 2), ("flashdecode", 1),  # flashdecode raises and drops out
-                      ("noop", 2), ("sdpa", 2), ("noop", 2), ("sdpa", 2)], blocks
+                      ("sdpa", 2), ("flashdecode", 1),  # round 2 turned by one: flashdecode drops out
+                      ("noop", 2 + 2), ("sdpa", 2 + 2), ("noop", 2)], blocks  # its noop, rounds 3 and 4
     sdpa, flashdecode = rows
     assert sdpa.ms_per_step > 0 and sdpa.attention_share is not None and sdpa.correct, sdpa
     assert flashdecode.skipped == "RuntimeError: boom" and flashdecode.ms_per_step is None, flashdecode
     assert flashdecode.correct  # its distance step ran before the rounds
+
+
+def test_models_bench_rows_say_why_their_graphs_or_floor_failed(monkeypatch):
+    """Rows whose CUDA graphs cannot be captured (none on the CPU) are skipped with the reason; a
+    floor that fails leaves the others' times without an attention share, and says so."""
+    from transformers import AttentionInterface
+
+    from flashdecode.bench import models
+
+    monkeypatch.setitem(models.STEPS, "eager", 4)
+    lines = []
+    rows = models.model_rows("tiny", (2,), (16,), ("graph",), ("sdpa", "flashdecode"), "cpu", lines.append)
+    assert [row.skipped for row in rows] == ["RuntimeError: CUDA graphs need a CUDA device"] * 2
+    assert [row.correct for row in rows] == [True, True]  # the distance steps run eagerly before
+    register = models.register_systems
+
+    def register_failing_floor():
+        names = register()
+
+        def noop(*args, **kwargs):
+            raise RuntimeError("no floor")
+
+        monkeypatch.setitem(AttentionInterface._global_mapping, names["noop"], noop)
+        return names
+
+    monkeypatch.setattr(models, "register_systems", register_failing_floor)
+    rows = models.model_rows("tiny", (2,), (16,), ("eager",), ("sdpa", "flashdecode"), "cpu", lines.append)
+    assert all(row.ms_per_step > 0 and row.attention_share is None for row in rows), rows
+    assert "tiny b2 ctx16 graph: no attention share: RuntimeError: CUDA graphs need a CUDA device" in lines
+    assert "tiny b2 ctx16 eager: no attention share: RuntimeError: no floor" in lines
 
 
 @pytest.mark.model

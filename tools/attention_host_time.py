@@ -3,8 +3,9 @@ models-bench model: what an eager step's attention costs the host (eager steps o
 host-bound, so this, not GPU time, sets their speed).
 
 Each system's attention function is wrapped with a wall clock (no synchronisation: the time to
-return, as the model's next op waits for it), over the models-bench's eager steps (``models.time_systems``); printed per
-system with the step's median ms and a torch launch's host time (an empty tensor's add) beside it.
+return, as the model's next op waits for it), over the models-bench's eager steps
+(``models.time_systems``: both systems in its interleaved rounds); printed per system with the
+step's median ms and a torch launch's host time (an empty tensor's add) beside it.
 
 ``--profile N``: also one eager step per row under torch's profiler, its N ops of most host time
 (self) printed per system: where a step's host time goes beyond attention.
@@ -57,15 +58,16 @@ def main():
     for batch in (int(b) for b in args.batch.split(",")):
         for context in (int(c) for c in args.context.split(",")):
             step = models.DecodeStep(model, batch, context, models.step_capacity(context))
-            for system in ("sdpa", "flashdecode"):
-                spent[system] = []
-                times, errors = models.time_systems(step, "eager", {system: names[system]})
-                if errors:
-                    raise errors[system]
-                ms = times[system]
+            for calls in spent.values():
+                calls.clear()
+            times, errors = models.time_systems(step, "eager", {system: names[system] for system in spent})
+            if errors:
+                raise next(iter(errors.values()))
+            for system in spent:
                 print(f"| {batch} | {context} | {system} | {statistics.median(spent[system]) * 1e6:.1f} | "
-                      f"{ms:.2f} |")
+                      f"{times[system]:.2f} |")
                 if args.profile:
+                    model.set_attn_implementation(names[system])
                     step.rewind()
                     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profiler:
                         step()

@@ -30,6 +30,8 @@ import time
 
 import torch
 
+from flashdecode.bench.timing import round_blocks
+
 #: ``correct``: a step's distance from eager attention's logits at most NOISE_FACTOR times sdpa's
 #: (or MIN_NOISE, whichever is larger); without an sdpa row, at most ABSOLUTE_TOLERANCE.
 NOISE_FACTOR, MIN_NOISE, ABSOLUTE_TOLERANCE = 2.0, 5e-3, 5e-2
@@ -267,22 +269,17 @@ class DecodeStep:
                           past_key_values=self.cache, use_cache=True).logits
 
 
-def blocks(mode: str) -> list[int]:
-    """The steps of each round's block: STEPS[mode] in at most ROUNDS blocks, the last one shorter
-    where they do not divide (as ``Timer.interleaved`` splits its runs)."""
-    size = -(-STEPS[mode] // ROUNDS)
-    return [min(size, STEPS[mode] - start) for start in range(0, STEPS[mode], size)]
-
-
 def step_capacity(context: int) -> int:
     """The StaticCache slots a DecodeStep of ``context`` tokens needs: the context, the most steps
-    run between rewinds (a block, or one warm-up step) and one spare."""
-    return context + 1 + max(blocks(mode)[0] for mode in STEPS)
+    run between rewinds (a round's block, or one warm-up step) and one spare."""
+    return context + 1 + max(round_blocks(STEPS[mode], ROUNDS)[0] for mode in STEPS)
 
 
-def capture(step: DecodeStep):
+def capture(step: DecodeStep, pool):
     """The replay of a CUDA graph of one step with the model's current attention, captured after
-    WARMUP steps on a side stream (lazy allocations and compiles happen outside the capture)."""
+    WARMUP steps on a side stream (lazy allocations and compiles happen outside the capture) into
+    the memory ``pool`` the cell's graphs share: they never replay at once, and no replay's output
+    is read, so one graph's scratch memory serves all (the largest sdpa graphs hold gigabytes)."""
     if step.model.device.type != "cuda":
         raise RuntimeError("CUDA graphs need a CUDA device")
     stream = torch.cuda.Stream()
@@ -294,7 +291,7 @@ def capture(step: DecodeStep):
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
     step.rewind()
-    with torch.cuda.graph(graph):
+    with torch.cuda.graph(graph, pool=pool):
         step()
     return graph.replay  # the bound method keeps the graph alive
 
@@ -321,21 +318,26 @@ def timed_steps(run, steps: int, cuda: bool) -> list[float]:
 def time_systems(step: DecodeStep, mode: str, implementations: dict[str, str]):
     """(ms per decode step of each system, the exception of each system that raised) for
     ``implementations`` (system: its attn_implementation name), in ROUNDS rounds: each round runs
-    every system a block of consecutive steps from a rewound cache (``blocks``; the first round
-    WARMUP untimed steps before), so host drift over the cell falls on all systems and the noop
-    floor alike. A system's time: the median of its STEPS steps, eager or replayed from its own
-    CUDA graph (a graph keeps the attention set at its capture). One that raises drops out."""
+    every system a block of consecutive steps from a rewound cache (``round_blocks``; the first
+    round WARMUP untimed steps before), the order turned by one system a round, so host drift over
+    the cell falls on all systems and the noop floor alike. A system's time: the median of its
+    STEPS steps, eager or replayed from its own CUDA graph (a graph keeps the attention set at its
+    capture). One that raises drops out."""
     cuda = step.model.device.type == "cuda"
+    pool = torch.cuda.graph_pool_handle() if cuda and mode == "graph" else None
     runs, errors = {}, {}
     for system, implementation in implementations.items():
         try:
             step.model.set_attn_implementation(implementation)
-            runs[system] = capture(step) if mode == "graph" else step
+            runs[system] = capture(step, pool) if mode == "graph" else step
         except Exception as error:  # noqa: BLE001 - reported by the caller
             errors[system] = error
     times = {system: [] for system in runs}
-    for index, steps in enumerate(blocks(mode)):
-        for system, run in list(runs.items()):
+    for index, steps in enumerate(round_blocks(STEPS[mode], ROUNDS)):
+        order = list(runs)
+        turn = index % len(order) if order else 0
+        for system in order[turn:] + order[:turn]:  # each round starts one system later
+            run = runs[system]
             try:
                 step.model.set_attn_implementation(implementations[system])  # eager steps look it up per layer
                 for _ in range(WARMUP if index == 0 else 0):  # the first round warms each system up
@@ -399,7 +401,7 @@ def model_rows(name, batches, contexts, modes, systems, device, progress=print) 
                 progress(f"{name} b{batch} ctx{context}: eager attention runs out of memory: no correct column")
             noise = None  # sdpa's distance from eager on this cache: the rounding exact attentions differ by
             for mode in modes:
-                timed = {}  # system: its row, of the systems that ran a step
+                runnable = {}  # system: its row, of the systems whose step ran
                 for system in systems:
                     row = Row(name, batch, context, mode, system, device=device_name, weights=weights)
                     rows.append(row)
@@ -421,15 +423,15 @@ def model_rows(name, batches, contexts, modes, systems, device, progress=print) 
                     except Exception as error:  # noqa: BLE001 - a system that cannot run a row says why
                         row.skipped = failure(error)
                         continue
-                    timed[system] = row
-                if not timed:
+                    runnable[system] = row
+                if not runnable:
                     continue
-                implementations = {"noop": names["noop"]} | {system: names[system] for system in timed}
+                implementations = {"noop": names["noop"]} | {system: names[system] for system in runnable}
                 times, errors = time_systems(step, mode, implementations)
                 floor = times.get("noop")
                 if floor is None:
-                    progress(f"  no attention share for {mode}: {failure(errors['noop'])}")
-                for system, row in timed.items():
+                    progress(f"{name} b{batch} ctx{context} {mode}: no attention share: {failure(errors['noop'])}")
+                for system, row in runnable.items():
                     if system in errors:
                         row.skipped = failure(errors[system])
                         continue

@@ -31,6 +31,13 @@ GRAPH_WARMUP = 50
 INTERLEAVE_ROUNDS = 5
 
 
+def round_blocks(runs: int, rounds: int = INTERLEAVE_ROUNDS) -> list[int]:
+    """``runs`` split into at most ``rounds`` blocks of consecutive runs, the last one shorter where
+    they do not divide: the block each function runs per round of an interleaved series."""
+    size = -(-runs // rounds)
+    return [min(size, runs - start) for start in range(0, runs, size)]
+
+
 class CallFailed(Exception):
     """Function ``index`` of an interleaved series raised ``error``."""
 
@@ -117,8 +124,8 @@ class Timer:
             for _ in range(self.warmup):
                 self._flush()
                 _call(index, fn)
-        block = -(-self.iters // INTERLEAVE_ROUNDS)
-        blocks = [(start, min(block, self.iters - start)) for start in range(0, self.iters, block)]
+        sizes = round_blocks(self.iters)
+        blocks = [(sum(sizes[:index]), runs) for index, runs in enumerate(sizes)]
         if not self.cuda:
             samples = [[] for _ in fns]
             for _, runs in blocks:
