@@ -12,17 +12,19 @@ GPU tier (``gpu`` marker): "triton" and "tilelang", float16 and bfloat16, on FLA
 506,880 combos per backend: about a million tests, hours), plus FLASHDECODE_FA_GRID_FP8 combos of the
 fp8 part (default 80; "full" is not drawn there). FLASHDECODE_FA_GRID_SEED (default 2025)
 draws another sample, so that runs cut by a time limit cover new combos, not the same first ones;
-a smaller sample of a seed is the start of a larger one.
+a smaller ``fa_grid.sample`` of a seed is the start of a larger one.
 The extension axes' GPU tier: "triton", "auto" and "tilelang" on FLASHDECODE_FA_GRID_EXTENSION combos
 of each part (default 8; TileLang takes sinks, not ragged queries: those combos are skipped).
 Two more GPU tiers on the part of the grid TileLang implements: "tilelang" on its own sample
 (FLASHDECODE_FA_GRID_TILELANG combos, default 30, or "full") and ``backend="auto"`` on another
 (FLASHDECODE_FA_GRID_AUTO, default 30), what a user's call runs.
-The defaults keep the whole GPU tier within one session's device time: with 14 pytest-xdist
-workers on an H100 (2026-12-06) a grid test took about 0.7 s of wall time (738 in 520 s), and the
-earlier defaults (2000 + 400 combos, 40 and 60 a part) made a tier of about 6,300 tests, whose
-first third ran 35% in 520 s. FLASHDECODE_FA_GRID=2000 FLASHDECODE_FA_GRID_FP8=400
-FLASHDECODE_FA_GRID_EXTENSION=40 run that deeper sample, in shards (``FLASHDECODE_TEST_SHARD``).
+The defaults are sized for one session's device time: with 14 pytest-xdist workers on an H100
+(2026-12-06) a grid test took about 0.7 s of wall time (738 in 520 s) and the tests outside the
+grid 703 took ~475 s (82% in 390 s), so the 844 grid tests of the defaults make an estimated
+~1,100 s tier, three shards (``FLASHDECODE_TEST_SHARD``) of one call each (not yet run whole). The
+earlier defaults (2000 + 400 combos, 40 and 60 + 60 a part) made about 6,300 tests, whose first
+third ran 35% in 520 s; FLASHDECODE_FA_GRID=2000 FLASHDECODE_FA_GRID_FP8=400
+FLASHDECODE_FA_GRID_EXTENSION=40 FLASHDECODE_FA_GRID_TILELANG=60 FLASHDECODE_FA_GRID_AUTO=60 run them.
 A backend that cannot take a combo raises
 BackendError: that combo is skipped with its message.
 With FLASHDECODE_FA_GRID_REPORT=PATH, pass/fail/skip counts per tier, backend, dtype and feature

@@ -73,8 +73,8 @@ def main():
                         "with --shapes)")
     parser.add_argument("--shapes", default="")
     parser.add_argument("--variant", default="plain", help="comma list of cases.VARIANTS (default: plain)")
-    parser.add_argument("--q-dtype", default="bfloat16", help="comma list of bfloat16, float16: q's dtype (and "
-                        "the cache's, but for fp8 variants; default: bfloat16)")
+    parser.add_argument("--q-dtype", default="bfloat16", help="comma list of bfloat16, float16: the call's dtype "
+                        "(q, k/v and the cache; an fp8 variant's cache stays fp8; default: bfloat16)")
     parser.add_argument("--log", default=None)
     args = parser.parse_args()
     chosen = select(args.matrix, args.cases) if args.cases else () if args.shapes else MATRICES[args.matrix]
@@ -82,6 +82,8 @@ def main():
         cases = list(chosen) + list(parse_shapes(args.shapes))
     except ValueError as error:
         parser.error(f"--shapes: {error}")
+    if set(args.q_dtype.split(",")) - {"bfloat16", "float16"}:
+        parser.error(f"--q-dtype takes bfloat16 and float16, got {args.q_dtype!r}")
     timer = Timer(torch.device("cuda"), iters=50, warmup=5)
     base = current().tuning
     rows = []
