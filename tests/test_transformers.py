@@ -215,6 +215,47 @@ def test_more_architectures_match_eager(config_name, cache_kind):
     check_against_baselines(model, ids, mask, STEPS, cache_kind, "reference", "cpu")
 
 
+def scanned_model(config_name, settings, amplify=None):
+    """A tiny random model of ``config_name`` (TINY's sizes and ``settings``), its parameters whose
+    names contain ``amplify`` drawn from N(0, 1) (a bias a zero init would hide)."""
+    if not hasattr(transformers, config_name):
+        pytest.skip(f"transformers {transformers.__version__} has no {config_name}")
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(getattr(transformers, config_name)(**{**TINY, **settings}))
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if amplify and amplify in name:
+                parameter.normal_(0.0, 1.0)
+    return model.eval()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("cache_kind", ["dynamic", "static"])
+@pytest.mark.parametrize("config_name, settings, amplify", [
+    ("InklingTextConfig", {}, "rel_logits"),  # position_bias on the scores: SDPA's path
+    ("DogeConfig", dict(num_experts=4, num_experts_per_tok=2), None),  # reads the mask itself: SDPA's mask
+    ("Gemma4TextConfig", dict(num_hidden_layers=4, num_kv_shared_layers=2, sliding_window=8, layer_types=[
+        "sliding_attention", "full_attention", "sliding_attention", "full_attention"]), None),  # slices mask rows
+], ids=["inkling-position-bias", "doge-reads-the-mask", "gemma4-kv-shared"])
+def test_models_that_bias_or_read_the_mask_match_eager(config_name, settings, amplify, cache_kind):
+    """Found by running transformers 5.25's causal LMs on the backend (2026-12-06): a score bias the
+    call cannot add and models whose layers read the 4D mask go to SDPA, and still match eager."""
+    ids, mask = padded_prompts(256)
+    check_against_baselines(scanned_model(config_name, settings, amplify), ids, mask, STEPS, cache_kind,
+                            "reference", "cpu")
+
+
+def test_sparse_selections_of_keys_are_refused():
+    """A model that hands its attention a sparse selection of keys (MiniMax-M3's block_indices,
+    DeepSeek-V3.2's indices) gets a ValueError naming it, never dense attention in its place."""
+    query, key = torch.randn(1, 4, 1, 16), torch.randn(1, 2, 8, 16)
+    bounds = torch.tensor([[0], [8]], dtype=torch.int32)
+    for name in fd_transformers.SPARSE_SELECTIONS:
+        with pytest.raises(ValueError, match=name):
+            fd_transformers.attention_forward(None, query, key, key, bounds, backend="reference",
+                                              **{name: torch.zeros(1, 4, 1, 2, dtype=torch.long)})
+
+
 def test_decode_reads_the_cache_in_place(monkeypatch):
     """The decode call gets the cache's own storage: (B, Hk, T, D) transposed, no copy."""
     from transformers import AttentionInterface

@@ -42,6 +42,15 @@ NAMES = {"auto": "fdecode", "tilelang": "fdecode_tilelang", "triton": "fdecode_t
 #: The keyword arguments transformers (5.17.0, 5.25.0) passes the attention function of Llama, Qwen2,
 #: Mistral, Gemma-2 and gpt-oss beyond (module, query, key, value, attention_mask); tests check it stays so.
 ATTENTION_ARGUMENTS = frozenset(("dropout", "scaling", "sliding_window", "softcap", "s_aux", "position_ids"))
+#: Models whose layers read the attention mask themselves as a 4D tensor (sparse-attention indexers:
+#: DeepSeek-V3.2/V4, GLM-MoE-DSA, ...; Doge's dynamic mask; Kolibri's index pooling), found by running
+#: transformers 5.25's causal LMs on the backend (2026-12-06): they get SDPA's mask (``decode_mask``).
+MASK_READING_MODELS = frozenset(("doge", "deepseek_v32", "deepseek_v4", "glm_moe_dsa", "axk2", "hy_v4",
+                                 "kolibri1_1", "qwen4_exp_text", "dots3_note_text"))
+#: Keywords by which a model hands its attention function a sparse selection of keys (MiniMax-M3's
+#: ``block_indices``, dots3's ``indices``), which transformers' SDPA ignores too: refused, as the
+#: call attends to every key of the range.
+SPARSE_SELECTIONS = ("block_indices", "indices")
 #: The kernels-format package the paged path loads (``paged_kernel``): a repo id with "flash" and a
 #: version digit in it, as transformers' block-table gate asks, and its folder in this package.
 PAGED_KERNEL_REPO = "flashdecode/flash-attn2"
@@ -66,14 +75,17 @@ def decode_mask(*args, **kwargs):
     MAX_DECODE_QUERY) the visible key range of each sequence as an int32 (2, batch) tensor
     (``key_bounds``, the layer's window from ``local_size``), with a third row (the window) where
     a window shapes the rows of several new tokens, which the call must then be given; for longer
-    queries, and several new tokens of a chunked layer, SDPA's mask."""
+    queries, several new tokens of a chunked layer or of a model with KV-shared layers (Gemma-4
+    slices the mask's rows), and a model that reads the mask itself (``MASK_READING_MODELS``),
+    SDPA's mask."""
     from transformers.masking_utils import sdpa_mask
 
-    window = kwargs.get("local_size")
-    if kwargs["q_length"] > MAX_DECODE_QUERY or kwargs["q_length"] > 1 and chunked(kwargs.get("config"), window):
+    window, config, q_length = kwargs.get("local_size"), kwargs.get("config"), kwargs["q_length"]
+    if (q_length > MAX_DECODE_QUERY or getattr(config, "model_type", None) in MASK_READING_MODELS
+            or q_length > 1 and (chunked(config, window) or getattr(config, "num_kv_shared_layers", 0))):
         return sdpa_mask(*args, **kwargs)
     bounds = key_bounds(sdpa_mask(*args, **{**kwargs, "allow_is_causal_skip": False}), window)
-    if window is None or kwargs["q_length"] == 1:  # one row: its range already starts inside the window
+    if window is None or q_length == 1:  # one row: its range already starts inside the window
         return bounds
     return torch.cat((bounds, torch.full_like(bounds[:1], window)))
 
@@ -127,17 +139,24 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
     the decode-step benchmark times FlashAttention 2's over the same cache view).
 
     What the kernels cannot take goes to SDPA: prefill without softcap or sinks, head dims above
-    ``MAX_HEADDIM`` (Gemma-4's global layers), and a window the model builds into its masks but
-    does not pass (Qwen2-MoE). A value head dim below the query's (MLA: DeepSeek-V2/V3) is padded
+    ``MAX_HEADDIM`` (Gemma-4's global layers), a window the model builds into its masks but does
+    not pass (Qwen2-MoE) and a ``position_bias`` on the scores (Inkling); a sparse selection of
+    keys (``SPARSE_SELECTIONS``) raises ValueError. A value head dim below the query's (MLA: DeepSeek-V2/V3) is padded
     with zeros for the call and cropped from its output, as transformers' FlashAttention path does."""
     if kwargs.get("output_attentions"):
         raise ValueError("output_attentions=True is not supported by flashdecode (it never forms the weights)")
+    sparse = next((name for name in SPARSE_SELECTIONS if kwargs.get(name) is not None), None)
+    if sparse:
+        raise ValueError(f"{sparse}: flashdecode attends to every key of a sequence's range, not to a sparse "
+                         "selection of them")
     decode = attention_mask is not None and attention_mask.dtype == torch.int32
     windowed = decode and len(attention_mask) == 3  # decode_mask's window over several new tokens
     wide = query.shape[-1] > MAX_HEADDIM
-    if wide or windowed and sliding_window is None or not decode and softcap is None and s_aux is None:
+    biased = kwargs.get("position_bias") is not None  # added to the scores by SDPA (Inkling)
+    if wide or biased or windowed and sliding_window is None or not decode and softcap is None and s_aux is None:
         if softcap is not None or s_aux is not None:
             why = (f"head dim {query.shape[-1]} is above flashdecode's {MAX_HEADDIM}" if wide else
+                   "position_bias adds to the scores, which the call cannot" if biased else
                    "attention_mask has a sliding window the model does not pass to its attention function "
                    "(sliding_window=None)")
             raise ValueError(f"{why}; with softcap or sinks SDPA cannot stand in for the call")
