@@ -145,10 +145,10 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
     with zeros for the call and cropped from its output, as transformers' FlashAttention path does."""
     if kwargs.get("output_attentions"):
         raise ValueError("output_attentions=True is not supported by flashdecode (it never forms the weights)")
-    sparse = next((name for name in SPARSE_SELECTIONS if kwargs.get(name) is not None), None)
-    if sparse:
-        raise ValueError(f"{sparse}: flashdecode attends to every key of a sequence's range, not to a sparse "
-                         "selection of them")
+    for name in SPARSE_SELECTIONS:
+        if kwargs.get(name) is not None:
+            raise ValueError(f"{name}: flashdecode attends to every key of a sequence's range, not to a sparse "
+                             "selection of them")
     decode = attention_mask is not None and attention_mask.dtype == torch.int32
     windowed = decode and len(attention_mask) == 3  # decode_mask's window over several new tokens
     wide = query.shape[-1] > MAX_HEADDIM
