@@ -245,12 +245,14 @@ def test_models_that_bias_or_read_the_mask_match_eager(config_name, settings, am
                             "reference", "cpu")
 
 
-def test_sparse_selections_of_keys_are_refused():
+def test_arguments_the_call_cannot_take_are_refused():
     """A model that hands its attention a sparse selection of keys (MiniMax-M3's block_indices,
-    DeepSeek-V3.2's indices) gets a ValueError naming it, never dense attention in its place."""
+    DeepSeek-V3.2's indices) or sinks per token (Inkling-2) gets a ValueError naming it, never
+    attention without them."""
     query, key = torch.randn(1, 4, 1, 16), torch.randn(1, 2, 8, 16)
     bounds = torch.tensor([[0], [8]], dtype=torch.int32)
-    for name in fd_transformers.SPARSE_SELECTIONS:
+    assert {"block_indices", "indices", "sinks"} <= set(fd_transformers.REFUSED_ARGUMENTS)
+    for name in fd_transformers.REFUSED_ARGUMENTS:
         with pytest.raises(ValueError, match=name):
             fd_transformers.attention_forward(None, query, key, key, bounds, backend="reference",
                                               **{name: torch.zeros(1, 4, 1, 2, dtype=torch.long)})

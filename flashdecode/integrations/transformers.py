@@ -46,11 +46,16 @@ ATTENTION_ARGUMENTS = frozenset(("dropout", "scaling", "sliding_window", "softca
 #: DeepSeek-V3.2/V4, GLM-MoE-DSA, ...; Doge's dynamic mask; Kolibri's index pooling), found by running
 #: transformers 5.25's causal LMs on the backend (2026-12-06): they get SDPA's mask (``decode_mask``).
 MASK_READING_MODELS = frozenset(("doge", "deepseek_v32", "deepseek_v4", "glm_moe_dsa", "axk2", "hy_v4",
-                                 "kolibri1_1", "qwen4_exp_text", "dots3_note_text"))
-#: Keywords by which a model hands its attention function a sparse selection of keys (MiniMax-M3's
-#: ``block_indices``, dots3's ``indices``), which transformers' SDPA ignores too: refused, as the
-#: call attends to every key of the range.
-SPARSE_SELECTIONS = ("block_indices", "indices")
+                                 "hy_v4_vl_text", "mistral_large4_text", "kolibri1_1", "qwen4_exp_text",
+                                 "dots3_note_text"))
+#: Keywords a model hands attention functions other than eager and SDPA (which get it folded into
+#: the mask or not at all) that the call cannot take: refused with why, never dropped.
+REFUSED_ARGUMENTS = {
+    "block_indices": "a sparse selection of keys (MiniMax-M3): the call attends to every key of the range",
+    "indices": "a sparse selection of keys (DeepSeek-V3.2, GLM-MoE-DSA, dots3): the call attends to every key "
+               "of the range",
+    "sinks": "sink logits per token (Inkling-2): the call takes one sink logit per head (s_aux)",
+}
 #: The kernels-format package the paged path loads (``paged_kernel``): a repo id with "flash" and a
 #: version digit in it, as transformers' block-table gate asks, and its folder in this package.
 PAGED_KERNEL_REPO = "flashdecode/flash-attn2"
@@ -140,15 +145,14 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
 
     What the kernels cannot take goes to SDPA: prefill without softcap or sinks, head dims above
     ``MAX_HEADDIM`` (Gemma-4's global layers), a window the model builds into its masks but does
-    not pass (Qwen2-MoE) and a ``position_bias`` on the scores (Inkling); a sparse selection of
-    keys (``SPARSE_SELECTIONS``) raises ValueError. A value head dim below the query's (MLA: DeepSeek-V2/V3) is padded
+    not pass (Qwen2-MoE) and a ``position_bias`` on the scores (Inkling); ``REFUSED_ARGUMENTS``
+    (sparse selections of keys, sinks per token) raise ValueError. A value head dim below the query's (MLA: DeepSeek-V2/V3) is padded
     with zeros for the call and cropped from its output, as transformers' FlashAttention path does."""
     if kwargs.get("output_attentions"):
         raise ValueError("output_attentions=True is not supported by flashdecode (it never forms the weights)")
-    for name in SPARSE_SELECTIONS:
+    for name in REFUSED_ARGUMENTS:
         if kwargs.get(name) is not None:
-            raise ValueError(f"{name}: flashdecode attends to every key of a sequence's range, not to a sparse "
-                             "selection of them")
+            raise ValueError(f"{name}: flashdecode cannot take {REFUSED_ARGUMENTS[name]}")
     decode = attention_mask is not None and attention_mask.dtype == torch.int32
     windowed = decode and len(attention_mask) == 3  # decode_mask's window over several new tokens
     wide = query.shape[-1] > MAX_HEADDIM
