@@ -56,6 +56,8 @@ REFUSED_ARGUMENTS = {
                "of the range",
     "sinks": "sink logits per token (Inkling-2): the call takes one sink logit per head (s_aux)",
 }
+#: The keywords ``attention_forward`` looks at beyond its parameters, checked at once per call.
+UNCOMMON_ARGUMENTS = frozenset(REFUSED_ARGUMENTS) | {"position_bias"}
 #: The kernels-format package the paged path loads (``paged_kernel``): a repo id with "flash" and a
 #: version digit in it, as transformers' block-table gate asks, and its folder in this package.
 PAGED_KERNEL_REPO = "flashdecode/flash-attn2"
@@ -150,13 +152,15 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
     with zeros for the call and cropped from its output, as transformers' FlashAttention path does."""
     if kwargs.get("output_attentions"):
         raise ValueError("output_attentions=True is not supported by flashdecode (it never forms the weights)")
-    for name in REFUSED_ARGUMENTS:
-        if kwargs.get(name) is not None:
-            raise ValueError(f"{name}: flashdecode cannot take {REFUSED_ARGUMENTS[name]}")
+    biased = False  # a position_bias on the scores (Inkling): SDPA adds it
+    if not UNCOMMON_ARGUMENTS.isdisjoint(kwargs):  # one check on the common path: none of these passed
+        for name in REFUSED_ARGUMENTS:
+            if kwargs.get(name) is not None:
+                raise ValueError(f"{name}: flashdecode cannot take {REFUSED_ARGUMENTS[name]}")
+        biased = kwargs.get("position_bias") is not None
     decode = attention_mask is not None and attention_mask.dtype == torch.int32
     windowed = decode and len(attention_mask) == 3  # decode_mask's window over several new tokens
     wide = query.shape[-1] > MAX_HEADDIM
-    biased = kwargs.get("position_bias") is not None  # added to the scores by SDPA (Inkling)
     if wide or biased or windowed and sliding_window is None or not decode and softcap is None and s_aux is None:
         if softcap is not None or s_aux is not None:
             why = (f"head dim {query.shape[-1]} is above flashdecode's {MAX_HEADDIM}" if wide else
