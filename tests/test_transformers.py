@@ -750,10 +750,15 @@ def test_models_bench_rows_on_cpu(tmp_path, monkeypatch):
 
     from flashdecode.bench import models
 
-    monkeypatch.setitem(models.GRIDS, "tiny", dict(models=("tiny",), batches=(2,), contexts=(16,)))
+    monkeypatch.setitem(models.GRIDS, "tiny", dict(models=("tiny",), batches=(2,), contexts=(16, 24)))
     monkeypatch.setitem(models.STEPS, "eager", 2)
     out = tmp_path / "rows.json"
+    written = []  # the rows on disk after each cell: a run cut by a time limit keeps its finished cells
+    write = models.write
+    monkeypatch.setattr(models, "write", lambda rows, path: (written.append(len(rows)), write(rows, path)))
     rows = models.run("tiny", out=str(out), device="cpu", progress=lambda line: None)
+    assert written == [len(models.SYSTEMS), 2 * len(models.SYSTEMS)]
+    rows = [row for row in rows if row.context == 16]
     assert [(row.mode, row.system) for row in rows] == [("eager", system) for system in models.SYSTEMS]
     by_system = {row.system: row for row in rows}
     for system in ("sdpa", "flashdecode"):

@@ -370,11 +370,11 @@ def is_correct(distance: float, noise: float | None) -> bool:
     return distance <= NOISE_FACTOR * max(noise, MIN_NOISE)
 
 
-def model_rows(name, batches, contexts, modes, systems, device, progress=print) -> list[Row]:
+def model_rows(name, batches, contexts, modes, systems, device, progress=print, on_cell=None) -> list[Row]:
     """Every row of one model: its weights made once, a cache per (batch, context). Per mode, each
     system's distance from eager attention's logits first, then the systems that ran and the noop
     floor timed together in rounds (``time_systems``), so the attention share compares steps timed
-    under the same host drift."""
+    under the same host drift. ``on_cell(rows)`` is called with the rows so far after each cell."""
     fa2_reason = expose_fa2() if set(FA2_SYSTEMS) & set(systems) else None
     names = register_systems()
     model, weights = load_model(name, device)
@@ -445,13 +445,16 @@ def model_rows(name, batches, contexts, modes, systems, device, progress=print) 
             del step
             if device == "cuda":
                 torch.cuda.empty_cache()
+            if on_cell:
+                on_cell(rows)
     del model
     return rows
 
 
 def run(grid: str = "default", models=None, out: str | None = None, device: str | None = None,
         progress=print) -> list[Row]:
-    """Every row of ``grid`` (or of ``models`` on it); writes them to ``out`` as a JSON list."""
+    """Every row of ``grid`` (or of ``models`` on it); writes them to ``out`` as a JSON list after
+    each (batch, context) cell, so a run cut by a time limit keeps the cells it finished."""
     if grid not in GRIDS:
         raise ValueError(f"grid must be one of {sorted(GRIDS)}, got {grid!r}")
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -459,9 +462,9 @@ def run(grid: str = "default", models=None, out: str | None = None, device: str 
     modes = MODES if device == "cuda" else ("eager",)
     rows = []
     for name in models or spec["models"]:
-        rows += model_rows(name, spec["batches"], spec["contexts"], modes, SYSTEMS, device, progress)
-        if out:  # partial results survive a later model's failure
-            write(rows, out)
+        done = list(rows)
+        rows += model_rows(name, spec["batches"], spec["contexts"], modes, SYSTEMS, device, progress,
+                           on_cell=(lambda cells: write(done + cells, out)) if out else None)
     return rows
 
 
