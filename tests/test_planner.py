@@ -412,8 +412,7 @@ def test_one_sequence_splits_into_single_blocks_where_measured(seqlen_cache, mer
     assert (p.kernel, p.min_chunk, p.merge_in_split, p.needs_combine) == (SPLIT, 1, merges, not merges)
     assert plan(one, PROFILES["h200"], triton, num_splits=4).merge_in_split  # forced: 4 splits merge
     assert plan(one, PROFILES["h200"], tilelang).min_chunk == 4
-    balanced = streamed(PROFILES["h200"], False)  # (a batch of two long ones is streamed on Hopper)
-    assert plan(two, balanced, triton).min_chunk == 2  # a combine's: too many splits, or an underfilled grid
+    assert plan(two, PROFILES["h200"], triton).min_chunk == 2  # a combine's: too many splits, or an underfilled grid
     assert plan(one, PROFILES["c500"], triton).min_chunk == 4
     lengths = [seqlen_cache - 1]
     items = work_list(p, lengths)
@@ -527,7 +526,7 @@ def test_triton_pipelines_deeper_where_the_grid_leaves_shared_memory_over(batch,
 
 
 @pytest.mark.parametrize("batch, seqlen_cache, nheads_k, group, features, stages, untuned_stages", [
-    (64, 2048, 8, 4, {}, 3, 4),  # case 7: streamed, one wave leaves room for 4
+    (64, 2048, 8, 4, {}, 3, 2),  # case 7: the tile table's 2
     (1, 58966, 8, 4, {}, 3, 4),  # case 13: pipelined deeper, 1-byte tiles leaving room for 4
     (16, 141, 4, 8, {}, 3, 4),  # a short cache pipelined deeper
     (64, 2048, 8, 4, dict(page_size=16), 2, 2),  # not measured: paged
