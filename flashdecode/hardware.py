@@ -94,11 +94,6 @@ class Tuning:
     #: Split plans that keep a combine launch it as a programmatic dependent launch
     #: (``Plan.dependent_combine``) where the backend and the device can.
     dependent_combine: bool = False
-    #: Batched split plans deal the sequences' blocks out in equal shares (``Plan.stream``) over one
-    #: wave of ``programs_per_multiprocessor`` programs an SM (at most the resident ones), where the
-    #: backend can (``Backend.streams``) and a share of the blocks the batch holds at capacity is at
-    #: least this many (a program crossing into a short remainder pays a second setup); 0: never.
-    stream_min_share_blocks: int = 0
     #: ``auto``'s order (:class:`AutoRule`): the first rule whose limits hold and whose backend can
     #: take the call runs it.
     auto_order: tuple = (AutoRule("tilelang", max_cache_bytes=32 * MIB, plain_cache_only=True,

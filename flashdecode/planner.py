@@ -34,16 +34,6 @@ The schedule is decided in two steps (``docs/design.md``, "The schedule").
    * program p serves the sequence b whose programs [start_b, start_b + splits_b) contain p, and
      the blocks first_b + [s * nblk_b // splits_b, (s + 1) * nblk_b // splits_b), s = p - start_b.
 
-   A streamed plan (``Plan.stream``: batches of several sequences, a backend that ``streams``, and
-   B * max blocks >= ``Tuning.stream_min_share_blocks`` * P) launches one wave, P = multiprocessors *
-   min(programs_per_multiprocessor, resident) // (Hk * row tiles), and deals the blocks out in equal
-   shares whatever the lengths:
-
-   * n_b = max(1, nblk_b) laid end to end from C_b = n_0 + ... + n_(b-1), T = sum_b n_b, P' = min(P, T)
-   * program p < P' takes blocks [p * T // P', (p + 1) * T // P') of the layout: one item per
-     sequence it crosses, split p - first_b of splits_b = last_b - first_b + 1 (block x is in program
-     ceil((x + 1) * P' / T) - 1), writing partial row p + b (``Plan.workspace_rows``: P + B).
-
    m = ``min_chunk`` keeps splits long enough that a program's fixed cost and the combine stay
    small next to its streaming (``Tuning.min_blocks_per_split``; shorter where a combine merges the
    splits or a batch leaves the grid underfilled, ``min_blocks_per_combined_split``, or for one
@@ -81,9 +71,6 @@ class Plan:
     #: SPLIT with a combine only: the combine is a programmatic dependent launch (scheduled while the
     #: split kernel drains; it waits in the kernel for the partials)
     dependent_combine: bool = False
-    #: SPLIT only: the streamed rule (``stream_work_list``): every sequence's blocks, end to end, dealt
-    #: out in P equal shares, a program serving each sequence its share crosses
-    stream: bool = False
 
     @property
     def block_n(self) -> int:
@@ -107,8 +94,6 @@ class Plan:
         if not self.can_split:
             return 1
         most = self._max_blocks(problem)
-        if self.stream:  # every program crossing a sequence holds at least one of its blocks
-            return max(1, min(self.programs_per_head, most))
         return max(1, min(self.programs_per_head - problem.batch, math.ceil(most / self.min_chunk)))
 
     def _max_blocks(self, problem: Problem) -> int:
@@ -124,8 +109,7 @@ class Plan:
     def min_chunk_binds(self, problem: Problem) -> bool:
         """Whether the balanced rule's chunk is ``min_chunk`` even with every sequence at capacity,
         i.e. the keys do not fill the grid (a forced split count has no chunk)."""
-        return (self.can_split and self.forced_splits == 0 and not self.stream
-                and self._chunk_at_capacity(problem) == self.min_chunk)
+        return self.can_split and self.forced_splits == 0 and self._chunk_at_capacity(problem) == self.min_chunk
 
     def working_programs(self, problem: Problem) -> int:
         """Most programs per KV head and row tile that get keys: one per sequence unsplit; split,
@@ -143,8 +127,6 @@ class Plan:
             return most
         if self.forced_splits > 0:
             return -(-most // self.forced_splits)
-        if self.stream:  # a share of the B * max(1, most) blocks a call can hold
-            return -(-problem.batch * max(1, most) // self.programs_per_head)
         return min(most, self._chunk_at_capacity(problem))
 
     def ticket_count(self, problem: Problem) -> int:
@@ -158,12 +140,10 @@ class Plan:
     def grid(self, problem: Problem) -> tuple[int, int, int]:
         return (self.programs_per_head, problem.nheads_k, self.row_tiles(problem))
 
-    def workspace_rows(self, problem: Problem) -> int:
-        """Rows of partial results the split kernel may write (one per program and KV head; streamed,
-        one per program and sequence it crosses: program p's share of sequence b writes row p + b)."""
-        if self.kernel != SPLIT:
-            return 0
-        return self.programs_per_head + (problem.batch if self.stream else 0)
+    @property
+    def workspace_rows(self) -> int:
+        """Rows of partial results the split kernel may write (one per program and KV head)."""
+        return self.programs_per_head if self.kernel == SPLIT else 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -176,7 +156,6 @@ class WorkItem:
     num_splits: int
     token_start: int
     token_end: int
-    slot: int  # the row of partials it writes where its sequence is split (``Plan.workspace_rows``)
 
     @property
     def tokens(self) -> int:
@@ -217,12 +196,6 @@ def plan(problem: Problem, profile: HardwareProfile, backend, num_splits: int = 
             return _pipelined(Plan(kernel, config_for(kernel), problem.batch), problem, profile, backend, config)
         min_chunk = 1
     per_sm = tuning.programs_per_multiprocessor
-    if tuning.stream_min_share_blocks and problem.batch > 1 and backend.streams(problem):
-        stream_per_sm = min(per_sm, max(1, backend.resident_programs(problem, split_config, profile)))
-        programs = max(1, profile.multiprocessors * stream_per_sm // (problem.nheads_k * row_tiles))  # one wave
-        if problem.batch * max_blocks >= tuning.stream_min_share_blocks * programs:
-            return _pipelined(_merge_mode(Plan(SPLIT, split_config, programs, stream=True), problem, profile,
-                                          backend), problem, profile, backend, config)
     if problem.batch == 1:
         per_sm = min(per_sm, max(1, backend.resident_programs(problem, split_config, profile)))
     extra = max(1, profile.multiprocessors * per_sm // (problem.nheads_k * row_tiles))  # never more than the target
@@ -300,27 +273,8 @@ def splits_per_sequence(plan_: Plan, lengths: list[int], starts: list[int] | Non
         return [min(plan_.forced_splits, max(1, nb)) for nb in blocks]
     if not plan_.can_split:
         return [1] * len(ranges)
-    if plan_.stream:
-        return [last - first + 1 for first, last in _stream_programs(plan_.programs_per_head, blocks)]
     chunk = max(plan_.min_chunk, math.ceil(sum(blocks) / (plan_.programs_per_head - len(ranges))))
     return [max(1, math.ceil(nb / chunk)) for nb in blocks]
-
-
-def _stream_shares(programs: int, blocks: list[int]) -> tuple[list[int], int, int]:
-    """The streamed rule's layout: (where each sequence's n_b = max(1, nblk_b) share blocks start
-    when laid end to end (a sequence without keys still takes an item), their total T, the programs
-    P' = min(P, T) with a share); program p < P' has blocks [p * T // P', (p + 1) * T // P')."""
-    shares = [max(1, nb) for nb in blocks]
-    total = max(1, sum(shares))
-    return [sum(shares[:b]) for b in range(len(shares))], total, min(programs, total)
-
-
-def _stream_programs(programs: int, blocks: list[int]) -> list[tuple[int, int]]:
-    """(first, last) program whose share holds part of each sequence: block x of the layout is in
-    program ceil((x + 1) * P' / T) - 1."""
-    starts, total, programs = _stream_shares(programs, blocks)
-    owner = lambda x: -(-(x + 1) * programs // total) - 1  # noqa: E731
-    return [(owner(start), owner(start + max(1, nb) - 1)) for start, nb in zip(starts, blocks)]
 
 
 def work_list(plan_: Plan, lengths: list[int], starts: list[int] | None = None) -> list[WorkItem]:
@@ -331,8 +285,6 @@ def work_list(plan_: Plan, lengths: list[int], starts: list[int] | None = None) 
     tests and the profiler's tail analysis reason about.
     """
     ranges = list(zip(starts if starts is not None else [0] * len(lengths), lengths))
-    if plan_.stream and plan_.can_split and plan_.forced_splits == 0:
-        return _stream_work_list(plan_, ranges)
     items = []
     program = 0
     for sequence, ((lo, hi), splits) in enumerate(zip(ranges, splits_per_sequence(plan_, lengths, starts))):
@@ -340,28 +292,8 @@ def work_list(plan_: Plan, lengths: list[int], starts: list[int] | None = None) 
         for split in range(splits):
             start = max((first + split * blocks // splits) * plan_.block_n, lo)
             end = min((first + (split + 1) * blocks // splits) * plan_.block_n, hi)
-            items.append(WorkItem(program, sequence, split, splits, start, max(start, end), program))
+            items.append(WorkItem(program, sequence, split, splits, start, max(start, end)))
             program += 1
     if program > plan_.programs_per_head:
         raise AssertionError(f"work list needs {program} programs, plan launches {plan_.programs_per_head}")
-    return items
-
-
-def _stream_work_list(plan_: Plan, ranges: list[tuple[int, int]]) -> list[WorkItem]:
-    """``work_list`` of a streamed plan: program p serves each sequence its share crosses, blocks
-    [max(p * T // P' - C_b, 0), min((p + 1) * T // P' - C_b, nblk_b)) of sequence b (C_b: where the
-    sequence starts in the layout), as split p - first_b, writing partial row p + b (distinct: a
-    later sequence never starts in an earlier program)."""
-    blocks = [_blocks(plan_, lo, hi) for lo, hi in ranges]
-    share_starts, total, programs = _stream_shares(plan_.programs_per_head, [nb for _, nb in blocks])
-    items = []
-    for sequence, ((lo, hi), (first_block, nb), (first, last), start) in enumerate(
-            zip(ranges, blocks, _stream_programs(programs, [nb for _, nb in blocks]), share_starts)):
-        for program in range(first, last + 1):
-            block_lo = min(max(program * total // programs - start, 0), nb)
-            block_hi = min((program + 1) * total // programs - start, nb)
-            token_start = max((first_block + block_lo) * plan_.block_n, lo)
-            token_end = min((first_block + block_hi) * plan_.block_n, hi)
-            items.append(WorkItem(program, sequence, program - first, last - first + 1, token_start,
-                                  max(token_start, token_end), program + sequence))
     return items

@@ -62,7 +62,7 @@ class Workspace:
     def partials(self, plan, problem, device, capturing=None):
         """part_o (W, Hk * q_rows, D) and part_lse (W, Hk * q_rows), float32 views of one buffer; empty
         when the plan does not split."""
-        rows, columns, headdim = plan.workspace_rows(problem), problem.nheads_k * problem.q_rows, problem.headdim
+        rows, columns, headdim = plan.workspace_rows, problem.nheads_k * problem.q_rows, problem.headdim
         key = (rows, columns, headdim)
         views = self._partial_views.get(key)
         if rows == 0 and views is not None:  # nothing is read or written: shared, even by graphs

@@ -84,8 +84,8 @@ def through_plan(q, k_cache, v_cache, kwargs, num_splits=0, merge=False, config=
     lse_shape = (problem.nheads, q.shape[0]) if problem.ragged else (problem.batch, problem.nheads, problem.seqlen_q)
     lse = torch.empty(lse_shape, device=DEVICE)
     rows = problem.nheads_k * problem.q_rows
-    part_o = torch.empty(chosen.workspace_rows(problem), rows, problem.headdim, device=DEVICE)
-    part_lse = torch.empty(chosen.workspace_rows(problem), rows, device=DEVICE)
+    part_o = torch.empty(chosen.workspace_rows, rows, problem.headdim, device=DEVICE)
+    part_lse = torch.empty(chosen.workspace_rows, rows, device=DEVICE)
     for _ in range(2 if chosen.merge_in_split else 1):
         k_copy, v_copy = k_cache.clone(), v_cache.clone()
         BACKEND.launch(chosen, problem, LaunchArgs(

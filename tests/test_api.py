@@ -151,7 +151,7 @@ def test_lse_sink_and_workspace_are_reused_within_a_context():
     route = plan_for(*inputs()[:3], cache_seqlens=16, num_splits=3, backend="triton", context=context)
     part_o, part_lse = context.workspace.partials(route.plan, route.problem, torch.device("cpu"))
     again = context.workspace.partials(route.plan, route.problem, torch.device("cpu"))
-    assert again[0].data_ptr() == part_o.data_ptr() and part_lse.shape == (route.plan.workspace_rows(route.problem), 8)
+    assert again[0].data_ptr() == part_o.data_ptr() and part_lse.shape == (route.plan.workspace_rows, 8)
     sink = context.workspace.lse(route.problem, torch.device("cpu"), wanted=False)
     assert context.workspace.lse(route.problem, torch.device("cpu"), wanted=False).data_ptr() == sink.data_ptr()
     assert context.workspace.lse(route.problem, torch.device("cpu"), wanted=True).data_ptr() != sink.data_ptr()

@@ -1,5 +1,4 @@
 """Planner properties on every hardware profile and backend: exact coverage, bounds, fill, no tail."""
-import collections
 import dataclasses
 import itertools
 import math
@@ -25,22 +24,12 @@ def problem_for(lengths, seqlen_cache, nheads_k=8, group=4, headdim=128, **featu
 def assert_covers_exactly_once(p, lengths, starts=None):
     starts = starts or [0] * len(lengths)
     items = work_list(p, lengths, starts)
-    if p.stream:  # a program serves consecutive sequences; each item its own partial row
-        assert all(0 <= item.program < p.programs_per_head for item in items)
-        assert len({item.slot for item in items}) == len(items)
-        assert all(item.slot < p.workspace_rows(problem_for(lengths, max(lengths + [1]))) for item in items)
-        for program in {item.program for item in items}:
-            served = [item.sequence for item in items if item.program == program]
-            assert served == list(range(served[0], served[0] + len(served)))
-    else:
-        assert len(items) <= p.programs_per_head
-        assert [item.program for item in items] == list(range(len(items)))
-        assert [item.slot for item in items] == [item.program for item in items]
+    assert len(items) <= p.programs_per_head
+    assert [item.program for item in items] == list(range(len(items)))
     for sequence, (start, length) in enumerate(zip(starts, lengths)):
         mine = [item for item in items if item.sequence == sequence]
         assert mine, "every sequence gets a program (an empty one writes 0 / -inf)"
         assert [item.split for item in mine] == list(range(len(mine)))
-        assert [item.slot - item.split for item in mine] == [mine[0].slot] * len(mine)  # the merge reads these
         assert all(item.num_splits == len(mine) for item in mine)
         covered = [t for item in mine for t in range(item.token_start, item.token_end)]
         assert covered == list(range(start, length)), f"sequence {sequence} not covered exactly once"
@@ -49,26 +38,6 @@ def assert_covers_exactly_once(p, lengths, starts=None):
         if len(mine) > 1:
             assert all(item.tokens > 0 for item in mine), "a split sequence has no empty split"
     return items
-
-
-def streamed(profile, stream=True):
-    """``profile`` with every batched split plan streamed where ``stream``, never otherwise
-    (``Tuning.stream_min_share_blocks``)."""
-    return dataclasses.replace(profile, tuning=dataclasses.replace(profile.tuning,
-                                                                   stream_min_share_blocks=1 if stream else 0))
-
-
-def assert_bounds(p, problem, items):
-    """The plan's bounds hold for its work list: ``max_splits`` (what merging in the split kernel is
-    allowed by), ``working_programs`` (programs with keys) and ``most_blocks_per_program`` (what the
-    pipeline depth is chosen by, ``Backend.pipelined``; a program's blocks over all its items)."""
-    assert all(item.num_splits <= p.max_splits(problem) for item in items)
-    assert len({item.program for item in items if item.tokens}) <= p.working_programs(problem)
-    blocks = collections.Counter()
-    for item in items:
-        if item.tokens:
-            blocks[item.program] += -(-item.token_end // p.block_n) - item.token_start // p.block_n
-    assert all(count <= p.most_blocks_per_program(problem) for count in blocks.values())
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -82,10 +51,14 @@ def test_random_key_ranges_covered_exactly_once(backend, profile_name, data):
     nheads_k = data.draw(st.sampled_from([1, 2, 4, 8]))
     num_splits = data.draw(st.sampled_from([0, 0, 0, 1, 2, 7]))
     problem = problem_for(lengths, seqlen_cache, nheads_k)
-    p = plan(problem, streamed(PROFILES[profile_name], data.draw(st.booleans())), get_backend(backend), num_splits)
+    p = plan(problem, PROFILES[profile_name], get_backend(backend), num_splits)
     assert 1 <= p.programs_per_head
     items = assert_covers_exactly_once(p, lengths, starts)
-    assert_bounds(p, problem, items)
+    assert all(item.num_splits <= p.max_splits(problem) for item in items)  # the bound merging relies on
+    # the bounds the pipeline depth is chosen by (``Backend.pipelined``)
+    assert len(items) <= p.working_programs(problem)
+    assert all(-(-item.token_end // p.block_n) - item.token_start // p.block_n <= p.most_blocks_per_program(problem)
+               for item in items if item.tokens)
     if num_splits:
         capped = min(num_splits, max(1, math.ceil(seqlen_cache / p.block_n)))  # no split can be empty
         assert p.programs_per_head == len(lengths) * capped
@@ -99,24 +72,16 @@ def test_matrix_cases_fill_the_machine_without_tail(backend, profile_name, case)
     profile = PROFILES[profile_name]
     lengths = case_seqlens(case.batch, case.seqlen_cache).tolist()
     p = plan(problem_for(lengths, case.seqlen_cache, case.nheads_k, case.group), profile, get_backend(backend))
-    tokens = program_tokens(assert_covers_exactly_once(p, lengths))
+    items = assert_covers_exactly_once(p, lengths)
     blocks = sum(math.ceil(n / p.block_n) for n in lengths)
-    programs = len(tokens) * case.nheads_k
+    programs = len(items) * case.nheads_k
     # The grid fills every multiprocessor wherever there are enough KV blocks to go round in
     # splits of at least min_chunk blocks.
     if p.can_split:
         assert programs >= min(profile.multiprocessors, blocks // p.min_chunk * case.nheads_k)
     # No program carries much more than the average: at most twice the mean, plus one block.
-    mean = sum(lengths) / len(tokens)
-    assert max(tokens.values()) <= 2 * mean + p.block_n
-
-
-def program_tokens(items) -> collections.Counter:
-    """The keys each program of a work list reads (a streamed program's over all its items)."""
-    tokens = collections.Counter()
-    for item in items:
-        tokens[item.program] += item.tokens
-    return tokens
+    mean = sum(lengths) / len(items)
+    assert max(item.tokens for item in items) <= 2 * mean + p.block_n
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -126,10 +91,10 @@ def test_skewed_batch_has_no_tail(backend, profile_name):
     profile = PROFILES[profile_name]
     for nheads_k in (4, 8):
         p = plan(problem_for(lengths, 65536, nheads_k), profile, get_backend(backend))
-        tokens = program_tokens(assert_covers_exactly_once(p, lengths))
-        mean = sum(lengths) / len(tokens)
-        assert max(tokens.values()) <= 2 * mean
-        assert len(tokens) * nheads_k >= profile.multiprocessors
+        items = assert_covers_exactly_once(p, lengths)
+        mean = sum(lengths) / len(items)
+        assert max(item.tokens for item in items) <= 2 * mean
+        assert len(items) * nheads_k >= profile.multiprocessors
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -260,8 +225,7 @@ def test_plan_bounds_hold_under_windows_and_appended_tokens(backend, data):
     seqlen_q, batch = data.draw(st.integers(1, 8)), data.draw(st.integers(1, 8))
     problem = problem_for([0] * batch, seqlen_cache, seqlen_q=seqlen_q, window_left=window_left,
                           window_right=0 if window_left >= 0 else -1, seqlen_new=seqlen_new)
-    p = plan(problem, streamed(PROFILES["h200"], data.draw(st.booleans())), get_backend(backend),
-             data.draw(st.sampled_from([0, 0, 3])))
+    p = plan(problem, PROFILES["h200"], get_backend(backend), data.draw(st.sampled_from([0, 0, 3])))
     room = seqlen_cache - seqlen_new
     # lengths whose first visible key (length + seqlen_new - seqlen_q - window_left) ends a block
     first_worst = p.block_n - 1 + seqlen_q + window_left - seqlen_new
@@ -269,7 +233,11 @@ def test_plan_bounds_hold_under_windows_and_appended_tokens(backend, data):
     length = st.one_of(st.integers(0, room), st.sampled_from(worst)) if worst else st.integers(0, room)
     lengths = [data.draw(length) for _ in range(batch)]
     ranges = [key_range(problem, length) for length in lengths]
-    assert_bounds(p, problem, work_list(p, [hi for _, hi in ranges], [lo for lo, _ in ranges]))
+    items = work_list(p, [hi for _, hi in ranges], [lo for lo, _ in ranges])
+    assert all(item.num_splits <= p.max_splits(problem) for item in items)
+    assert len([item for item in items if item.tokens]) <= p.working_programs(problem)
+    assert all(-(-item.token_end // p.block_n) - item.token_start // p.block_n <= p.most_blocks_per_program(problem)
+               for item in items if item.tokens)
 
 
 @pytest.mark.parametrize("threshold", [0, 4, 64, 10_000])
@@ -288,11 +256,9 @@ def test_split_plans_merge_in_the_kernel_up_to_the_tunings_splits(threshold):
                 and p.max_splits(problem) * p.config.block_m <= 512  # Hopper's row cap
             assert p.merge_in_split == merges
             assert p.needs_combine == (p.kernel == SPLIT and not merges)
-            # a streamed program writes a partial row for each sequence it crosses
-            assert p.workspace_rows(problem) == (p.programs_per_head + (batch if p.stream else 0)
-                                                 if p.kernel == SPLIT else 0)
+            assert p.workspace_rows == (p.programs_per_head if p.kernel == SPLIT else 0)
             assert p.ticket_count(problem) == (batch * problem.nheads_k * p.row_tiles(problem) if merges else 0)
-            if p.kernel == SPLIT and num_splits == 0 and not p.stream:  # a combine: shorter splits than a merge's
+            if p.kernel == SPLIT and num_splits == 0:  # a combine takes shorter splits than the merge allows
                 tuning = profile.tuning
                 combined = dict(tuning.min_blocks_per_combined_split).get(backend, tuning.min_blocks_per_split)
                 assert p.min_chunk == (1 if one_sequence else tuning.min_blocks_per_split if merges else combined)
@@ -568,24 +534,3 @@ def test_triton_register_cap_leaves_large_tiles_uncapped(headdim, group, seqlen_
     problem = problem_for([256] * 2, 768, 3, group, headdim, seqlen_q=seqlen_q, page_size=page_size,
                           offsets_32=True)
     assert plan(problem, PROFILES["h200"], get_backend("triton")).config.max_registers == cap
-
-
-@pytest.mark.parametrize("profile_name", PROFILE_NAMES)
-@pytest.mark.parametrize("case", [case for case in CASES if case.batch > 1], ids=lambda c: f"case{c.number}")
-def test_streamed_plans_give_every_program_an_equal_share(profile_name, case):
-    """Streamed (Triton, batched splits): one wave of programs, each streaming T // P' or one block
-    more, whatever the lengths; TileLang keeps the balanced rule."""
-    profile = streamed(PROFILES[profile_name])
-    lengths = case_seqlens(case.batch, case.seqlen_cache).tolist()
-    problem = problem_for(lengths, case.seqlen_cache, case.nheads_k, case.group)
-    assert not plan(problem, profile, get_backend("tilelang")).stream
-    p = plan(problem, profile, get_backend("triton"))
-    if p.kernel != SPLIT:
-        return
-    assert p.stream and p.programs_per_head * case.nheads_k <= profile.multiprocessors * 4
-    items = assert_covers_exactly_once(p, lengths)
-    shares = collections.Counter()
-    for item in items:
-        shares[item.program] += max(1, -(-item.token_end // p.block_n) - item.token_start // p.block_n)
-    total = sum(max(1, math.ceil(n / p.block_n)) for n in lengths)
-    assert set(shares.values()) <= {total // len(shares), -(-total // len(shares))}

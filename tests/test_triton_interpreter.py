@@ -108,18 +108,15 @@ def through_api(call: Call, num_splits=0, **extra):
     return out, lse, k_cache, v_cache
 
 
-def through_backend(call: Call, num_splits=0, config=SMALL, problem=None, merge=False, stream=0, **replaced):
+def through_backend(call: Call, num_splits=0, config=SMALL, problem=None, merge=False, **replaced):
     """(out, lse, k_cache, v_cache) of ``TritonBackend.launch`` with a plan of ``config``; ``replaced``
     swaps index tensors after the call was validated (values the public call rejects). ``merge``: the
     split kernel merges the partials itself (``Plan.merge_in_split``), twice on the same counters,
-    which must be back at zero after each launch; otherwise a split plan runs the combine kernel.
-    ``stream`` > 0: a streamed split plan (``Plan.stream``) of that many programs a KV head."""
+    which must be back at zero after each launch; otherwise a split plan runs the combine kernel."""
     if problem is None:
         problem = plan_for(call.q, call.k_cache, call.v_cache, **call.kwargs, num_splits=num_splits,
                            backend="triton").problem
     chosen = plan(problem, PROFILES["h200"], BACKEND, num_splits, config=config)
-    if stream:
-        chosen = dataclasses.replace(chosen, kernel=SPLIT, programs_per_head=stream, forced_splits=0, stream=True)
     if merge and chosen.kernel != SPLIT:
         pytest.skip("nothing to merge: the plan does not split")
     if chosen.kernel == SPLIT:  # the combine kernel unless ``merge``, whatever the tuning allows
@@ -129,8 +126,8 @@ def through_backend(call: Call, num_splits=0, config=SMALL, problem=None, merge=
     out = torch.empty_like(call.q)
     lse = torch.empty(problem.batch, problem.nheads, problem.seqlen_q, device=DEVICE)
     rows = problem.nheads_k * problem.q_rows
-    part_o = torch.empty(chosen.workspace_rows(problem), rows, problem.headdim, device=DEVICE)
-    part_lse = torch.empty(chosen.workspace_rows(problem), rows, device=DEVICE)
+    part_o = torch.empty(chosen.workspace_rows, rows, problem.headdim, device=DEVICE)
+    part_lse = torch.empty(chosen.workspace_rows, rows, device=DEVICE)
     for _ in range(2 if merge else 1):
         k_cache, v_cache = call.k_cache.clone(), call.v_cache.clone()
         out.fill_(7.0)
@@ -213,34 +210,22 @@ FEATURES = {
 }
 
 
-#: The plan kinds a feature runs under: (num_splits, merged in the split kernel, streamed programs a
-#: KV head: few, so that a program's share crosses sequences).
-PLAN_KINDS = {"auto": (0, False, 0), "split": (3, False, 0), "merge": (3, True, 0), "stream": (0, False, 3),
-              "stream-merge": (0, True, 5)}
-#: Each feature under one plan kind, in turn (every kind meets a fifth of the features); "everything"
-#: under all of them in the fast tier.
+#: The plan kinds a feature runs under: (num_splits, merged in the split kernel).
+PLAN_KINDS = {"auto": (0, False), "split": (3, False), "merge": (3, True)}
+#: Each feature under one plan kind, in turn (every kind meets a third of the features); "everything"
+#: under all three in the fast tier.
 FEATURE_PLANS = [("everything", kind) for kind in PLAN_KINDS] + [
     (feature, list(PLAN_KINDS)[index % len(PLAN_KINDS)]) for index, feature in enumerate(FEATURES)
     if feature != "everything"]
 
 
-@pytest.mark.parametrize("feature, kind", slow_except(FEATURE_PLANS, FEATURE_PLANS[:len(PLAN_KINDS)], several=True),
+@pytest.mark.parametrize("feature, kind", slow_except(FEATURE_PLANS, FEATURE_PLANS[:3], several=True),
                          ids=[f"{kind}-{feature}" for feature, kind in FEATURE_PLANS])
 def test_feature(feature, kind):
-    num_splits, merge, stream = PLAN_KINDS[kind]
+    num_splits, merge = PLAN_KINDS[kind]
     call = make_call(**FEATURES[feature])
-    got = through_backend(call, num_splits, merge=merge, stream=stream)
+    got = through_backend(call, num_splits, merge=merge)
     assert_matches(got, reference(call))
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("programs, merge", [(1, False), (2, True), (3, False), (5, True), (40, False)])
-@pytest.mark.parametrize("feature", FEATURES)
-def test_feature_streamed(feature, programs, merge):
-    """Every feature under streamed plans of 1 to 40 programs a KV head (shares crossing several
-    sequences, or one block and fewer), merged both ways."""
-    call = make_call(**FEATURES[feature])
-    assert_matches(through_backend(call, merge=merge, stream=programs), reference(call))
 
 
 @pytest.mark.parametrize("feature", slow_except(["paged1", "paged4", "paged32", "everything"], {"paged1"}))
@@ -431,12 +416,12 @@ BAD_VALUE_PLANS = [(case, kind) for case in BAD_VALUES for kind in PLAN_KINDS
     BAD_VALUE_PLANS, {("block-id-last-page", "split"), ("batch-idx", "split")}, several=True),
     ids=[f"{kind}-{case}" for case, kind in BAD_VALUE_PLANS])
 def test_bad_value_makes_its_sequence_nan(case, kind):
-    num_splits, merge, stream = PLAN_KINDS[kind]
+    num_splits, merge = PLAN_KINDS[kind]
     arguments, name, value, *column = BAD_VALUES[case]
     call = make_call(**{"lengths": [50, 40], **arguments})
     bad = call.kwargs[name].clone()
     bad.view(2, -1)[0, column[0] if column else 0] = value
-    got = through_backend(call, num_splits, merge=merge, stream=stream, **{name: bad})
+    got = through_backend(call, num_splits, merge=merge, **{name: bad})
     assert got[0][0].isnan().all()
     expected = reference(call)
     assert_matches(got[:2] + expected[2:], expected, sequences=slice(1, 2))

@@ -217,8 +217,8 @@ def route_args(route, q, k_cache, v_cache, kwargs) -> LaunchArgs:
     as given."""
     problem, plan = route.problem, route.plan
     lse = torch.empty(q.shape[0], q.shape[2], q.shape[1], device=q.device)
-    part_o = torch.empty(plan.workspace_rows(problem), problem.nheads_k * problem.q_rows, q.shape[3], device=q.device)
-    part_lse = torch.empty(plan.workspace_rows(problem), problem.nheads_k * problem.q_rows, device=q.device)
+    part_o = torch.empty(plan.workspace_rows, problem.nheads_k * problem.q_rows, q.shape[3], device=q.device)
+    part_lse = torch.empty(plan.workspace_rows, problem.nheads_k * problem.q_rows, device=q.device)
     tickets = torch.zeros(plan.ticket_count(problem), dtype=torch.int32, device=q.device) if plan.merge_in_split \
         else None
     return LaunchArgs(

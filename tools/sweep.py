@@ -23,8 +23,7 @@ without it a swept Triton tile is steered off Triton's miscompiles as the defaul
 ``--combine-step`` and ``--combine-dims`` Triton's combine: partials a program loads at once, head
 dims it merges (0: the whole head); ``--merge-splits`` the most splits a sequence may have for the
 split kernel to merge them itself (0: never); ``--dependent-combine 0,1`` the combine as a
-programmatic dependent launch; ``--stream 0,16`` batched splits streamed in equal shares where a
-share at capacity holds that many blocks (``Tuning.stream_min_share_blocks``; 0: never); ``--triton-resident`` the split programs Triton assumes an SM
+programmatic dependent launch; ``--triton-resident`` the split programs Triton assumes an SM
 holds at the case's head dim (the row of ``Tuning.triton_resident_programs`` it takes, for paged
 caches too: single-sequence grids and the register cap follow); ``--underfilled-caps 8:256,none``
 ``Tuning.underfilled_merge_caps`` (none: that rule off; ``--min-chunk`` sets the combine's minimum
@@ -65,7 +64,7 @@ def main():
     for flag in ("--ppsm", "--min-chunk", "--short-max-blocks", "--block-n", "--tl-stages", "--tl-rows",
                  "--tl-producer-regs", "--warps", "--max-registers", "--merge-splits",
                  "--dependent-combine", "--triton-resident", "--one-sequence-min-blocks", "--split-above",
-                 "--underfilled-above", "--combine-step", "--combine-dims", "--fp8-v-words", "--stream"):
+                 "--underfilled-above", "--combine-step", "--combine-dims", "--fp8-v-words"):
         parser.add_argument(flag, default="", help="comma list (default: the measured value)")
     parser.add_argument("--underfilled-caps", default="", help="comma list of SPLITS:ROWS or none "
                         "(Tuning.underfilled_merge_caps; default: the measured value)")
@@ -98,19 +97,18 @@ def main():
                             base.triton_resident_programs[-1][0])
         for backend, ppsm, min_chunk, short_max, block_n, stages, q_rows, producer, warps, registers, merge, \
                 dependent, resident, one_sequence, split_above, underfilled, combine_step, combine_dims, fp8_v_words, \
-                stream, underfilled_caps in itertools.product(
+                underfilled_caps in itertools.product(
                     args.backend.split(","), *(values(getattr(args, name)) for name in (
                         "ppsm", "min_chunk", "short_max_blocks", "block_n", "tl_stages", "tl_rows",
                         "tl_producer_regs", "warps", "max_registers", "merge_splits",
                         "dependent_combine", "triton_resident", "one_sequence_min_blocks", "split_above",
-                        "underfilled_above", "combine_step", "combine_dims", "fp8_v_words", "stream")),
+                        "underfilled_above", "combine_step", "combine_dims", "fp8_v_words")),
                     caps(args.underfilled_caps)):
             tuning = dataclasses.replace(base, **{name: value for name, value in (
                 ("programs_per_multiprocessor", ppsm), ("min_blocks_per_split", min_chunk),
                 ("min_blocks_per_combined_split", None if min_chunk is None else ((backend, min_chunk),)),
                 ("short_cache_max_blocks", short_max), ("max_splits_merged_in_split", merge),
                 ("dependent_combine", None if dependent is None else bool(dependent)),
-                ("stream_min_share_blocks", stream),
                 ("triton_resident_programs", None if resident is None else tuple(
                     (dim, resident if dim == resident_row else programs)
                     for dim, programs in base.triton_resident_programs)),
@@ -150,7 +148,7 @@ def main():
                                   context=context).plan
                 row["plan"] = dict(kernel=chosen.kernel, programs_per_head=chosen.programs_per_head,
                                    merge_in_split=chosen.merge_in_split, dependent_combine=chosen.dependent_combine,
-                                   min_chunk=chosen.min_chunk, stream=chosen.stream)
+                                   min_chunk=chosen.min_chunk)
 
                 def call():
                     return flash_attn_with_kvcache(inputs.q, inputs.k_cache, inputs.v_cache, **inputs.kwargs(),

@@ -143,10 +143,6 @@ class Backend(abc.ABC):
         """Whether the combine can be a programmatic dependent launch (``Plan.dependent_combine``)."""
         return False
 
-    def streams(self, problem: Problem) -> bool:
-        """Whether the split kernel takes the streamed rule (``Plan.stream``)."""
-        return False
-
     def block_ids_read_from(self, plan) -> int:
         """The kernels read a paged sequence's block ids from its first visible key rounded down to
         a multiple of this many keys (1: from that key's own page); the host check of the values

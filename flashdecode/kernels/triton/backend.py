@@ -224,10 +224,6 @@ class TritonBackend(Backend):
         """Where Triton has grid-dependency control and compiles the kernels (``DEPENDENT_LAUNCH_UNAVAILABLE``)."""
         return DEPENDENT_LAUNCH_UNAVAILABLE is None
 
-    def streams(self, problem: Problem) -> bool:
-        """Every problem: a split program serves each sequence its share crosses (``schedule.stream_item``)."""
-        return True
-
     def resident_programs(self, problem: Problem, config, profile: HardwareProfile) -> int:
         """From the profile's measured ``triton_resident_programs``, by padded head dim."""
         return resident_by_headdim(padded_headdim(problem.headdim), profile)
@@ -344,7 +340,7 @@ def _make_spec(plan, problem: Problem) -> _LaunchSpec:
         LEFTPAD=leftpad, BATCH_IDX=problem.batch_idx and not problem.paged, MERGE_IN_SPLIT=plan.merge_in_split,
         MERGE_STEP=merge_step_for(config.block_m) if plan.merge_in_split else 1,
         DEPENDENT_COMBINE=plan.dependent_combine, FP8=problem.cache_dtype is not None, SINKS=problem.sinks,
-        RAGGED=problem.ragged, FP8_V_WORDS=fp8_v_words(config, problem), STREAM=plan.stream)
+        RAGGED=problem.ragged, FP8_V_WORDS=fp8_v_words(config, problem))
     head_chunk = config.combine_dims or head_pad
     if head_chunk & (head_chunk - 1) or head_chunk > head_pad:
         raise ValueError(f"triton: combine_dims must be a power of two of at most the padded head dim {head_pad}, "
@@ -354,7 +350,7 @@ def _make_spec(plan, problem: Problem) -> _LaunchSpec:
         BLOCK_N=config.block_n, BATCH_PAD=batch_pad, SPLITS_PER_STEP=config.combine_step, HEAD_CHUNK=head_chunk,
         APPEND=append,
         LEFTPAD=leftpad, WINDOW_LEFT=window_left, EMPTY_ROWS=problem.windowed and problem.seqlen_q > 1,
-        DEPENDENT_COMBINE=plan.dependent_combine, SINKS=problem.sinks, RAGGED=problem.ragged, STREAM=plan.stream)
+        DEPENDENT_COMBINE=plan.dependent_combine, SINKS=problem.sinks, RAGGED=problem.ragged)
     split_options = {"num_warps": config.num_warps, "num_stages": config.num_stages}
     if config.max_registers is not None:
         split_options[REGISTER_CEILING] = config.max_registers

@@ -22,7 +22,7 @@ import triton.language as tl
 from .attend import (LOG2E, append_tokens, attend_block, bad_block_ids, fp16_rows, rotary_columns, rotate,
                      row_offsets, tile_mask)
 from .launch import gdc_launch_dependents, gdc_wait
-from .schedule import entry, key_range, locate, query_rows, split_counts, stream_layout
+from .schedule import entry, key_range, locate, query_rows, split_counts
 
 LN2 = tl.constexpr(1.0 / LOG2E.value)
 
@@ -47,246 +47,187 @@ def split_kernel(Q, K, V, Lens, Out, Lse, PartO, PartLse, KNew, VNew, BatchIdx, 
                  WINDOW_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, LEFTPAD: tl.constexpr,
                  BATCH_IDX: tl.constexpr, MERGE_IN_SPLIT: tl.constexpr, MERGE_STEP: tl.constexpr,
                  DEPENDENT_COMBINE: tl.constexpr, FP8: tl.constexpr, SINKS: tl.constexpr, RAGGED: tl.constexpr,
-                 FP8_V_WORDS: tl.constexpr, STREAM: tl.constexpr):
+                 FP8_V_WORDS: tl.constexpr):
     if DEPENDENT_COMBINE:  # the combine may be scheduled once every program has started
         gdc_launch_dependents()
     pid = tl.program_id(0)
     head_k = tl.program_id(1)
     tile = tl.program_id(2)
-    if STREAM:  # each sequence the program's share crosses: split pid - first, partial row pid + seq
-        offs, raw, share_starts, share_ends, first_program, last_program, share_lo, share_hi = stream_layout(
-            Lens, LeftPad, CuSeqlensQ, pid, batch, capacity, num_programs, seqlen_new, window_left, total_q,
-            SEQLEN_Q, APPEND, LEFTPAD, WINDOW_LEFT, BLOCK_N, BATCH_PAD, RAGGED)
-        if share_hi > share_lo:
-            seq_lo = tl.sum((share_ends <= share_lo).to(tl.int32), 0)
-            seq_hi = tl.sum((share_ends < share_hi).to(tl.int32), 0)
-            for i in range(0, seq_hi - seq_lo + 1):
-                seq = seq_lo + i  # a tensor under the interpreter too
-                first = entry(offs, first_program, seq)
-                num_splits = entry(offs, last_program, seq) - first + 1
-                start = entry(offs, share_starts, seq)  # where the sequence's blocks start in the layout
-                split_item(seq, pid - first, num_splits, entry(offs, raw, seq), pid + seq,
-                           (share_lo - start).to(tl.int32), (share_hi - start).to(tl.int32), head_k, tile, Q, K, V,
-                           Out, Lse, PartO, PartLse, KNew, VNew, BatchIdx, LeftPad, BlockTable, Cos, Sin, Alibi,
-                           Tickets, KDescale, VDescale, Sinks, CuSeqlensQ, scale_log2, softcap_in, softcap_out, batch,
-                           capacity, seqlen_new, window_left, window_right, cache_rows, rotary_rows, total_q,
-                           stride_qb, stride_qi, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt,
-                           stride_vh, stride_ob, stride_oi, stride_oh, stride_nkb, stride_nkt, stride_nkh, stride_nvb,
-                           stride_nvt, stride_nvh, stride_table, stride_alibi, stride_kdb, stride_kdh, stride_vdb,
-                           stride_vdh, GROUP, SEQLEN_Q, HEAD_DIM, HEAD_PAD, BLOCK_N, BLOCK_M, PAGE_SIZE, OFFSETS_32,
-                           APPEND, ROTARY_DIM, ROTARY_INTERLEAVED, ROTARY_PER_ROW, WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP,
-                           ALIBI, LEFTPAD, BATCH_IDX, MERGE_IN_SPLIT, MERGE_STEP, FP8, SINKS, RAGGED, FP8_V_WORDS,
-                           STREAM)
-    else:
-        seq, split, num_splits, raw_len = locate(
-            Lens, LeftPad, CuSeqlensQ, pid, batch, capacity, num_programs, forced_splits, min_chunk, seqlen_new,
-            window_left, total_q, SEQLEN_Q, APPEND, LEFTPAD, WINDOW_LEFT, BLOCK_N, BATCH_PAD, CAN_SPLIT, RAGGED)
-        if seq < batch:
-            split_item(seq, split, num_splits, raw_len, pid, 0, 0, head_k, tile, Q, K, V, Out, Lse, PartO, PartLse,
-                       KNew, VNew, BatchIdx, LeftPad, BlockTable, Cos, Sin, Alibi, Tickets, KDescale, VDescale, Sinks,
-                       CuSeqlensQ, scale_log2, softcap_in, softcap_out, batch, capacity, seqlen_new, window_left,
-                       window_right, cache_rows, rotary_rows, total_q, stride_qb, stride_qi, stride_qh, stride_kb,
-                       stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_ob, stride_oi, stride_oh,
-                       stride_nkb, stride_nkt, stride_nkh, stride_nvb, stride_nvt, stride_nvh, stride_table,
-                       stride_alibi, stride_kdb, stride_kdh, stride_vdb, stride_vdh, GROUP, SEQLEN_Q, HEAD_DIM,
-                       HEAD_PAD, BLOCK_N, BLOCK_M, PAGE_SIZE, OFFSETS_32, APPEND, ROTARY_DIM, ROTARY_INTERLEAVED,
-                       ROTARY_PER_ROW, WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP, ALIBI, LEFTPAD, BATCH_IDX, MERGE_IN_SPLIT,
-                       MERGE_STEP, FP8, SINKS, RAGGED, FP8_V_WORDS, STREAM)
-
-
-@triton.jit
-def split_item(seq, split, num_splits, raw_len, slot, share_lo, share_hi, head_k, tile, Q, K, V, Out, Lse, PartO,
-               PartLse, KNew, VNew, BatchIdx, LeftPad, BlockTable, Cos, Sin, Alibi, Tickets, KDescale, VDescale, Sinks,
-               CuSeqlensQ, scale_log2, softcap_in, softcap_out, batch, capacity, seqlen_new, window_left, window_right,
-               cache_rows, rotary_rows, total_q, stride_qb, stride_qi, stride_qh, stride_kb, stride_kt, stride_kh,
-               stride_vb, stride_vt, stride_vh, stride_ob, stride_oi, stride_oh, stride_nkb, stride_nkt, stride_nkh,
-               stride_nvb, stride_nvt, stride_nvh, stride_table, stride_alibi, stride_kdb, stride_kdh, stride_vdb,
-               stride_vdh, GROUP: tl.constexpr, SEQLEN_Q: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr,
-               BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, PAGE_SIZE: tl.constexpr, OFFSETS_32: tl.constexpr,
-               APPEND: tl.constexpr, ROTARY_DIM: tl.constexpr, ROTARY_INTERLEAVED: tl.constexpr,
-               ROTARY_PER_ROW: tl.constexpr, WINDOW_LEFT: tl.constexpr, WINDOW_RIGHT: tl.constexpr,
-               SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, LEFTPAD: tl.constexpr, BATCH_IDX: tl.constexpr,
-               MERGE_IN_SPLIT: tl.constexpr, MERGE_STEP: tl.constexpr, FP8: tl.constexpr, SINKS: tl.constexpr,
-               RAGGED: tl.constexpr, FP8_V_WORDS: tl.constexpr, STREAM: tl.constexpr):
-    """Sequence ``seq``'s split ``split`` of ``num_splits`` for KV head ``head_k`` and row tile
-    ``tile``: its blocks (the balanced rule's; STREAM: blocks [share_lo, share_hi) of the sequence,
-    clamped to its own), streamed once; out/lse written where the sequence is not split, else
-    partial row ``slot`` (merged here where MERGE_IN_SPLIT)."""
-    # Ragged: the sequence's packed rows [q_first, q_first + q_len) of q and out (q_first 0 else).
-    q_first, q_len, rows_valid = query_rows(CuSeqlensQ, seq, seq < batch, total_q, SEQLEN_Q, RAGGED)
-    new_len = seqlen_new
-    if RAGGED:
-        new_len = q_len  # appending, the sequence's own rows of k/v
-    # Out-of-range values are clamped (no stray access) and flagged with NaN rows.
-    if APPEND:
-        valid = (raw_len >= 0) & (raw_len <= capacity - new_len)
-    else:
-        valid = (raw_len >= 0) & (raw_len <= capacity)
-    if RAGGED:
-        valid = valid & rows_valid
-    leftpad = 0
-    if LEFTPAD:
-        leftpad = tl.load(LeftPad + seq)
-        valid = valid & (leftpad >= 0) & (leftpad <= raw_len)
-    lo, hi = key_range(raw_len, leftpad, new_len, capacity, window_left, q_len, APPEND, LEFTPAD, WINDOW_LEFT)
-    writable = True  # the cache row the appended tokens go to is this sequence's own
-    # 64-bit head and row offsets: a cache can exceed 2^31 elements, and so can a strided view's
-    # offsets (pages are addressed in 32 bits where OFFSETS_32 says they fit, ``cache_offsets``).
-    if PAGE_SIZE > 0:
-        table_row = BlockTable + seq * stride_table
-        k_head = K + head_k.to(tl.int64) * stride_kh
-        v_head = V + head_k.to(tl.int64) * stride_vh
-    else:
-        table_row = BlockTable
-        cache_row = seq
-        if BATCH_IDX:
-            cache_row = tl.load(BatchIdx + seq)
-            writable = (cache_row >= 0) & (cache_row < cache_rows)
-            valid = valid & writable
-            cache_row = tl.minimum(tl.maximum(cache_row, 0), cache_rows - 1)
-        k_head = K + cache_row.to(tl.int64) * stride_kb + head_k.to(tl.int64) * stride_kh
-        v_head = V + cache_row.to(tl.int64) * stride_vb + head_k.to(tl.int64) * stride_vh
-    bad = tl.zeros([], tl.int32)  # a bad block id was used
-    k_scale = 1.0
-    v_scale = 1.0
-    if FP8:  # the descales of (sequence, KV head)
-        k_scale = tl.load(KDescale + seq * stride_kdb + head_k * stride_kdh)
-        v_scale = tl.load(VDescale + seq * stride_vdb + head_k * stride_vdh)
-        scale_log2 = scale_log2 * k_scale
-        if SOFTCAP:
-            softcap_in = softcap_in * k_scale
-    k_new = KNew
-    v_new = VNew
-    new_from = hi
-    if APPEND:
-        # (ragged: stride_nkb is 0 and the rows start at q_first)
-        k_new = KNew + seq.to(tl.int64) * stride_nkb + q_first * stride_nkt + head_k * stride_nkh
-        v_new = VNew + seq.to(tl.int64) * stride_nvb + q_first * stride_nvt + head_k * stride_nvh
-        new_from = raw_len
-        # One writer per (sequence, KV head), none into another sequence's cache row (a bad batch
-        # index); readers take the new tokens from k_new, so no program reads what it writes.
-        if (tile == 0) & (split == 0) & writable:
-            bad = append_tokens(k_head, v_head, table_row, cache_rows, stride_kb, stride_kt, stride_vb, stride_vt,
-                                k_new, v_new, stride_nkt, stride_nvt, Cos, Sin, rotary_rows,
-                                raw_len, new_len, capacity, k_scale, v_scale,
-                                PAGE_SIZE, ROTARY_DIM, ROTARY_INTERLEAVED, FP8, HEAD_DIM, HEAD_PAD, BLOCK_N)
-
-    rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
-    row_live = rows < GROUP * q_len
-    d = tl.arange(0, HEAD_PAD)
-    q_ptrs = Q + seq * stride_qb + q_first * stride_qi + row_offsets(rows, head_k, stride_qi, stride_qh, GROUP,
-                                                                     SEQLEN_Q)[:, None]
-    q = tl.load(q_ptrs + d[None, :], mask=tile_mask(row_live, d, HEAD_DIM, HEAD_PAD), other=0.0)
-    if ROTARY_DIM > 0:
-        partner, column, sign, rotated = rotary_columns(ROTARY_DIM, ROTARY_INTERLEAVED, HEAD_PAD)
-        rotating = row_live[:, None] & rotated[None, :]
-        q_partner = tl.load(q_ptrs + partner[None, :], mask=rotating, other=0.0)
-        positions = raw_len + rows * 0
-        if ROTARY_PER_ROW:
-            positions += rows // GROUP
-        q = rotate(q, q_partner, positions, Cos, Sin, rotary_rows, column, sign, rotating, ROTARY_DIM).to(q.dtype)
-    # The scores' factors: one number, or a (BLOCK_M, 1) column where q's rows were scaled into float16.
-    row_scale_log2, row_softcap_in = scale_log2, softcap_in
-    if FP8:
-        if q.dtype != tl.float16:  # products in float16: fp8 pairs convert in one instruction
-            q, row_factor = fp16_rows(q)
-            row_scale_log2 = (scale_log2 * row_factor)[:, None]
+    seq, split, num_splits, raw_len = locate(
+        Lens, LeftPad, CuSeqlensQ, pid, batch, capacity, num_programs, forced_splits, min_chunk, seqlen_new,
+        window_left, total_q, SEQLEN_Q, APPEND, LEFTPAD, WINDOW_LEFT, BLOCK_N, BATCH_PAD, CAN_SPLIT, RAGGED)
+    if seq < batch:
+        # Ragged: the sequence's packed rows [q_first, q_first + q_len) of q and out (q_first 0 else).
+        q_first, q_len, rows_valid = query_rows(CuSeqlensQ, seq, seq < batch, total_q, SEQLEN_Q, RAGGED)
+        new_len = seqlen_new
+        if RAGGED:
+            new_len = q_len  # appending, the sequence's own rows of k/v
+        # Out-of-range values are clamped (no stray access) and flagged with NaN rows.
+        if APPEND:
+            valid = (raw_len >= 0) & (raw_len <= capacity - new_len)
+        else:
+            valid = (raw_len >= 0) & (raw_len <= capacity)
+        if RAGGED:
+            valid = valid & rows_valid
+        leftpad = 0
+        if LEFTPAD:
+            leftpad = tl.load(LeftPad + seq)
+            valid = valid & (leftpad >= 0) & (leftpad <= raw_len)
+        lo, hi = key_range(raw_len, leftpad, new_len, capacity, window_left, q_len, APPEND, LEFTPAD, WINDOW_LEFT)
+        writable = True  # the cache row the appended tokens go to is this sequence's own
+        # 64-bit head and row offsets: a cache can exceed 2^31 elements, and so can a strided view's
+        # offsets (pages are addressed in 32 bits where OFFSETS_32 says they fit, ``cache_offsets``).
+        if PAGE_SIZE > 0:
+            table_row = BlockTable + seq * stride_table
+            k_head = K + head_k.to(tl.int64) * stride_kh
+            v_head = V + head_k.to(tl.int64) * stride_vh
+        else:
+            table_row = BlockTable
+            cache_row = seq
+            if BATCH_IDX:
+                cache_row = tl.load(BatchIdx + seq)
+                writable = (cache_row >= 0) & (cache_row < cache_rows)
+                valid = valid & writable
+                cache_row = tl.minimum(tl.maximum(cache_row, 0), cache_rows - 1)
+            k_head = K + cache_row.to(tl.int64) * stride_kb + head_k.to(tl.int64) * stride_kh
+            v_head = V + cache_row.to(tl.int64) * stride_vb + head_k.to(tl.int64) * stride_vh
+        bad = tl.zeros([], tl.int32)  # a bad block id was used
+        k_scale = 1.0
+        v_scale = 1.0
+        if FP8:  # the descales of (sequence, KV head)
+            k_scale = tl.load(KDescale + seq * stride_kdb + head_k * stride_kdh)
+            v_scale = tl.load(VDescale + seq * stride_vdb + head_k * stride_vdh)
+            scale_log2 = scale_log2 * k_scale
             if SOFTCAP:
-                row_softcap_in = (softcap_in * row_factor)[:, None]
-    row_pos = hi - q_len + rows // GROUP  # absolute position of each row's query
-    slopes = 0.0
-    if ALIBI == 1:
-        slopes = tl.load(Alibi + head_k * GROUP + rows % GROUP, mask=row_live, other=0.0) * LOG2E
-    elif ALIBI == 2:
-        slopes = tl.load(Alibi + seq * stride_alibi + head_k * GROUP + rows % GROUP, mask=row_live,
-                         other=0.0) * LOG2E
+                softcap_in = softcap_in * k_scale
+        k_new = KNew
+        v_new = VNew
+        new_from = hi
+        if APPEND:
+            # (ragged: stride_nkb is 0 and the rows start at q_first)
+            k_new = KNew + seq.to(tl.int64) * stride_nkb + q_first * stride_nkt + head_k * stride_nkh
+            v_new = VNew + seq.to(tl.int64) * stride_nvb + q_first * stride_nvt + head_k * stride_nvh
+            new_from = raw_len
+            # One writer per (sequence, KV head), none into another sequence's cache row (a bad batch
+            # index); readers take the new tokens from k_new, so no program reads what it writes.
+            if (tile == 0) & (split == 0) & writable:
+                bad = append_tokens(k_head, v_head, table_row, cache_rows, stride_kb, stride_kt, stride_vb, stride_vt,
+                                    k_new, v_new, stride_nkt, stride_nvt, Cos, Sin, rotary_rows,
+                                    raw_len, new_len, capacity, k_scale, v_scale,
+                                    PAGE_SIZE, ROTARY_DIM, ROTARY_INTERLEAVED, FP8, HEAD_DIM, HEAD_PAD, BLOCK_N)
 
-    # Blocks [block_lo, block_hi) of the split; keys [start, end) of them are read.
-    blocks = tl.cdiv(hi, BLOCK_N)
-    first = 0
-    if LEFTPAD or WINDOW_LEFT:
-        first = lo // BLOCK_N
-        blocks -= first
-    if STREAM:  # the program's share of the laid-out blocks, within this sequence's own
-        block_lo = (first + tl.minimum(tl.maximum(share_lo, 0), blocks)) * BLOCK_N
-        block_hi = (first + tl.minimum(share_hi, blocks)) * BLOCK_N
-    else:
+        rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+        row_live = rows < GROUP * q_len
+        d = tl.arange(0, HEAD_PAD)
+        q_ptrs = Q + seq * stride_qb + q_first * stride_qi + row_offsets(rows, head_k, stride_qi, stride_qh, GROUP,
+                                                                         SEQLEN_Q)[:, None]
+        q = tl.load(q_ptrs + d[None, :], mask=tile_mask(row_live, d, HEAD_DIM, HEAD_PAD), other=0.0)
+        if ROTARY_DIM > 0:
+            partner, column, sign, rotated = rotary_columns(ROTARY_DIM, ROTARY_INTERLEAVED, HEAD_PAD)
+            rotating = row_live[:, None] & rotated[None, :]
+            q_partner = tl.load(q_ptrs + partner[None, :], mask=rotating, other=0.0)
+            positions = raw_len + rows * 0
+            if ROTARY_PER_ROW:
+                positions += rows // GROUP
+            q = rotate(q, q_partner, positions, Cos, Sin, rotary_rows, column, sign, rotating, ROTARY_DIM).to(q.dtype)
+        # The scores' factors: one number, or a (BLOCK_M, 1) column where q's rows were scaled into float16.
+        row_scale_log2, row_softcap_in = scale_log2, softcap_in
+        if FP8:
+            if q.dtype != tl.float16:  # products in float16: fp8 pairs convert in one instruction
+                q, row_factor = fp16_rows(q)
+                row_scale_log2 = (scale_log2 * row_factor)[:, None]
+                if SOFTCAP:
+                    row_softcap_in = (softcap_in * row_factor)[:, None]
+        row_pos = hi - q_len + rows // GROUP  # absolute position of each row's query
+        slopes = 0.0
+        if ALIBI == 1:
+            slopes = tl.load(Alibi + head_k * GROUP + rows % GROUP, mask=row_live, other=0.0) * LOG2E
+        elif ALIBI == 2:
+            slopes = tl.load(Alibi + seq * stride_alibi + head_k * GROUP + rows % GROUP, mask=row_live,
+                             other=0.0) * LOG2E
+
+        # Blocks [block_lo, block_hi) of the split; keys [start, end) of them are read.
+        blocks = tl.cdiv(hi, BLOCK_N)
+        first = 0
+        if LEFTPAD or WINDOW_LEFT:
+            first = lo // BLOCK_N
+            blocks -= first
         block_lo = (first + split * blocks // num_splits) * BLOCK_N
         block_hi = (first + (split + 1) * blocks // num_splits) * BLOCK_N
-    start = block_lo
-    if LEFTPAD or WINDOW_LEFT:
-        start = tl.maximum(block_lo, lo)
-    end = tl.minimum(block_hi, hi)
-    if LEFTPAD:  # a left pad at the length leaves one block without keys: skip it
-        block_hi = tl.where(start < end, block_hi, block_lo)
-    # The main loop's blocks [main_lo, main_hi): cached keys every row sees (a column mask drops
-    # those outside [start, end)); the others need per-row masks or appended tokens.
-    main_lo = block_lo
-    if WINDOW_LEFT:  # head: a row's window starts inside these blocks
-        main_lo = tl.minimum(tl.cdiv(tl.maximum(start, hi - 1 - window_left), BLOCK_N) * BLOCK_N, block_hi)
-    main_hi = block_hi
-    if APPEND or WINDOW_RIGHT:  # tail: appended tokens, or a row's window ends inside these blocks
-        whole_to = end
-        if APPEND:
-            whole_to = tl.minimum(whole_to, new_from)
-        if WINDOW_RIGHT:
-            whole_to = tl.minimum(whole_to, hi - q_len + window_right + 1)
-        main_hi = tl.maximum(whole_to // BLOCK_N * BLOCK_N, main_lo)
+        start = block_lo
+        if LEFTPAD or WINDOW_LEFT:
+            start = tl.maximum(block_lo, lo)
+        end = tl.minimum(block_hi, hi)
+        if LEFTPAD:  # a left pad at the length leaves one block without keys: skip it
+            block_hi = tl.where(start < end, block_hi, block_lo)
+        # The main loop's blocks [main_lo, main_hi): cached keys every row sees (a column mask drops
+        # those outside [start, end)); the others need per-row masks or appended tokens.
+        main_lo = block_lo
+        if WINDOW_LEFT:  # head: a row's window starts inside these blocks
+            main_lo = tl.minimum(tl.cdiv(tl.maximum(start, hi - 1 - window_left), BLOCK_N) * BLOCK_N, block_hi)
+        main_hi = block_hi
+        if APPEND or WINDOW_RIGHT:  # tail: appended tokens, or a row's window ends inside these blocks
+            whole_to = end
+            if APPEND:
+                whole_to = tl.minimum(whole_to, new_from)
+            if WINDOW_RIGHT:
+                whole_to = tl.minimum(whole_to, hi - q_len + window_right + 1)
+            main_hi = tl.maximum(whole_to // BLOCK_N * BLOCK_N, main_lo)
 
-    if PAGE_SIZE > 0:
-        bad = bad | bad_block_ids(table_row, start, end, cache_rows, PAGE_SIZE)
+        if PAGE_SIZE > 0:
+            bad = bad | bad_block_ids(table_row, start, end, cache_rows, PAGE_SIZE)
 
-    m = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l = tl.zeros([BLOCK_M], tl.float32)
-    if FP8_V_WORDS:  # V as 16-bit words: the even and the odd head dims in two accumulators
-        acc = (tl.zeros([BLOCK_M, HEAD_PAD // 2], tl.float32), tl.zeros([BLOCK_M, HEAD_PAD // 2], tl.float32))
-    else:
-        acc = tl.zeros([BLOCK_M, HEAD_PAD], tl.float32)
-    for block_start in range(main_lo, main_hi, BLOCK_N):
-        acc, m, l = attend_block(
-            acc, m, l, q, block_start, start, end, new_from, k_head, v_head, table_row, cache_rows,
-            stride_kb, stride_kt, stride_vb, stride_vt, k_new, v_new, stride_nkt, stride_nvt, Cos, Sin,
-            rotary_rows, row_pos, slopes, window_left, window_right, row_scale_log2, row_softcap_in, softcap_out,
-            k_scale, v_scale, False, PAGE_SIZE, OFFSETS_32, APPEND, ROTARY_DIM, ROTARY_INTERLEAVED, WINDOW_LEFT,
-            WINDOW_RIGHT, SOFTCAP, ALIBI, LEFTPAD, FP8, HEAD_DIM, HEAD_PAD, BLOCK_N, FP8_V_WORDS)
-    if FP8_V_WORDS:  # dims 2j and 2j + 1 side by side
-        acc = tl.reshape(tl.join(acc[0], acc[1]), [BLOCK_M, HEAD_PAD])
-    if WINDOW_LEFT or WINDOW_RIGHT or APPEND:  # the head [block_lo, main_lo), then the tail [main_hi, block_hi)
-        head_blocks = (main_lo - block_lo) // BLOCK_N
-        # Not pipelined: a second pipeline's buffers and registers cost the main loop occupancy
-        # (on the H200, 186 against 233 us for case 12 with seqlen_q = 4).
-        for i in tl.range(0, head_blocks + (block_hi - main_hi) // BLOCK_N, num_stages=1):
-            block_start = tl.where(i < head_blocks, block_lo + i * BLOCK_N, main_hi + (i - head_blocks) * BLOCK_N)
+        m = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l = tl.zeros([BLOCK_M], tl.float32)
+        if FP8_V_WORDS:  # V as 16-bit words: the even and the odd head dims in two accumulators
+            acc = (tl.zeros([BLOCK_M, HEAD_PAD // 2], tl.float32), tl.zeros([BLOCK_M, HEAD_PAD // 2], tl.float32))
+        else:
+            acc = tl.zeros([BLOCK_M, HEAD_PAD], tl.float32)
+        for block_start in range(main_lo, main_hi, BLOCK_N):
             acc, m, l = attend_block(
                 acc, m, l, q, block_start, start, end, new_from, k_head, v_head, table_row, cache_rows,
                 stride_kb, stride_kt, stride_vb, stride_vt, k_new, v_new, stride_nkt, stride_nvt, Cos, Sin,
-                rotary_rows, row_pos, slopes, window_left, window_right, row_scale_log2, row_softcap_in,
-                softcap_out, k_scale, v_scale, True, PAGE_SIZE, OFFSETS_32, APPEND, ROTARY_DIM, ROTARY_INTERLEAVED,
-                WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP, ALIBI, LEFTPAD, FP8, HEAD_DIM, HEAD_PAD, BLOCK_N,
-                False)
+                rotary_rows, row_pos, slopes, window_left, window_right, row_scale_log2, row_softcap_in, softcap_out,
+                k_scale, v_scale, False, PAGE_SIZE, OFFSETS_32, APPEND, ROTARY_DIM, ROTARY_INTERLEAVED, WINDOW_LEFT,
+                WINDOW_RIGHT, SOFTCAP, ALIBI, LEFTPAD, FP8, HEAD_DIM, HEAD_PAD, BLOCK_N, FP8_V_WORDS)
+        if FP8_V_WORDS:  # dims 2j and 2j + 1 side by side
+            acc = tl.reshape(tl.join(acc[0], acc[1]), [BLOCK_M, HEAD_PAD])
+        if WINDOW_LEFT or WINDOW_RIGHT or APPEND:  # the head [block_lo, main_lo), then the tail [main_hi, block_hi)
+            head_blocks = (main_lo - block_lo) // BLOCK_N
+            # Not pipelined: a second pipeline's buffers and registers cost the main loop occupancy
+            # (on the H200, 186 against 233 us for case 12 with seqlen_q = 4).
+            for i in tl.range(0, head_blocks + (block_hi - main_hi) // BLOCK_N, num_stages=1):
+                block_start = tl.where(i < head_blocks, block_lo + i * BLOCK_N, main_hi + (i - head_blocks) * BLOCK_N)
+                acc, m, l = attend_block(
+                    acc, m, l, q, block_start, start, end, new_from, k_head, v_head, table_row, cache_rows,
+                    stride_kb, stride_kt, stride_vb, stride_vt, k_new, v_new, stride_nkt, stride_nvt, Cos, Sin,
+                    rotary_rows, row_pos, slopes, window_left, window_right, row_scale_log2, row_softcap_in,
+                    softcap_out, k_scale, v_scale, True, PAGE_SIZE, OFFSETS_32, APPEND, ROTARY_DIM, ROTARY_INTERLEAVED,
+                    WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP, ALIBI, LEFTPAD, FP8, HEAD_DIM, HEAD_PAD, BLOCK_N,
+                    False)
 
-    if SINKS:
-        if num_splits == 1:  # the sink joins the denominator here; split, the merge adds it once
-            acc, m, l = fold_sink(acc, m, l, Sinks, head_k, rows, row_live, GROUP)
-    # Only l == 0 means "no key": a NaN in the data makes l NaN, and NaN must come out.
-    empty = l == 0
-    o = tl.where(empty[:, None], 0.0, acc / tl.where(empty, 1.0, l)[:, None])
-    if FP8:
-        o = o * v_scale
-    o = tl.where(valid & (bad == 0), o, float("nan"))
-    lse2 = tl.where(empty, float("-inf"), m + tl.log2(tl.where(empty, 1.0, l)))
-    stored = tile_mask(row_live, d, HEAD_DIM, HEAD_PAD)
-    if num_splits == 1:
-        store_output(Out, Lse, o, lse2, seq, head_k, rows, row_live, d, stride_ob, stride_oi, stride_oh, q_first,
-                     total_q, GROUP, SEQLEN_Q, HEAD_DIM, HEAD_PAD, RAGGED)
-    else:
-        part = (slot * tl.num_programs(1) + head_k) * (GROUP * SEQLEN_Q) + rows
-        tl.store(PartO + part[:, None] * HEAD_DIM + d[None, :], o, mask=stored)
-        tl.store(PartLse + part, lse2, mask=row_live)
-        if MERGE_IN_SPLIT:
-            merge_if_last(Tickets, PartO, PartLse, Out, Lse, Sinks, seq, head_k, tile, slot - split, num_splits,
-                          rows, row_live, d, stride_ob, stride_oi, stride_oh, q_first, total_q, GROUP, SEQLEN_Q,
-                          HEAD_DIM, HEAD_PAD, BLOCK_M, MERGE_STEP, SINKS, RAGGED)
+        if SINKS:
+            if num_splits == 1:  # the sink joins the denominator here; split, the merge adds it once
+                acc, m, l = fold_sink(acc, m, l, Sinks, head_k, rows, row_live, GROUP)
+        # Only l == 0 means "no key": a NaN in the data makes l NaN, and NaN must come out.
+        empty = l == 0
+        o = tl.where(empty[:, None], 0.0, acc / tl.where(empty, 1.0, l)[:, None])
+        if FP8:
+            o = o * v_scale
+        o = tl.where(valid & (bad == 0), o, float("nan"))
+        lse2 = tl.where(empty, float("-inf"), m + tl.log2(tl.where(empty, 1.0, l)))
+        stored = tile_mask(row_live, d, HEAD_DIM, HEAD_PAD)
+        if num_splits == 1:
+            store_output(Out, Lse, o, lse2, seq, head_k, rows, row_live, d, stride_ob, stride_oi, stride_oh, q_first,
+                         total_q, GROUP, SEQLEN_Q, HEAD_DIM, HEAD_PAD, RAGGED)
+        else:
+            part = (pid * tl.num_programs(1) + head_k) * (GROUP * SEQLEN_Q) + rows
+            tl.store(PartO + part[:, None] * HEAD_DIM + d[None, :], o, mask=stored)
+            tl.store(PartLse + part, lse2, mask=row_live)
+            if MERGE_IN_SPLIT:
+                merge_if_last(Tickets, PartO, PartLse, Out, Lse, Sinks, seq, head_k, tile, pid - split, num_splits,
+                              rows, row_live, d, stride_ob, stride_oi, stride_oh, q_first, total_q, GROUP, SEQLEN_Q,
+                              HEAD_DIM, HEAD_PAD, BLOCK_M, MERGE_STEP, SINKS, RAGGED)
 
 
 @triton.jit
@@ -382,7 +323,7 @@ def combine_kernel(Lens, LeftPad, Out, Lse, PartO, PartLse, Sinks, CuSeqlensQ,
                    BLOCK_N: tl.constexpr, BATCH_PAD: tl.constexpr, SPLITS_PER_STEP: tl.constexpr,
                    HEAD_CHUNK: tl.constexpr, APPEND: tl.constexpr, LEFTPAD: tl.constexpr, WINDOW_LEFT: tl.constexpr,
                    EMPTY_ROWS: tl.constexpr, DEPENDENT_COMBINE: tl.constexpr, SINKS: tl.constexpr,
-                   RAGGED: tl.constexpr, STREAM: tl.constexpr):
+                   RAGGED: tl.constexpr):
     """Merge the partials of one (sequence, packed row h * Sq * G + r) if that sequence was split,
     HEAD_CHUNK of its head dims (the chunk ``program_id(2)``); grid (B, Hk * Sq * G, HEAD_PAD /
     HEAD_CHUNK). Partials are read SPLITS_PER_STEP at a time, all loads of a step in flight
@@ -397,18 +338,11 @@ def combine_kernel(Lens, LeftPad, Out, Lse, PartO, PartLse, Sinks, CuSeqlensQ,
     seq = tl.program_id(0)
     row = tl.program_id(1)
     chunk = tl.program_id(2)
-    if STREAM:  # partial rows first_b + seq ... last_b + seq
-        offs, _, _, _, first_program, last_program, _, _ = stream_layout(
-            Lens, LeftPad, CuSeqlensQ, seq, batch, capacity, num_programs, seqlen_new, window_left, total_q,
-            SEQLEN_Q, APPEND, LEFTPAD, WINDOW_LEFT, BLOCK_N, BATCH_PAD, RAGGED)
-        num_splits = entry(offs, last_program - first_program + 1, seq)
-        first = entry(offs, first_program, seq) + seq
-    else:
-        offs, raw, splits, ends = split_counts(
-            Lens, LeftPad, CuSeqlensQ, batch, capacity, num_programs, forced_splits, min_chunk, seqlen_new,
-            window_left, total_q, SEQLEN_Q, APPEND, LEFTPAD, WINDOW_LEFT, BLOCK_N, BATCH_PAD, RAGGED)
-        num_splits = entry(offs, splits, seq)
-        first = entry(offs, ends, seq) - num_splits
+    offs, raw, splits, ends = split_counts(
+        Lens, LeftPad, CuSeqlensQ, batch, capacity, num_programs, forced_splits, min_chunk, seqlen_new,
+        window_left, total_q, SEQLEN_Q, APPEND, LEFTPAD, WINDOW_LEFT, BLOCK_N, BATCH_PAD, RAGGED)
+    num_splits = entry(offs, splits, seq)
+    first = entry(offs, ends, seq) - num_splits
     head_k = row // (GROUP * SEQLEN_Q)
     r = row % (GROUP * SEQLEN_Q)  # the packed row i * GROUP + g of KV head head_k
     q_first, q_len, _ = query_rows(CuSeqlensQ, seq, seq < batch, total_q, SEQLEN_Q, RAGGED)

@@ -102,38 +102,3 @@ def locate(Lens, LeftPad, CuSeqlensQ, pid, batch, capacity, num_programs, forced
         num_splits = 1
         raw_len = tl.load(Lens + tl.minimum(pid, batch - 1))
     return seq, split, num_splits, raw_len
-
-
-@triton.jit
-def stream_layout(Lens, LeftPad, CuSeqlensQ, pid, batch, capacity, num_programs, seqlen_new, window_left, total_q,
-                  SEQLEN_Q: tl.constexpr, APPEND: tl.constexpr, LEFTPAD: tl.constexpr, WINDOW_LEFT: tl.constexpr,
-                  BLOCK_N: tl.constexpr, BATCH_PAD: tl.constexpr, RAGGED: tl.constexpr):
-    """The streamed rule (``planner.work_list``): every sequence's n_b = max(1, nblk_b) share blocks
-    laid end to end, T in all; program p < P' = min(P, T) has the share [p * T // P', (p + 1) * T //
-    P') (at least a block), the others none. Returns
-    (offsets, raw lengths, where each sequence starts and ends in the layout, the first and the last
-    program holding part of it, program ``pid``'s share bounds), the products in 64 bits."""
-    offs = tl.arange(0, BATCH_PAD)
-    live = offs < batch
-    raw = tl.load(Lens + offs, mask=live, other=0)
-    leftpad = 0
-    if LEFTPAD:
-        leftpad = tl.load(LeftPad + offs, mask=live, other=0)
-    _, rows, _ = query_rows(CuSeqlensQ, offs, live, total_q, SEQLEN_Q, RAGGED)
-    new = seqlen_new
-    if RAGGED:
-        new = rows
-    lo, hi = key_range(raw, leftpad, new, capacity, window_left, rows, APPEND, LEFTPAD, WINDOW_LEFT)
-    blocks = tl.cdiv(hi, BLOCK_N)
-    if LEFTPAD or WINDOW_LEFT:
-        blocks -= lo // BLOCK_N
-    shares = tl.where(live, tl.maximum(blocks, 1), 0).to(tl.int64)
-    ends = tl.cumsum(shares, 0)
-    starts = ends - shares
-    total = tl.maximum(tl.sum(shares, 0), 1)
-    programs = tl.minimum(num_programs.to(tl.int64), total)  # every share holds a block; the rest exit
-    first = ((starts + 1) * programs + total - 1) // total - 1  # the program of block x: ceil((x + 1) P / T) - 1
-    last = (ends * programs + total - 1) // total - 1
-    share_lo = tl.minimum(pid.to(tl.int64), programs) * total // programs
-    share_hi = tl.minimum(pid.to(tl.int64) + 1, programs) * total // programs
-    return offs, raw, starts, ends, first.to(tl.int32), last.to(tl.int32), share_lo, share_hi
