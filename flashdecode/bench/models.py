@@ -391,6 +391,8 @@ def model_rows(name, batches, contexts, modes, systems, device, progress=print, 
                 reason = f"the cache ({cache_bytes(config, batch, capacity) / 2**30:.0f} GiB) does not fit"
                 rows += [Row(name, batch, context, mode, system, skipped=reason, device=device_name, weights=weights)
                          for mode, system in cells]
+                if on_cell:
+                    on_cell(rows)
                 continue
             step = DecodeStep(model, batch, context, capacity)
             try:  # eager attention's logits of this step; None where eager's score copies do not fit
