@@ -57,8 +57,9 @@ GRID_SEED = int(os.environ.get("FLASHDECODE_FA_GRID_SEED", "2025"))
 if GRID_SIZE not in ("sample", "full") and not GRID_SIZE.isdigit():
     raise ValueError(f"FLASHDECODE_FA_GRID must be 'sample', 'full' or a number of sampled combos, got {GRID_SIZE!r}")
 CPU_FP8_COMBOS = fa_grid.sample(8, seed=2340, dtypes=("float16",), max_seqlen_k=800, restrict=fa_grid.FP8_AXES)
-#: The GPU tier's default draws of the grid and of its fp8 part (the docstring says why these sizes).
-GPU_SAMPLE, GPU_FP8_SAMPLE = 240, 80
+#: The GPU tier's default draws: of the grid, of its fp8 part, of each extension part, of TileLang's
+#: part for "tilelang" and for "auto" (the docstring says why these sizes).
+GPU_SAMPLE, GPU_FP8_SAMPLE, GPU_EXTENSION_SAMPLE, GPU_PART_SAMPLE = 240, 80, 8, 30
 #: Drawn only where CUDA is (a CPU run deselects the gpu tier; a draw of thousands takes seconds).
 GPU_COMBOS = [] if not HAS_CUDA else (fa_grid.full_grid() if GRID_SIZE == "full" else
                                       fa_grid.sample(GPU_SAMPLE if GRID_SIZE == "sample" else int(GRID_SIZE),
@@ -77,7 +78,7 @@ TILELANG_AXES = {"d": (64, 128, 256), "alibi": (False,), "rotary_fraction": (0.0
 def part_combos(variable, default, seed):
     """TileLang's part of the grid: a sample of ``variable`` combos (default ``default``), or all
     of its distinct combos for "full" (6,048, 5,472 within its query rows: runs pick theirs by test id)."""
-    size = os.environ.get(variable, default)
+    size = os.environ.get(variable, str(default))
     if size == "full":
         return fa_grid.distinct(fa_grid.full_grid(restrict=TILELANG_AXES))
     if not size.isdigit():
@@ -86,13 +87,13 @@ def part_combos(variable, default, seed):
 
 
 CPU_EXTENSION_COMBOS = fa_grid.extension_sample(1, seed=2026, dtypes=("float16",), max_seqlen_k=339)
-GPU_EXTENSION_COMBOS = fa_grid.extension_sample(int(os.environ.get("FLASHDECODE_FA_GRID_EXTENSION", "8")),
+GPU_EXTENSION_COMBOS = fa_grid.extension_sample(int(os.environ.get("FLASHDECODE_FA_GRID_EXTENSION", GPU_EXTENSION_SAMPLE)),
                                                 seed=GRID_SEED + 3)
-TILELANG_COMBOS = part_combos("FLASHDECODE_FA_GRID_TILELANG", "30", GRID_SEED + 1)
+TILELANG_COMBOS = part_combos("FLASHDECODE_FA_GRID_TILELANG", GPU_PART_SAMPLE, GRID_SEED + 1)
 #: What a user gets: the same part of the grid through ``backend="auto"`` (FLASHDECODE_FA_GRID_AUTO
 #: combos, default 30). On Hopper it sends head dim 256 and small plain caches to TileLang and the
 #: rest to Triton, so this tier checks the route as well as the kernels.
-AUTO_COMBOS = part_combos("FLASHDECODE_FA_GRID_AUTO", "30", GRID_SEED + 2)
+AUTO_COMBOS = part_combos("FLASHDECODE_FA_GRID_AUTO", GPU_PART_SAMPLE, GRID_SEED + 2)
 
 
 def _report_path():

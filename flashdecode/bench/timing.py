@@ -11,6 +11,7 @@ launches overlapping the GPU work of the calls before. Without CUDA the same loo
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import time
 from typing import Callable
 
@@ -125,7 +126,7 @@ class Timer:
                 self._flush()
                 _call(index, fn)
         sizes = round_blocks(self.iters)
-        blocks = [(sum(sizes[:index]), runs) for index, runs in enumerate(sizes)]
+        blocks = list(zip(itertools.accumulate(sizes, initial=0), sizes))  # (first run, runs) a round
         if not self.cuda:
             samples = [[] for _ in fns]
             for _, runs in blocks:
