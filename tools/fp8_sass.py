@@ -1,9 +1,11 @@
-"""SASS counts of the split kernel of bench cases in the fp8 variant (the H200 plan), compiled for
+"""SASS counts of the split kernel of bench cases in a variant (default fp8; the H200 plan unless
+``--profile`` names another), compiled for
 sm_90a without a GPU by the installed Triton: registers, stack, shared memory, and instructions by
 class in its main loop (the largest loop holding HMMA) / in the whole kernel. Compiled as the
 launcher does: again with the register ceiling only where the kernel exceeds it (CAPPED rows).
 
-Usage: python tools/fp8_sass.py [--cases 7,9,13] [--field fp8_v_words --values 0,1] [--dump DIR]
+Usage: python tools/fp8_sass.py [--cases 7,9,13] [--variant ragged] [--profile h100]
+       [--field fp8_v_words --values 0,1] [--dump DIR]
 (``--field``: a TritonConfig field set to each of ``--values``)
 """
 import argparse
@@ -70,11 +72,11 @@ def counts(lines):
     return found
 
 
-def compile_case(number, tuning_changes):
+def compile_case(number, tuning_changes, variant="fp8", profile="h200"):
     case = CASES_BY_NUMBER[number]
-    problem = VARIANTS["fp8"].problem(case)
+    problem = VARIANTS[variant].problem(case)
     backend = get_backend("triton")
-    the_plan = plan(problem, PROFILES["h200"], backend)
+    the_plan = plan(problem, PROFILES[profile], backend)
     if tuning_changes:
         the_plan = dataclasses.replace(the_plan, config=dataclasses.replace(the_plan.config, **tuning_changes))
     kernel, _, tensors, scalars, constexprs, options = plan_launches(problem, the_plan)[0]
@@ -111,6 +113,8 @@ def report(label, compiled, dump=None):
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--cases", default="7,9,13")
+    parser.add_argument("--variant", default="fp8", choices=sorted(VARIANTS))
+    parser.add_argument("--profile", default="h200", choices=sorted(PROFILES), help="the plan's hardware profile")
     parser.add_argument("--field", default="", help="TritonConfig field to set, e.g. fp8_v_words")
     parser.add_argument("--values", default="", help="its values, comma list (ints)")
     parser.add_argument("--tag", default="")
@@ -119,9 +123,9 @@ def main():
     settings = [{}] if not args.field else [{args.field: int(v)} for v in args.values.split(",")]
     for number in (int(c) for c in args.cases.split(",")):
         for changes in settings:
-            the_plan, compiled, capped, _ = compile_case(number, changes)
+            the_plan, compiled, capped, _ = compile_case(number, changes, args.variant, args.profile)
             c = the_plan.config
-            label = (f"{args.tag}case{number} {changes or ''} n{c.block_n} m{c.block_m} w{c.num_warps} "
+            label = (f"{args.tag}case{number} {args.variant} {changes or ''} n{c.block_n} m{c.block_m} w{c.num_warps} "
                      f"s{c.num_stages} cap{c.max_registers}").replace("{", "").replace("}", "").replace("'", "")
             report(label, compiled, args.dump)
             if capped is not None:
