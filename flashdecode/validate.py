@@ -118,17 +118,26 @@ def _require_tensor(name, meta, rank, layout):
         _fail(ValueError, f"{name} must have {rank} dimensions {layout}, got shape {tuple(meta[2])}")
 
 
-def _require_index(name, meta, shape, device):
-    """An int32 tensor of ``shape``, contiguous in its last dimension, on ``device``."""
+def _require_index(name, meta, shape, device, batch_from=""):
+    """An int32 tensor of ``shape``, contiguous in its last dimension, on ``device`` (``batch_from``:
+    where its batch comes from, said where the shape is wrong)."""
     _require_tensor(name, meta, len(shape), f"of shape {shape}")
     dtype, tensor_device, got, stride, _ = meta
     if dtype != torch.int32:
         _fail(TypeError, f"{name} must be int32, got {dtype}")
     if tuple(got) != tuple(shape) or stride[-1] != 1:
-        _fail(ValueError, f"{name} must have shape {shape} and a contiguous last dimension, got shape "
+        _fail(ValueError, f"{name} must have shape {shape}{batch_from} and a contiguous last dimension, got shape "
                           f"{tuple(got)}, strides {stride}")
     if tensor_device != device:
         _fail(ValueError, f"{name} must be on q's device {device}, got {tensor_device}")
+
+
+def _require_unrepeated(name, meta, why):
+    """A tensor the call writes: no element shares memory through a stride of 0 (an ``expand()`` view),
+    where the writes of several elements would land on one and leave the others wrong."""
+    if any(stride == 0 and size > 1 for size, stride in zip(meta[2], meta[3])):
+        _fail(ValueError, f"{name} must not repeat its memory ({why}): a stride of 0 in a dimension of "
+                          f"size > 1, as expand() gives, got shape {tuple(meta[2])}, strides {meta[3]}")
 
 
 def _require_like_q(name, meta, q_dtype, device):
@@ -187,7 +196,8 @@ def _window(meta, causal, seqlen_q, capacity):
     """(window_left, window_right) in the Problem's normal form (docs/design.md, "Semantics")."""
     kind, items = meta
     if not issubclass(kind, (tuple, list)) or len(items) != 2:
-        _fail(TypeError, f"window_size must be a pair (left, right) of ints, got {_type_name(kind)} {items!r}")
+        got = tuple(item[1] for item in items) if issubclass(kind, (tuple, list)) else items
+        _fail(TypeError, f"window_size must be a pair (left, right) of ints, got {_type_name(kind)} {got!r}")
     left, right = (_int_value(f"window_size[{i}]", item, low=-1) for i, item in enumerate(items))
     if causal:
         right = 0  # FlashAttention's rule: causal is a right window of 0, whatever window_size[1] says
@@ -208,6 +218,8 @@ def check_call(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens,
     ragged = cu_seqlens_q is not None
     if max_seqlen_q is not None and max_seqlen_q[1] is None:
         max_seqlen_q = None  # not given
+    # where the batch a per-sequence argument must match comes from, said in its shape errors
+    batch_from = " (batch: cu_seqlens_q's entries less one)" if ragged else " (q's batch)"
     if ragged:  # q (total_q, nheads, headdim): the Problem's batch and seqlen_q come from cu_seqlens_q
         _require_tensor("q", q, 3, _PACKED)
         q_dtype, device, (total_q, nheads, headdim), q_stride, q_aligned = q
@@ -245,7 +257,7 @@ def check_call(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens,
     page_size, capacity = 0, slots
     if paged:
         _require_tensor("block_table", block_table, 2, "(batch, max_blocks_per_sequence)")
-        _require_index("block_table", block_table, (batch, block_table[2][1]), device)
+        _require_index("block_table", block_table, (batch, block_table[2][1]), device, batch_from)
         if cache_batch_idx is not None:
             _fail(ValueError, "cache_batch_idx cannot be used with block_table (a paged cache is indexed by "
                               "its block table)")
@@ -256,12 +268,12 @@ def check_call(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens,
             _fail(ValueError, "k_cache must hold at least one page with block_table, got 0 pages")
         page_size, capacity = slots, slots * block_table[2][1]
     elif cache_batch_idx is not None:
-        _require_index("cache_batch_idx", cache_batch_idx, (batch,), device)
+        _require_index("cache_batch_idx", cache_batch_idx, (batch,), device, batch_from)
     elif rows < batch:  # more rows: sequence b reads row b, as in FlashAttention (a cache sized for a larger batch)
-        _fail(ValueError, f"k_cache must have at least q's batch {batch} rows in dimension 0 (or pass "
+        _fail(ValueError, f"k_cache must have at least {batch} rows in dimension 0{batch_from} (or pass "
                           f"cache_batch_idx), got shape {tuple(k_cache[2])}")
     if cache_leftpad is not None:
-        _require_index("cache_leftpad", cache_leftpad, (batch,), device)
+        _require_index("cache_leftpad", cache_leftpad, (batch,), device, batch_from)
     for name, (kind, value) in (("causal", causal), ("rotary_interleaved", rotary_interleaved)):
         # FlashAttention's bindings take what converts to a C++ bool: numbers and None (False) too
         if not (issubclass(kind, numbers.Real) or _numpy_bool(kind) or value is None):
@@ -288,6 +300,8 @@ def check_call(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens,
             _fail(ValueError, f"k must have at most the cache's capacity {capacity} tokens, got {seqlen_new}")
         if cache_seqlens is None:
             _fail(ValueError, "cache_seqlens is required with k and v: it says where the new tokens go")
+        for name, meta in (("k_cache", k_cache), ("v_cache", v_cache)):  # appended tokens are written there
+            _require_unrepeated(name, meta, "k and v are appended into it")
 
     if cache_seqlens is not None and isinstance(cache_seqlens[0], type):
         if issubclass(cache_seqlens[0], (list, tuple)):
@@ -295,10 +309,12 @@ def check_call(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens,
                              f"{_type_name(cache_seqlens[0])} {[item[1] for item in cache_seqlens[1]]}")
         value = _int_value("cache_seqlens", cache_seqlens)
         if not 0 <= value <= capacity - seqlen_new:
+            appended = f"max_seqlen_q = {seqlen_new}, the most tokens a sequence appends" if ragged else \
+                f"{seqlen_new} appended tokens"
             _fail(ValueError, f"cache_seqlens must be in [0, {capacity - seqlen_new}] (capacity {capacity} minus "
-                              f"{seqlen_new} appended tokens), got {value}")
+                              f"{appended}), got {value}")
     elif cache_seqlens is not None:
-        _require_index("cache_seqlens", cache_seqlens, (batch,), device)
+        _require_index("cache_seqlens", cache_seqlens, (batch,), device, batch_from)
 
     rotary_dim = 0
     if (rotary_cos is None) != (rotary_sin is None):
@@ -310,15 +326,15 @@ def check_call(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens,
             _require_tensor(name, meta, 2, "(seqlen_rotary, rotary_dim / 2)")
             if meta[0] not in (q_dtype, torch.float32) or meta[1] != device:
                 _fail(TypeError, f"{name} must be {q_dtype} or float32 on {device}, got {meta[0]} on {meta[1]}")
+            if not 0 < meta[2][1] <= headdim // 2:
+                _fail(ValueError, f"{name} must have 1 to headdim/2 = {headdim // 2} columns (rotary_dim <= "
+                                  f"headdim), got {meta[2][1]}")
             if meta[3] != (meta[2][1], 1):
                 _fail(ValueError, f"{name} must be contiguous, got strides {meta[3]}")
         if rotary_sin[2] != rotary_cos[2]:
             _fail(ValueError, f"rotary_sin must have rotary_cos's shape {tuple(rotary_cos[2])}, got {tuple(rotary_sin[2])}")
         rotary_rows, half = rotary_cos[2]
         rotary_dim = 2 * half
-        if not 0 < rotary_dim <= headdim:
-            _fail(ValueError, f"rotary_cos must have 1 to headdim/2 = {headdim // 2} columns (rotary_dim <= headdim), "
-                              f"got {half}")
         if rotary_rows < capacity:  # FlashAttention's rule; query rows past it take the last row
             _fail(ValueError, f"rotary_cos/rotary_sin must have a row for every cache position: at least {capacity} "
                               f"rows (the capacity), got {rotary_rows}")
@@ -371,6 +387,7 @@ def check_call(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens,
         _require_like_q("out", out, q_dtype, device)
         if out[2] != q[2]:
             _fail(ValueError, f"out must have q's shape {tuple(q[2])}, got {tuple(out[2])}")
+        _require_unrepeated("out", out, "the call writes it")
         dense = dense and out[4] and is_contiguous(out[2], out[3])
     offsets_32 = all(offsets_fit_32(meta[2], meta[3]) for meta in (k_cache, v_cache))
     return Problem(batch, capacity, nheads, nheads_k, headdim, str(q_dtype).removeprefix("torch."),

@@ -68,7 +68,7 @@ EDGES = {  # name: (the call's arguments just inside, just outside, the error, a
     "head dim 256": (dict(headdim=256), dict(headdim=257), ValueError, r"q's head dim must be in \[1, 256\]"),
     "nheads a multiple of nheads_k": (dict(nheads=6, nheads_k=3), dict(nheads=6, nheads_k=4), ValueError,
                                       r"q's nheads \(6\) must be a multiple of k_cache's nheads_k \(4\)"),
-    "cache rows at the batch": (dict(rows=2), dict(rows=1), ValueError, "k_cache must have at least q's batch 2 rows"),
+    "cache rows at the batch": (dict(rows=2), dict(rows=1), ValueError, r"k_cache must have at least 2 rows in dimension 0 \(q's batch\)"),
     "page size 256": (dict(capacity=256, page_size=256), dict(capacity=257, page_size=257), ValueError,
                       "k_cache's page size .* got 257"),
     "page size 768": (dict(capacity=768, page_size=768), dict(capacity=640, page_size=640), ValueError,
