@@ -95,6 +95,22 @@ def test_public_call(backend):
     assert problem.ragged and (problem.batch, problem.seqlen_q, problem.seqlen_new) == (4, 4, 4)
 
 
+@pytest.mark.parametrize("bounds", [(0, 2), (1, 3)])
+def test_rows_of_no_sequence_are_left_unwritten(bounds):
+    """q rows outside [cu_seqlens_q[0], cu_seqlens_q[-1]) belong to no sequence (padding, as in
+    FlashAttention 3): the kernels leave those rows of ``out`` as they were and compute the others."""
+    q, k_cache, v_cache, kwargs = make_inputs(batch=1, seqlen_q=2, rows=(2,))
+    q = torch.cat([q, q[:1]]) if bounds[0] == 0 else torch.cat([q[:1], q])  # one row of no sequence
+    kwargs = dict(kwargs, cu_seqlens_q=torch.tensor(bounds, dtype=torch.int32, device=DEVICE))
+    out = torch.full_like(q, 7.0)
+    flash_attn_with_kvcache(q, k_cache, v_cache, **kwargs, backend="triton", out=out)
+    ref_out = reference(q, k_cache, v_cache, kwargs)[0]
+    covered = slice(*bounds)
+    assert relative_error(out[covered], ref_out[covered]) < OUT_TOLERANCE
+    uncovered = 2 if bounds[0] == 0 else 0
+    assert torch.all(out[uncovered] == 7.0)
+
+
 def test_arguments_are_checked():
     q, k_cache, v_cache, kwargs = make_inputs(batch=4, seqlen_q=4, rows=ROWS, append=True)
     cu = kwargs.pop("cu_seqlens_q")
