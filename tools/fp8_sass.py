@@ -1,8 +1,8 @@
 """SASS counts of the split kernel of bench cases in a variant (default fp8; the H200 plan unless
-``--profile`` names another), compiled for
-sm_90a without a GPU by the installed Triton: registers, stack, shared memory, and instructions by
-class in its main loop (the largest loop holding HMMA) / in the whole kernel. Compiled as the
-launcher does: again with the register ceiling only where the kernel exceeds it (CAPPED rows).
+``--profile`` names another), compiled for sm_90a without a GPU by the installed Triton: registers,
+stack, shared memory, and instructions by class in its main loop (the largest loop holding HMMA) /
+in the whole kernel. Compiled as the launcher does: again with the register ceiling only where the
+kernel exceeds it (CAPPED rows).
 
 Usage: python tools/fp8_sass.py [--cases 7,9,13] [--variant ragged] [--profile h100]
        [--field fp8_v_words --values 0,1] [--dump DIR]
