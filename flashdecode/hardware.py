@@ -117,19 +117,24 @@ class Tuning:
     triton_resident_programs: tuple = ((64, 4), (128, 4), (256, 1))
     #: The same table for paged caches (empty: ``triton_resident_programs``); the register cap aims at it.
     triton_paged_resident_programs: tuple = ()
+    #: The register cap's programs an SM for the split kernel's 32-row tiles over several query tokens
+    #: a sequence, by padded head dim (empty: the tables above): under the tables' cap they spill.
+    triton_split_32_row_resident_programs: tuple = ()
 
 
 #: Hopper's tuning (H100, H200), measured on the H200 (docs/tuning.md): the merge in the split kernel,
 #: a dependent combine, shorter splits for Triton's combined, one-sequence and underfilled plans,
 #: deeper pipelines where the grid leaves shared memory over, 3 stages over contiguous fp8 caches, fp8
-#: V tiles read as 16-bit words (measured on an H100), and the paged kernel's register cap.
+#: V tiles read as 16-bit words (measured on an H100), the paged kernel's register cap, and the
+#: split kernel's for 32-row tiles over several query tokens (measured on an H100).
 HOPPER_TUNING = Tuning(max_splits_merged_in_split=16, max_rows_merged_in_split=512, dependent_combine=True,
                        underfilled_merge_caps=(8, 256),
                        min_blocks_per_combined_split=(("triton", 2),),
                        min_blocks_per_one_sequence_split=(("triton", 1),),
                        underfilled_split_above_blocks=(("triton", 4),), triton_pipelined_stages=4,
                        triton_fp8_stages=3, triton_fp8_v_words=True,
-                       triton_paged_resident_programs=((64, 4), (128, 5), (256, 1)))
+                       triton_paged_resident_programs=((64, 4), (128, 5), (256, 1)),
+                       triton_split_32_row_resident_programs=((64, 4), (128, 3), (256, 1)))
 
 
 @dataclasses.dataclass(frozen=True)

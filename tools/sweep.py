@@ -135,7 +135,8 @@ def main():
                 changes["max_registers"] = registers or None
             if isinstance(default, TritonConfig):  # the swept tile's register ceiling, not the default's
                 config = retiled(default, headdim, dataclasses.replace(current(), tuning=tuning),
-                                 inputs.block_table is not None, **changes)
+                                 inputs.block_table is not None,
+                                 resolved.plan.kernel == "split" and resolved.problem.seqlen_q > 1, **changes)
                 if fp8_v_words is None:  # a swept tile off Triton's miscompiles, as the default is
                     config = steer(resolved.problem, config, headdim)
             else:

@@ -68,22 +68,35 @@ def shared_bytes(config: TritonConfig, headdim: int, element_bytes: int, profile
     return (kv_tiles + config.block_m * element_bytes) * headdim + profile.driver_reserved_shared_per_program
 
 
+def by_headdim(table: tuple, headdim: int) -> int:
+    """The value of a (head dim, value) table's first row at or above a padded head dim (its last
+    row's past them)."""
+    return next((value for dim, value in table if dim >= headdim), table[-1][1])
+
+
 def resident_by_headdim(headdim: int, profile: HardwareProfile, paged: bool = False) -> int:
     """The profile's ``triton_resident_programs`` entry for a padded head dim
     (``triton_paged_resident_programs``'s for a paged cache, where the tuning has that table)."""
     tuning = profile.tuning
     table = (paged and tuning.triton_paged_resident_programs) or tuning.triton_resident_programs
-    return next((programs for dim, programs in table if dim >= headdim), table[-1][1])
+    return by_headdim(table, headdim)
 
 
-def register_cap(config: TritonConfig, headdim: int, profile: HardwareProfile, paged: bool = False) -> int | None:
+def register_cap(config: TritonConfig, headdim: int, profile: HardwareProfile, paged: bool = False,
+                 several_queries_split: bool = False) -> int | None:
     """Registers a thread may use so that ``resident_by_headdim`` programs fit a multiprocessor;
     None where no cap is needed (the compiler's limit already lets them fit), where the fp32 output
     and score tiles would take more than half of it (it would spill them: iterations 47), or where
     the output tile alone would take more than a quarter of it (a paged cache's tile then takes the
-    contiguous cache's cap). Features add registers (pages, appended tokens, 32 query rows), i.e.
-    fewer programs per SM and a second wave without the cap (docs/tuning.md)."""
+    contiguous cache's 16-row cap). Features add registers (pages, appended tokens, 32 query rows),
+    i.e. fewer programs per SM and a second wave without the cap (docs/tuning.md). The split kernel
+    over several query tokens a sequence (``several_queries_split``) gives a contiguous cache's
+    32-row tile at most the tuning's ``triton_split_32_row_resident_programs``, under whose cap it
+    does not spill (measured only there: iterations 55)."""
     resident = resident_by_headdim(headdim, profile, paged)
+    table = profile.tuning.triton_split_32_row_resident_programs
+    if several_queries_split and not paged and config.block_m == 32 and table:
+        resident = min(resident, by_headdim(table, headdim))
     threads = profile.wave_width * config.num_warps
     cap = profile.registers_per_multiprocessor // (resident * threads) // 8 * 8
     if cap >= profile.max_registers_per_thread:
@@ -102,13 +115,15 @@ def merge_step_for(block_m: int) -> int:
 
 
 def retiled(config: TritonConfig, headdim: int, profile: HardwareProfile, paged: bool = False,
-            **changes) -> TritonConfig:
+            several_queries_split: bool = False, **changes) -> TritonConfig:
     """``config`` with ``changes`` (a sweep's tile), its register ceiling derived again for the new
-    tile (of a paged cache's kernel where ``paged``) unless ``changes`` names one (``headdim`` padded)."""
+    tile (``register_cap``'s ``paged`` and ``several_queries_split``) unless ``changes`` names one
+    (``headdim`` padded)."""
     config = dataclasses.replace(config, **changes)
     if "max_registers" in changes:
         return config
-    return dataclasses.replace(config, max_registers=register_cap(config, headdim, profile, paged))
+    return dataclasses.replace(config, max_registers=register_cap(config, headdim, profile, paged,
+                                                                  several_queries_split))
 
 
 def fp8_stages(problem: Problem, profile: HardwareProfile) -> int:
@@ -196,7 +211,8 @@ class TritonBackend(Backend):
                 config = dataclasses.replace(config, block_m=config.block_m // 2)
             else:
                 break
-        return steer(problem, retiled(config, headdim, profile, problem.paged), headdim)  # a Triton miscompile (``workarounds``)
+        several_queries_split = kernel == SPLIT and problem.seqlen_q > 1
+        return steer(problem, retiled(config, headdim, profile, problem.paged, several_queries_split), headdim)  # a Triton miscompile (``workarounds``)
 
     def pipelined(self, config: TritonConfig, problem: Problem, profile: HardwareProfile, programs: int,
                   blocks: int) -> TritonConfig:
