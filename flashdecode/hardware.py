@@ -118,7 +118,8 @@ class Tuning:
     #: The same table for paged caches (empty: ``triton_resident_programs``); the register cap aims at it.
     triton_paged_resident_programs: tuple = ()
     #: The register cap's programs an SM for the split kernel's 32-row tiles over several query tokens
-    #: a sequence, by padded head dim (empty: the tables above): under the tables' cap they spill.
+    #: a sequence, contiguous 16-bit caches only, by padded head dim, where lower than the tables'
+    #: (empty: the tables above): under the tables' cap they spill.
     triton_split_32_row_resident_programs: tuple = ()
 
 

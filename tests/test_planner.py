@@ -524,20 +524,23 @@ def test_triton_fp8_v_words_on_hopper(headdim, cache_dtype, words):
     assert fp8_v_words(plan(problem, untuned, get_backend("triton")).config, problem) is False
 
 
-@pytest.mark.parametrize("headdim, group, seqlen_q, page_size, kernel, cap", [
-    (128, 4, 8, 0, SPLIT, 168),  # a draft of 8 tokens at group 4: 32 rows, 3 programs an SM (iterations 55)
-    (128, 8, 4, 0, SPLIT, 168),  # 4 query tokens at group 8
-    (128, 4, 8, 0, SINGLE_PASS, 128),  # one program a (sequence, KV head): the grid fills one wave at 4
-    (128, 32, 1, 0, SPLIT, 128),  # 32 query heads on one KV head, one token: compiles within 128
-    (128, 4, 8, 16, SPLIT, 128),  # pages (not measured)
-    (64, 4, 8, 0, SPLIT, 128),  # head dim 64 (not measured)
-    (128, 4, 1, 0, SPLIT, 128),  # 16 rows
+@pytest.mark.parametrize("headdim, group, seqlen_q, page_size, cache_dtype, kernel, cap", [
+    (128, 4, 8, 0, None, SPLIT, 168),  # a draft of 8 tokens at group 4: 32 rows, 3 programs an SM (iterations 55)
+    (128, 8, 4, 0, None, SPLIT, 168),  # 4 query tokens at group 8
+    (128, 4, 8, 0, None, SINGLE_PASS, 128),  # one program a (sequence, KV head): the grid fills one wave at 4
+    (128, 32, 1, 0, None, SPLIT, 128),  # 32 query heads on one KV head, one token: compiles within 128
+    (128, 4, 4, 0, None, SPLIT, 128),  # 4 query tokens at group 4: 16 rows
+    (128, 4, 8, 16, None, SPLIT, 128),  # pages (not measured)
+    (128, 4, 8, 0, "float8_e4m3fn", SPLIT, 128),  # fp8 (not measured)
+    (64, 4, 8, 0, None, SPLIT, 128),  # head dim 64 (not measured)
 ])
-def test_triton_register_cap_of_32_row_tiles_over_several_queries(headdim, group, seqlen_q, page_size, kernel, cap):
+def test_triton_register_cap_of_32_row_tiles_over_several_queries(headdim, group, seqlen_q, page_size, cache_dtype,
+                                                                  kernel, cap):
     """On Hopper the split kernel's 32-row tiles over several query tokens, at head dim 128 over a
-    contiguous cache, get the registers of 3 programs an SM (168) so that their fp32 tiles do not
-    spill; other tiles keep the tables' (4 an SM: 128)."""
-    problem = problem_for([2048] * 8, 2048, 8, group, headdim, seqlen_q=seqlen_q, page_size=page_size)
+    contiguous 16-bit cache, get the registers of 3 programs an SM (168), under which their fp32
+    tiles spill 8 bytes at most; other tiles keep the tables' (4 an SM: 128)."""
+    problem = problem_for([2048] * 8, 2048, 8, group, headdim, seqlen_q=seqlen_q, page_size=page_size,
+                          cache_dtype=cache_dtype)
     assert get_backend("triton").default_config(problem, PROFILES["h200"], kernel).max_registers == cap
     untuned = dataclasses.replace(PROFILES["h200"], tuning=dataclasses.replace(
         PROFILES["h200"].tuning, triton_split_32_row_resident_programs=()))

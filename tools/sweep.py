@@ -25,7 +25,7 @@ dims it merges (0: the whole head); ``--merge-splits`` the most splits a sequenc
 split kernel to merge them itself (0: never); ``--dependent-combine 0,1`` the combine as a
 programmatic dependent launch; ``--triton-resident`` the split programs Triton assumes an SM
 holds at the case's head dim (the row of ``Tuning.triton_resident_programs`` it takes, for paged
-caches too: single-sequence grids and the register cap follow); ``--underfilled-caps 8:256,none``
+caches and 32-row tiles too: single-sequence grids and the register cap follow); ``--underfilled-caps 8:256,none``
 ``Tuning.underfilled_merge_caps`` (none: that rule off; ``--min-chunk`` sets the combine's minimum
 too, and at equal minimums the rule has no shorter split to take). ``--shapes`` adds cases of one's own:
 batch x seqlen_cache x nheads_k x group x headdim, then ``:`` and a length rule of ``cases.LENGTH_RULES``
@@ -42,7 +42,7 @@ from flashdecode import DecodeContext, flash_attn_with_kvcache, plan_for
 from flashdecode.bench.timing import Timer
 from flashdecode.cases import MATRICES, VARIANTS, make_call, parse_shapes, select
 from flashdecode.hardware import current
-from flashdecode.kernels.triton.backend import TritonConfig, padded_headdim, retiled
+from flashdecode.kernels.triton.backend import TritonConfig, padded_headdim, retiled, is_several_queries_split
 from flashdecode.kernels.triton.workarounds import steer
 from flashdecode.reference import reference_attention, relative_error
 
@@ -113,6 +113,7 @@ def main():
                     (dim, resident if dim == resident_row else programs)
                     for dim, programs in base.triton_resident_programs)),
                 ("triton_paged_resident_programs", None if resident is None else ()),
+                ("triton_split_32_row_resident_programs", None if resident is None else ()),
                 ("min_blocks_per_one_sequence_split",
                  None if one_sequence is None else ((backend, one_sequence),) if one_sequence else ()),
                 ("split_above_blocks", split_above),
@@ -136,7 +137,7 @@ def main():
             if isinstance(default, TritonConfig):  # the swept tile's register ceiling, not the default's
                 config = retiled(default, headdim, dataclasses.replace(current(), tuning=tuning),
                                  inputs.block_table is not None,
-                                 resolved.plan.kernel == "split" and resolved.problem.seqlen_q > 1, **changes)
+                                 is_several_queries_split(resolved.problem, resolved.plan.kernel), **changes)
                 if fp8_v_words is None:  # a swept tile off Triton's miscompiles, as the default is
                     config = steer(resolved.problem, config, headdim)
             else:

@@ -82,17 +82,22 @@ def resident_by_headdim(headdim: int, profile: HardwareProfile, paged: bool = Fa
     return by_headdim(table, headdim)
 
 
+def is_several_queries_split(problem: Problem, kernel: str) -> bool:
+    """Whether ``register_cap``'s 32-row rule may apply: the split kernel over several query tokens a
+    sequence of a 16-bit cache (where it was measured)."""
+    return kernel == SPLIT and problem.seqlen_q > 1 and problem.cache_dtype is None
+
+
 def register_cap(config: TritonConfig, headdim: int, profile: HardwareProfile, paged: bool = False,
                  several_queries_split: bool = False) -> int | None:
-    """Registers a thread may use so that ``resident_by_headdim`` programs fit a multiprocessor;
-    None where no cap is needed (the compiler's limit already lets them fit), where the fp32 output
-    and score tiles would take more than half of it (it would spill them: iterations 47), or where
-    the output tile alone would take more than a quarter of it (a paged cache's tile then takes the
-    contiguous cache's 16-row cap). Features add registers (pages, appended tokens, 32 query rows),
-    i.e. fewer programs per SM and a second wave without the cap (docs/tuning.md). The split kernel
-    over several query tokens a sequence (``several_queries_split``) gives a contiguous cache's
-    32-row tile at most the tuning's ``triton_split_32_row_resident_programs``, under whose cap it
-    does not spill (measured only there: iterations 55)."""
+    """Registers a thread may use so that ``resident_by_headdim`` programs fit a multiprocessor (for
+    a contiguous cache's 32-row tile where ``several_queries_split``, at most the tuning's
+    ``triton_split_32_row_resident_programs``); None where no cap is needed (the compiler's limit
+    already lets them fit), where the fp32 output and score tiles would take more than half of it
+    (it would spill them: iterations 47), or where the output tile alone would take more than a
+    quarter of it (a paged cache's tile then takes the contiguous table's cap). Features add
+    registers (pages, appended tokens, 32 query rows), i.e. fewer programs per SM and a second wave
+    without the cap (docs/tuning.md)."""
     resident = resident_by_headdim(headdim, profile, paged)
     table = profile.tuning.triton_split_32_row_resident_programs
     if several_queries_split and not paged and config.block_m == 32 and table:
@@ -211,8 +216,8 @@ class TritonBackend(Backend):
                 config = dataclasses.replace(config, block_m=config.block_m // 2)
             else:
                 break
-        several_queries_split = kernel == SPLIT and problem.seqlen_q > 1
-        return steer(problem, retiled(config, headdim, profile, problem.paged, several_queries_split), headdim)  # a Triton miscompile (``workarounds``)
+        config = retiled(config, headdim, profile, problem.paged, is_several_queries_split(problem, kernel))
+        return steer(problem, config, headdim)  # a Triton miscompile (``workarounds``)
 
     def pipelined(self, config: TritonConfig, problem: Problem, profile: HardwareProfile, programs: int,
                   blocks: int) -> TritonConfig:
@@ -241,7 +246,9 @@ class TritonBackend(Backend):
         return DEPENDENT_LAUNCH_UNAVAILABLE is None
 
     def resident_programs(self, problem: Problem, config, profile: HardwareProfile) -> int:
-        """From the profile's measured ``triton_resident_programs``, by padded head dim."""
+        """From the profile's measured ``triton_resident_programs``, by padded head dim (the split
+        kernel's 32-row tiles over several query tokens may be capped for fewer: ``register_cap``;
+        one sequence's grid takes at most 3 either way on Hopper)."""
         return resident_by_headdim(padded_headdim(problem.headdim), profile)
 
     # -- the launch --------------------------------------------------------------------------------
