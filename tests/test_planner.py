@@ -538,10 +538,13 @@ def test_triton_register_cap_of_32_row_tiles_over_several_queries(headdim, group
                                                                   kernel, cap):
     """On Hopper the split kernel's 32-row tiles over several query tokens, at head dim 128 over a
     contiguous 16-bit cache, get the registers of 3 programs an SM (168), under which their fp32
-    tiles spill 8 bytes at most; other tiles keep the tables' (4 an SM: 128)."""
+    tiles spill 8 bytes at most, and the backend says 3 are resident; other tiles keep the tables'
+    (4 an SM: 128)."""
     problem = problem_for([2048] * 8, 2048, 8, group, headdim, seqlen_q=seqlen_q, page_size=page_size,
                           cache_dtype=cache_dtype)
-    assert get_backend("triton").default_config(problem, PROFILES["h200"], kernel).max_registers == cap
+    config = get_backend("triton").default_config(problem, PROFILES["h200"], kernel)
+    assert config.max_registers == cap
+    assert get_backend("triton").resident_programs(problem, config, PROFILES["h200"]) == (3 if cap == 168 else 4)
     untuned = dataclasses.replace(PROFILES["h200"], tuning=dataclasses.replace(
         PROFILES["h200"].tuning, triton_split_32_row_resident_programs=()))
     assert get_backend("triton").default_config(problem, untuned, kernel).max_registers == 128

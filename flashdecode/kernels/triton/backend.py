@@ -246,10 +246,13 @@ class TritonBackend(Backend):
         return DEPENDENT_LAUNCH_UNAVAILABLE is None
 
     def resident_programs(self, problem: Problem, config, profile: HardwareProfile) -> int:
-        """From the profile's measured ``triton_resident_programs``, by padded head dim (the split
-        kernel's 32-row tiles over several query tokens may be capped for fewer: ``register_cap``;
-        one sequence's grid takes at most 3 either way on Hopper)."""
-        return resident_by_headdim(padded_headdim(problem.headdim), profile)
+        """From the profile's measured ``triton_resident_programs``, by padded head dim, or fewer
+        where ``config``'s register cap lets fewer fit (``register_cap``'s 32-row rule)."""
+        resident = resident_by_headdim(padded_headdim(problem.headdim), profile)
+        if config is None or config.max_registers is None:
+            return resident
+        threads = profile.wave_width * config.num_warps
+        return max(1, min(resident, profile.registers_per_multiprocessor // (config.max_registers * threads)))
 
     # -- the launch --------------------------------------------------------------------------------
     def launch(self, plan, problem: Problem, args: LaunchArgs) -> None:
