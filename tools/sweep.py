@@ -42,7 +42,7 @@ from flashdecode import DecodeContext, flash_attn_with_kvcache, plan_for
 from flashdecode.bench.timing import Timer
 from flashdecode.cases import MATRICES, VARIANTS, make_call, parse_shapes, select
 from flashdecode.hardware import current
-from flashdecode.kernels.triton.backend import TritonConfig, padded_headdim, retiled, is_several_queries_split
+from flashdecode.kernels.triton.backend import TritonConfig, is_several_queries_split, padded_headdim, retiled
 from flashdecode.kernels.triton.workarounds import steer
 from flashdecode.reference import reference_attention, relative_error
 
