@@ -34,7 +34,7 @@ class AutoRule:
     #: only calls that none of these backends' plans split (``kernels.base.select`` asks the planner)
     unsplit_by: tuple[str, ...] = ()
     #: only calls that none of these backends' plans pipeline deeper than their tile table
-    #: (``Backend.pipelined``; ``kernels.base.select`` asks the planner)
+    #: (``Backend.for_grid``; ``kernels.base.select`` asks the planner)
     not_pipelined_by: tuple[str, ...] = ()
     #: only calls whose features (``Problem.features``) are all among these; None: any feature
     features: tuple[str, ...] | None = None
@@ -105,7 +105,7 @@ class Tuning:
     #: num_stages).
     triton_tiles: tuple = ((32, 64, 4, 2), (64, 128, 4, 2), (128, 64, 4, 2), (256, 64, 4, 3))
     #: Pipeline stages of Triton's kernels where the grid leaves shared memory over
-    #: (``TritonBackend.pipelined``); 0: the tile table's always.
+    #: (``triton.backend.pipelined``); 0: the tile table's always.
     triton_pipelined_stages: int = 0
     #: Pipeline stages of Triton's kernels over contiguous fp8 caches, in place of the tile table's
     #: and ``triton_pipelined_stages`` (0: as 16-bit caches).
@@ -119,7 +119,8 @@ class Tuning:
     triton_paged_resident_programs: tuple = ()
     #: The register cap's programs an SM for the split kernel's 32-row tiles over several query tokens
     #: a sequence, contiguous 16-bit caches only, by padded head dim, where lower than the tables'
-    #: (empty: the tables above): under the tables' cap they spill.
+    #: (empty: the tables above): under the tables' cap they spill; the grids it pays for are
+    #: ``triton.backend.split_32_row_resident``'s.
     triton_split_32_row_resident_programs: tuple = ()
 
 

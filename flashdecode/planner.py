@@ -118,6 +118,10 @@ class Plan:
             return problem.batch
         return min(self.programs_per_head, problem.batch * self.max_splits(problem))
 
+    def working_grid(self, problem: Problem) -> int:
+        """Most programs of the whole grid that get keys: ``working_programs`` per KV head and row tile."""
+        return self.working_programs(problem) * problem.nheads_k * self.row_tiles(problem)
+
     def most_blocks_per_program(self, problem: Problem) -> int:
         """Most KV blocks one program streams: a whole sequence's unsplit; split, at most the device
         rule's chunk, max(m, ceil(sum_b nblk_b / (P - B))) <= max(m, ceil(B * max blocks / (P - B))),
@@ -182,7 +186,7 @@ def plan(problem: Problem, profile: HardwareProfile, backend, num_splits: int = 
     if num_splits > 0:
         splits = min(num_splits, max(1, max_blocks))  # no empty splits
         kernel = SPLIT if splits > 1 else SINGLE_PASS
-        return _pipelined(_merge_mode(Plan(kernel, config_for(kernel), problem.batch * splits, splits), problem,
+        return _for_grid(_merge_mode(Plan(kernel, config_for(kernel), problem.batch * splits, splits), problem,
                                       profile, backend), problem, profile, backend, config)
     row_tiles = -(-problem.q_rows // split_config.block_m)
     min_chunk = tuning.min_blocks_per_split
@@ -193,23 +197,23 @@ def plan(problem: Problem, profile: HardwareProfile, backend, num_splits: int = 
             short = SHORT_CACHE in backend.kernels(problem) and math.ceil(
                 problem.key_span() / config_for(SHORT_CACHE).block_n) <= tuning.short_cache_max_blocks  # its own tiles
             kernel = SHORT_CACHE if short else SINGLE_PASS
-            return _pipelined(Plan(kernel, config_for(kernel), problem.batch), problem, profile, backend, config)
+            return _for_grid(Plan(kernel, config_for(kernel), problem.batch), problem, profile, backend, config)
         min_chunk = 1
     per_sm = tuning.programs_per_multiprocessor
     if problem.batch == 1:
         per_sm = min(per_sm, max(1, backend.resident_programs(problem, split_config, profile)))
     extra = max(1, profile.multiprocessors * per_sm // (problem.nheads_k * row_tiles))  # never more than the target
-    return _pipelined(_merge_mode(Plan(SPLIT, split_config, problem.batch + extra, min_chunk=min_chunk), problem,
+    return _for_grid(_merge_mode(Plan(SPLIT, split_config, problem.batch + extra, min_chunk=min_chunk), problem,
                                   profile, backend), problem, profile, backend, config)
 
 
-def _pipelined(plan_: Plan, problem: Problem, profile: HardwareProfile, backend, config) -> Plan:
-    """``plan_`` with the backend's pipeline depth for its grid (``Backend.pipelined``), unless the
-    caller gave the tile config."""
+def _for_grid(plan_: Plan, problem: Problem, profile: HardwareProfile, backend, config) -> Plan:
+    """``plan_`` with the backend's tile config for its grid (``Backend.for_grid``: a pipeline depth,
+    a register cap), unless the caller gave the tile config."""
     if isinstance(config, type(plan_.config)):
         return plan_
-    programs = plan_.working_programs(problem) * problem.nheads_k * plan_.row_tiles(problem)
-    chosen = backend.pipelined(plan_.config, problem, profile, programs, plan_.most_blocks_per_program(problem))
+    chosen = backend.for_grid(plan_.config, problem, profile, plan_.kernel, plan_.working_grid(problem),
+                              plan_.most_blocks_per_program(problem))
     return plan_ if chosen == plan_.config else dataclasses.replace(plan_, config=chosen)
 
 

@@ -524,30 +524,37 @@ def test_triton_fp8_v_words_on_hopper(headdim, cache_dtype, words):
     assert fp8_v_words(plan(problem, untuned, get_backend("triton")).config, problem) is False
 
 
-@pytest.mark.parametrize("headdim, group, seqlen_q, page_size, cache_dtype, kernel, cap", [
-    (128, 4, 8, 0, None, SPLIT, 168),  # a draft of 8 tokens at group 4: 32 rows, 3 programs an SM (iterations 55)
-    (128, 8, 4, 0, None, SPLIT, 168),  # 4 query tokens at group 8
-    (128, 4, 8, 0, None, SINGLE_PASS, 128),  # one program a (sequence, KV head): the grid fills one wave at 4
-    (128, 32, 1, 0, None, SPLIT, 128),  # 32 query heads on one KV head, one token: compiles within 128
-    (128, 4, 4, 0, None, SPLIT, 128),  # 4 query tokens at group 4: 16 rows
-    (128, 4, 8, 16, None, SPLIT, 128),  # pages (not measured)
-    (128, 4, 8, 0, "float8_e4m3fn", SPLIT, 128),  # fp8 (not measured)
-    (64, 4, 8, 0, None, SPLIT, 128),  # head dim 64 (not measured)
+@pytest.mark.parametrize("batch, seqlen_cache, nheads_k, group, seqlen_q, headdim, features, cap", [
+    (1, 58966, 8, 4, 8, 128, {}, 168),  # case 13's drafts of 8 at group 4: 32 rows, one wave at 3 an SM
+    (1, 61519, 4, 8, 4, 128, {}, 168),  # case 14's 4 query tokens at group 8: one wave at 3
+    (16, 362, 8, 4, 8, 128, {}, 168),  # case 6: past a wave at 3, but programs of 2 blocks
+    (64, 2048, 8, 4, 8, 128, {}, 168),  # case 7: 6.85 programs an SM, over two waves at 3
+    (8, 32768, 8, 4, 8, 128, {}, 128),  # case 12: 3.45 an SM (one to two waves at 3) of 84-block programs
+    (32, 4096, 8, 4, 8, 128, {}, 128),  # case 9: 4.91 an SM of 42-block programs
+    (16, 4096, 4, 8, 4, 128, {}, 128),  # case 8 at 4 tokens: 3.48 an SM of 11-block programs
+    (32, 300, 8, 4, 8, 128, {}, 128),  # the single-pass kernel: its grid fills one wave at 4
+    (1, 58966, 8, 32, 1, 128, {}, 128),  # 32 query heads on one KV head, one token: compiles within 128
+    (1, 58966, 8, 4, 4, 128, {}, 128),  # 4 query tokens at group 4: 16 rows
+    (1, 58966, 8, 4, 8, 128, {"page_size": 16}, 128),  # pages (not measured)
+    (1, 58966, 8, 4, 8, 128, {"cache_dtype": "float8_e4m3fn"}, 128),  # fp8 (not measured)
+    (1, 58966, 8, 4, 8, 64, {}, 128),  # head dim 64: 4 an SM, the tables' (W8: slower at 3)
 ])
-def test_triton_register_cap_of_32_row_tiles_over_several_queries(headdim, group, seqlen_q, page_size, cache_dtype,
-                                                                  kernel, cap):
+def test_triton_register_cap_of_32_row_tiles_over_several_queries(batch, seqlen_cache, nheads_k, group, seqlen_q,
+                                                                  headdim, features, cap):
     """On Hopper the split kernel's 32-row tiles over several query tokens, at head dim 128 over a
-    contiguous 16-bit cache, get the registers of 3 programs an SM (168), under which their fp32
-    tiles spill 8 bytes at most, and the backend says 3 are resident; other tiles keep the tables'
-    (4 an SM: 128)."""
-    problem = problem_for([2048] * 8, 2048, 8, group, headdim, seqlen_q=seqlen_q, page_size=page_size,
-                          cache_dtype=cache_dtype)
-    config = get_backend("triton").default_config(problem, PROFILES["h200"], kernel)
+    contiguous 16-bit cache, spill under the tables' cap (4 programs an SM: 128 registers). They get
+    the registers of 3 an SM (168) where the grid's working programs fit one wave at 3, fill two or
+    more, or stream at most ``min_blocks_per_split`` blocks, and the backend then says 3 are
+    resident (iterations 56)."""
+    problem = problem_for([seqlen_cache] * batch, seqlen_cache, nheads_k, group, headdim, seqlen_q=seqlen_q,
+                          **features)
+    backend = get_backend("triton")
+    config = plan(problem, PROFILES["h200"], backend).config
     assert config.max_registers == cap
-    assert get_backend("triton").resident_programs(problem, config, PROFILES["h200"]) == (3 if cap == 168 else 4)
+    assert backend.resident_programs(problem, config, PROFILES["h200"]) == (3 if cap == 168 else 4)
     untuned = dataclasses.replace(PROFILES["h200"], tuning=dataclasses.replace(
         PROFILES["h200"].tuning, triton_split_32_row_resident_programs=()))
-    assert get_backend("triton").default_config(problem, untuned, kernel).max_registers == 128
+    assert plan(problem, untuned, backend).config.max_registers == 128
 
 
 @pytest.mark.parametrize("headdim, group, seqlen_q, page_size, cap", [

@@ -16,7 +16,7 @@ has unsplit, unless ``underfilled_split_above_blocks`` splits it: at or below it
 ``--underfilled-above`` that count for the backend (0: the rule off);
 ``--tl-stages`` and ``--tl-rows`` set any backend's ``num_stages`` / ``block_m`` (a swept tile starts
 from the case's planned config: without ``--tl-stages`` it keeps that plan's pipeline depth, which
-``Backend.pipelined`` chose for the default tile, not for the swept one); ``--warps`` Triton's
+``Backend.for_grid`` chose for the default tile, not for the swept one); ``--warps`` Triton's
 ``num_warps``; ``--max-registers`` Triton's register cap (0: none; -1: the shipped rule's for the tile);
 ``--fp8-v-words 0,1`` Triton's ``fp8_v_words`` (fp8 caches: V read as 16-bit words, not byte by byte;
 without it a swept Triton tile is steered off Triton's miscompiles as the default is, ``workarounds.steer``);
@@ -42,7 +42,7 @@ from flashdecode import DecodeContext, flash_attn_with_kvcache, plan_for
 from flashdecode.bench.timing import Timer
 from flashdecode.cases import MATRICES, VARIANTS, make_call, parse_shapes, select
 from flashdecode.hardware import current
-from flashdecode.kernels.triton.backend import TritonConfig, is_several_queries_split, padded_headdim, retiled
+from flashdecode.kernels.triton.backend import TritonConfig, padded_headdim, retiled, split_32_row_resident
 from flashdecode.kernels.triton.workarounds import steer
 from flashdecode.reference import reference_attention, relative_error
 
@@ -135,9 +135,11 @@ def main():
             if registers is not None and registers >= 0 and isinstance(default, TritonConfig):  # 0: no cap
                 changes["max_registers"] = registers or None
             if isinstance(default, TritonConfig):  # the swept tile's register ceiling, not the default's
-                config = retiled(default, headdim, dataclasses.replace(current(), tuning=tuning),
-                                 inputs.block_table is not None,
-                                 is_several_queries_split(resolved.problem, resolved.plan.kernel), **changes)
+                profile, problem = dataclasses.replace(current(), tuning=tuning), resolved.problem
+                resident = split_32_row_resident(problem, resolved.plan.kernel, dataclasses.replace(default, **changes),
+                                                 profile, resolved.plan.working_grid(problem),
+                                                 resolved.plan.most_blocks_per_program(problem))
+                config = retiled(default, headdim, profile, inputs.block_table is not None, resident, **changes)
                 if fp8_v_words is None:  # a swept tile off Triton's miscompiles, as the default is
                     config = steer(resolved.problem, config, headdim)
             else:

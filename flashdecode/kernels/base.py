@@ -130,9 +130,10 @@ class Backend(abc.ABC):
     def resident_programs(self, problem: Problem, config, profile: HardwareProfile) -> int:
         """Split programs of this config one multiprocessor holds at once."""
 
-    def pipelined(self, config, problem: Problem, profile: HardwareProfile, programs: int, blocks: int):
-        """``config`` with the pipeline depth for a grid of at most ``programs`` working programs of
-        at most ``blocks`` KV blocks each (``docs/design.md``, "The schedule"); the default keeps it."""
+    def for_grid(self, config, problem: Problem, profile: HardwareProfile, kernel: str, programs: int, blocks: int):
+        """``config`` for ``kernel``'s grid of at most ``programs`` working programs of at most
+        ``blocks`` KV blocks each: what depends on the grid, such as the pipeline depth
+        (``docs/design.md``, "The schedule"); the default keeps it."""
         return config
 
     def merges_in_split(self, problem: Problem) -> bool:
@@ -260,6 +261,7 @@ def _splits(plan) -> bool:
 
 
 def _pipelines_deeper(name: str, plan, problem: Problem, profile: HardwareProfile) -> bool:
-    """Whether backend ``name``'s plan takes a deeper pipeline than its tile table (``Backend.pipelined``;
+    """Whether backend ``name``'s plan takes a deeper pipeline than its tile table (``Backend.for_grid``;
     False where it cannot take the call: None)."""
-    return plan is not None and plan.config != get_backend(name).default_config(problem, profile, plan.kernel)
+    return plan is not None and (plan.config.num_stages
+                                 != get_backend(name).default_config(problem, profile, plan.kernel).num_stages)

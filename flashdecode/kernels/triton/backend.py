@@ -82,26 +82,37 @@ def resident_by_headdim(headdim: int, profile: HardwareProfile, paged: bool = Fa
     return by_headdim(table, headdim)
 
 
-def is_several_queries_split(problem: Problem, kernel: str) -> bool:
-    """Whether ``register_cap``'s 32-row rule may apply: the split kernel over several query tokens a
-    sequence of a 16-bit cache (where it was measured)."""
-    return kernel == SPLIT and problem.seqlen_q > 1 and problem.cache_dtype is None
+def split_32_row_resident(problem: Problem, kernel: str, config: TritonConfig, profile: HardwareProfile,
+                          programs: int, blocks: int) -> int | None:
+    """The programs an SM ``triton_split_32_row_resident_programs`` gives the split kernel's 32-row
+    tile over several query tokens (contiguous 16-bit caches, where measured), or None where the
+    tables' count holds. Such a tile spills under the tables' cap. Fewer programs an SM pay where a
+    grid of ``programs`` working programs fits one wave at that count, where it fills two or more
+    (the spills then cost more than a fourth program gains), or where programs stream at most
+    ``min_blocks_per_split`` blocks (their spilled head and tail outweigh the loop). Between one
+    and two waves of longer programs the fourth program an SM wins (docs/tuning.md, iterations 56)."""
+    table = profile.tuning.triton_split_32_row_resident_programs
+    if not (table and kernel == SPLIT and problem.seqlen_q > 1 and problem.cache_dtype is None
+            and not problem.paged and config.block_m == 32):
+        return None
+    resident = by_headdim(table, padded_headdim(problem.headdim))
+    wave = resident * profile.multiprocessors
+    if programs <= wave or programs >= 2 * wave or blocks <= profile.tuning.min_blocks_per_split:
+        return resident
+    return None
 
 
 def register_cap(config: TritonConfig, headdim: int, profile: HardwareProfile, paged: bool = False,
-                 several_queries_split: bool = False) -> int | None:
-    """Registers a thread may use so that ``resident_by_headdim`` programs fit a multiprocessor (for
-    a contiguous cache's 32-row tile where ``several_queries_split``, at most the tuning's
-    ``triton_split_32_row_resident_programs``); None where no cap is needed (the compiler's limit
-    already lets them fit), where the fp32 output and score tiles would take more than half of it
-    (it would spill them: iterations 47), or where the output tile alone would take more than a
-    quarter of it (a paged cache's tile then takes the contiguous table's cap). Features add
-    registers (pages, appended tokens, 32 query rows), i.e. fewer programs per SM and a second wave
-    without the cap (docs/tuning.md)."""
-    resident = resident_by_headdim(headdim, profile, paged)
-    table = profile.tuning.triton_split_32_row_resident_programs
-    if several_queries_split and not paged and config.block_m == 32 and table:
-        resident = min(resident, by_headdim(table, headdim))
+                 resident: int | None = None) -> int | None:
+    """Registers a thread may use so that ``resident_by_headdim`` programs fit a multiprocessor (at
+    most ``resident``, ``split_32_row_resident``'s count); None where no cap is needed (the
+    compiler's limit already lets them fit), where the fp32 output and score tiles would take more
+    than half of it (it would spill them: iterations 47), or where the output tile alone would take
+    more than a quarter of it (a paged cache's tile then takes the contiguous table's cap). Features
+    add registers (pages, appended tokens, 32 query rows), i.e. fewer programs per SM and a second
+    wave without the cap (docs/tuning.md)."""
+    tables = resident_by_headdim(headdim, profile, paged)
+    resident = tables if resident is None else min(tables, resident)
     threads = profile.wave_width * config.num_warps
     cap = profile.registers_per_multiprocessor // (resident * threads) // 8 * 8
     if cap >= profile.max_registers_per_thread:
@@ -120,20 +131,38 @@ def merge_step_for(block_m: int) -> int:
 
 
 def retiled(config: TritonConfig, headdim: int, profile: HardwareProfile, paged: bool = False,
-            several_queries_split: bool = False, **changes) -> TritonConfig:
+            resident: int | None = None, **changes) -> TritonConfig:
     """``config`` with ``changes`` (a sweep's tile), its register ceiling derived again for the new
-    tile (``register_cap``'s ``paged`` and ``several_queries_split``) unless ``changes`` names one
-    (``headdim`` padded)."""
+    tile (``register_cap``'s ``paged`` and ``resident``) unless ``changes`` names one (``headdim``
+    padded)."""
     config = dataclasses.replace(config, **changes)
     if "max_registers" in changes:
         return config
-    return dataclasses.replace(config, max_registers=register_cap(config, headdim, profile, paged,
-                                                                  several_queries_split))
+    return dataclasses.replace(config, max_registers=register_cap(config, headdim, profile, paged, resident))
 
 
 def fp8_stages(problem: Problem, profile: HardwareProfile) -> int:
     """The tuning's ``triton_fp8_stages`` for a contiguous fp8 cache, else 0 (measured only there)."""
     return profile.tuning.triton_fp8_stages if problem.cache_dtype is not None and not problem.paged else 0
+
+
+def pipelined(config: TritonConfig, problem: Problem, profile: HardwareProfile, programs: int,
+              blocks: int) -> TritonConfig:
+    """The tuning's ``triton_pipelined_stages`` for programs of at least that many blocks less one
+    where the grid's ``programs`` working programs all stay resident at that depth: a grid that
+    leaves shared memory over lets each program keep several of its blocks in flight instead of
+    waiting on memory once a block. A grid that fills the device keeps the table's stages: fewer
+    programs an SM would cost it a second wave. Only where measured: contiguous 16-bit caches
+    without appended tokens or rotary, head dims 64-128 (docs/tuning.md)."""
+    stages, headdim = profile.tuning.triton_pipelined_stages, padded_headdim(problem.headdim)
+    if (not stages or fp8_stages(problem, profile) or blocks < stages - 1 or config.num_stages >= stages
+            or problem.paged or problem.seqlen_new > 0 or problem.rotary_dim > 0 or headdim not in (64, 128)):
+        return config
+    deeper = dataclasses.replace(config, num_stages=stages)
+    per_multiprocessor = min(resident_by_headdim(headdim, profile), profile.shared_memory_per_multiprocessor //
+                             shared_bytes(deeper, headdim, problem.element_bytes, profile,
+                                          problem.cache_element_bytes))
+    return deeper if programs <= per_multiprocessor * profile.multiprocessors else config
 
 
 def padded_headdim(headdim: int) -> int:
@@ -216,26 +245,20 @@ class TritonBackend(Backend):
                 config = dataclasses.replace(config, block_m=config.block_m // 2)
             else:
                 break
-        config = retiled(config, headdim, profile, problem.paged, is_several_queries_split(problem, kernel))
+        config = retiled(config, headdim, profile, problem.paged)
         return steer(problem, config, headdim)  # a Triton miscompile (``workarounds``)
 
-    def pipelined(self, config: TritonConfig, problem: Problem, profile: HardwareProfile, programs: int,
-                  blocks: int) -> TritonConfig:
-        """The tuning's ``triton_pipelined_stages`` for programs of at least that many blocks less
-        one where the grid's working programs all stay resident at that depth: a grid that leaves
-        shared memory over lets each program keep several of its blocks in flight instead of
-        waiting on memory once a block. A grid that fills the device keeps the table's stages:
-        fewer programs an SM would cost it a second wave. Only where measured: contiguous 16-bit
-        caches without appended tokens or rotary, head dims 64-128 (docs/tuning.md)."""
-        stages, headdim = profile.tuning.triton_pipelined_stages, padded_headdim(problem.headdim)
-        if (not stages or fp8_stages(problem, profile) or blocks < stages - 1 or config.num_stages >= stages
-                or problem.paged or problem.seqlen_new > 0 or problem.rotary_dim > 0 or headdim not in (64, 128)):
+    def for_grid(self, config: TritonConfig, problem: Problem, profile: HardwareProfile, kernel: str,
+                 programs: int, blocks: int) -> TritonConfig:
+        """``config`` with a deeper pipeline where the grid leaves shared memory over (``pipelined``)
+        and the register cap of ``split_32_row_resident``'s programs an SM where that count is
+        below the tables'."""
+        config = pipelined(config, problem, profile, programs, blocks)
+        headdim = padded_headdim(problem.headdim)
+        resident = split_32_row_resident(problem, kernel, config, profile, programs, blocks)
+        if resident is None or resident >= resident_by_headdim(headdim, profile):
             return config
-        deeper = dataclasses.replace(config, num_stages=stages)
-        per_multiprocessor = min(resident_by_headdim(headdim, profile), profile.shared_memory_per_multiprocessor //
-                                 shared_bytes(deeper, headdim, problem.element_bytes, profile,
-                                              problem.cache_element_bytes))
-        return deeper if programs <= per_multiprocessor * profile.multiprocessors else config
+        return retiled(config, headdim, profile, problem.paged, resident)
 
     def merges_in_split(self, problem: Problem) -> bool:
         """Every problem: the split kernel can merge its partials itself (``merge_if_last``)."""
