@@ -55,7 +55,7 @@ def test_random_key_ranges_covered_exactly_once(backend, profile_name, data):
     assert 1 <= p.programs_per_head
     items = assert_covers_exactly_once(p, lengths, starts)
     assert all(item.num_splits <= p.max_splits(problem) for item in items)  # the bound merging relies on
-    # the bounds the pipeline depth is chosen by (``Backend.pipelined``)
+    # the bounds the grid's tile config is chosen by (``Backend.for_grid``)
     assert len(items) <= p.working_programs(problem)
     assert all(-(-item.token_end // p.block_n) - item.token_start // p.block_n <= p.most_blocks_per_program(problem)
                for item in items if item.tokens)
@@ -216,8 +216,8 @@ def test_plan_bounds_hold_under_windows_and_appended_tokens(backend, data):
     """The bounds the device-side rule must respect, with a left window whose keys start mid-block
     (or none), appended tokens and several query rows: ``Plan.max_splits`` (what merging in the
     split kernel is allowed by) is at least the splits any sequence gets, ``working_programs`` the
-    programs with keys, ``most_blocks_per_program`` any program's blocks (what the pipeline depth
-    is chosen by, ``Backend.pipelined``). Some lengths put a window's first visible key on the last
+    programs with keys, ``most_blocks_per_program`` any program's blocks (what the grid's tile
+    config is chosen by, ``Backend.for_grid``). Some lengths put a window's first visible key on the last
     key of a block, where its keys span the most blocks."""
     seqlen_cache = data.draw(st.integers(1, 20000))
     window_left = data.draw(st.sampled_from([-1, data.draw(st.integers(0, 3000))]))
@@ -544,14 +544,16 @@ def test_triton_register_cap_of_32_row_tiles_over_several_queries(batch, seqlen_
     """On Hopper the split kernel's 32-row tiles over several query tokens, at head dim 128 over a
     contiguous 16-bit cache, spill under the tables' cap (4 programs an SM: 128 registers). They get
     the registers of 3 an SM (168) where the grid's working programs fit one wave at 3, fill two or
-    more, or stream at most ``min_blocks_per_split`` blocks, and the backend then says 3 are
-    resident (iterations 56)."""
+    more, or, in a batch, stream at most ``SHORT_PROGRAM_BLOCKS``, and the backend then says 3 are
+    resident (iterations 56); a caller's config is kept as given."""
     problem = problem_for([seqlen_cache] * batch, seqlen_cache, nheads_k, group, headdim, seqlen_q=seqlen_q,
                           **features)
     backend = get_backend("triton")
     config = plan(problem, PROFILES["h200"], backend).config
     assert config.max_registers == cap
     assert backend.resident_programs(problem, config, PROFILES["h200"]) == (3 if cap == 168 else 4)
+    given = dataclasses.replace(config, max_registers=None)  # a caller's config is kept as given
+    assert plan(problem, PROFILES["h200"], backend, config=given).config == given
     untuned = dataclasses.replace(PROFILES["h200"], tuning=dataclasses.replace(
         PROFILES["h200"].tuning, triton_split_32_row_resident_programs=()))
     assert plan(problem, untuned, backend).config.max_registers == 128

@@ -136,9 +136,11 @@ def main():
                 changes["max_registers"] = registers or None
             if isinstance(default, TritonConfig):  # the swept tile's register ceiling, not the default's
                 profile, problem = dataclasses.replace(current(), tuning=tuning), resolved.problem
-                resident = split_32_row_resident(problem, resolved.plan.kernel, dataclasses.replace(default, **changes),
-                                                 profile, resolved.plan.working_grid(problem),
-                                                 resolved.plan.most_blocks_per_program(problem))
+                swept = dataclasses.replace(default, **changes)  # its grid, as the planner would cap it
+                grid = plan_for(inputs.q, inputs.k_cache, inputs.v_cache, **inputs.kwargs(), backend=backend,
+                                context=DecodeContext("cuda", tuning=tuning, config=swept)).plan
+                resident = split_32_row_resident(problem, grid.kernel, swept, profile, grid.working_grid(problem),
+                                                 grid.most_blocks_per_program(problem))
                 config = retiled(default, headdim, profile, inputs.block_table is not None, resident, **changes)
                 if fp8_v_words is None:  # a swept tile off Triton's miscompiles, as the default is
                     config = steer(resolved.problem, config, headdim)

@@ -82,24 +82,32 @@ def resident_by_headdim(headdim: int, profile: HardwareProfile, paged: bool = Fa
     return by_headdim(table, headdim)
 
 
+#: Programs of at most this many KV blocks are mostly their head and tail (``split_32_row_resident``:
+#: case 6's programs of 2 blocks gained at 3 an SM, case 8's of 11 with 4 query tokens lost).
+SHORT_PROGRAM_BLOCKS = 4
+
+
 def split_32_row_resident(problem: Problem, kernel: str, config: TritonConfig, profile: HardwareProfile,
                           programs: int, blocks: int) -> int | None:
     """The programs an SM ``triton_split_32_row_resident_programs`` gives the split kernel's 32-row
-    tile over several query tokens (contiguous 16-bit caches, where measured), or None where the
-    tables' count holds. Such a tile spills under the tables' cap. Fewer programs an SM pay where a
-    grid of ``programs`` working programs fits one wave at that count, where it fills two or more
-    (the spills then cost more than a fourth program gains), or where programs stream at most
-    ``min_blocks_per_split`` blocks (their spilled head and tail outweigh the loop). Between one
-    and two waves of longer programs the fourth program an SM wins (docs/tuning.md, iterations 56)."""
+    tile over several query tokens (contiguous 16-bit caches, where measured), where below the
+    tables' count, else None. Such a tile spills under the tables' cap. Fewer programs an SM pay
+    where a grid of ``programs`` working programs fits one wave at that count, where it fills two
+    or more (the spills then cost more than a fourth program gains), or where a batch's programs
+    stream at most ``SHORT_PROGRAM_BLOCKS`` (their spilled head and tail outweigh the loop; one
+    sequence's grid is sized in whole waves of the tables' count). Between one and two waves of
+    longer programs the fourth program an SM wins (docs/tuning.md, iterations 56)."""
     table = profile.tuning.triton_split_32_row_resident_programs
     if not (table and kernel == SPLIT and problem.seqlen_q > 1 and problem.cache_dtype is None
             and not problem.paged and config.block_m == 32):
         return None
-    resident = by_headdim(table, padded_headdim(problem.headdim))
+    headdim = padded_headdim(problem.headdim)
+    resident = by_headdim(table, headdim)
+    if resident >= resident_by_headdim(headdim, profile):
+        return None
     wave = resident * profile.multiprocessors
-    if programs <= wave or programs >= 2 * wave or blocks <= profile.tuning.min_blocks_per_split:
-        return resident
-    return None
+    short = problem.batch > 1 and blocks <= SHORT_PROGRAM_BLOCKS
+    return resident if programs <= wave or programs >= 2 * wave or short else None
 
 
 def register_cap(config: TritonConfig, headdim: int, profile: HardwareProfile, paged: bool = False,
@@ -251,14 +259,12 @@ class TritonBackend(Backend):
     def for_grid(self, config: TritonConfig, problem: Problem, profile: HardwareProfile, kernel: str,
                  programs: int, blocks: int) -> TritonConfig:
         """``config`` with a deeper pipeline where the grid leaves shared memory over (``pipelined``)
-        and the register cap of ``split_32_row_resident``'s programs an SM where that count is
-        below the tables'."""
+        and the register cap of ``split_32_row_resident``'s programs an SM where it gives any."""
         config = pipelined(config, problem, profile, programs, blocks)
-        headdim = padded_headdim(problem.headdim)
         resident = split_32_row_resident(problem, kernel, config, profile, programs, blocks)
-        if resident is None or resident >= resident_by_headdim(headdim, profile):
+        if resident is None:
             return config
-        return retiled(config, headdim, profile, problem.paged, resident)
+        return retiled(config, padded_headdim(problem.headdim), profile, problem.paged, resident)
 
     def merges_in_split(self, problem: Problem) -> bool:
         """Every problem: the split kernel can merge its partials itself (``merge_if_last``)."""
@@ -270,7 +276,7 @@ class TritonBackend(Backend):
 
     def resident_programs(self, problem: Problem, config, profile: HardwareProfile) -> int:
         """From the profile's measured ``triton_resident_programs``, by padded head dim, or fewer
-        where ``config``'s register cap lets fewer fit (``register_cap``'s 32-row rule)."""
+        where ``config``'s register cap lets fewer fit (``split_32_row_resident``'s cap)."""
         resident = resident_by_headdim(padded_headdim(problem.headdim), profile)
         if config is None or config.max_registers is None:
             return resident
