@@ -187,7 +187,7 @@ def plan(problem: Problem, profile: HardwareProfile, backend, num_splits: int = 
         splits = min(num_splits, max(1, max_blocks))  # no empty splits
         kernel = SPLIT if splits > 1 else SINGLE_PASS
         return _for_grid(_merge_mode(Plan(kernel, config_for(kernel), problem.batch * splits, splits), problem,
-                                      profile, backend), problem, profile, backend, config)
+                                     profile, backend), problem, profile, backend, config)
     row_tiles = -(-problem.q_rows // split_config.block_m)
     min_chunk = tuning.min_blocks_per_split
     if max_blocks <= tuning.split_above_blocks:
@@ -204,7 +204,7 @@ def plan(problem: Problem, profile: HardwareProfile, backend, num_splits: int = 
         per_sm = min(per_sm, max(1, backend.resident_programs(problem, split_config, profile)))
     extra = max(1, profile.multiprocessors * per_sm // (problem.nheads_k * row_tiles))  # never more than the target
     return _for_grid(_merge_mode(Plan(SPLIT, split_config, problem.batch + extra, min_chunk=min_chunk), problem,
-                                  profile, backend), problem, profile, backend, config)
+                                 profile, backend), problem, profile, backend, config)
 
 
 def _for_grid(plan_: Plan, problem: Problem, profile: HardwareProfile, backend, config) -> Plan:
