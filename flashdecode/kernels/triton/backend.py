@@ -112,15 +112,15 @@ def split_32_row_resident(problem: Problem, kernel: str, config: TritonConfig, p
 
 def register_cap(config: TritonConfig, headdim: int, profile: HardwareProfile, paged: bool = False,
                  resident: int | None = None) -> int | None:
-    """Registers a thread may use so that ``resident_by_headdim`` programs fit a multiprocessor (at
-    most ``resident``, ``split_32_row_resident``'s count); None where no cap is needed (the
+    """Registers a thread may use so that ``resident_by_headdim`` programs fit a multiprocessor (or
+    ``resident``, ``split_32_row_resident``'s fewer); None where no cap is needed (the
     compiler's limit already lets them fit), where the fp32 output and score tiles would take more
     than half of it (it would spill them: iterations 47), or where the output tile alone would take
     more than a quarter of it (a paged cache's tile then takes the contiguous table's cap). Features
     add registers (pages, appended tokens, 32 query rows), i.e. fewer programs per SM and a second
     wave without the cap (docs/tuning.md)."""
-    tables = resident_by_headdim(headdim, profile, paged)
-    resident = tables if resident is None else min(tables, resident)
+    if resident is None:
+        resident = resident_by_headdim(headdim, profile, paged)
     threads = profile.wave_width * config.num_warps
     cap = profile.registers_per_multiprocessor // (resident * threads) // 8 * 8
     if cap >= profile.max_registers_per_thread:
