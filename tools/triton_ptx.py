@@ -34,6 +34,11 @@ PROBLEMS = {
     "q4-d96": Problem(4, 2048, 16, 4, 96, "bfloat16", seqlen_q=4),
     "merge-d80": Problem(16, 4096, 32, 8, 80, "bfloat16"),
     "pages16": Problem(16, 4096, 32, 8, 128, "bfloat16", page_size=16, offsets_32=True),
+    "pages256": Problem(16, 4096, 32, 8, 128, "bfloat16", page_size=256),
+    # fp8 caches: contiguous with V read as words, paged
+    "case9-fp8": Problem(32, 4096, 32, 8, 128, "bfloat16", cache_dtype="float8_e4m3fn"),
+    "pages16-fp8": Problem(16, 4096, 32, 8, 128, "float16", page_size=16, offsets_32=True,
+                           cache_dtype="float8_e4m3fn"),
     # sinks: folded in one pass, in the split kernel's merge, and by the combine
     "case1-sinks": Problem(1, 1, 32, 4, 128, "bfloat16", sinks=True),
     "case7-sinks": Problem(64, 2048, 32, 8, 128, "bfloat16", sinks=True),
