@@ -94,7 +94,7 @@ while [ $# -gt 0 ]; do
       grep -E "^(FAILED|ERROR)" "$OUT/gpu_tests.log" | cut -c1-200 | head -30
       # per file and verdict, also when the time limit cut the run ("tests/f.py::t PASSED", or with
       # xdist "[gw0] [ 1%] PASSED tests/f.py::t")
-      sed -nE "s/^(tests\/[a-z_]+\.py)::.* (PASSED|FAILED|SKIPPED|ERROR).*/\1 \2/p; s/^\[gw[0-9]+\].* (PASSED|FAILED|SKIPPED|ERROR) (tests\/[a-z_]+\.py)::.*/\2 \1/p" \
+      sed -nE "s/^(tests\/[a-z0-9_]+\.py)::.* (PASSED|FAILED|SKIPPED|ERROR).*/\1 \2/p; s/^\[gw[0-9]+\].* (PASSED|FAILED|SKIPPED|ERROR) (tests\/[a-z0-9_]+\.py)::.*/\2 \1/p" \
         "$OUT/gpu_tests.log" | sort | uniq -c
       if ls "$OUT"/fa_grid.json.gw* > /dev/null 2>&1; then  # one report per worker: merged
         python3 -c "import glob, json, sys; sys.path.insert(0, 'tests'); import fa_grid
