@@ -350,21 +350,6 @@ def test_fp8_v_words_and_cast_match_the_reference(words, feature, num_splits):
     assert_matches(run_fp8_v(call, words, num_splits), expected(call))
 
 
-@pytest.mark.parametrize("words", [False, True], ids=["cast", "words"])
-@pytest.mark.parametrize("feature", slow_except(list(FP8_V_FEATURES), ("plain", "paged4", "softcap", "long-d128",
-                                                                      "long-d80-e5m2-pages", "everything")))
-@pytest.mark.parametrize("num_splits", [0, 3])
-def test_fp8_warp_slices_match_the_reference(words, feature, num_splits):
-    """The main loop's keys in one slice a warp (``TritonConfig.warp_slices``) over an fp8 cache, V cast
-    or read as words: 64-key blocks of 16 keys a warp."""
-    q, k_cache, v_cache, kwargs = call = make_call(**FP8_V_FEATURES[feature])
-    config = plan_for(q, k_cache, v_cache, **kwargs, num_splits=num_splits, backend="triton").plan.config
-    if words and HAS_CUDA and config.block_m > FP8_V_WORDS_MAX_BLOCK_M:
-        pytest.skip(f"a {config.block_m}-row tile: Triton miscompiles fp8 V words there (workarounds)")
-    sliced = dataclasses.replace(config, block_n=64, num_warps=4, fp8_v_words=words, warp_slices=True)
-    assert_matches(run(call, "triton", num_splits, DecodeContext(DEVICE, config=sliced)), expected(call))
-
-
 @pytest.mark.parametrize("layout", ["aligned", "offset-8-bytes", "odd-strides"])
 def test_fp8_v_words_fall_back_to_the_cast_where_v_is_not_aligned(monkeypatch, layout):
     """A V cache whose words would straddle elements (odd strides) or that is not 16-byte aligned

@@ -228,37 +228,6 @@ def test_feature(feature, kind):
     assert_matches(got, reference(call))
 
 
-#: The main loop's keys in one slice a warp (``TritonConfig.warp_slices``): 64-key blocks, 16 keys a
-#: warp, so caches of 100 keys leave slices past a range's end without keys.
-SLICED = TritonConfig(block_n=64, block_m=16, num_warps=4, num_stages=2, combine_step=2, warp_slices=True)
-#: Pages that hold whole blocks too (one lookup a block).
-SLICED_FEATURES = {**FEATURES, "paged128": dict(page_size=128, capacity=300, lengths=[300, 150])}
-
-
-@pytest.mark.parametrize("feature", slow_except(list(SLICED_FEATURES), ("lengths", "paged4", "paged128", "leftpad",
-                                                                         "alibi-sequence", "window", "everything")))
-@pytest.mark.parametrize("num_splits", [0, 3])
-def test_warp_slices(feature, num_splits):
-    """Per-warp slices of every main-loop block, merged after the loop: every feature, split or not
-    (windows and appended tokens go on through the masked loop from the merged state)."""
-    call = make_call(**SLICED_FEATURES[feature])
-    assert_matches(through_backend(call, num_splits, config=SLICED), reference(call))
-
-
-def test_warp_slices_keep_a_nan_in_the_cache():
-    """A NaN key in one warp's slice makes its row NaN through the merge, not weighted away."""
-    call = make_call(capacity=130, lengths=[130, 7])
-    call.k_cache[0, 70, 0, 0] = float("nan")
-    out = through_backend(call, 0, config=SLICED)[0]
-    assert out[0, :, :3].isnan().all() and not out[0, :, 3:].isnan().any() and not out[1].isnan().any()
-
-
-def test_warp_slices_need_16_keys_a_warp():
-    call = make_call()
-    with pytest.raises(ValueError, match="warp_slices needs block_n / num_warps >= 16"):
-        through_backend(call, 0, config=dataclasses.replace(SLICED, block_n=32))
-
-
 @pytest.mark.parametrize("feature", slow_except(["paged1", "paged4", "paged32", "everything"], {"paged1"}))
 def test_pages_addressed_in_64_bits(feature):
     """Caches of more than 2^31 elements address pages in 64 bits (``Problem.offsets_32`` False):

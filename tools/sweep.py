@@ -5,7 +5,7 @@ logs the plan that ran.
 Variants are values given to a ``DecodeContext(tuning=..., config=...)``; nothing is reassigned.
 Usage: python tools/sweep.py --backend tilelang,triton --ppsm 2,3,4 --block-n 32,64
        [--tl-stages 2,3 --tl-rows 64,16 --tl-producer-regs 24,0 --warps 4,8 --max-registers 0,128
-       --merge-splits 0,16 --fp8-v-words 0,1 --warp-slices 0,1] [--matrix wide] [--cases 7,12]
+       --merge-splits 0,16 --fp8-v-words 0,1] [--matrix wide] [--cases 7,12]
        [--shapes 64x4096x8x4x256:uniform,...] [--variant plain,paged256] [--q-dtype bfloat16,float16]
        [--log FILE]
 ``--min-chunk`` sets the fewest blocks per split, whatever merges the splits (both Tuning fields; one
@@ -20,7 +20,6 @@ from the case's planned config: without ``--tl-stages`` it keeps that plan's pip
 ``num_warps``; ``--max-registers`` Triton's register cap (0: none; -1: the shipped rule's for the tile);
 ``--fp8-v-words 0,1`` Triton's ``fp8_v_words`` (fp8 caches: V read as 16-bit words, not byte by byte;
 without it a swept Triton tile is steered off Triton's miscompiles as the default is, ``workarounds.steer``);
-``--warp-slices 0,1`` Triton's ``warp_slices`` (the main loop's keys in one slice a warp, a softmax state each);
 ``--combine-step`` and ``--combine-dims`` Triton's combine: partials a program loads at once, head
 dims it merges (0: the whole head); ``--merge-splits`` the most splits a sequence may have for the
 split kernel to merge them itself (0: never); ``--dependent-combine 0,1`` the combine as a
@@ -65,7 +64,7 @@ def main():
     for flag in ("--ppsm", "--min-chunk", "--short-max-blocks", "--block-n", "--tl-stages", "--tl-rows",
                  "--tl-producer-regs", "--warps", "--max-registers", "--merge-splits",
                  "--dependent-combine", "--triton-resident", "--one-sequence-min-blocks", "--split-above",
-                 "--underfilled-above", "--combine-step", "--combine-dims", "--fp8-v-words", "--warp-slices"):
+                 "--underfilled-above", "--combine-step", "--combine-dims", "--fp8-v-words"):
         parser.add_argument(flag, default="", help="comma list (default: the measured value)")
     parser.add_argument("--underfilled-caps", default="", help="comma list of SPLITS:ROWS or none "
                         "(Tuning.underfilled_merge_caps; default: the measured value)")
@@ -98,12 +97,12 @@ def main():
                             base.triton_resident_programs[-1][0])
         for backend, ppsm, min_chunk, short_max, block_n, stages, q_rows, producer, warps, registers, merge, \
                 dependent, resident, one_sequence, split_above, underfilled, combine_step, combine_dims, fp8_v_words, \
-                warp_slices, underfilled_caps in itertools.product(
+                underfilled_caps in itertools.product(
                     args.backend.split(","), *(values(getattr(args, name)) for name in (
                         "ppsm", "min_chunk", "short_max_blocks", "block_n", "tl_stages", "tl_rows",
                         "tl_producer_regs", "warps", "max_registers", "merge_splits",
                         "dependent_combine", "triton_resident", "one_sequence_min_blocks", "split_above",
-                        "underfilled_above", "combine_step", "combine_dims", "fp8_v_words", "warp_slices")),
+                        "underfilled_above", "combine_step", "combine_dims", "fp8_v_words")),
                     caps(args.underfilled_caps)):
             tuning = dataclasses.replace(base, **{name: value for name, value in (
                 ("programs_per_multiprocessor", ppsm), ("min_blocks_per_split", min_chunk),
@@ -131,9 +130,7 @@ def main():
                                                        ("num_warps", warps), ("combine_step", combine_step),
                                                        ("combine_dims", combine_dims or None),
                                                        ("fp8_v_words",
-                                                        None if fp8_v_words is None else bool(fp8_v_words)),
-                                                       ("warp_slices",
-                                                        None if warp_slices is None else bool(warp_slices)))
+                                                        None if fp8_v_words is None else bool(fp8_v_words)))
                        if value is not None and hasattr(default, name)}
             if registers is not None and registers >= 0 and isinstance(default, TritonConfig):  # 0: no cap
                 changes["max_registers"] = registers or None

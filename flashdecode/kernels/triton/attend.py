@@ -157,7 +157,7 @@ def cache_offsets(tokens, block_start, in_range, table_row, num_pages, stride_kp
     elif PAGE_SIZE >= BLOCK_N:
         page = tl.load(table_row + block_start // PAGE_SIZE)
         page = tl.minimum(tl.maximum(page, 0), num_pages - 1)
-        rows = block_start % PAGE_SIZE + (tokens - block_start)  # tokens of any shape (``attend_block_sliced``)
+        rows = block_start % PAGE_SIZE + tl.arange(0, BLOCK_N)
         if not OFFSETS_32:
             page, rows = page.to(tl.int64), rows.to(tl.int64)
         return page * stride_kp + rows * stride_kt, page * stride_vp + rows * stride_vt
@@ -307,74 +307,6 @@ def attend_block(acc, m, l, q, block_start, start, end, new_from,
                 v = v.to(q.dtype)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
     return acc, m_new, l
-
-
-@triton.jit
-def attend_block_sliced(acc, m, l, q, block_start, start, end, k_head, v_head, table_row, num_pages,
-                        stride_kp, stride_kt, stride_vp, stride_vt, row_pos, slopes, scale_log2, softcap_in,
-                        softcap_out, PAGE_SIZE: tl.constexpr, OFFSETS_32: tl.constexpr, SOFTCAP: tl.constexpr,
-                        ALIBI: tl.constexpr, LEFTPAD: tl.constexpr, FP8: tl.constexpr, HEAD_DIM: tl.constexpr,
-                        HEAD_PAD: tl.constexpr, BLOCK_N: tl.constexpr, SLICES: tl.constexpr,
-                        FP8_V_WORDS: tl.constexpr):
-    """``attend_block`` of the main loop (no row masks, no appended tokens) with the block's keys
-    cut into SLICES consecutive slices, one a warp (``TritonConfig.warp_slices``): q is
-    (SLICES, BLOCK_M, HEAD_PAD), the state (acc, m, l) one per slice, and both products are batched
-    over the slices, whose warps Triton lays on the batch, so each row's max and sum stay within a
-    warp: a block costs no barrier between warps. ``merge_slices`` folds the states after the loop."""
-    n: tl.constexpr = BLOCK_N // SLICES
-    tokens = block_start + tl.arange(0, SLICES)[:, None] * n + tl.arange(0, n)[None, :]
-    d = tl.arange(0, HEAD_PAD)
-    in_range = tokens < end
-    if LEFTPAD:
-        in_range = in_range & (tokens >= start)
-    k_offs, v_offs = cache_offsets(tokens, block_start, in_range, table_row, num_pages,
-                                   stride_kp, stride_kt, stride_vp, stride_vt, PAGE_SIZE, OFFSETS_32, BLOCK_N)
-    tile = in_range[:, :, None]
-    if HEAD_PAD != HEAD_DIM:
-        tile = tile & (d[None, None, :] < HEAD_DIM)
-    k = tl.load(k_head + k_offs[:, :, None] + d[None, None, :], mask=tile, other=0.0)
-    if FP8:
-        k = k.to(q.dtype)
-    scores = tl.dot(q, tl.trans(k, (0, 2, 1)))
-    if SOFTCAP:
-        scores = softcap_out * (1.0 - 2.0 / (tl.exp2(scores * softcap_in) + 1.0))
-    else:
-        scores = scores * scale_log2
-    if ALIBI:
-        scores -= slopes[None, :, None] * tl.abs(row_pos[None, :, None] - tokens[:, None, :]).to(tl.float32)
-    scores = tl.where(in_range[:, None, :], scores, float("-inf"))
-    m_new = tl.maximum(m, tl.max(scores, 2))
-    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a slice past the range's end has no key yet
-    alpha = tl.exp2(m - m_safe)
-    p = tl.exp2(scores - m_safe[:, :, None])
-    l = l * alpha + tl.sum(p, 2)
-    if FP8_V_WORDS:
-        d2 = tl.arange(0, HEAD_PAD // 2)
-        words_tile = in_range[:, :, None]
-        if HEAD_PAD != HEAD_DIM:
-            words_tile = words_tile & (d2[None, None, :] < HEAD_DIM // 2)
-        words = tl.load(v_head.to(tl.pointer_type(tl.int16)) + (v_offs // 2)[:, :, None] + d2[None, None, :],
-                        mask=words_tile, other=0)
-        e5m2: tl.constexpr = v_head.dtype.element_ty.is_fp8e5()
-        p = p.to(tl.float16)
-        acc_even, acc_odd = acc
-        acc = (acc_even * alpha[:, :, None] + tl.dot(p, fp8_pair_to_f16(words, False, e5m2)),
-               acc_odd * alpha[:, :, None] + tl.dot(p, fp8_pair_to_f16(words, True, e5m2)))
-    else:
-        v = tl.load(v_head + v_offs[:, :, None] + d[None, None, :], mask=tile, other=0.0)
-        if FP8:
-            v = v.to(q.dtype)
-        acc = acc * alpha[:, :, None] + tl.dot(p.to(v.dtype), v)
-    return acc, m_new, l
-
-
-@triton.jit
-def slice_weights(m):
-    """(each slice's weight exp2(its max - the row's max), the row's max) of the slices' row maxima
-    ``m`` (SLICES, BLOCK_M): a slice that saw no key (max -inf) weighs 0; a row no slice saw a key
-    of keeps max -inf."""
-    m_all = tl.max(m, 0)
-    return tl.exp2(m - tl.where(m_all == float("-inf"), 0.0, m_all)[None, :]), m_all
 
 
 @triton.jit

@@ -56,10 +56,6 @@ class TritonConfig:
     #: fp8 caches: V read as 16-bit words (``attend.fp8_pair_to_f16``), not byte by byte; even head
     #: dims only, needs sm_89's fp8 conversions (``Tuning.triton_fp8_v_words``).
     fp8_v_words: bool = False
-    #: The main loop's keys cut into one slice a warp, each warp with its own softmax state, merged
-    #: after the loop (``attend.attend_block_sliced``): no barrier between warps a block, for a state
-    #: num_warps times the size. Tiles of 16 query rows, head dims up to 128, block_n / num_warps >= 16.
-    warp_slices: bool = False
 
 
 def shared_bytes(config: TritonConfig, headdim: int, element_bytes: int, profile: HardwareProfile,
@@ -383,9 +379,6 @@ def _make_spec(plan, problem: Problem) -> _LaunchSpec:
         # the kernels look a block up in one page, or each token in a power-of-two page (``cache_offsets``)
         raise ValueError(f"triton: block_n {config.block_n} must divide the page size {page}, or the page size "
                          f"be a power of two below it")
-    if config.warp_slices and config.block_n // config.num_warps < 16:  # a slice is a product's 16 keys at least
-        raise ValueError(f"triton: warp_slices needs block_n / num_warps >= 16, got block_n {config.block_n} over "
-                         f"{config.num_warps} warps")
     batch_pad = max(16, triton.next_power_of_2(problem.batch))
     head_pad = padded_headdim(problem.headdim)
     append, leftpad = problem.seqlen_new > 0, problem.leftpad
@@ -402,8 +395,7 @@ def _make_spec(plan, problem: Problem) -> _LaunchSpec:
         LEFTPAD=leftpad, BATCH_IDX=problem.batch_idx and not problem.paged, MERGE_IN_SPLIT=plan.merge_in_split,
         MERGE_STEP=merge_step_for(config.block_m) if plan.merge_in_split else 1,
         DEPENDENT_COMBINE=plan.dependent_combine, FP8=problem.cache_dtype is not None, SINKS=problem.sinks,
-        RAGGED=problem.ragged, FP8_V_WORDS=fp8_v_words(config, problem),
-        WARP_SLICES=config.num_warps if config.warp_slices else 0)
+        RAGGED=problem.ragged, FP8_V_WORDS=fp8_v_words(config, problem))
     head_chunk = config.combine_dims or head_pad
     if head_chunk & (head_chunk - 1) or head_chunk > head_pad:
         raise ValueError(f"triton: combine_dims must be a power of two of at most the padded head dim {head_pad}, "

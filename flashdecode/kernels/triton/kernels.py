@@ -19,8 +19,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .attend import (LOG2E, append_tokens, attend_block, attend_block_sliced, bad_block_ids, fp16_rows, rotary_columns,
-                     rotate, row_offsets, slice_weights, tile_mask)
+from .attend import (LOG2E, append_tokens, attend_block, bad_block_ids, fp16_rows, rotary_columns, rotate,
+                     row_offsets, tile_mask)
 from .launch import gdc_launch_dependents, gdc_wait
 from .schedule import entry, key_range, locate, query_rows, split_counts
 
@@ -47,7 +47,7 @@ def split_kernel(Q, K, V, Lens, Out, Lse, PartO, PartLse, KNew, VNew, BatchIdx, 
                  WINDOW_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, LEFTPAD: tl.constexpr,
                  BATCH_IDX: tl.constexpr, MERGE_IN_SPLIT: tl.constexpr, MERGE_STEP: tl.constexpr,
                  DEPENDENT_COMBINE: tl.constexpr, FP8: tl.constexpr, SINKS: tl.constexpr, RAGGED: tl.constexpr,
-                 FP8_V_WORDS: tl.constexpr, WARP_SLICES: tl.constexpr):
+                 FP8_V_WORDS: tl.constexpr):
     if DEPENDENT_COMBINE:  # the combine may be scheduled once every program has started
         gdc_launch_dependents()
     pid = tl.program_id(0)
@@ -177,41 +177,19 @@ def split_kernel(Q, K, V, Lens, Out, Lse, PartO, PartLse, KNew, VNew, BatchIdx, 
         if PAGE_SIZE > 0:
             bad = bad | bad_block_ids(table_row, start, end, cache_rows, PAGE_SIZE)
 
-        if WARP_SLICES:  # a state per warp, each over its slice of every block's keys, merged after the loop
-            m = tl.full([WARP_SLICES, BLOCK_M], float("-inf"), tl.float32)
-            l = tl.zeros([WARP_SLICES, BLOCK_M], tl.float32)
-            if FP8_V_WORDS:
-                acc = (tl.zeros([WARP_SLICES, BLOCK_M, HEAD_PAD // 2], tl.float32),
-                       tl.zeros([WARP_SLICES, BLOCK_M, HEAD_PAD // 2], tl.float32))
-            else:
-                acc = tl.zeros([WARP_SLICES, BLOCK_M, HEAD_PAD], tl.float32)
-            q_sliced = tl.broadcast_to(q[None, :, :], [WARP_SLICES, BLOCK_M, HEAD_PAD])
-            for block_start in range(main_lo, main_hi, BLOCK_N):
-                acc, m, l = attend_block_sliced(
-                    acc, m, l, q_sliced, block_start, start, end, k_head, v_head, table_row, cache_rows,
-                    stride_kb, stride_kt, stride_vb, stride_vt, row_pos, slopes, row_scale_log2, row_softcap_in,
-                    softcap_out, PAGE_SIZE, OFFSETS_32, SOFTCAP, ALIBI, LEFTPAD, FP8, HEAD_DIM, HEAD_PAD, BLOCK_N,
-                    WARP_SLICES, FP8_V_WORDS)
-            weights, m = slice_weights(m)
-            l = tl.sum(l * weights, 0)
-            if FP8_V_WORDS:
-                acc = (tl.sum(acc[0] * weights[:, :, None], 0), tl.sum(acc[1] * weights[:, :, None], 0))
-            else:
-                acc = tl.sum(acc * weights[:, :, None], 0)
+        m = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l = tl.zeros([BLOCK_M], tl.float32)
+        if FP8_V_WORDS:  # V as 16-bit words: the even and the odd head dims in two accumulators
+            acc = (tl.zeros([BLOCK_M, HEAD_PAD // 2], tl.float32), tl.zeros([BLOCK_M, HEAD_PAD // 2], tl.float32))
         else:
-            m = tl.full([BLOCK_M], float("-inf"), tl.float32)
-            l = tl.zeros([BLOCK_M], tl.float32)
-            if FP8_V_WORDS:  # V as 16-bit words: the even and the odd head dims in two accumulators
-                acc = (tl.zeros([BLOCK_M, HEAD_PAD // 2], tl.float32), tl.zeros([BLOCK_M, HEAD_PAD // 2], tl.float32))
-            else:
-                acc = tl.zeros([BLOCK_M, HEAD_PAD], tl.float32)
-            for block_start in range(main_lo, main_hi, BLOCK_N):
-                acc, m, l = attend_block(
-                    acc, m, l, q, block_start, start, end, new_from, k_head, v_head, table_row, cache_rows,
-                    stride_kb, stride_kt, stride_vb, stride_vt, k_new, v_new, stride_nkt, stride_nvt, Cos, Sin,
-                    rotary_rows, row_pos, slopes, window_left, window_right, row_scale_log2, row_softcap_in,
-                    softcap_out, k_scale, v_scale, False, PAGE_SIZE, OFFSETS_32, APPEND, ROTARY_DIM, ROTARY_INTERLEAVED,
-                    WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP, ALIBI, LEFTPAD, FP8, HEAD_DIM, HEAD_PAD, BLOCK_N, FP8_V_WORDS)
+            acc = tl.zeros([BLOCK_M, HEAD_PAD], tl.float32)
+        for block_start in range(main_lo, main_hi, BLOCK_N):
+            acc, m, l = attend_block(
+                acc, m, l, q, block_start, start, end, new_from, k_head, v_head, table_row, cache_rows,
+                stride_kb, stride_kt, stride_vb, stride_vt, k_new, v_new, stride_nkt, stride_nvt, Cos, Sin,
+                rotary_rows, row_pos, slopes, window_left, window_right, row_scale_log2, row_softcap_in, softcap_out,
+                k_scale, v_scale, False, PAGE_SIZE, OFFSETS_32, APPEND, ROTARY_DIM, ROTARY_INTERLEAVED, WINDOW_LEFT,
+                WINDOW_RIGHT, SOFTCAP, ALIBI, LEFTPAD, FP8, HEAD_DIM, HEAD_PAD, BLOCK_N, FP8_V_WORDS)
         if FP8_V_WORDS:  # dims 2j and 2j + 1 side by side
             acc = tl.reshape(tl.join(acc[0], acc[1]), [BLOCK_M, HEAD_PAD])
         if WINDOW_LEFT or WINDOW_RIGHT or APPEND:  # the head [block_lo, main_lo), then the tail [main_hi, block_hi)
