@@ -5,7 +5,7 @@ logs the plan that ran.
 Variants are values given to a ``DecodeContext(tuning=..., config=...)``; nothing is reassigned.
 Usage: python tools/sweep.py --backend tilelang,triton --ppsm 2,3,4 --block-n 32,64
        [--tl-stages 2,3 --tl-rows 64,16 --tl-producer-regs 24,0 --warps 4,8 --max-registers 0,128
-       --merge-splits 0,16 --fp8-v-words 0,1] [--matrix wide] [--cases 7,12]
+       --merge-splits 0,16 --fp8-v-words 0,1 --pack-heads 1,2] [--matrix wide] [--cases 7,12]
        [--shapes 64x4096x8x4x256:uniform,...] [--variant plain,paged256] [--q-dtype bfloat16,float16]
        [--log FILE]
 ``--min-chunk`` sets the fewest blocks per split, whatever merges the splits (both Tuning fields; one
@@ -20,6 +20,8 @@ from the case's planned config: without ``--tl-stages`` it keeps that plan's pip
 ``num_warps``; ``--max-registers`` Triton's register cap (0: none; -1: the shipped rule's for the tile);
 ``--fp8-v-words 0,1`` Triton's ``fp8_v_words`` (fp8 caches: V read as 16-bit words, not byte by byte;
 without it a swept Triton tile is steered off Triton's miscompiles as the default is, ``workarounds.steer``);
+``--pack-heads 1,2`` times the call with that many adjacent KV heads viewed as one (``pack_heads``: a
+kernel experiment, the output checked after unpacking; no appended tokens or ragged rows);
 ``--combine-step`` and ``--combine-dims`` Triton's combine: partials a program loads at once, head
 dims it merges (0: the whole head); ``--merge-splits`` the most splits a sequence may have for the
 split kernel to merge them itself (0: never); ``--dependent-combine 0,1`` the combine as a
@@ -45,6 +47,7 @@ from flashdecode.hardware import current
 from flashdecode.kernels.triton.backend import TritonConfig, padded_headdim, retiled, split_32_row_resident
 from flashdecode.kernels.triton.workarounds import steer
 from flashdecode.reference import reference_attention, relative_error
+from flashdecode.validate import MAX_HEADDIM
 
 
 def values(text):
@@ -58,6 +61,36 @@ def caps(text):
     return [() if item == "none" else tuple(int(part) for part in item.split(":")) for item in text.split(",")]
 
 
+def pack_heads(inputs, heads: int):
+    """(q, k_cache, v_cache, kwargs, unpack) of the case's call with ``heads`` adjacent KV heads as
+    one head of ``heads`` x headdim (``--pack-heads``): the caches viewed so, each query head padded
+    to that width with zeros outside its own KV head's dims, so a row scores only its own head, at
+    the scale of the real head dim; ``unpack`` takes each query head's own dims of the output. It
+    asks the split kernel what a tile of several KV heads would cost, without a kernel change."""
+    kwargs = inputs.kwargs()
+    if heads == 1:
+        return inputs.q, inputs.k_cache, inputs.v_cache, kwargs, lambda out: out
+    nheads, headdim = inputs.q.shape[-2:]
+    nheads_k = inputs.k_cache.shape[-2]
+    if nheads_k % heads or heads * headdim > MAX_HEADDIM or inputs.k is not None or inputs.cu_seqlens_q is not None:
+        raise ValueError(f"--pack-heads {heads}: needs KV heads in multiples of it, {heads} x the head dim at most "
+                         f"{MAX_HEADDIM}, no appended tokens, no ragged rows")
+    own = torch.arange(nheads, device=inputs.q.device) // (nheads // nheads_k) % heads  # place in its packed head
+    spread = torch.nn.functional.one_hot(own, heads).to(inputs.q.dtype)[:, :, None]  # (nheads, heads, 1)
+    q = (inputs.q.unsqueeze(-2) * spread).flatten(-2)
+    k_cache, v_cache = (cache.unflatten(-2, (nheads_k // heads, heads)).flatten(-2)
+                        for cache in (inputs.k_cache, inputs.v_cache))
+    for name in ("k_descale", "v_descale"):  # one descale per packed head: the group's must agree
+        if name in kwargs:
+            grouped = kwargs[name].unflatten(-1, (nheads_k // heads, heads))
+            if not torch.equal(grouped, grouped[..., :1].expand_as(grouped)):
+                raise ValueError(f"--pack-heads {heads}: {name} differs within a packed head")
+            kwargs[name] = grouped[..., 0].contiguous()
+    kwargs["softmax_scale"] = headdim ** -0.5
+    heads_index = torch.arange(nheads, device=inputs.q.device)
+    return q, k_cache, v_cache, kwargs, lambda out: out.unflatten(-1, (heads, headdim))[..., heads_index, own, :]
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--backend", default="tilelang")
@@ -66,6 +99,7 @@ def main():
                  "--dependent-combine", "--triton-resident", "--one-sequence-min-blocks", "--split-above",
                  "--underfilled-above", "--combine-step", "--combine-dims", "--fp8-v-words"):
         parser.add_argument(flag, default="", help="comma list (default: the measured value)")
+    parser.add_argument("--pack-heads", default="", help="comma list: adjacent KV heads viewed as one (default: 1)")
     parser.add_argument("--underfilled-caps", default="", help="comma list of SPLITS:ROWS or none "
                         "(Tuning.underfilled_merge_caps; default: the measured value)")
     parser.add_argument("--matrix", default="cases", choices=sorted(MATRICES))
@@ -87,11 +121,17 @@ def main():
     timer = Timer(torch.device("cuda"), iters=50, warmup=5)
     base = current().tuning
     rows = []
-    for case, variant, q_dtype in itertools.product(cases, args.variant.split(","), args.q_dtype.split(",")):
+    for case, variant, q_dtype, pack in itertools.product(cases, args.variant.split(","), args.q_dtype.split(","),
+                                                          values(args.pack_heads)):
         inputs = make_call(case, VARIANTS[variant], device="cuda", dtype=getattr(torch, q_dtype))
         expected = reference_attention(inputs.q, inputs.k_cache, inputs.v_cache, **inputs.kwargs())[0]
         nbytes = inputs.bytes_moved()
-        headdim = padded_headdim(inputs.q.shape[-1])
+        try:
+            q, k_cache, v_cache, kwargs, unpack = pack_heads(inputs, pack or 1)
+        except ValueError as failure:
+            print(json.dumps(dict(case=case.label, variant=variant, pack_heads=pack, error=str(failure))), flush=True)
+            continue
+        headdim = padded_headdim(q.shape[-1])
         # the row of Tuning.triton_resident_programs the case's head dim takes (``--triton-resident``)
         resident_row = next((dim for dim, _ in base.triton_resident_programs if dim >= headdim),
                             base.triton_resident_programs[-1][0])
@@ -122,7 +162,7 @@ def main():
                 if value is not None})
             if underfilled_caps is not None:  # () is none: the rule off
                 tuning = dataclasses.replace(tuning, underfilled_merge_caps=underfilled_caps or None)
-            resolved = plan_for(inputs.q, inputs.k_cache, inputs.v_cache, **inputs.kwargs(), backend=backend,
+            resolved = plan_for(q, k_cache, v_cache, **kwargs, backend=backend,
                                 context=DecodeContext("cuda", tuning=tuning))
             default = resolved.plan.config
             changes = {name: value for name, value in (("block_n", block_n), ("num_stages", stages),
@@ -137,7 +177,7 @@ def main():
             if isinstance(default, TritonConfig):  # the swept tile's register ceiling, not the default's
                 profile, problem = dataclasses.replace(current(), tuning=tuning), resolved.problem
                 swept = dataclasses.replace(default, **changes)  # its grid, as the planner would cap it
-                grid = plan_for(inputs.q, inputs.k_cache, inputs.v_cache, **inputs.kwargs(), backend=backend,
+                grid = plan_for(q, k_cache, v_cache, **kwargs, backend=backend,
                                 context=DecodeContext("cuda", tuning=tuning, config=swept)).plan
                 resident = split_32_row_resident(problem, grid.kernel, swept, profile, grid.working_grid(problem),
                                                  grid.most_blocks_per_program(problem))
@@ -146,23 +186,22 @@ def main():
                     config = steer(resolved.problem, config, headdim)
             else:
                 config = dataclasses.replace(default, **changes)
-            row = dict(case=case.label, shape=case.describe(), variant=variant, q_dtype=q_dtype, backend=backend,
+            row = dict(case=case.label, shape=case.describe(), variant=variant, q_dtype=q_dtype, pack_heads=pack or 1,
+                       backend=backend,
                        tuning=dataclasses.asdict(tuning), config=changes, effective=dataclasses.asdict(config))
             try:  # a combination the compiler rejects is logged, the sweep goes on
                 context = DecodeContext("cuda", tuning=tuning, config=config)
-                chosen = plan_for(inputs.q, inputs.k_cache, inputs.v_cache, **inputs.kwargs(), backend=backend,
-                                  context=context).plan
+                chosen = plan_for(q, k_cache, v_cache, **kwargs, backend=backend, context=context).plan
                 row["plan"] = dict(kernel=chosen.kernel, programs_per_head=chosen.programs_per_head,
                                    merge_in_split=chosen.merge_in_split, dependent_combine=chosen.dependent_combine,
                                    min_chunk=chosen.min_chunk)
 
                 def call():
-                    return flash_attn_with_kvcache(inputs.q, inputs.k_cache, inputs.v_cache, **inputs.kwargs(),
-                                                   backend=backend, context=context)
+                    return flash_attn_with_kvcache(q, k_cache, v_cache, **kwargs, backend=backend, context=context)
 
-                error = relative_error(call(), expected)
+                error = relative_error(unpack(call()), expected)
                 timing, graph_out = timer.time_graph(call)
-                error = max(error, relative_error(graph_out, expected))
+                error = max(error, relative_error(unpack(graph_out), expected))
                 row.update(us=round(timing.median_us, 2), gbps=round(nbytes / timing.median_us / 1e3), rel_err=error)
             except Exception as failure:  # noqa: BLE001
                 row["error"] = f"{type(failure).__name__}: {str(failure).splitlines()[-1][:200]}"
