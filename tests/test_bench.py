@@ -1117,3 +1117,26 @@ def test_sinks_and_ragged_variants(runner):
     for call in (sinks, ragged):
         with pytest.raises(Unsupported, match="no peer takes them"):
             runner._peer_check(lambda call: None)(call)
+
+
+# --- tools/sweep.py -----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("variant", ["plain", "fp8", "paged16", "q4"])
+def test_sweep_packed_heads_are_the_same_attention(variant):
+    """``--pack-heads``: adjacent KV heads viewed as one, each query head zero-padded outside its own
+    head's dims, give every query head its own attention once unpacked (case 5: 4 KV heads of 8)."""
+    sweep = tool_script("sweep")
+    inputs = cases.make_call(cases.CASES_BY_NUMBER[5], cases.VARIANTS[variant])
+    want = reference_attention(inputs.q, inputs.k_cache, inputs.v_cache, **inputs.kwargs())[0]
+    q, k_cache, v_cache, kwargs, unpack = sweep.pack_heads(inputs, 2)
+    assert k_cache.shape[-2:] == v_cache.shape[-2:] == (2, 256) and q.shape[-2:] == (32, 256)
+    assert relative_error(unpack(reference_attention(q, k_cache, v_cache, **kwargs)[0]), want) < 1e-6
+
+
+@pytest.mark.parametrize("variant, heads", [("append", 2), ("ragged", 2), ("plain", 3), ("plain", 4)])
+def test_sweep_packed_heads_name_what_they_cannot_pack(variant, heads):
+    """Appended tokens, ragged rows, KV heads not a multiple of the packing, or a packed head past 256."""
+    sweep = tool_script("sweep")
+    inputs = cases.make_call(cases.CASES_BY_NUMBER[5], cases.VARIANTS[variant])
+    with pytest.raises(ValueError, match=f"--pack-heads {heads}: needs"):
+        sweep.pack_heads(inputs, heads)
