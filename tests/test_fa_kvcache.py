@@ -20,8 +20,10 @@ Two more GPU tiers on the part of the grid TileLang implements: "tilelang" on it
 (FLASHDECODE_FA_GRID_AUTO, default 30), what a user's call runs.
 The defaults are sized for one session's device time: with 14 pytest-xdist workers on an H100
 (2026-12-06) a grid test took about 0.7 s of wall time (738 in 520 s) and the tests outside the
-grid 703 took ~475 s (82% in 390 s), so the 844 grid tests of the defaults make an estimated
-~1,100 s tier, three shards (``FLASHDECODE_TEST_SHARD``) of one call each (not yet run whole). The
+grid 703 took ~475 s (82% in 390 s), so the 844 grid tests of the defaults made an estimated
+~1,100 s tier. Measured at 9078e8b (2026-12-06, the same card and workers), a third of the tier
+(``FLASHDECODE_TEST_SHARD=0/3``, 502 tests) ran 501 in 540 s and the next (517) 407 in 470 s: the
+tier is ~1,700 s, four shards (``I/4``) of one call each. The
 earlier defaults (2000 + 400 combos, 40 and 60 + 60 a part) made about 6,300 tests, whose first
 third ran 35% in 520 s; FLASHDECODE_FA_GRID=2000 FLASHDECODE_FA_GRID_FP8=400
 FLASHDECODE_FA_GRID_EXTENSION=40 FLASHDECODE_FA_GRID_TILELANG=60 FLASHDECODE_FA_GRID_AUTO=60 run them.

@@ -8,8 +8,8 @@
 #               first; the cache is packed as $OUT/tl-cache.tar.xz
 #   tests       every gpu-marked test (TESTS_K: a pytest -k filter; FLASHDECODE_FA_GRID: the FA grid's size,
 #               tests/test_fa_kvcache.py; FLASHDECODE_TEST_SHARD=I/N: the I-th of N shards, for a tier
-#               longer than one call, e.g. TESTS_WORKERS=14 and 0/3, 1/3, 2/3 for the default tier,
-#               estimated at ~1,100 s in tests/test_fa_kvcache.py's docstring)
+#               longer than one call, e.g. TESTS_WORKERS=14 and 0/4 ... 3/4 for the default tier,
+#               ~1,700 s on an H100 (tests/test_fa_kvcache.py's docstring))
 #   beforeafter ARGS  flashdecode bench ARGS on .before/ (an earlier tree's flashdecode/) then on this tree
 #   fa2build    build FlashAttention 2's kernels for the fa2 peer from the carried .fa2-src.tar.xz into
 #               .fa2-build/ (tools/build_fa2.py, ~4 min on 16 cores) and pack it as
