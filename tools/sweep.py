@@ -123,11 +123,12 @@ def main():
     rows = []
     for case, variant, q_dtype, pack in itertools.product(cases, args.variant.split(","), args.q_dtype.split(","),
                                                           values(args.pack_heads)):
+        pack = pack or 1  # no --pack-heads: each KV head its own
         inputs = make_call(case, VARIANTS[variant], device="cuda", dtype=getattr(torch, q_dtype))
         expected = reference_attention(inputs.q, inputs.k_cache, inputs.v_cache, **inputs.kwargs())[0]
         nbytes = inputs.bytes_moved()
         try:
-            q, k_cache, v_cache, kwargs, unpack = pack_heads(inputs, pack or 1)
+            q, k_cache, v_cache, kwargs, unpack = pack_heads(inputs, pack)
         except ValueError as failure:
             print(json.dumps(dict(case=case.label, variant=variant, pack_heads=pack, error=str(failure))), flush=True)
             continue
@@ -186,9 +187,9 @@ def main():
                     config = steer(resolved.problem, config, headdim)
             else:
                 config = dataclasses.replace(default, **changes)
-            row = dict(case=case.label, shape=case.describe(), variant=variant, q_dtype=q_dtype, pack_heads=pack or 1,
-                       backend=backend,
-                       tuning=dataclasses.asdict(tuning), config=changes, effective=dataclasses.asdict(config))
+            row = dict(case=case.label, shape=case.describe(), variant=variant, q_dtype=q_dtype, pack_heads=pack,
+                       backend=backend, tuning=dataclasses.asdict(tuning), config=changes,
+                       effective=dataclasses.asdict(config))
             try:  # a combination the compiler rejects is logged, the sweep goes on
                 context = DecodeContext("cuda", tuning=tuning, config=config)
                 chosen = plan_for(q, k_cache, v_cache, **kwargs, backend=backend, context=context).plan
