@@ -335,6 +335,23 @@ def test_report_from_recorded_counters(recorded, tmp_path):
     assert "| kernel | role |" in text
 
 
+def test_graph_replay_figures_join_the_timeline(recorded):
+    replay = [timeline.Activity("_split_kernel", "kernel", 0.0, 60.0),
+              timeline.Activity("_combine_kernel", "kernel", 63.0, 5.0)]
+    measured = report.Measurements(ceiling_gbps=4000.0, call_us=250.0, counters=recorded, graph_us=70.0,
+                                   graph_activity=replay, errors={"timeline": "no trace recorded"})
+    dim = report.section(_shape(12), H200, measured)["dimensions"]["timeline"]
+    figures = dim["figures"]
+    assert figures["graph_us"] == 70.0 and figures["graph_kernel_count"] == 2
+    assert figures["graph_call_span_us"] == pytest.approx(68.0) and figures["graph_gap_us"] == pytest.approx(3.0)
+    assert figures["kernel_time_us"] > 0 and "graph-trace.json" in dim["source"]  # the eager figures stay
+    failed = report.Measurements(ceiling_gbps=4000.0, call_us=250.0, counters=recorded,
+                                 errors={"graph": "the call could not be captured in a CUDA graph"})
+    figures = report.section(_shape(12), H200, failed)["dimensions"]["timeline"]["figures"]
+    assert figures["graph_us"] is None and "captured" in figures["graph_unavailable"]
+    assert not any(key.startswith("graph_kernel") for key in figures)
+
+
 # --- without counters ---------------------------------------------------------------------------
 
 def test_missing_ncu_is_reported_not_raised(tmp_path):
@@ -537,3 +554,7 @@ def test_measured_profile_without_ncu(tmp_path, capsys):
     assert data["mode"] == "measured" and list(dims) == [key for key, _ in catalogue.DIMENSIONS]
     assert dims["stalls"]["unavailable"] and dims["memory"]["figures"]["call_us"] > 0
     assert dims["timeline"]["figures"]["kernel_count"] >= 1 and (tmp_path / "trace.json").exists()
+    graph = dims["timeline"]["figures"]
+    assert graph["graph_us"] > 0  # the call replayed from a CUDA graph: traced, or the report says why not
+    assert (graph.get("graph_kernel_count", 0) >= 1 and (tmp_path / "graph-trace.json").exists()) or \
+        graph["graph_unavailable"]

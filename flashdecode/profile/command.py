@@ -83,6 +83,7 @@ def measure(shape: shapes.Shape, backend: str, out: pathlib.Path, ncu_command: s
         measured.errors["timeline"] = f"torch.profiler failed: {type(error).__name__}: {error}"
     if not measured.activity and "timeline" not in measured.errors:
         measured.errors["timeline"] = "the trace holds no device activity for the call"
+    trace_graph(call, timer, out / "graph-trace.json", measured)
     measured.counters = ncu.collect([*shape.argv(), "--backend", backend], out, ncu_command)
     if measured.counters.csv_text:
         (out / "ncu.csv").write_text(measured.counters.csv_text)
@@ -95,7 +96,27 @@ def measure(shape: shapes.Shape, backend: str, out: pathlib.Path, ncu_command: s
                         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")},
         "ncu_command": measured.counters.command or None,
         "files": {"trace": "trace.json" if measured.activity else None,
+                  "graph_trace": "graph-trace.json" if measured.graph_activity else None,
                   "ncu_csv": "ncu.csv" if measured.counters.csv_text else None,
                   "ncu_report": "ncu.ncu-rep" if measured.counters.kernels else None},
     }
     return build(shape, backend, "measured", [section(shape, profile, measured, backend)], notes_for(measured), extra)
+
+
+def trace_graph(call, timer: Timer, trace_path: pathlib.Path, measured: Measurements) -> None:
+    """The call captured in a CUDA graph: its replays timed (cold L2) and one traced, into
+    ``measured`` (``graph_us``, ``graph_activity``); what failed goes to ``measured.errors["graph"]``.
+    A replay has no host launches between its kernels: the gaps left are the device's own."""
+    timed = timer.time_graph(call)
+    captured = timer.capture(call)
+    if timed is None or captured is None:
+        measured.errors["graph"] = "the call could not be captured in a CUDA graph"
+        return
+    measured.graph_us = timed[0].median_us
+    try:
+        measured.graph_activity = timeline.capture(captured[0].replay, timer.flush_bytes, trace_path)
+    except Exception as error:  # noqa: BLE001 - the graph's figures are left out, the profile goes on
+        measured.errors["graph"] = f"torch.profiler failed on a replay: {type(error).__name__}: {error}"
+        return
+    if not measured.graph_activity:
+        measured.errors["graph"] = "the trace holds no device activity for the replay"

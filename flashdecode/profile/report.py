@@ -29,6 +29,8 @@ class Measurements:
     ceiling_gbps: float | None = None  # in-run streaming-read ceiling, GB/s
     call_us: float | None = None  # median of the timed call (cold L2)
     activity: list[Activity] | None = None  # the traced call's device work
+    graph_us: float | None = None  # median replay of the call captured in a CUDA graph (cold L2)
+    graph_activity: list[Activity] | None = None  # one traced replay's device work
     counters: ncu.NcuResult | None = None
     errors: dict[str, str] = dataclasses.field(default_factory=dict)
 
@@ -108,8 +110,22 @@ def _add_measured(dims: dict, problem_bytes: int, kernels: list, main, measured:
         dims["timeline"] = _dimension({"kernel_time_us": ncu_us, "kernel_count": len(kernels)}, f"ncu ({why_no_trace})")
     else:
         dims["timeline"] = _dimension({}, "torch.profiler", why_no_trace)
+    dims["timeline"]["figures"].update(_graph_figures(measured))
+    if measured.graph_activity:
+        dims["timeline"]["source"] += " + a graph replay (graph-trace.json)"
     dims["memory"] = _dimension(_memory_figures(problem_bytes, measured, kernels, main),
                                 "timing + ceiling" + (" + ncu" if main else ""))
+
+
+def _graph_figures(measured: Measurements) -> dict:
+    """The call replayed from a CUDA graph: its median, and one traced replay's kernels and gaps
+    (``graph_``-prefixed timeline figures), where the call could be captured and traced."""
+    figures = {"graph_us": measured.graph_us}
+    if measured.graph_activity:
+        figures.update({f"graph_{key}": value for key, value in timeline_figures(measured.graph_activity).items()})
+    elif "graph" in measured.errors:
+        figures["graph_unavailable"] = measured.errors["graph"]
+    return figures
 
 
 def _ceiling_figures(problem_bytes: int, measured: Measurements, ncu_us: float | None, trace: dict | None) -> dict:
