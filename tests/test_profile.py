@@ -20,7 +20,8 @@ import torch
 
 from conftest import cli_fails
 from flashdecode import cases, cli, hardware, plan_for, planner
-from flashdecode.profile import catalogue, geometry, ncu, report, shape, timeline
+from flashdecode.bench.timing import Timer
+from flashdecode.profile import catalogue, command, geometry, ncu, report, shape, timeline
 from flashdecode.kernels import get_backend
 from flashdecode.kernels.tilelang import occupancy as tilelang_occupancy
 
@@ -352,6 +353,23 @@ def test_graph_replay_figures_join_the_timeline(recorded):
     assert not any(key.startswith("graph_kernel") for key in figures)
 
 
+def test_graph_replay_without_cuda_is_reported_not_raised(tmp_path):
+    measured = report.Measurements()
+    command.trace_graph(lambda: None, Timer(torch.device("cpu"), iters=1, warmup=0), tmp_path / "g.json", measured)
+    assert measured.graph_us is None and measured.graph_activity is None
+    assert "CUDA" in measured.errors["graph"] and not (tmp_path / "g.json").exists()
+
+
+def test_a_traced_replay_stands_for_a_missing_call_trace():
+    replay = [timeline.Activity("_split_kernel", "kernel", 0.0, 60.0)]
+    measured = report.Measurements(ceiling_gbps=4000.0, call_us=250.0, graph_us=61.0, graph_activity=replay,
+                                   counters=ncu.NcuResult(kernels=[], error="ncu not found"),
+                                   errors={"timeline": "torch.profiler failed"})
+    dim = report.section(_shape(12), H200, measured)["dimensions"]["timeline"]
+    assert dim["unavailable"] is None and dim["source"] == "a graph replay (graph-trace.json)"
+    assert dim["figures"]["graph_kernel_count"] == 1 and not dim["diagnosis"].startswith("not measured")
+
+
 # --- without counters ---------------------------------------------------------------------------
 
 def test_missing_ncu_is_reported_not_raised(tmp_path):
@@ -554,7 +572,6 @@ def test_measured_profile_without_ncu(tmp_path, capsys):
     assert data["mode"] == "measured" and list(dims) == [key for key, _ in catalogue.DIMENSIONS]
     assert dims["stalls"]["unavailable"] and dims["memory"]["figures"]["call_us"] > 0
     assert dims["timeline"]["figures"]["kernel_count"] >= 1 and (tmp_path / "trace.json").exists()
-    graph = dims["timeline"]["figures"]
-    assert graph["graph_us"] > 0  # the call replayed from a CUDA graph: traced, or the report says why not
-    assert (graph.get("graph_kernel_count", 0) >= 1 and (tmp_path / "graph-trace.json").exists()) or \
-        graph["graph_unavailable"]
+    graph = dims["timeline"]["figures"]  # Triton's call is captured, timed and traced from a replay
+    assert graph["graph_us"] > 0 and graph["graph_kernel_count"] >= 1 and "graph_unavailable" not in graph
+    assert data["files"]["graph_trace"] == "graph-trace.json" and (tmp_path / "graph-trace.json").exists()

@@ -12,7 +12,7 @@ import torch
 import flashdecode
 from .. import hardware
 from ..kernels.base import why_not
-from ..bench.timing import Timer
+from ..bench.timing import GRAPH_WARMUP, Timer
 from . import ncu, timeline
 from . import shape as shapes
 from .report import Measurements, build, notes_for, plan_only, section, write
@@ -26,7 +26,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="kernel backend (default: what backend=\"auto\" runs; without CUDA, the plan of the "
                              "backend auto runs on each hardware profile)")
     parser.add_argument("--out", metavar="DIR", type=pathlib.Path,
-                        help="where report.md, report.json, trace.json and ncu.csv go "
+                        help="where report.md, report.json, trace.json, graph-trace.json and ncu.csv go "
                              "(default: profiles/<case>-<backend>)")
     parser.add_argument("--ncu", default="ncu", metavar="PATH",
                         help="the Nsight Compute command (default: %(default)s)")
@@ -104,19 +104,27 @@ def measure(shape: shapes.Shape, backend: str, out: pathlib.Path, ncu_command: s
 
 
 def trace_graph(call, timer: Timer, trace_path: pathlib.Path, measured: Measurements) -> None:
-    """The call captured in a CUDA graph: its replays timed (cold L2) and one traced, into
-    ``measured`` (``graph_us``, ``graph_activity``); what failed goes to ``measured.errors["graph"]``.
-    A replay has no host launches between its kernels: the gaps left are the device's own."""
-    timed = timer.time_graph(call)
-    captured = timer.capture(call)
-    if timed is None or captured is None:
-        measured.errors["graph"] = "the call could not be captured in a CUDA graph"
+    """The call captured once in a CUDA graph, warmed up (``GRAPH_WARMUP`` replays), its replays
+    timed (cold L2) and traced, into ``measured`` (``graph_us``, ``graph_activity``); what failed
+    goes to ``measured.errors["graph"]``. A replay has no host launches between its kernels: the
+    gaps left in its trace are the device's own."""
+    if not timer.cuda:
+        measured.errors["graph"] = "CUDA graphs need a CUDA device"
         return
-    measured.graph_us = timed[0].median_us
+    graph = torch.cuda.CUDAGraph()
     try:
-        measured.graph_activity = timeline.capture(captured[0].replay, timer.flush_bytes, trace_path)
-    except Exception as error:  # noqa: BLE001 - the graph's figures are left out, the profile goes on
-        measured.errors["graph"] = f"torch.profiler failed on a replay: {type(error).__name__}: {error}"
+        with torch.cuda.graph(graph):
+            call()
+    except Exception as error:  # noqa: BLE001 - reported, the profile goes on
+        measured.errors["graph"] = f"the call could not be captured in a CUDA graph: {type(error).__name__}: {error}"
+        return
+    try:
+        for _ in range(GRAPH_WARMUP):
+            graph.replay()
+        measured.graph_us = timer.time(graph.replay).median_us
+        measured.graph_activity = timeline.capture(graph.replay, timer.flush_bytes, trace_path)
+    except Exception as error:  # noqa: BLE001 - reported, the profile goes on
+        measured.errors["graph"] = f"a replay failed: {type(error).__name__}: {error}"
         return
     if not measured.graph_activity:
         measured.errors["graph"] = "the trace holds no device activity for the replay"

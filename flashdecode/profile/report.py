@@ -112,7 +112,10 @@ def _add_measured(dims: dict, problem_bytes: int, kernels: list, main, measured:
         dims["timeline"] = _dimension({}, "torch.profiler", why_no_trace)
     dims["timeline"]["figures"].update(_graph_figures(measured))
     if measured.graph_activity:
-        dims["timeline"]["source"] += " + a graph replay (graph-trace.json)"
+        dim = dims["timeline"]
+        dim["source"] = "a graph replay (graph-trace.json)" if dim["unavailable"] else \
+            dim["source"] + " + a graph replay (graph-trace.json)"
+        dim["unavailable"] = None  # the replay's figures stand where the call's trace is missing
     dims["memory"] = _dimension(_memory_figures(problem_bytes, measured, kernels, main),
                                 "timing + ceiling" + (" + ncu" if main else ""))
 
