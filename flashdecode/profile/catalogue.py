@@ -125,7 +125,8 @@ PATTERNS: tuple[Pattern, ...] = (
             "MMA pipe activity (mcProfiler)", note=True),
     Pattern("L", "launch_bound", "timeline", "launch-bound",
             (Condition("kernel_time_us", "<", 10.0), Condition("gap_share", ">", 0.2)),
-            "replay in a CUDA graph, skip the combine pass when nothing split, drop extra fills", any_of=True,
+            "replay in a CUDA graph, skip the combine pass when nothing split, drop extra fills (graph_gap_us: "
+            "what a replay still leaves between the kernels)", any_of=True,
             library=("l1-graph.md#split-kv-subgraph", "l2-algorithm.md#schedule-materialisation"),
             c500="kernel durations and the gaps between them in mcTracer"),
     Pattern("M", "extra_dram_traffic", "memory", "extra DRAM traffic",
