@@ -22,7 +22,7 @@ import torch
 from flashdecode import cases
 from flashdecode.bench import Unsupported, candidates, correctness, peers, report
 from flashdecode.bench.results import BenchRun, CaseRun, Ceiling, Result, System
-from flashdecode.bench.timing import Timer, Timing, summarize
+from flashdecode.bench.timing import GRAPH_WARMUP, Timer, Timing, summarize
 from flashdecode.reference import reference_attention, relative_error
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
@@ -162,6 +162,13 @@ def test_cpu_timer_runs_warmup_plus_iters_and_has_no_graph():
     assert timer.host_overhead_us(lambda: calls.append(1), calls=10, loops=3) > 0 and len(calls) == 37
     with pytest.raises(ValueError):
         Timer(torch.device("cpu"), iters=0, warmup=0)
+
+
+def test_replays_are_warmed_up_as_graphs_then_timed():
+    calls = []
+    samples = Timer(torch.device("cpu"), iters=4, warmup=1).replays([lambda: calls.append(0), lambda: calls.append(1)])
+    assert [len(times) for times in samples] == [4, 4]
+    assert calls.count(0) == calls.count(1) == GRAPH_WARMUP + 1 + 4  # graph warm-up, Timer's, timed
 
 
 def test_timer_samples_are_the_timed_runs_in_order():

@@ -165,18 +165,23 @@ class Timer:
         """
         captured = [self.capture(fn) for fn in fns]
         replays = [(index, found[0].replay) for index, found in enumerate(captured) if found is not None]
-        for index, replay in replays:
-            for _ in range(GRAPH_WARMUP):
-                self._flush()
-                _call(index, replay)
         try:
-            timed = self.interleaved([replay for _, replay in replays])
+            timed = self.replays([replay for _, replay in replays])
         except CallFailed as failure:  # name the function, not its place among the captured ones
             raise CallFailed(replays[failure.index][0], failure.error) from failure.error
         results = [None] * len(fns)
         for (index, _), samples in zip(replays, timed):
             results[index] = summarize(samples), captured[index][1]
         return results
+
+    def replays(self, replays: list[Callable[[], object]]) -> list[list[float]]:
+        """``interleaved`` run times (µs) of captured graphs' ``replay``s, after ``GRAPH_WARMUP``
+        flushed replays each."""
+        for index, replay in enumerate(replays):
+            for _ in range(GRAPH_WARMUP):
+                self._flush()
+                _call(index, replay)
+        return self.interleaved(replays)
 
     def capture(self, fn: Callable[[], object]):
         """(graph, output) of ``fn()`` captured once in a CUDA graph, or None without CUDA or when

@@ -12,7 +12,7 @@ import torch
 import flashdecode
 from .. import hardware
 from ..kernels.base import why_not
-from ..bench.timing import GRAPH_WARMUP, Timer
+from ..bench.timing import CallFailed, Timer, summarize
 from . import ncu, timeline
 from . import shape as shapes
 from .report import Measurements, build, notes_for, plan_only, section, write
@@ -104,27 +104,24 @@ def measure(shape: shapes.Shape, backend: str, out: pathlib.Path, ncu_command: s
 
 
 def trace_graph(call, timer: Timer, trace_path: pathlib.Path, measured: Measurements) -> None:
-    """The call captured once in a CUDA graph, warmed up (``GRAPH_WARMUP`` replays), its replays
-    timed (cold L2) and traced, into ``measured`` (``graph_us``, ``graph_activity``); what failed
-    goes to ``measured.errors["graph"]``. A replay has no host launches between its kernels: the
-    gaps left in its trace are the device's own."""
+    """The call captured once in a CUDA graph (``Timer.capture``), its replays timed as the
+    benchmark's are (``Timer.replays``: warmed up, cold L2) and one traced, into ``measured``
+    (``graph_us``, ``graph_activity``); what failed goes to ``measured.errors["graph"]``. A replay
+    has no host launches between its kernels: the gaps left in its trace are the device's own."""
     if not timer.cuda:
         measured.errors["graph"] = "CUDA graphs need a CUDA device"
         return
-    graph = torch.cuda.CUDAGraph()
-    try:
-        with torch.cuda.graph(graph):
-            call()
-    except Exception as error:  # noqa: BLE001 - reported, the profile goes on
-        measured.errors["graph"] = f"the call could not be captured in a CUDA graph: {type(error).__name__}: {error}"
+    captured = timer.capture(call)
+    if captured is None:
+        measured.errors["graph"] = "the call could not be captured in a CUDA graph"
         return
+    replay = captured[0].replay
     try:
-        for _ in range(GRAPH_WARMUP):
-            graph.replay()
-        measured.graph_us = timer.time(graph.replay).median_us
-        measured.graph_activity = timeline.capture(graph.replay, timer.flush_bytes, trace_path)
+        measured.graph_us = summarize(timer.replays([replay])[0]).median_us
+        measured.graph_activity = timeline.capture(replay, timer.flush_bytes, trace_path)
     except Exception as error:  # noqa: BLE001 - reported, the profile goes on
-        measured.errors["graph"] = f"a replay failed: {type(error).__name__}: {error}"
+        cause = error.error if isinstance(error, CallFailed) else error
+        measured.errors["graph"] = f"a replay failed: {type(cause).__name__}: {cause}"
         return
     if not measured.graph_activity:
         measured.errors["graph"] = "the trace holds no device activity for the replay"
