@@ -91,6 +91,11 @@ class Tuning:
     #: (``min_blocks_per_combined_split``) and merge only within these caps (and the caps above);
     #: None: the caps above, at ``min_blocks_per_split``.
     underfilled_merge_caps: tuple[int, int] | None = None
+    #: Ragged calls whose whole K/V cache (``Problem.cache_bytes``) is at most this many bytes take
+    #: Triton tiles of one query's rows: a further row tile reads the keys again, which is cheap
+    #: only on small caches (1 MiB: 0.23 µs at the H200's ceiling); 0: tiles of all
+    #: ``max_seqlen_q`` rows.
+    ragged_query_tiles_max_cache_bytes: int = 0
     #: Split plans that keep a combine launch it as a programmatic dependent launch
     #: (``Plan.dependent_combine``) where the backend and the device can.
     dependent_combine: bool = False
@@ -134,7 +139,7 @@ HOPPER_TUNING = Tuning(max_splits_merged_in_split=16, max_rows_merged_in_split=5
                        min_blocks_per_combined_split=(("triton", 2),),
                        min_blocks_per_one_sequence_split=(("triton", 1),),
                        underfilled_split_above_blocks=(("triton", 4),), triton_pipelined_stages=4,
-                       triton_fp8_stages=3, triton_fp8_v_words=True,
+                       triton_fp8_stages=3, triton_fp8_v_words=True, ragged_query_tiles_max_cache_bytes=MIB,
                        triton_paged_resident_programs=((64, 4), (128, 5), (256, 1)),
                        triton_split_32_row_resident_programs=((64, 4), (128, 3), (256, 1)))
 

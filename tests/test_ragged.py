@@ -7,12 +7,14 @@ backend, the checks of the arguments and their values, bad values on the device,
 """
 from __future__ import annotations
 
+import dataclasses
 
 import pytest
 import torch
 
 from conftest import slow_except
-from flashdecode import flash_attn_with_kvcache, plan_for
+from flashdecode import DecodeContext, flash_attn_with_kvcache, plan_for
+from flashdecode.hardware import profile_for
 from flashdecode.reference import relative_error
 from plan_launch import DEVICE, check_plan_against_reference, make_inputs, reference, through_plan
 
@@ -67,15 +69,38 @@ TRITON_CASES = [
     ("paged, append", dict(page_size=16, causal=True, append=True), 0, True),
     ("sinks", dict(causal=True, sinks=True), 3, False),
     ("one row at most", dict(seqlen_q=1, rows=(1, 0, 1, 1)), 3, False),
+    # 32 rows over 16-row tiles: a sequence of 2 rows or fewer leaves its second tile without rows
+    ("tiles past rows", dict(group=8, causal=True, append=True), 3, True),
 ]
 
 
 @pytest.mark.parametrize("feature,arguments,num_splits,merge",
-                         slow_except(TRITON_CASES, [TRITON_CASES[0]], several=True),
+                         slow_except(TRITON_CASES, [TRITON_CASES[0], TRITON_CASES[-1]], several=True),
                          ids=[f"{case[0]}-splits{case[2]}{'-merge' if case[3] else ''}" for case in TRITON_CASES])
 def test_triton_kernels_match_the_reference(feature, arguments, num_splits, merge):
     inputs = make_inputs(**{"batch": 4, "seqlen_q": 4, "rows": ROWS, **arguments})
     check_plan_against_reference(inputs, num_splits, merge, OUT_TOLERANCE, LSE_TOLERANCE)
+
+
+@pytest.mark.parametrize("group,block_m", [(1, 16), (4, 16), (8, 16), (32, 32), (71, 64)])
+def test_triton_tiles_hold_one_querys_rows_on_small_caches(group, block_m):
+    """On a cache of at most ``ragged_query_tiles_max_cache_bytes`` a ragged call's Triton tile holds
+    one query's rows (16 at least, 64 at most), not max_seqlen_q's: the tiles past a sequence's own
+    rows read no block."""
+    q, k_cache, v_cache, kwargs = make_inputs(batch=4, group=group, seqlen_q=8, rows=(8, 1, 3, 0))
+    context = DecodeContext(DEVICE, tuning=dataclasses.replace(profile_for(torch.device(DEVICE)).tuning,
+                                                               ragged_query_tiles_max_cache_bytes=1 << 20))
+    assert plan_for(q, k_cache, v_cache, **kwargs, backend="triton", context=context).plan.config.block_m == block_m
+
+
+@pytest.mark.parametrize("limit,block_m", [(0, 32), (1024, 32), (1 << 20, 16)], ids=["off", "above", "under"])
+def test_triton_ragged_tiles_follow_the_cache_limit(limit, block_m):
+    """A cache of 80 KiB, above a limit (or with the rule off: 0), takes tiles of max_seqlen_q's
+    rows (a sequence's keys read once); under it, tiles of one query's rows."""
+    q, k_cache, v_cache, kwargs = make_inputs(batch=4, group=4, seqlen_q=8, rows=(8, 1, 3, 0))
+    context = DecodeContext(DEVICE, tuning=dataclasses.replace(profile_for(torch.device(DEVICE)).tuning,
+                                                               ragged_query_tiles_max_cache_bytes=limit))
+    assert plan_for(q, k_cache, v_cache, **kwargs, backend="triton", context=context).plan.config.block_m == block_m
 
 
 @pytest.mark.parametrize("backend", ["reference", "triton"])

@@ -223,11 +223,12 @@ class TritonBackend(Backend):
 
     def default_config(self, problem: Problem, profile: HardwareProfile, kernel: str) -> TritonConfig:
         """block_n, warps and stages from the profile's ``triton_tiles`` by padded head dim (stages:
-        ``fp8_stages`` where set); block_m: the packed rows rounded up to a power of two, 16 to
-        MAX_BLOCK_M; warps doubled while the fp32 output tile holds more than MAX_OUTPUT_PER_THREAD
-        values a thread; block_n halved (down to 16), then stages dropped (down to 2), then block_m
-        halved (more row tiles), until ``shared_bytes`` fits a multiprocessor; then steered off a
-        Triton miscompile (``workarounds``)."""
+        ``fp8_stages`` where set); block_m: the packed rows (ragged on a small cache,
+        ``Tuning.ragged_query_tiles_max_cache_bytes``: one query's) rounded up to a power of two, 16
+        to MAX_BLOCK_M; warps doubled while the fp32 output tile holds more than
+        MAX_OUTPUT_PER_THREAD values a thread; block_n halved (down to 16), then stages dropped (down
+        to 2), then block_m halved (more row tiles), until ``shared_bytes`` fits a multiprocessor;
+        then steered off a Triton miscompile (``workarounds``)."""
         if kernel not in self.kernels(problem):
             raise ValueError(f"kernel must be one of {sorted(self.kernels(problem))} for backend 'triton', "
                              f"got {kernel!r}")
@@ -235,7 +236,11 @@ class TritonBackend(Backend):
         table = profile.tuning.triton_tiles
         _, block_n, num_warps, num_stages = next((row for row in table if row[0] >= headdim), table[-1])
         num_stages = fp8_stages(problem, profile) or num_stages
-        block_m = min(MAX_BLOCK_M, max(16, triton.next_power_of_2(problem.q_rows)))
+        # Ragged on a small cache: a tile holds one query's rows (at least 16); the tiles past a
+        # sequence's own rows read nothing, and a sequence's further tiles read its keys again.
+        one_query = problem.ragged and problem.cache_bytes() <= profile.tuning.ragged_query_tiles_max_cache_bytes
+        rows = min(problem.q_rows, problem.group) if one_query else problem.q_rows
+        block_m = min(MAX_BLOCK_M, max(16, triton.next_power_of_2(rows)))
         while block_m * headdim > MAX_OUTPUT_PER_THREAD * profile.wave_width * num_warps and num_warps < 8:
             num_warps *= 2
         one_sequence = problem.batch == 1

@@ -160,6 +160,9 @@ def split_kernel(Q, K, V, Lens, Out, Lse, PartO, PartLse, KNew, VNew, BatchIdx, 
         end = tl.minimum(block_hi, hi)
         if LEFTPAD:  # a left pad at the length leaves one block without keys: skip it
             block_hi = tl.where(start < end, block_hi, block_lo)
+        if RAGGED:  # a row tile past the sequence's own rows reads no block
+            block_hi = tl.where(tile * BLOCK_M < GROUP * q_len, block_hi, block_lo)
+            end = tl.minimum(block_hi, end)
         # The main loop's blocks [main_lo, main_hi): cached keys every row sees (a column mask drops
         # those outside [start, end)); the others need per-row masks or appended tokens.
         main_lo = block_lo
