@@ -92,9 +92,8 @@ class Tuning:
     #: None: the caps above, at ``min_blocks_per_split``.
     underfilled_merge_caps: tuple[int, int] | None = None
     #: Ragged calls whose whole K/V cache (``Problem.cache_bytes``) is at most this many bytes take
-    #: Triton tiles of one query's rows: a further row tile reads the keys again, which is cheap
-    #: only on small caches (1 MiB: 0.23 µs at the H200's ceiling); 0: tiles of all
-    #: ``max_seqlen_q`` rows.
+    #: Triton tiles of one query's rows (a sequence's further row tiles read its keys again, cheap
+    #: only on small caches; docs/tuning.md); 0: tiles of all ``max_seqlen_q`` rows.
     ragged_query_tiles_max_cache_bytes: int = 0
     #: Split plans that keep a combine launch it as a programmatic dependent launch
     #: (``Plan.dependent_combine``) where the backend and the device can.

@@ -82,22 +82,13 @@ def test_triton_kernels_match_the_reference(feature, arguments, num_splits, merg
     check_plan_against_reference(inputs, num_splits, merge, OUT_TOLERANCE, LSE_TOLERANCE)
 
 
-@pytest.mark.parametrize("group,block_m", [(1, 16), (4, 16), (8, 16), (32, 32), (71, 64)])
-def test_triton_tiles_hold_one_querys_rows_on_small_caches(group, block_m):
-    """On a cache of at most ``ragged_query_tiles_max_cache_bytes`` a ragged call's Triton tile holds
-    one query's rows (16 at least, 64 at most), not max_seqlen_q's: the tiles past a sequence's own
-    rows read no block."""
+@pytest.mark.parametrize("group,limit,block_m", [(1, 1 << 20, 16), (4, 1 << 20, 16), (8, 1 << 20, 16),
+                                                 (32, 1 << 20, 32), (71, 1 << 20, 64), (4, 0, 32), (4, 1024, 32)])
+def test_triton_ragged_tiles_follow_the_cache_limit(group, limit, block_m):
+    """A ragged call whose cache (80 KiB at group 4) is at most ``ragged_query_tiles_max_cache_bytes``
+    takes Triton tiles of one query's rows (16 at least, 64 at most): the tiles past a sequence's own
+    rows read no block. Above the limit, or with the rule off (0), tiles of max_seqlen_q's rows."""
     q, k_cache, v_cache, kwargs = make_inputs(batch=4, group=group, seqlen_q=8, rows=(8, 1, 3, 0))
-    context = DecodeContext(DEVICE, tuning=dataclasses.replace(profile_for(torch.device(DEVICE)).tuning,
-                                                               ragged_query_tiles_max_cache_bytes=1 << 20))
-    assert plan_for(q, k_cache, v_cache, **kwargs, backend="triton", context=context).plan.config.block_m == block_m
-
-
-@pytest.mark.parametrize("limit,block_m", [(0, 32), (1024, 32), (1 << 20, 16)], ids=["off", "above", "under"])
-def test_triton_ragged_tiles_follow_the_cache_limit(limit, block_m):
-    """A cache of 80 KiB, above a limit (or with the rule off: 0), takes tiles of max_seqlen_q's
-    rows (a sequence's keys read once); under it, tiles of one query's rows."""
-    q, k_cache, v_cache, kwargs = make_inputs(batch=4, group=4, seqlen_q=8, rows=(8, 1, 3, 0))
     context = DecodeContext(DEVICE, tuning=dataclasses.replace(profile_for(torch.device(DEVICE)).tuning,
                                                                ragged_query_tiles_max_cache_bytes=limit))
     assert plan_for(q, k_cache, v_cache, **kwargs, backend="triton", context=context).plan.config.block_m == block_m
