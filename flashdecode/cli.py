@@ -83,7 +83,9 @@ def _run_bench(args) -> int:
         parser.error("nothing to run: no backend and no peer selected")
     progress = report.Progress(selection.steps)
     try:
-        run = runner.run(selection, progress.advance)
+        # the JSON also after each case, so a run cut by a time limit keeps what it measured
+        run = runner.run(selection, progress.advance,
+                         (lambda so_far: report.write_json(so_far, args.json)) if args.json else None)
     finally:
         progress.close()
 

@@ -349,6 +349,25 @@ def test_measure_checks_times_skips_and_survives_failures(runner):
     assert not broken.compiled and not broken.correct and "ZeroDivisionError" in broken.error
 
 
+def test_run_hands_over_each_case_so_far_and_marks_it_partial(runner, monkeypatch):
+    """``run``'s ``so_far`` gets the run after each case and variant but the last, with a note that
+    says how far it got (``flashdecode bench --json`` writes it, so a run cut by a time limit keeps
+    its cases); the finished run has no such note."""
+    selection = dataclasses.replace(_selection(runner), cases=[SMALL, dataclasses.replace(SMALL, number=1)],
+                                    variants=[cases.VARIANTS["plain"], cases.VARIANTS["q4"]])
+    monkeypatch.setattr(runner, "measure_ceiling", lambda timer: None)
+    monkeypatch.setattr(runner, "torch_launch_us", lambda timer, calls, loops: 1.0)
+    monkeypatch.setattr(runner, "torch_launch_gpu_us", lambda timer: None)
+    monkeypatch.setattr(runner, "_run_case", lambda case, variant, *rest: (case.number, variant.name))
+    seen = []
+    done = runner.run(selection, so_far=lambda run: seen.append((run.cases, run.notes[-1])))
+    assert seen == [([(0, "plain")], "partial: 1 of 4 case runs"),
+                    ([(0, "plain"), (0, "q4")], "partial: 2 of 4 case runs"),
+                    ([(0, "plain"), (0, "q4"), (1, "plain")], "partial: 3 of 4 case runs")]
+    assert done.cases == [(0, "plain"), (0, "q4"), (1, "plain"), (1, "q4")]
+    assert not any(note.startswith("partial") for note in done.notes)
+
+
 #: A large batch of short sequences (1-4 tokens) and one of 256 (row 0), bf16 as on the GPU.
 PLANTED = cases.Case(0, 64, 256, 8, 4, 64, "skewed")
 PLANTED_HEAD = 13

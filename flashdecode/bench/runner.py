@@ -204,9 +204,11 @@ def select(options: Options) -> Selection:
                      skipped + skipped_peers, iters, CUDA_WARMUP if cuda else CPU_WARMUP, options.cold_l2)
 
 
-def run(selection: Selection, advance: Callable[[str], None] = lambda label: None) -> BenchRun:
+def run(selection: Selection, advance: Callable[[str], None] = lambda label: None,
+        so_far: Callable[[BenchRun], None] | None = None) -> BenchRun:
     """Measure the ceiling and a plain torch launch, then every case and variant with every system;
-    ``advance`` is called after each step."""
+    ``advance`` is called after each step, ``so_far`` after each case and variant with the run up to
+    there (a note says it is partial), so a run cut by a time limit keeps what it measured."""
     device = torch.device("cuda" if selection.cuda else "cpu")
     timer = Timer(device, selection.iters, selection.warmup, cold_l2=selection.cold_l2)
     ceiling = measure_ceiling(timer)
@@ -214,11 +216,21 @@ def run(selection: Selection, advance: Callable[[str], None] = lambda label: Non
     launch_gpu_us = torch_launch_gpu_us(timer)
     advance("ceiling")
     anchor = json.loads(ANCHOR_PATH.read_text())
-    case_runs = [_run_case(case, variant, selection, timer, ceiling, anchor, advance)
-                 for case in selection.cases for variant in selection.variants]
     peer_versions = {s.name: s.version for s in selection.systems if s.kind == "peer"}
-    return BenchRun(environment(selection.cuda, peer_versions), _settings(selection, timer, launch_us, launch_gpu_us),
-                    ceiling, selection.systems, selection.skipped, _notes(selection, launch_us), case_runs)
+    machine = environment(selection.cuda, peer_versions)
+    settings, notes = _settings(selection, timer, launch_us, launch_gpu_us), _notes(selection, launch_us)
+
+    def bench_run(case_runs: list[CaseRun], notes: list[str]) -> BenchRun:
+        return BenchRun(machine, settings, ceiling, selection.systems, selection.skipped, notes, case_runs)
+
+    total = len(selection.cases) * len(selection.variants)
+    case_runs = []
+    for case in selection.cases:
+        for variant in selection.variants:
+            case_runs.append(_run_case(case, variant, selection, timer, ceiling, anchor, advance))
+            if so_far is not None and len(case_runs) < total:
+                so_far(bench_run(list(case_runs), [*notes, f"partial: {len(case_runs)} of {total} case runs"]))
+    return bench_run(case_runs, notes)
 
 
 def plain_launch(device) -> Callable[[], object]:
