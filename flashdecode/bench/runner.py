@@ -220,8 +220,8 @@ def run(selection: Selection, advance: Callable[[str], None] = lambda label: Non
     machine = environment(selection.cuda, peer_versions)
     settings, notes = _settings(selection, timer, launch_us, launch_gpu_us), _notes(selection, launch_us)
 
-    def bench_run(case_runs: list[CaseRun], notes: list[str]) -> BenchRun:
-        return BenchRun(machine, settings, ceiling, selection.systems, selection.skipped, notes, case_runs)
+    def bench_run(case_runs: list[CaseRun], run_notes: list[str]) -> BenchRun:
+        return BenchRun(machine, settings, ceiling, selection.systems, selection.skipped, run_notes, case_runs)
 
     total = len(selection.cases) * len(selection.variants)
     case_runs = []
