@@ -63,7 +63,7 @@ def quantise(x, descale, dtype: tl.constexpr):
     nearest even value of its grid, as ``dtype`` (``reference.quantise``). The rounding is done in
     float32 (adding and taking away 1.5 * 2^(23 + e) rounds to multiples of 2^e, e the grid step
     at the value): the conversion then only changes the type, exact whether compiled or interpreted
-    (Triton 3.9's interpreter truncates its fp8 conversions)."""
+    (Triton 3.9's interpreter rounds its fp8 conversions wrongly: 125 to 64, 100 to 104)."""
     if dtype.is_fp8e4nv():
         largest: tl.constexpr = 448.0
     else:
