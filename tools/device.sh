@@ -18,7 +18,9 @@
 #               .fi-bundle/flashinfer-bundle.tar.xz (its JIT modules built now, in parallel, for
 #               head dims PEERS_HEADDIMS, default 128; 64,128,256 for --matrix wide), FlashAttention 2
 #               from .fa2-build/ (or the carried .fa2-build.tar.xz) through FLASHDECODE_FA2_PATH
-#   bench ARGS  flashdecode bench with the given arguments (quote them as one word)
+#   bench ARGS  flashdecode bench with the given arguments (quote them as one word); its --json is
+#               written after each case too, so a step cut by STEP_TIMEOUT keeps what it measured (the
+#               six serving variants with FlashInfer over the 14 cases outlast 530 s: 2026-12-07)
 #   sweep ARGS  tools/sweep.py with the given arguments
 #   combos ARGS tools/fa_combos.py with the given arguments (a grid combo by id, --repeat, --value-checks),
 #               then the same once under compute-sanitizer memcheck (COMBOS_MEMCHECK=0: not;
