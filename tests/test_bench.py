@@ -613,7 +613,9 @@ def fake_run():
 
 def test_json_has_the_whole_run(fake_run, tmp_path):
     path = tmp_path / "run.json"
-    report.write_json(fake_run, path)
+    path.write_text("an earlier run")
+    report.write_json(fake_run, path)  # over it, by a rename: no half-written file at any time
+    assert [entry.name for entry in tmp_path.iterdir()] == ["run.json"]
     data = json.loads(path.read_text())
     assert data["device"] == "Fake GPU" and data["git_commit"] == "abc" and data["ceiling"]["gbps"] == 4295.0
     assert data["settings"]["torch_launch_us"] == 4.25

@@ -138,7 +138,12 @@ def run_to_dict(run) -> dict:
 
 
 def write_json(run, path) -> None:
-    pathlib.Path(path).write_text(json.dumps(run_to_dict(run), indent=1, allow_nan=False) + "\n")
+    """The run as JSON at ``path``, written beside it and then renamed over it, so a process killed
+    while writing (a time limit during ``bench``'s writes after each case) leaves the last whole run."""
+    path = pathlib.Path(path)
+    partial = path.with_name(path.name + ".partial")
+    partial.write_text(json.dumps(run_to_dict(run), indent=1, allow_nan=False) + "\n")
+    partial.replace(path)
 
 
 CSV_COLUMNS = ("case", "matrix", "variant", "shape", "bytes", "system", "kind", "compiled", "correct", "median_us",
