@@ -11,6 +11,7 @@ import json
 import math
 import os
 import pathlib
+import re
 import subprocess
 import sys
 import tarfile
@@ -857,6 +858,39 @@ def test_markdown_is_written_by_the_bench_and_from_a_json(fake_run, tmp_path, ca
     report.write_json(fake_run, tmp_path / "run.json")
     report.main([str(tmp_path / "run.json")])
     assert capsys.readouterr().out == (tmp_path / "run.md").read_text()
+
+
+def test_runs_of_other_cases_merge_into_one_page(fake_run, tmp_path, capsys):
+    whole = report.run_to_dict(fake_run)
+    first = {**whole, "cases": whole["cases"][:2], "notes": [*whole["notes"], "partial: 2 of 3 case runs"]}
+    second = {**whole, "cases": whole["cases"][2:], "date": "2026-11-30T00:00:00+00:00", "git_commit": "def",
+              "ceiling": {**whole["ceiling"], "gbps": 4000.0},
+              "settings": {**whole["settings"], "torch_launch_us": 5.0}}
+    for name, part in (("a.json", first), ("b.json", second)):
+        (tmp_path / name).write_text(json.dumps(part))
+    report.main([str(tmp_path / "a.json"), str(tmp_path / "b.json"), "--json", str(tmp_path / "run.json")])
+    merged = json.loads((tmp_path / "run.json").read_text())
+    assert capsys.readouterr().out == report.markdown(merged)
+    assert merged["cases"] == whole["cases"] and merged["ceiling"] == whole["ceiling"]
+    assert merged["settings"]["torch_launch_us"] == 4.25 and merged["date"] == whole["date"]
+    assert merged["notes"][:-1] == whole["notes"]  # the partial note gone, each part told
+    assert merged["notes"][-1] == (
+        "merged from 2 runs (fractions of the ceiling are each run's own): cases 1, 2: run of "
+        "2026-11-29T00:00:00+00:00 at commit abc, ceiling 4295 GB/s, one torch launch 4.25 µs of host time, - µs of "
+        "GPU time; cases W3: run of 2026-11-30T00:00:00+00:00 at commit def, ceiling 4000 GB/s, one torch launch "
+        "5.00 µs of host time, - µs of GPU time")
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"device": "Other GPU"}, "run 2 has another device than run 1"),
+    ({"source_digest": "other"}, "run 2 has another source_digest than run 1"),
+    ({"settings": {"iters": 50, "torch_launch_us": 4.25}}, "run 2 has other settings than run 1: iters"),
+    ({}, "case 1 plain (cases) is in two runs"),
+])
+def test_runs_that_do_not_merge_say_why(fake_run, change, message):
+    whole = report.run_to_dict(fake_run)
+    with pytest.raises(ValueError, match=re.escape(message)):
+        report.merge_runs([whole, {**whole, **change}])
 
 
 def test_docs_benchmarks_md_is_the_committed_runs_page():

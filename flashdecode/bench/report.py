@@ -614,11 +614,67 @@ class Progress:
             print(file=self.stream)
 
 
+#: What a process measures for itself, told per part in a merged run's notes.
+_PER_PROCESS_SETTINGS = ("torch_launch_us", "torch_launch_gpu_us")
+#: The code is named by its digests: a commit of docs between the parts does not stop a merge.
+_SAME_IN_EVERY_PART = ("device", "cuda", "versions", "source_digest", "extension_digest", "systems")
+PARTIAL_NOTE = "partial: "
+
+
+def merge_runs(parts: list[dict]) -> dict:
+    """One run from runs of other cases (as ``--json`` writes them) by the same code on the same
+    device, systems and settings: a run longer than one process may take, measured as several
+    ``flashdecode bench --cases`` runs. The first part's ceiling, floor and date head the page; each
+    result keeps its fraction of its own process's ceiling, and a note gives every part's. ValueError
+    names what differs or which case runs are measured twice. One run is returned as it is."""
+    if not parts:
+        raise ValueError("merge_runs: no runs")
+    first = parts[0]
+    if len(parts) == 1:
+        return first
+    for index, part in enumerate(parts[1:], 2):
+        for key in _SAME_IN_EVERY_PART:
+            if part.get(key) != first.get(key):
+                raise ValueError(f"merge_runs: run {index} has another {key} than run 1")
+        differ = [key for key in {*first["settings"], *part["settings"]} - set(_PER_PROCESS_SETTINGS)
+                  if part["settings"].get(key) != first["settings"].get(key)]
+        if differ:
+            raise ValueError(f"merge_runs: run {index} has other settings than run 1: {', '.join(sorted(differ))}")
+    seen, cases = set(), []
+    for part in parts:
+        for case in part["cases"]:
+            key = (case["matrix"], case["case"], case["variant"])
+            if key in seen:
+                raise ValueError(f"merge_runs: case {case['case']} {case['variant']} ({case['matrix']}) is in two runs")
+            seen.add(key)
+            cases.append(case)
+    told = [f"cases {', '.join(dict.fromkeys(case['case'] for case in part['cases']))}: run of {part['date']} "
+            f"at commit {part.get('git_commit') or 'unknown'}, "
+            f"ceiling {part['ceiling']['gbps']:.0f} GB/s, one torch launch "
+            f"{_us(part['settings'].get('torch_launch_us'))} µs of host time, "
+            f"{_us(part['settings'].get('torch_launch_gpu_us'))} µs of GPU time" for part in parts]
+    notes = [note for part in parts for note in part["notes"] if not note.startswith(PARTIAL_NOTE)]
+    return {**first, "skipped": list(dict.fromkeys(reason for part in parts for reason in part["skipped"])),
+            "notes": [*dict.fromkeys(notes), f"merged from {len(parts)} runs (fractions of the ceiling are each "
+                      "run's own): " + "; ".join(told)],
+            "cases": cases}
+
+
 def main(argv=None) -> None:
-    """``python -m flashdecode.bench.report RUN.json``: print the run's markdown page."""
+    """``python -m flashdecode.bench.report RUN.json [RUN.json ...]``: print the run's markdown page;
+    several runs of other cases are merged into one (:func:`merge_runs`), ``--json`` writes it."""
     parser = argparse.ArgumentParser(prog="python -m flashdecode.bench.report", description=main.__doc__)
-    parser.add_argument("run", type=pathlib.Path, help="a run's JSON (flashdecode bench --json)")
-    print(markdown(json.loads(parser.parse_args(argv).run.read_text())), end="")
+    parser.add_argument("runs", type=pathlib.Path, nargs="+", metavar="RUN.json",
+                        help="a run's JSON (flashdecode bench --json)")
+    parser.add_argument("--json", type=pathlib.Path, metavar="PATH", help="write the merged run as JSON")
+    args = parser.parse_args(argv)
+    try:
+        run = merge_runs([json.loads(path.read_text()) for path in args.runs])
+    except ValueError as error:
+        parser.error(str(error))
+    if args.json:
+        args.json.write_text(json.dumps(run, indent=1, allow_nan=False) + "\n")
+    print(markdown(run), end="")
 
 
 if __name__ == "__main__":

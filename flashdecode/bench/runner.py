@@ -27,7 +27,7 @@ import flashdecode
 from flashdecode import cases
 from flashdecode.context import default_context
 
-from . import BenchError, Unsupported, correctness
+from . import BenchError, Unsupported, correctness, report
 from .ceiling import measure_ceiling
 from .peers import select_peers
 from .provenance import environment, version
@@ -229,7 +229,8 @@ def run(selection: Selection, advance: Callable[[str], None] = lambda label: Non
         for variant in selection.variants:
             case_runs.append(_run_case(case, variant, selection, timer, ceiling, anchor, advance))
             if so_far is not None and len(case_runs) < total:
-                so_far(bench_run(list(case_runs), [*notes, f"partial: {len(case_runs)} of {total} case runs"]))
+                partial = f"{report.PARTIAL_NOTE}{len(case_runs)} of {total} case runs"
+                so_far(bench_run(list(case_runs), [*notes, partial]))
     return bench_run(case_runs, notes)
 
 
