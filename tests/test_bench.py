@@ -873,12 +873,12 @@ def test_runs_of_other_cases_merge_into_one_page(fake_run, tmp_path, capsys):
     assert capsys.readouterr().out == report.markdown(merged)
     assert merged["cases"] == whole["cases"] and merged["ceiling"] == whole["ceiling"]
     assert merged["settings"]["torch_launch_us"] == 4.25 and merged["date"] == whole["date"]
-    assert merged["notes"][:-1] == whole["notes"]  # the partial note gone, each part told
+    assert merged["notes"][:-1] == whole["notes"]  # each part told in the last, the partial one marked
     assert merged["notes"][-1] == (
         "merged from 2 runs (fractions of the ceiling are each run's own): cases 1, 2: run of "
         "2026-11-29T00:00:00+00:00 at commit abc, ceiling 4295 GB/s, one torch launch 4.25 µs of host time, - µs of "
-        "GPU time; cases W3: run of 2026-11-30T00:00:00+00:00 at commit def, ceiling 4000 GB/s, one torch launch "
-        "5.00 µs of host time, - µs of GPU time")
+        "GPU time (partial: 2 of 3 case runs); cases W3: run of 2026-11-30T00:00:00+00:00 at commit def, ceiling "
+        "4000 GB/s, one torch launch 5.00 µs of host time, - µs of GPU time")
 
 
 @pytest.mark.parametrize("change, message", [

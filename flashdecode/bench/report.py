@@ -625,8 +625,9 @@ def merge_runs(parts: list[dict]) -> dict:
     """One run from runs of other cases (as ``--json`` writes them) by the same code on the same
     device, systems and settings: a run longer than one process may take, measured as several
     ``flashdecode bench --cases`` runs. The first part's ceiling, floor and date head the page; each
-    result keeps its fraction of its own process's ceiling, and a note gives every part's. ValueError
-    names what differs or which case runs are measured twice. One run is returned as it is."""
+    result keeps its fraction of its own process's ceiling, and a note gives every part's (with the
+    partial note of a part cut short). ValueError names what differs or which case runs are measured
+    twice. One run is returned as it is."""
     if not parts:
         raise ValueError("merge_runs: no runs")
     first = parts[0]
@@ -652,7 +653,8 @@ def merge_runs(parts: list[dict]) -> dict:
             f"at commit {part.get('git_commit') or 'unknown'}, "
             f"ceiling {part['ceiling']['gbps']:.0f} GB/s, one torch launch "
             f"{_us(part['settings'].get('torch_launch_us'))} µs of host time, "
-            f"{_us(part['settings'].get('torch_launch_gpu_us'))} µs of GPU time" for part in parts]
+            f"{_us(part['settings'].get('torch_launch_gpu_us'))} µs of GPU time"
+            + "".join(f" ({note})" for note in part["notes"] if note.startswith(PARTIAL_NOTE)) for part in parts]
     notes = [note for part in parts for note in part["notes"] if not note.startswith(PARTIAL_NOTE)]
     return {**first, "skipped": list(dict.fromkeys(reason for part in parts for reason in part["skipped"])),
             "notes": [*dict.fromkeys(notes), f"merged from {len(parts)} runs (fractions of the ceiling are each "
