@@ -46,7 +46,9 @@ export PYTHONUNBUFFERED=1
 mkdir -p /tmp/tl && tar -xJf .gpu-bundle/tilelang-cp312.tar.xz -C /tmp/tl
 export PYTHONPATH=$PWD:/tmp/tl/tilelang_site${PYTHONPATH:+:$PYTHONPATH} CUDA_HOME=${CUDA_HOME:-/usr/local/cuda}
 OUT=${OUT:-/tmp/out}
-# A Triton compile that fails in a pass (PassManager::run failed) leaves its MLIR reproducer here
+# Each Triton compile writes its stages' MLIR reproducers here, the last compile's stay (files from a
+# call whose tests passed are no failure: 2026-12-07); one that fails in a pass (PassManager::run
+# failed) leaves its own
 export TRITON_REPRODUCER_PATH=${TRITON_REPRODUCER_PATH:-$OUT/triton-repro.mlir}
 # Kernels prebuilt on the CPU machine (flashdecode warmup --cache-dir .tl-cache for the bench's,
 # python tools/warmup_tests.py for the GPU tests'), carried as
