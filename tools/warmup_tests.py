@@ -6,7 +6,8 @@ tests' calls, TileLang's feature cases, its sinks and fp8 calls, the FlashAttent
 and auto samples, the empty cache) or recorded from the transformers models' GPU tests run here on
 the reference (``transformers_calls``); each is planned as ``flashdecode warmup`` plans a case
 (``kernels.tilelang.warmup``).
-Carry the folder packed (``tar -cJf .tl-cache.tar.xz .tl-cache``; ``tools/device.sh`` unpacks it).
+Carry the folder packed (``XZ_OPT=-9e tar -cJf .tl-cache.tar.xz .tl-cache``; ``tools/device.sh`` unpacks
+it and says why -9e).
 
 Usage: python tools/warmup_tests.py [--cache-dir .tl-cache] [--shard I/N]
 (about 10-30 s a kernel on 2 cores; needs pytest and hypothesis, which the test modules import)
