@@ -53,8 +53,8 @@ export TRITON_REPRODUCER_PATH=${TRITON_REPRODUCER_PATH:-$OUT/triton-repro.mlir}
 # Kernels prebuilt on the CPU machine (flashdecode warmup --cache-dir .tl-cache for the bench's,
 # python tools/warmup_tests.py for the GPU tests'), carried as
 # .tl-cache.tar.xz (XZ_OPT=-9e tar -cJf .tl-cache.tar.xz .tl-cache: the GPU tests' 272 kernels, 133 MB,
-# pack to 5.7 MB, 10.4 MB at xz's default level, which with .gpu-bundle's 48 MiB and the 7 MB tree
-# passes the 64 MiB carry limit: 2026-12-07),
+# pack to 5.7 MB; at xz's default level to 10.4 MB, which with .gpu-bundle's 48 MiB and the 7 MB
+# tree goes over the 64 MiB carry limit: 2026-12-07),
 # and any further .tl-cache-*.tar.xz of the same layout (e.g. one sample's kernels), unpacked into it.
 for cache in .tl-cache.tar.xz .tl-cache-*.tar.xz; do [ -f "$cache" ] && tar -xJf "$cache"; done
 [ -d .tl-cache ] && export TILELANG_CACHE_DIR=$PWD/.tl-cache

@@ -138,11 +138,17 @@ def run_to_dict(run) -> dict:
 
 
 def write_json(run, path) -> None:
-    """The run as JSON at ``path``, written beside it and then renamed over it, so a process killed
-    while writing (a time limit during ``bench``'s writes after each case) leaves the last whole run."""
+    """The run as JSON at ``path`` (:func:`write_run_dict`)."""
+    write_run_dict(run_to_dict(run), path)
+
+
+def write_run_dict(data: dict, path) -> None:
+    """A run's plain data as JSON at ``path``, written beside it and then renamed over it, so a
+    process killed while writing (a time limit during ``bench``'s writes after each case) leaves the
+    last whole run."""
     path = pathlib.Path(path)
     partial = path.with_name(path.name + ".partial")
-    partial.write_text(json.dumps(run_to_dict(run), indent=1, allow_nan=False) + "\n")
+    partial.write_text(json.dumps(data, indent=1, allow_nan=False) + "\n")
     partial.replace(path)
 
 
@@ -675,7 +681,7 @@ def main(argv=None) -> None:
     except ValueError as error:
         parser.error(str(error))
     if args.json:
-        args.json.write_text(json.dumps(run, indent=1, allow_nan=False) + "\n")
+        write_run_dict(run, args.json)
     print(markdown(run), end="")
 
 
