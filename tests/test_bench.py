@@ -525,6 +525,8 @@ def test_baseline_is_fa2_of_this_run_else_the_anchor_file_else_none(runner):
     assert us == ANCHOR["cases"][9]["fa2"]["median_us"] and "h200-peers.json" in source and system is None
     assert runner.baseline(case, q4, [ours], True, ANCHOR)[::2] == (None, None)
     assert runner.baseline(cases.WIDE_CASES[0], plain, [ours], True, ANCHOR)[::2] == (None, None)
+    off_the_h200 = runner.baseline(case, plain, [ours], True, None)  # another GPU: the anchor is no baseline
+    assert off_the_h200[::2] == (None, None) and "H200" in off_the_h200[1]
     assert runner.baseline(case, plain, [ours, _result("reference", "reference", 5.0)], False, ANCHOR)[::2] == (
         5.0, "reference")
 
@@ -843,7 +845,11 @@ def test_markdown_page_states_provenance_times_summary_and_failures():
     assert "- plain, GPU time: the faster of our backends faster than the baseline on 2 of 2 cases, geometric " \
            "mean 3.00×." in page
     assert "- tilelang: host time per call over the torch launch timed beside it 1.50-1.50×" in page
-    assert "10 of 11 timed results passed; failed:\n- 2 q4 triton: relative error nan" in page
+    assert "(relative L2 error at most 0.02)" in page and "10 of 11 timed results passed; failed:\n- 2 q4 triton: " \
+        "relative error nan" in page
+    per_row = _page_run()
+    del per_row["settings"]["rel_err_threshold"]  # runs since the per-row bound: the notes state it
+    assert "(the bound the notes give)" in report.markdown(per_row)
     assert "- tilelang on 2 q4: no q4 here" in page
     assert "| case | plain µs | q4 |\n|---|---|---|\n| 1 | 5.00 | 1.20 |\n" in page  # 6 over 5 us; case 2: none
     assert page.endswith("```\n")
@@ -862,10 +868,12 @@ def test_markdown_is_written_by_the_bench_and_from_a_json(fake_run, tmp_path, ca
 
 def test_runs_of_other_cases_merge_into_one_page(fake_run, tmp_path, capsys):
     whole = report.run_to_dict(fake_run)
-    first = {**whole, "cases": whole["cases"][:2], "notes": [*whole["notes"], "partial: 2 of 3 case runs"]}
+    first = {**whole, "cases": whole["cases"][:2],
+             "notes": [*whole["notes"], "one launch takes 4.3 us here", "partial: 2 of 3 case runs"]}
     second = {**whole, "cases": whole["cases"][2:], "date": "2026-11-30T00:00:00+00:00", "git_commit": "def",
               "ceiling": {**whole["ceiling"], "gbps": 4000.0},
-              "settings": {**whole["settings"], "torch_launch_us": 5.0}}
+              "settings": {**whole["settings"], "torch_launch_us": 5.0},
+              "notes": [*whole["notes"], "one launch takes 5.0 us here", "a second part's own note"]}
     for name, part in (("a.json", first), ("b.json", second)):
         (tmp_path / name).write_text(json.dumps(part))
     report.main([str(tmp_path / "a.json"), str(tmp_path / "b.json"), "--json", str(tmp_path / "run.json")])
@@ -873,7 +881,8 @@ def test_runs_of_other_cases_merge_into_one_page(fake_run, tmp_path, capsys):
     assert capsys.readouterr().out == report.markdown(merged)
     assert merged["cases"] == whole["cases"] and merged["ceiling"] == whole["ceiling"]
     assert merged["settings"]["torch_launch_us"] == 4.25 and merged["date"] == whole["date"]
-    assert merged["notes"][:-1] == whole["notes"]  # each part told in the last, the partial one marked
+    # a note that differs only in a part's figures once, the first part's; each part told in the last
+    assert merged["notes"][:-1] == [*whole["notes"], "one launch takes 4.3 us here", "a second part's own note"]
     assert merged["notes"][-1] == (
         "merged from 2 runs (fractions of the ceiling are each run's own): cases 1, 2: run of "
         "2026-11-29T00:00:00+00:00 at commit abc, ceiling 4295 GB/s, one torch launch 4.25 µs of host time, - µs of "

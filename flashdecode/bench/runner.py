@@ -51,6 +51,9 @@ HOST_OVERHEAD_LOOPS, CPU_HOST_LOOPS = 5, 1
 EAGER_LAYERS, EAGER_REPEATS, EAGER_MEMORY_SHARE = 32, 20, 0.5
 CPU_EAGER_LAYERS, CPU_EAGER_REPEATS = 2, 1
 ANCHOR_PATH = pathlib.Path(flashdecode.__file__).parent / "data" / "h200-peers.json"
+#: The anchor's FA2 times are a baseline only on the device they were measured on (an H100's
+#: ratios against them were 0.85-1.63×: 2026-12-07).
+ANCHOR_DEVICE = "H200"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -215,10 +218,10 @@ def run(selection: Selection, advance: Callable[[str], None] = lambda label: Non
     launch_us = torch_launch_us(timer, selection.host_calls, selection.host_loops)
     launch_gpu_us = torch_launch_gpu_us(timer)
     advance("ceiling")
-    anchor = json.loads(ANCHOR_PATH.read_text())
     peer_versions = {s.name: s.version for s in selection.systems if s.kind == "peer"}
     machine = environment(selection.cuda, peer_versions)
-    settings, notes = _settings(selection, timer, launch_us, launch_gpu_us), _notes(selection, launch_us)
+    anchor = json.loads(ANCHOR_PATH.read_text()) if ANCHOR_DEVICE in machine["device"] else None
+    settings, notes = _settings(selection, timer, launch_us, launch_gpu_us), _notes(selection, launch_us, anchor)
 
     def bench_run(case_runs: list[CaseRun], run_notes: list[str]) -> BenchRun:
         return BenchRun(machine, settings, ceiling, selection.systems, selection.skipped, run_notes, case_runs)
@@ -404,14 +407,16 @@ def host_path_of(before: tuple, after: tuple, calls: int) -> str:
 
 def baseline(case, variant, results, cuda, anchor) -> tuple[float | None, str, str | None]:
     """(µs, source, system): FlashAttention 2 from this run where it ran correctly; else its H200
-    anchor timing (CUDA, plain cases of the 14-case matrix only) or the torch reference (CPU, where
-    the anchor's shapes are not what ran); else none."""
+    anchor timing (``anchor``: None off the H200; plain cases of the 14-case matrix only) or the torch
+    reference (CPU, where the anchor's shapes are not what ran); else none."""
     fa2 = next((r for r in results if r.system == "fa2" and r.correct), None)
     if fa2 is not None:
         return fa2.timing.median_us, "fa2 timed in this run", "fa2"
     if not cuda:
         ref = next((r for r in results if r.kind == "reference" and r.timing is not None), None)
         return (ref.timing.median_us if ref else None), "torch reference timed in this run (CPU)", "reference"
+    if anchor is None:
+        return None, f"none: fa2 did not run correctly here, and the anchor file is an {ANCHOR_DEVICE}'s", None
     if case.matrix == "cases" and variant.name == "plain":
         row = next(row for row in anchor["cases"] if row["case"] == case.number)
         return row["fa2"]["median_us"], f"fa2 from flashdecode/data/{ANCHOR_PATH.name}, not this run", None
@@ -432,7 +437,7 @@ def _settings(selection: Selection, timer: Timer, launch_us: float, launch_gpu_u
             "dtype": str(cases.DTYPE if selection.cuda else CPU_DTYPE).removeprefix("torch.")}
 
 
-def _notes(selection: Selection, launch_us: float) -> list[str]:
+def _notes(selection: Selection, launch_us: float, anchor: dict | None) -> list[str]:
     """What a reader must know to interpret the numbers."""
     notes = [f"correct: on every (sequence, query, head) row, max |out-ref| <= {correctness.OUT_ERROR_FACTOR:g} x a "
              f"same-dtype torch run's + eps(dtype) x the row's max |ref| + {correctness.OUT_ATOL:g}, and "
@@ -454,8 +459,7 @@ def _notes(selection: Selection, launch_us: float) -> list[str]:
         notes.insert(0, f"CPU TIMINGS (Triton interpreter, torch on CPU): not comparable with anything. Cases "
                         f"scaled down to batch <= {CPU_MAX_BATCH}, seqlen_cache <= {CPU_MAX_SEQLEN}, float16; "
                         f"baseline: the torch reference on the same inputs; no CUDA graph.")
-    elif not any(system.name == "fa2" for system in selection.systems):
-        anchor = json.loads(ANCHOR_PATH.read_text())
+    elif anchor is not None and not any(system.name == "fa2" for system in selection.systems):
         notes.append(f"baseline (REF_RUNTIME, speedup): the fa2 column of flashdecode/data/{ANCHOR_PATH.name} for "
                      f"the 14 plain cases, NOT this run ({anchor['what']}); none for other cases and variants")
     return notes
