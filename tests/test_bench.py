@@ -902,9 +902,10 @@ def test_runs_that_do_not_merge_say_why(fake_run, change, message):
         report.merge_runs([whole, {**whole, **change}])
 
 
-def test_docs_benchmarks_md_is_the_committed_runs_page():
+@pytest.mark.parametrize("name", ["benchmarks", "benchmarks-serving"])
+def test_docs_benchmark_pages_are_their_committed_runs_pages(name):
     docs = pathlib.Path(__file__).parent.parent / "docs"
-    assert (docs / "benchmarks.md").read_text() == report.markdown(json.loads((docs / "benchmarks.json").read_text()))
+    assert (docs / f"{name}.md").read_text() == report.markdown(json.loads((docs / f"{name}.json").read_text()))
 
 
 def test_progress_counter_without_tqdm(monkeypatch):
