@@ -531,6 +531,12 @@ def test_baseline_is_fa2_of_this_run_else_the_anchor_file_else_none(runner):
         5.0, "reference")
 
 
+@pytest.mark.parametrize("device, applies", [("NVIDIA H200", True), ("NVIDIA H100 80GB HBM3", False),
+                                             ("NVIDIA GH200 480GB", False)])
+def test_the_anchor_is_a_baseline_on_its_own_gpu_only(runner, device, applies):
+    assert runner.anchor_for(device) == (ANCHOR if applies else None)
+
+
 def test_select_rejects_unknown_variants(runner):
     from flashdecode.bench import BenchError
 
@@ -868,12 +874,13 @@ def test_markdown_is_written_by_the_bench_and_from_a_json(fake_run, tmp_path, ca
 
 def test_runs_of_other_cases_merge_into_one_page(fake_run, tmp_path, capsys):
     whole = report.run_to_dict(fake_run)
+    variants = ["variant paged1: pages of 1 token", "variant paged4: pages of 4 tokens"]  # alike but for a figure
     first = {**whole, "cases": whole["cases"][:2],
-             "notes": [*whole["notes"], "one launch takes 4.3 us here", "partial: 2 of 3 case runs"]}
+             "notes": [*whole["notes"], *variants, "one launch takes 4.3 us here", "partial: 2 of 3 case runs"]}
     second = {**whole, "cases": whole["cases"][2:], "date": "2026-11-30T00:00:00+00:00", "git_commit": "def",
               "ceiling": {**whole["ceiling"], "gbps": 4000.0},
               "settings": {**whole["settings"], "torch_launch_us": 5.0},
-              "notes": [*whole["notes"], "one launch takes 5.0 us here", "a second part's own note"]}
+              "notes": [*whole["notes"], *variants, "one launch takes 5.0 us here", "a second part's own note"]}
     for name, part in (("a.json", first), ("b.json", second)):
         (tmp_path / name).write_text(json.dumps(part))
     report.main([str(tmp_path / "a.json"), str(tmp_path / "b.json"), "--json", str(tmp_path / "run.json")])
@@ -881,8 +888,10 @@ def test_runs_of_other_cases_merge_into_one_page(fake_run, tmp_path, capsys):
     assert capsys.readouterr().out == report.markdown(merged)
     assert merged["cases"] == whole["cases"] and merged["ceiling"] == whole["ceiling"]
     assert merged["settings"]["torch_launch_us"] == 4.25 and merged["date"] == whole["date"]
-    # a note that differs only in a part's figures once, the first part's; each part told in the last
-    assert merged["notes"][:-1] == [*whole["notes"], "one launch takes 4.3 us here", "a second part's own note"]
+    # a later part's note that differs from the first's only in a figure once, the first part's; each part
+    # told in the last
+    assert merged["notes"][:-1] == [*whole["notes"], *variants, "one launch takes 4.3 us here",
+                                    "a second part's own note"]
     assert merged["notes"][-1] == (
         "merged from 2 runs (fractions of the ceiling are each run's own): cases 1, 2: run of "
         "2026-11-29T00:00:00+00:00 at commit abc, ceiling 4295 GB/s, one torch launch 4.25 µs of host time, - µs of "

@@ -665,13 +665,16 @@ def merge_runs(parts: list[dict]) -> dict:
             f"{_us(part['settings'].get('torch_launch_us'))} µs of host time, "
             f"{_us(part['settings'].get('torch_launch_gpu_us'))} µs of GPU time"
             + "".join(f" ({note})" for note in part["notes"] if note.startswith(PARTIAL_NOTE)) for part in parts]
-    # A note that differs from an earlier part's only in its figures (the torch launch it measured) is
-    # kept once, the first part's: the last note gives each part's.
-    notes = {}
-    for note in (note for part in parts for note in part["notes"] if not note.startswith(PARTIAL_NOTE)):
-        notes.setdefault(_NUMBER.sub("#", note), note)
+    # The parts' settings match, so a later part's note that differs from one of the first part's only
+    # in its figures carries a per-process measurement (the torch launch): kept once, the first
+    # part's (the last note gives each part's).
+    notes = [note for note in first["notes"] if not note.startswith(PARTIAL_NOTE)]
+    first_forms = {_NUMBER.sub("#", note) for note in notes}
+    for note in (note for part in parts[1:] for note in part["notes"] if not note.startswith(PARTIAL_NOTE)):
+        if note not in notes and _NUMBER.sub("#", note) not in first_forms:
+            notes.append(note)
     return {**first, "skipped": list(dict.fromkeys(reason for part in parts for reason in part["skipped"])),
-            "notes": [*notes.values(), f"merged from {len(parts)} runs (fractions of the ceiling are each "
+            "notes": [*notes, f"merged from {len(parts)} runs (fractions of the ceiling are each "
                       "run's own): " + "; ".join(told)],
             "cases": cases}
 

@@ -51,9 +51,8 @@ HOST_OVERHEAD_LOOPS, CPU_HOST_LOOPS = 5, 1
 EAGER_LAYERS, EAGER_REPEATS, EAGER_MEMORY_SHARE = 32, 20, 0.5
 CPU_EAGER_LAYERS, CPU_EAGER_REPEATS = 2, 1
 ANCHOR_PATH = pathlib.Path(flashdecode.__file__).parent / "data" / "h200-peers.json"
-#: The anchor's FA2 times are a baseline only on the device they were measured on (an H100's
-#: ratios against them were 0.85-1.63×: 2026-12-07).
-ANCHOR_DEVICE = "H200"
+#: The GPU the anchor was measured on, as torch.cuda.get_device_name() names it.
+ANCHOR_DEVICE = "NVIDIA H200"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -220,7 +219,7 @@ def run(selection: Selection, advance: Callable[[str], None] = lambda label: Non
     advance("ceiling")
     peer_versions = {s.name: s.version for s in selection.systems if s.kind == "peer"}
     machine = environment(selection.cuda, peer_versions)
-    anchor = json.loads(ANCHOR_PATH.read_text()) if ANCHOR_DEVICE in machine["device"] else None
+    anchor = anchor_for(machine["device"])
     settings, notes = _settings(selection, timer, launch_us, launch_gpu_us), _notes(selection, launch_us, anchor)
 
     def bench_run(case_runs: list[CaseRun], run_notes: list[str]) -> BenchRun:
@@ -405,6 +404,12 @@ def host_path_of(before: tuple, after: tuple, calls: int) -> str:
     return f"python: {calls - hits} of {calls} calls found no record"
 
 
+def anchor_for(device: str) -> dict | None:
+    """The anchor file where ``device`` is the GPU it was measured on, else None: its FA2 times are
+    no baseline elsewhere (an H100's ratios against them were 0.85-1.63×: 2026-12-07)."""
+    return json.loads(ANCHOR_PATH.read_text()) if device == ANCHOR_DEVICE else None
+
+
 def baseline(case, variant, results, cuda, anchor) -> tuple[float | None, str, str | None]:
     """(µs, source, system): FlashAttention 2 from this run where it ran correctly; else its H200
     anchor timing (``anchor``: None off the H200; plain cases of the 14-case matrix only) or the torch
@@ -416,7 +421,7 @@ def baseline(case, variant, results, cuda, anchor) -> tuple[float | None, str, s
         ref = next((r for r in results if r.kind == "reference" and r.timing is not None), None)
         return (ref.timing.median_us if ref else None), "torch reference timed in this run (CPU)", "reference"
     if anchor is None:
-        return None, f"none: fa2 did not run correctly here, and the anchor file is an {ANCHOR_DEVICE}'s", None
+        return None, f"none: no correct fa2 in this run, and the anchor file is an {ANCHOR_DEVICE}'s", None
     if case.matrix == "cases" and variant.name == "plain":
         row = next(row for row in anchor["cases"] if row["case"] == case.number)
         return row["fa2"]["median_us"], f"fa2 from flashdecode/data/{ANCHOR_PATH.name}, not this run", None
