@@ -21,8 +21,8 @@
 #   bench ARGS  flashdecode bench with the given arguments (quote them as one word); its --json is
 #               written after each case too, so a step cut by STEP_TIMEOUT keeps what it measured (the
 #               six serving variants with FlashInfer over the 14 cases outlast 530 s: 2026-12-07;
-#               run the rest with --cases in a later call and merge the JSONs with
-#               python -m flashdecode.bench.report A.json B.json --json RUN.json)
+#               --cases 1-7 then 8-14 on one machine took 390 s and 148 s on an H100, the same day;
+#               merge the JSONs with python -m flashdecode.bench.report A.json B.json --json RUN.json)
 #   sweep ARGS  tools/sweep.py with the given arguments
 #   combos ARGS tools/fa_combos.py with the given arguments (a grid combo by id, --repeat, --value-checks),
 #               then the same once under compute-sanitizer memcheck (COMBOS_MEMCHECK=0: not;
