@@ -369,6 +369,10 @@ def test_run_hands_over_each_case_so_far_and_marks_it_partial(runner, monkeypatc
                     ([(0, "plain"), (0, "q4"), (1, "plain")], "partial: 3 of 4 case runs")]
     assert done.cases == [(0, "plain"), (0, "q4"), (1, "plain"), (1, "q4")]
     assert not any(note.startswith("partial") for note in done.notes)
+    # another process's launch is in its settings, not its notes: runs to merge share their notes
+    monkeypatch.setattr(runner, "torch_launch_us", lambda timer, calls, loops: 2.0)
+    again = runner.run(selection)
+    assert again.notes == done.notes and again.settings["torch_launch_us"] == 2.0
 
 
 #: A large batch of short sequences (1-4 tokens) and one of 256 (row 0), bf16 as on the GPU.
@@ -874,7 +878,7 @@ def test_markdown_is_written_by_the_bench_and_from_a_json(fake_run, tmp_path, ca
 
 def test_runs_of_other_cases_merge_into_one_page(fake_run, tmp_path, capsys):
     whole = report.run_to_dict(fake_run)
-    variants = ["variant paged1: pages of 1 token", "variant paged4: pages of 4 tokens"]  # alike but for a figure
+    variants = ["variant paged1: pages of 1 token", "variant paged4: pages of 4 tokens"]
     first = {**whole, "cases": whole["cases"][:2],
              "notes": [*whole["notes"], *variants, "one launch takes 4.3 us here", "partial: 2 of 3 case runs"]}
     second = {**whole, "cases": whole["cases"][2:], "date": "2026-11-30T00:00:00+00:00", "git_commit": "def",
@@ -888,10 +892,9 @@ def test_runs_of_other_cases_merge_into_one_page(fake_run, tmp_path, capsys):
     assert capsys.readouterr().out == report.markdown(merged)
     assert merged["cases"] == whole["cases"] and merged["ceiling"] == whole["ceiling"]
     assert merged["settings"]["torch_launch_us"] == 4.25 and merged["date"] == whole["date"]
-    # a later part's note that differs from the first's only in a figure once, the first part's; each part
-    # told in the last
+    # a note both parts have once, notes that differ (if only in a figure) each; each part told in the last
     assert merged["notes"][:-1] == [*whole["notes"], *variants, "one launch takes 4.3 us here",
-                                    "a second part's own note"]
+                                    "one launch takes 5.0 us here", "a second part's own note"]
     assert merged["notes"][-1] == (
         "merged from 2 runs (fractions of the ceiling are each run's own): cases 1, 2: run of "
         "2026-11-29T00:00:00+00:00 at commit abc, ceiling 4295 GB/s, one torch launch 4.25 µs of host time, - µs of "

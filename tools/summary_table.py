@@ -18,7 +18,7 @@ import json
 import math
 import pathlib
 
-from flashdecode.bench.runner import ANCHOR_DEVICE, ANCHOR_PATH
+from flashdecode.bench.runner import ANCHOR_DEVICE, ANCHOR_PATH, anchor_for
 
 TILEOPS_PATH = ANCHOR_PATH.with_name("h200-tileops.json")  # the packaged copy of the TileOPs anchor
 
@@ -110,10 +110,11 @@ def main():
                         help="a run with the plain calls: adds each variant's GPU time over the plain call's")
     args = parser.parse_args()
     run = json.loads(args.run.read_text())
-    anchor_graph = {str(c["case"]): c["fa2"]["graph_us"] for c in json.loads(ANCHOR_PATH.read_text())["cases"]}
     # TileOPs' times, like the FA2 anchor's, were measured on the H200: no comparison on another GPU
+    anchor = anchor_for(run["device"])
+    anchor_graph = {str(c["case"]): c["fa2"]["graph_us"] for c in anchor["cases"]} if anchor else {}
     tileops = ({str(c["case"]): c["gpu_us"] for c in json.loads(TILEOPS_PATH.read_text())["cases"]}
-               if run.get("device") == ANCHOR_DEVICE else {})
+               if anchor else {})
     ceiling = run["ceiling"]["gbps"]
     launch = run["settings"].get("torch_launch_us")
     print(f"Times in us: median (cold L2) / GPU (graph) / host per call / eager loop per call. One plain torch "

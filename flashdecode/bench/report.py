@@ -14,7 +14,6 @@ import dataclasses
 import json
 import math
 import pathlib
-import re
 import sys
 
 from . import candidates
@@ -628,7 +627,6 @@ _PER_PROCESS_SETTINGS = ("torch_launch_us", "torch_launch_gpu_us")
 #: The code is named by its digests: a commit of docs between the parts does not stop a merge.
 _SAME_IN_EVERY_PART = ("device", "cuda", "versions", "source_digest", "extension_digest", "systems")
 PARTIAL_NOTE = "partial: "
-_NUMBER = re.compile(r"\d+(\.\d+)?")
 
 
 def merge_runs(parts: list[dict]) -> dict:
@@ -665,16 +663,9 @@ def merge_runs(parts: list[dict]) -> dict:
             f"{_us(part['settings'].get('torch_launch_us'))} µs of host time, "
             f"{_us(part['settings'].get('torch_launch_gpu_us'))} µs of GPU time"
             + "".join(f" ({note})" for note in part["notes"] if note.startswith(PARTIAL_NOTE)) for part in parts]
-    # The parts' settings match, so a later part's note that differs from one of the first part's only
-    # in its figures carries a per-process measurement (the torch launch): kept once, the first
-    # part's (the last note gives each part's).
-    notes = [note for note in first["notes"] if not note.startswith(PARTIAL_NOTE)]
-    first_forms = {_NUMBER.sub("#", note) for note in notes}
-    for note in (note for part in parts[1:] for note in part["notes"] if not note.startswith(PARTIAL_NOTE)):
-        if note not in notes and _NUMBER.sub("#", note) not in first_forms:
-            notes.append(note)
+    notes = [note for part in parts for note in part["notes"] if not note.startswith(PARTIAL_NOTE)]
     return {**first, "skipped": list(dict.fromkeys(reason for part in parts for reason in part["skipped"])),
-            "notes": [*notes, f"merged from {len(parts)} runs (fractions of the ceiling are each "
+            "notes": [*dict.fromkeys(notes), f"merged from {len(parts)} runs (fractions of the ceiling are each "
                       "run's own): " + "; ".join(told)],
             "cases": cases}
 

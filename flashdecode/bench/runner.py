@@ -220,7 +220,7 @@ def run(selection: Selection, advance: Callable[[str], None] = lambda label: Non
     peer_versions = {s.name: s.version for s in selection.systems if s.kind == "peer"}
     machine = environment(selection.cuda, peer_versions)
     anchor = anchor_for(machine["device"])
-    settings, notes = _settings(selection, timer, launch_us, launch_gpu_us), _notes(selection, launch_us, anchor)
+    settings, notes = _settings(selection, timer, launch_us, launch_gpu_us), _notes(selection, anchor)
 
     def bench_run(case_runs: list[CaseRun], run_notes: list[str]) -> BenchRun:
         return BenchRun(machine, settings, ceiling, selection.systems, selection.skipped, run_notes, case_runs)
@@ -442,17 +442,17 @@ def _settings(selection: Selection, timer: Timer, launch_us: float, launch_gpu_u
             "dtype": str(cases.DTYPE if selection.cuda else CPU_DTYPE).removeprefix("torch.")}
 
 
-def _notes(selection: Selection, launch_us: float, anchor: dict | None) -> list[str]:
-    """What a reader must know to interpret the numbers."""
+def _notes(selection: Selection, anchor: dict | None) -> list[str]:
+    """What a reader must know to interpret the numbers; the same for every process with the same
+    settings (what a process measures for itself is in the settings), so merged runs share them."""
     notes = [f"correct: on every (sequence, query, head) row, max |out-ref| <= {correctness.OUT_ERROR_FACTOR:g} x a "
              f"same-dtype torch run's + eps(dtype) x the row's max |ref| + {correctness.OUT_ATOL:g}, and "
              f"|lse-ref| <= {correctness.LSE_ATOL:g} where the system returns lse (ours), against the float32 "
              f"flashdecode.reference, on the timed inputs, the graph replay and fresh inputs (seed {FRESH_SEED}); "
              f"err: ||out-ref||/||ref|| (timed / fresh), shown only",
              f"host us: host time per call, median of {selection.host_loops} loops of {selection.host_calls} calls "
-             f"back to back, GPU work not waited for inside a loop; "
-             f"one plain torch launch (q.add_(0)) takes {launch_us:.1f} us here; launch us: that launch's host "
-             f"time in loops alternating with the call's",
+             f"back to back, GPU work not waited for inside a loop; launch us: a plain torch launch's "
+             f"(q.add_(0)) host time in loops alternating with the call's",
              f"the systems of a case are timed in {INTERLEAVE_ROUNDS} rounds, each system a block of consecutive "
              f"runs per round, the cold runs first, then the graph replays",
              f"eager us: per call of a loop over up to {selection.eager_layers} layers (x N: the layers that fit "
