@@ -308,11 +308,12 @@ def check_call(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens,
             _fail(TypeError, f"cache_seqlens must be an int32 tensor of shape ({batch},), an int or None, got "
                              f"{_type_name(cache_seqlens[0])} {[item[1] for item in cache_seqlens[1]]}")
         value = _int_value("cache_seqlens", cache_seqlens)
-        if not 0 <= value <= capacity - seqlen_new:
-            appended = f"max_seqlen_q = {seqlen_new}, the most tokens a sequence appends" if ragged else \
-                f"{seqlen_new} appended tokens"
+        if ragged:  # each sequence appends its own rows, read on the device: one that does not fit gives NaN rows
+            if not 0 <= value <= capacity:
+                _fail(ValueError, f"cache_seqlens must be in [0, {capacity}] (the cache's capacity), got {value}")
+        elif not 0 <= value <= capacity - seqlen_new:
             _fail(ValueError, f"cache_seqlens must be in [0, {capacity - seqlen_new}] (capacity {capacity} minus "
-                              f"{appended}), got {value}")
+                              f"{seqlen_new} appended tokens), got {value}")
     elif cache_seqlens is not None:
         _require_index("cache_seqlens", cache_seqlens, (batch,), device, batch_from)
 
@@ -424,13 +425,14 @@ def check_values(problem: Problem, k_cache, cache_seqlens, cache_batch_idx, cach
     rows = None  # a ragged call's query rows per sequence
     if problem.ragged and (needed(cu_seqlens_q) or needed(cache_seqlens) or needed(block_table)):
         rows = _ragged_values(problem, cu_seqlens_q, total_q)
-    if problem.ragged and problem.seqlen_new and isinstance(cache_seqlens, torch.Tensor) and needed(cache_seqlens):
-        bad = [b for b, (length, new) in enumerate(zip(cache_seqlens.tolist(), rows))
-               if not 0 <= length <= problem.seqlen_cache - new]
+    tensor_lengths = isinstance(cache_seqlens, torch.Tensor)
+    if problem.ragged and problem.seqlen_new and rows is not None and (not tensor_lengths or needed(cache_seqlens)):
+        lengths = per_sequence(cache_seqlens, problem.batch, limit)  # an int: every sequence's
+        bad = [b for b, (length, new) in enumerate(zip(lengths, rows)) if not 0 <= length <= problem.seqlen_cache - new]
         if bad:
             raise ValueError(f"cache_seqlens must be in [0, capacity {problem.seqlen_cache} minus the sequence's "
-                             f"appended tokens] for every sequence b, got {cache_seqlens.tolist()} with "
-                             f"cu_seqlens_q {cu_seqlens_q.tolist()} (sequence {bad[0]})")
+                             f"appended tokens] for every sequence b, got {lengths if tensor_lengths else cache_seqlens}"
+                             f" with cu_seqlens_q {cu_seqlens_q.tolist()} (sequence {bad[0]})")
     elif needed(cache_seqlens):
         _in_range("cache_seqlens", cache_seqlens, 0, limit,
                   f" (capacity {problem.seqlen_cache} minus {problem.seqlen_new} appended tokens)")

@@ -173,6 +173,23 @@ def test_cache_seqlens_leave_room_for_each_sequences_own_tokens():
         flash_attn_with_kvcache(q, k_cache, v_cache, **kwargs, backend="reference")
 
 
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+def test_an_int_cache_seqlens_is_checked_per_sequence_too(backend):
+    """An int length is every sequence's: it may leave room for each one's own rows only, not for
+    max_seqlen_q (a bucket an engine pads it to), and it is the same call as its tensor."""
+    q, k_cache, v_cache, kwargs = make_inputs(batch=4, capacity=80, seqlen_q=4, rows=ROWS, append=True, causal=True)
+    kwargs["max_seqlen_q"] = 6  # capacity - max_seqlen_q = 74: 76 fits every sequence's rows all the same
+    results = []
+    for lengths in (76, torch.full((4,), 76, dtype=torch.int32, device=DEVICE)):
+        caches = k_cache.clone(), v_cache.clone()
+        results.append((flash_attn_with_kvcache(q, *caches, **{**kwargs, "cache_seqlens": lengths}, backend=backend),
+                        *caches))
+    assert all(torch.equal(a, b) for a, b in zip(*results))
+    if DEVICE == "cpu":  # 77 leaves sequence 2's 4 rows 3 slots (CUDA values: its rows NaN, unchecked)
+        with pytest.raises(ValueError, match=r"cache_seqlens must be in .* got 77 with .*\(sequence 2\)"):
+            flash_attn_with_kvcache(q, k_cache, v_cache, **{**kwargs, "cache_seqlens": 77}, backend=backend)
+
+
 @pytest.mark.parametrize("num_splits,merge",
                          slow_except([(1, False), (3, False), (3, True)], [(1, False)], several=True))
 def test_bad_cu_seqlens_q_on_the_device_make_their_sequence_nan(num_splits, merge):
