@@ -71,9 +71,15 @@ def masked_softmax(scores, visible, sinks=None):
     if sinks is None:
         probs = torch.softmax(scores, dim=-1).masked_fill(~visible.any(-1, keepdim=True), 0.0)
         return probs, lse
-    lse = torch.logaddexp(lse, sinks.float().expand_as(lse))
-    finite = torch.where(torch.isneginf(lse), 0.0, lse)  # every logit -inf: probs 0
-    return torch.exp(scores.float() - finite.unsqueeze(-1)).to(scores.dtype), lse
+    # as the kernels fold the sink: under the max of the scores and the sink, so a sink of +inf makes
+    # the row NaN (exp(inf - inf)), and a row of -inf logits only has probs 0 and lse -inf
+    sinks = sinks.float().expand_as(lse)
+    top = torch.maximum(scores.float().amax(-1), sinks)
+    top = torch.where(torch.isneginf(top), 0.0, top)
+    weights = torch.exp(scores.float() - top.unsqueeze(-1))
+    denominator = weights.sum(-1) + torch.exp(sinks - top)
+    probs = weights / torch.where(denominator == 0, 1.0, denominator).unsqueeze(-1)
+    return probs.to(scores.dtype), top + torch.log(denominator)
 
 
 def attention_ref(q, k, v, key_padding_mask=None, attn_bias=None, causal=False, window_size=(-1, -1),
@@ -268,8 +274,11 @@ def reference_attention(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, ro
         out[b], lse[b] = _attend_sequence(query, k_cache, v_cache, b, first, end, positions_q, cache_rows,
                                           block_table, page_size, scale, softcap, window_left, window_right, slopes,
                                           descales, sinks)
-    if sinks is not None:  # rows that see no key: the sink alone (out stays 0)
-        lse = torch.where(torch.isneginf(lse), sinks.float().view(1, nheads, 1).expand_as(lse), lse)
+    if sinks is not None:  # rows that see no key: the sink alone (out stays 0; a sink of +inf: NaN, as above)
+        sink = sinks.float().view(1, nheads, 1).expand_as(lse)
+        alone = torch.isneginf(lse)
+        lse = torch.where(alone, torch.where(sink.isposinf(), float("nan"), sink), lse)
+        out[(alone & sink.isposinf()).transpose(1, 2)] = float("nan")
     return out.to(q.dtype), lse
 
 

@@ -63,6 +63,20 @@ def test_minus_infinite_sinks_change_nothing():
     assert torch.isneginf(triton_lse[0]).all() and not triton_out[0].any()
 
 
+
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_a_sink_of_plus_infinity_makes_its_heads_rows_nan(num_splits):
+    """docs/api.md: sinks are not checked, and +inf makes the rows NaN, in the reference as in the
+    kernels (a sequence that sees no key too); the other heads are untouched."""
+    q, k_cache, v_cache, kwargs = make_inputs(sinks=True, lengths=[0, 30, 60])
+    kwargs["sinks"][0] = math.inf
+    finite_out, finite_lse, _, _ = reference(q, k_cache, v_cache, {**kwargs, "sinks": kwargs["sinks"].clamp(max=0)})
+    for out, lse in (reference(q, k_cache, v_cache, kwargs)[:2], through_plan(q, k_cache, v_cache, kwargs,
+                                                                              num_splits=num_splits)[:2]):
+        assert out[:, :, 0].isnan().all() and lse[:, 0].isnan().all()
+        assert torch.allclose(out[:, :, 1:], finite_out[:, :, 1:], atol=2e-3, equal_nan=False)
+        assert torch.allclose(lse[:, 1:], finite_lse[:, 1:], atol=LSE_TOLERANCE)
+
 #: (feature, make_inputs arguments, num_splits, merged in the split kernel): every plan kind
 #: (single pass; split merged by the combine; split merged in the split kernel) with the features
 #: that change the rows (query rows, appended tokens, windows whose rows see no key, pages, softcap).
