@@ -98,7 +98,7 @@ ARGUMENTS = (
     Argument("return_softmax_lse", False, FLAG, None),
     Argument("backend", "auto", SCALAR, "str", keyword_only=True),
     Argument("out", None, TENSOR, None, keyword_only=True),
-    # fp8 caches: float32 (batch, nheads_k), (nheads_k,) or () tensors, or numbers (eager calls only)
+    # fp8 caches: float32 (batch, nheads_k), (nheads_k,) or () tensors, or numbers (traced as 0-d tensors)
     Argument("k_descale", None, TENSOR, "Tensor?", keyword_only=True),
     Argument("v_descale", None, TENSOR, "Tensor?", keyword_only=True),
     Argument("sinks", None, TENSOR, "Tensor?", keyword_only=True),

@@ -10,6 +10,9 @@ arguments (``call.ARGUMENTS``, each in its ``traced_as`` type; those without one
 """
 from __future__ import annotations
 
+import math
+import numbers
+
 import torch
 
 from .call import ARGUMENTS, Call
@@ -17,6 +20,8 @@ from .context import default_context
 
 #: The ops' arguments, in ARGUMENTS order.
 TRACED = tuple(argument for argument in ARGUMENTS if argument.traced_as is not None)
+#: The arguments that may be a number (checked) as well as a float32 tensor: traced as a 0-d tensor.
+DESCALES = ("k_descale", "v_descale")
 #: The arguments ``attend_append`` writes the appended k and v into.
 APPENDED_INTO = ("k_cache", "v_cache")
 #: An argument's value in the ops' types, by its ``traced_as`` (a tensor or None as it is).
@@ -58,7 +63,8 @@ attend_append.register_fake(_fake)
 
 def traced_call(call: Call):
     """The public call while torch.compile traces: the arguments in the ops' types (an int length
-    becomes a tensor, the window a list of ints), one of the two ops, and ``out`` filled by a copy."""
+    and a descale number become tensors, the window a list of ints), one of the two ops, and ``out``
+    filled by a copy."""
     q = call.q
     values = []
     for argument in TRACED:
@@ -66,6 +72,10 @@ def traced_call(call: Call):
         if argument.name == "cache_seqlens" and value is not None and not isinstance(value, torch.Tensor):
             batch = q.shape[0] if call.cu_seqlens_q is None else call.cu_seqlens_q.shape[0] - 1
             value = torch.full((batch,), int(value), dtype=torch.int32, device=q.device)
+        elif argument.name in DESCALES and isinstance(value, numbers.Real) and not isinstance(value, bool):
+            if not 0 < value < math.inf:  # as the eager check; Dynamo cannot format a traced float: no value
+                raise ValueError(f"{argument.name} must be finite and > 0")
+            value = torch.tensor(float(value), dtype=torch.float32, device=q.device)
         elif argument.traced_as in _AS_TRACED:
             value = _AS_TRACED[argument.traced_as](value)
         values.append(value)

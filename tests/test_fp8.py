@@ -245,6 +245,20 @@ def test_bad_descales_are_named(changes, error, words):
         flash_attn_with_kvcache(q, k_cache, v_cache, **kwargs)
 
 
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+def test_descales_as_numbers_trace_under_torch_compile(backend):
+    """torch.compile(fullgraph=True) takes descales as numbers (traced as 0-d tensors), appending,
+    with the eager call's results; a bad number is named as in eager calls (in Dynamo's error, which
+    carries an exception raised while it traces)."""
+    call = make_call(descale="number", seqlen_new=1)
+    compiled = torch.compile(run, fullgraph=True, backend="aot_eager")
+    for got, want in zip(compiled(call, backend), run(call, backend)):
+        assert torch.equal(got, want)
+    q, k_cache, v_cache, kwargs = call
+    with pytest.raises(Exception, match="v_descale must be finite and > 0"):
+        compiled((q, k_cache, v_cache, dict(kwargs, v_descale=-1.0)), backend)
+
+
 def test_cache_dtypes_are_checked():
     q, k_cache, v_cache, kwargs = _plain()
     with pytest.raises(TypeError, match="v_cache must have k_cache's dtype"):
