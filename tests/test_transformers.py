@@ -179,6 +179,30 @@ def test_tiny_models_match_eager(family, cache_kind, backend):
     check_against_baselines(tiny_model(family), ids, mask, STEPS, cache_kind, backend, "cpu", dtype)
 
 
+@pytest.mark.parametrize("family", ["llama", "gpt_oss"])  # one mask for every layer; masks by layer type
+def test_generate_over_a_static_cache_matches_eager(family):
+    """generate(cache_implementation="static") makes each step's mask before the forward, and that
+    mask must pass the model's own create_causal_mask as it is: a 2D one was read as a padding mask
+    (NaN logits on a GPU, errors on the CPU) in every model of one layer type. Each row's greedy
+    tokens agree with float32 eager's as long as bf16 eager's or sdpa's do, less one step."""
+    ids, mask = padded_prompts(256, lengths=(6, 3, 1))
+    model32 = tiny_model(family)
+    model32.set_attn_implementation("eager")
+    expected = greedy_tokens(model32, ids, mask, STEPS)
+    agreed = {}
+    for implementation in ("eager", "sdpa", fd_transformers.register("reference")):
+        if implementation == "sdpa" and not model32._supports_sdpa:
+            continue
+        out = with_attention(model32, implementation).generate(
+            input_ids=ids, attention_mask=mask, max_new_tokens=STEPS, do_sample=False, pad_token_id=0,
+            cache_implementation="static", output_logits=True, return_dict_in_generate=True)
+        assert torch.stack(out.logits).isfinite().all(), implementation
+        same = (out.sequences[:, ids.shape[1]:] == expected).int()
+        agreed[implementation] = same.cumprod(1).sum(1)  # each row's steps up to its first other token
+    fewest = torch.stack([steps for name, steps in agreed.items() if name != "fdecode_reference"]).amin(0)
+    assert (agreed["fdecode_reference"] >= fewest - 1).all(), agreed
+
+
 #: More architectures through the same check (reference backend, both caches): the adapter has nothing
 #: per model, so each must pass as it is (QK norms, partial rotary, experts, per-layer windows, MQA).
 MORE_ARCHITECTURES = {
@@ -221,7 +245,8 @@ def scanned_model(config_name, settings, amplify=None):
     if not hasattr(transformers, config_name):
         pytest.skip(f"transformers {transformers.__version__} has no {config_name}")
     torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(getattr(transformers, config_name)(**{**TINY, **settings}))
+    settings = {key: value for key, value in {**TINY, **settings}.items() if value is not None}  # None: its default
+    model = transformers.AutoModelForCausalLM.from_config(getattr(transformers, config_name)(**settings))
     with torch.no_grad():
         for name, parameter in model.named_parameters():
             if amplify and amplify in name:
@@ -236,10 +261,15 @@ def scanned_model(config_name, settings, amplify=None):
     ("DogeConfig", dict(num_experts=4, num_experts_per_tok=2), None),  # reads the mask itself: SDPA's mask
     ("Gemma4TextConfig", dict(num_hidden_layers=4, num_kv_shared_layers=2, sliding_window=8, layer_types=[
         "sliding_attention", "full_attention", "sliding_attention", "full_attention"]), None),  # slices mask rows
-], ids=["inkling-position-bias", "doge-reads-the-mask", "gemma4-kv-shared"])
+    ("FalconConfig", dict(alibi=True, new_decoder_architecture=False, multi_query=False, head_dim=None,
+                          num_key_value_heads=None, intermediate_size=None), None),  # adds ALiBi to the mask
+], ids=["inkling-position-bias", "doge-reads-the-mask", "gemma4-kv-shared", "falcon-alibi-edits-the-mask"])
 def test_models_that_bias_or_read_the_mask_match_eager(config_name, settings, amplify, cache_kind):
-    """Found by running transformers 5.25's causal LMs on the backend (2026-12-06): a score bias the
-    call cannot add and models whose layers read the 4D mask go to SDPA, and still match eager."""
+    """Found by running transformers 5.25's causal LMs on the backend (2026-12-06, Falcon's ALiBi
+    2026-12-07): a score bias the call cannot add and models that read or edit the 4D mask go to
+    SDPA, and still match eager."""
+    if settings.get("alibi") and cache_kind == "static":
+        pytest.skip("transformers' Falcon sizes ALiBi by the 2D mask, not a StaticCache's slots: eager fails too")
     ids, mask = padded_prompts(256)
     check_against_baselines(scanned_model(config_name, settings, amplify), ids, mask, STEPS, cache_kind,
                             "reference", "cpu")
@@ -339,14 +369,14 @@ def test_a_window_over_several_new_tokens_needs_the_layers_sliding_window():
     arguments = dict(batch_size=2, q_length=2, kv_length=8, q_offset=6,
                      mask_function=sliding_window_causal_mask_function(3),
                      attention_mask=torch.tensor([[0, 0, 1, 1, 1, 1, 1, 1], [1] * 8]).bool(), local_size=3)
-    bounds = fd_transformers.decode_mask(**arguments)
-    assert bounds.tolist() == [[4, 4], [8, 8], [3, 3]]
-    assert fd_transformers.decode_mask(**{**arguments, "q_length": 1, "q_offset": 7}).shape == (2, 2)
+    bounds = fd_transformers.decode_mask(**arguments)  # 4D: (rows, batch, 1, 1)
+    assert bounds.shape == (3, 2, 1, 1) and bounds.flatten(1).tolist() == [[4, 4], [8, 8], [3, 3]]
+    assert fd_transformers.decode_mask(**{**arguments, "q_length": 1, "q_offset": 7}).shape == (2, 2, 1, 1)
     torch.manual_seed(0)
     query = torch.randn(2, 4, 2, 16, dtype=torch.bfloat16)
     key, value = (torch.randn(2, 2, 8, 16, dtype=torch.bfloat16) for _ in range(2))
     mask = torch.stack([causal_rows(2, 8, 2, 8, window=3), causal_rows(2, 8, 0, 8, window=3)])[:, None]
-    assert torch.equal(fd_transformers.bounds_mask(bounds, 2, 8), mask)
+    assert torch.equal(fd_transformers.bounds_mask(bounds.flatten(1), 2, 8), mask)
     expected = torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=mask,
                                                                 enable_gqa=True).transpose(1, 2)
     module = torch.nn.Module()
@@ -357,6 +387,22 @@ def test_a_window_over_several_new_tokens_needs_the_layers_sliding_window():
         torch.testing.assert_close(out, expected, atol=2e-2, rtol=2e-2)
     with pytest.raises(ValueError, match="sliding_window=None"):
         fd_transformers.attention_forward(module, query, key, value, bounds, softcap=30.0, backend="reference")
+
+
+def test_a_float32_model_runs_on_sdpa():
+    """The kernels take float16 and bfloat16: a float32 model's steps run on SDPA (the eager model's
+    logits), and with softcap, which SDPA cannot apply, raise naming the dtype."""
+    ids, mask = padded_prompts(256)
+    model32 = tiny_model("llama")
+    model32.set_attn_implementation("eager")
+    reference, tokens = step_logits(model32, ids, mask, None, "static", STEPS)
+    ours = step_logits(with_attention(model32, fd_transformers.register("reference"), torch.float32), ids, mask,
+                       tokens, "static")
+    torch.testing.assert_close(ours, reference, atol=1e-4, rtol=1e-4)
+    query, key = torch.randn(1, 4, 1, 16), torch.randn(1, 2, 8, 16)
+    with pytest.raises(ValueError, match="the model runs in torch.float32, flashdecode in float16 or bfloat16"):
+        fd_transformers.attention_forward(None, query, key, key, torch.tensor([[0], [8]], dtype=torch.int32),
+                                          softcap=30.0, backend="reference")
 
 
 @pytest.mark.parametrize("query_dim, value_dim", [(24, 16), (320, 320)])

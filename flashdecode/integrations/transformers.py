@@ -36,6 +36,8 @@ from ..validate import MAX_HEADDIM
 
 #: Most new tokens of a sequence on the decode path (the TileLang kernels' limit); more go to prefill.
 MAX_DECODE_QUERY = 16
+#: The dtypes the call takes; a model in another (float32) runs on SDPA.
+HALF_DTYPES = (torch.float16, torch.bfloat16)
 #: The ``attn_implementation`` name of each flashdecode backend.
 NAMES = {"auto": "fdecode", "tilelang": "fdecode_tilelang", "triton": "fdecode_triton",
          "reference": "fdecode_reference"}
@@ -79,22 +81,31 @@ def register(backend: str = "auto") -> str:
 
 def decode_mask(*args, **kwargs):
     """transformers' mask function for flashdecode: for decode steps (``q_length`` at most
-    MAX_DECODE_QUERY) the visible key range of each sequence as an int32 (2, batch) tensor
+    MAX_DECODE_QUERY) the visible key range of each sequence as an int32 (2, batch, 1, 1) tensor
     (``key_bounds``, the layer's window from ``local_size``), with a third row (the window) where
     a window shapes the rows of several new tokens, which the call must then be given; for longer
     queries, several new tokens of a chunked layer or of a model with KV-shared layers (Gemma-4
-    slices the mask's rows), and a model that reads the mask itself (``MASK_READING_MODELS``),
-    SDPA's mask."""
+    slices the mask's rows), and a model that reads the mask itself (``reads_the_mask``), SDPA's
+    mask."""
     from transformers.masking_utils import sdpa_mask
 
     window, config, q_length = kwargs.get("local_size"), kwargs.get("config"), kwargs["q_length"]
-    if (q_length > MAX_DECODE_QUERY or getattr(config, "model_type", None) in MASK_READING_MODELS
+    if (q_length > MAX_DECODE_QUERY or reads_the_mask(config)
             or q_length > 1 and (chunked(config, window) or getattr(config, "num_kv_shared_layers", 0))):
         return sdpa_mask(*args, **kwargs)
     bounds = key_bounds(sdpa_mask(*args, **{**kwargs, "allow_is_causal_skip": False}), window)
-    if window is None or q_length == 1:  # one row: its range already starts inside the window
-        return bounds
-    return torch.cat((bounds, torch.full_like(bounds[:1], window)))
+    if window is not None and q_length > 1:  # one row: its range already starts inside the window
+        bounds = torch.cat((bounds, torch.full_like(bounds[:1], window)))
+    # 4D, as a mask made ahead must be to pass create_causal_mask as it is (generate over a StaticCache
+    # makes each step's mask before the forward, which would read a 2D one as a padding mask)
+    return bounds[..., None, None]
+
+
+def reads_the_mask(config) -> bool:
+    """Whether the model's own code reads or edits the mask: ``MASK_READING_MODELS``, and Falcon's
+    ALiBi configs (``alibi``: falcon-rw), which add their bias onto it (transformers refuses these
+    for FlashAttention)."""
+    return getattr(config, "model_type", None) in MASK_READING_MODELS or bool(getattr(config, "alibi", False))
 
 
 def chunked(config, size: int | None) -> bool:
@@ -146,10 +157,11 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
     the decode-step benchmark times FlashAttention 2's over the same cache view).
 
     What the kernels cannot take goes to SDPA: prefill without softcap or sinks, head dims above
-    ``MAX_HEADDIM`` (Gemma-4's global layers), a window the model builds into its masks but does
-    not pass (Qwen2-MoE) and a ``position_bias`` on the scores (Inkling); ``REFUSED_ARGUMENTS``
-    (sparse selections of keys, sinks per token) raise ValueError. A value head dim below the query's (MLA: DeepSeek-V2/V3) is padded
-    with zeros for the call and cropped from its output, as transformers' FlashAttention path does."""
+    ``MAX_HEADDIM`` (Gemma-4's global layers), a float32 model, a window the model builds into its
+    masks but does not pass (Qwen2-MoE) and a ``position_bias`` on the scores (Inkling);
+    ``REFUSED_ARGUMENTS`` (sparse selections of keys, sinks per token) raise ValueError. A value head
+    dim below the query's (MLA: DeepSeek-V2/V3) is padded with zeros for the call and cropped from
+    its output, as transformers' FlashAttention path does."""
     if kwargs.get("output_attentions"):
         raise ValueError("output_attentions=True is not supported by flashdecode (it never forms the weights)")
     biased = False  # a position_bias on the scores (Inkling): SDPA adds it
@@ -159,11 +171,16 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
                 raise ValueError(f"{name}: flashdecode cannot take {REFUSED_ARGUMENTS[name]}")
         biased = kwargs.get("position_bias") is not None
     decode = attention_mask is not None and attention_mask.dtype == torch.int32
+    if decode:  # decode_mask's bounds, (rows, batch, 1, 1), as (rows, batch)
+        attention_mask = attention_mask.view(len(attention_mask), -1)
     windowed = decode and len(attention_mask) == 3  # decode_mask's window over several new tokens
     wide = query.shape[-1] > MAX_HEADDIM
-    if wide or biased or windowed and sliding_window is None or not decode and softcap is None and s_aux is None:
+    full = query.dtype not in HALF_DTYPES  # a float32 model
+    if (wide or full or biased or windowed and sliding_window is None
+            or not decode and softcap is None and s_aux is None):
         if softcap is not None or s_aux is not None:
             why = (f"head dim {query.shape[-1]} is above flashdecode's {MAX_HEADDIM}" if wide else
+                   f"the model runs in {query.dtype}, flashdecode in float16 or bfloat16" if full else
                    "position_bias adds to the scores, which the call cannot" if biased else
                    "attention_mask has a sliding window the model does not pass to its attention function "
                    "(sliding_window=None)")
