@@ -2,6 +2,7 @@
 stand-in modules), the runner's measuring and baseline, machine lines, writers, the FA2 build script."""
 from __future__ import annotations
 
+import argparse
 import csv
 import dataclasses
 import importlib.util
@@ -1145,6 +1146,22 @@ def test_rank_orders_techniques_per_case_by_their_best_passing_runtime():
     assert (h200.candidates, h200.failed) == (3, 1)
     assert "1. " in candidates.format_rankings([h200], top=1) and "a" not in \
         candidates.format_rankings([h200], top=1).split("b")[-1]
+
+
+@pytest.mark.parametrize("case, command", [
+    (7, "flashdecode profile --case 7"), ("7/q4", "flashdecode profile --case 7 --variant q4"),
+    ("W8/paged16", "flashdecode profile --case W8 --variant paged16"), ("M1", "flashdecode profile --case M1"),
+    ("S1", "flashdecode profile --batch --seqlen-cache --nheads-k --group of its shape"),
+])
+def test_the_next_steps_name_a_profile_command_that_parses(case, command):
+    """The profile command a stagnating case's advice names takes the log's case as it is."""
+    from flashdecode.profile import shape
+
+    assert candidates.profile_command(case) == command
+    if "--case" in command:
+        parser = argparse.ArgumentParser()
+        shape.add_arguments(parser)
+        assert shape.from_args(parser.parse_args(command.split()[2:])).case.label == str(case).split("/")[0]
 
 
 def test_a_case_stagnates_after_three_candidates_without_a_one_percent_gain():

@@ -487,6 +487,18 @@ def test_shapes_round_trip_through_their_arguments():
     assert dataclasses.replace(_shape(12), variant="paged64").label == "case12-paged64"
 
 
+@pytest.mark.parametrize("label", ["7", "W8", "W11", "M1"])
+def test_a_case_of_any_matrix_is_profiled_as_the_benchmark_calls_it(label):
+    """--case takes the labels of every matrix (the candidates log's): the case's head dim and
+    length rule (W8: head dim 64; W11 skewed; M1 uniform), named again by its arguments."""
+    item = _parse(["--case", label])
+    case = shape.MATRIX_CASES[label]
+    assert item.case == case and item.headdim == case.headdim and item.label == f"case{label}"
+    call = item.call("cpu")
+    assert call.lengths == item.lengths() == case.seqlens().tolist() and call.q.shape[-1] == case.headdim
+    assert _parse(item.argv()) == item
+
+
 @pytest.mark.parametrize("variant", list(cases.VARIANTS))
 @pytest.mark.parametrize("headdim", [64, 128])
 def test_a_variants_problem_is_what_its_call_validates_to(variant, headdim):
@@ -500,9 +512,11 @@ def test_a_variants_problem_is_what_its_call_validates_to(variant, headdim):
 @pytest.mark.parametrize("argv, message", [
     (["profile", "--case", "99"], "unknown case 99"),
     (["profile", "--case", "12", "--backend", "cuda"], "invalid choice"),
-    (["profile"], "need --case N"),
-    (["profile", "--batch", "2", "--seqlen-cache", "64"], "need --case N"),
-    (["profile", "--case", "3", "--batch", "2"], "not both"),
+    (["profile"], "need --case LABEL"),
+    (["profile", "--batch", "2", "--seqlen-cache", "64"], "need --case LABEL"),
+    (["profile", "--case", "3", "--batch", "2"], "not both: --case with --batch"),
+    (["profile", "--case", "2", "--dtype", "float16"], "not both: --case with --dtype"),
+    (["profile", "--case", "W99"], r"unknown case W99: cases are 1-14, W1-W14, M1-M16"),
     (["profile", "--batch", "0", "--seqlen-cache", "64", "--nheads-k", "2", "--group", "4"], "positive integer"),
 ])
 def test_profile_argument_errors(capsys, argv, message):
@@ -527,6 +541,15 @@ def test_plan_only_report_honours_the_backend(capsys, tmp_path, backend):
     assert f"## h200 (plan only), backend {backend or 'triton'} ({'named' if backend else 'auto'})" in out
 
 
+@pytest.mark.skipif(not NO_CUDA, reason="the plan-only report is what a machine without CUDA writes")
+@pytest.mark.parametrize("variant", ["ragged", "paged4"])
+def test_plan_only_refuses_a_named_backend_that_cannot_take_the_call(capsys, tmp_path, variant):
+    """As on a GPU: TileLang takes no ragged queries nor pages under 16 tokens, so it has no plan to show."""
+    cli_fails(capsys, ["profile", "--case", "10", "--variant", variant, "--backend", "tilelang", "--out", str(tmp_path)],
+              "backend 'tilelang' cannot take this call: it needs")
+    assert not (tmp_path / "report.json").exists()
+
+
 def test_auto_backend_of_a_plan_is_what_auto_runs_on_the_h200():
     """The choices docs/design.md documents: TileLang's short caches on cases 1-4, Triton from case 5 on."""
     assert [report.auto_backend(_shape(n).problem(), H200) for n in (1, 4, 5, 10, 12)] == [
@@ -540,7 +563,7 @@ def test_cli_plan_only_report_end_to_end(tmp_path):
                           capture_output=True, text=True, cwd=REPO, timeout=120)
     assert done.returncode == 0, done.stderr
     data = json.loads((tmp_path / "report.json").read_text())
-    assert data["mode"] == "plan-only" and data["shape"]["case"] == 12
+    assert data["mode"] == "plan-only" and data["shape"]["case"] == "12"
     assert [s["hardware"] for s in data["sections"]] == ["h200", "c500"]
     for section in data["sections"]:
         assert section["plan_only"] and list(section["dimensions"]) == ["occupancy", "tail"]

@@ -20,8 +20,19 @@ TECHNIQUE_FLAGS = ("merge_in_split", "dependent_combine")
 STALL_CANDIDATES = 3
 #: ... a gain being a runtime at least this fraction below the best before it.
 MIN_GAIN = 0.01
-NEXT_STEPS = ("re-profile it (flashdecode profile --case {case}), check the patterns A-M against the report "
-              "(docs/diagnosis.md), search the known techniques (docs/patterns/)")
+NEXT_STEPS = ("re-profile it ({profile}), check the patterns A-M against the report (docs/diagnosis.md), "
+              "search the known techniques (docs/patterns/)")
+
+
+def profile_command(case: str | int) -> str:
+    """The ``flashdecode profile`` command of a log's case ("7", "7/q4", "W3/paged16"); a shape of
+    ``bench --shapes`` ("S1") is no case there, so its flags are named instead."""
+    from ..profile.shape import MATRIX_CASES
+
+    label, _, variant = str(case).partition("/")
+    if label not in MATRIX_CASES:
+        return "flashdecode profile --batch --seqlen-cache --nheads-k --group of its shape"
+    return f"flashdecode profile --case {label}" + (f" --variant {variant}" if variant else "")
 
 
 def technique(backend: str, plan: dict | None) -> str:
@@ -170,5 +181,5 @@ def format_rankings(rankings: list[CaseRanking], top: int) -> str:
             gain = ranking.last_gain
             lines.append(f"  STAGNATING: {ranking.since_gain} candidates since the last gain"
                          f" ({gain['timestamp'][:10]}, {gain['runtime_ms'] * 1e3:.2f} us): "
-                         + NEXT_STEPS.format(case=str(ranking.case).split("/")[0]))
+                         + NEXT_STEPS.format(profile=profile_command(ranking.case)))
     return "\n".join(lines)

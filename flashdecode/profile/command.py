@@ -11,7 +11,7 @@ import torch
 
 import flashdecode
 from .. import hardware
-from ..kernels.base import why_not
+from ..kernels.base import get_backend, why_not
 from ..bench.timing import CallFailed, Timer, summarize
 from . import ncu, timeline
 from . import shape as shapes
@@ -41,10 +41,11 @@ def run(args: argparse.Namespace) -> int:
         parser.error(str(error))
     cuda = torch.cuda.is_available()
     device = torch.device("cuda" if cuda else "cpu")
-    if cuda and args.backend is not None:
-        reason = why_not(args.backend, shape.problem(), device)
+    if args.backend is not None:  # without CUDA, what the problem alone decides (the plan-only report)
+        problem = shape.problem()
+        reason = why_not(args.backend, problem, device) if cuda else get_backend(args.backend).problem_limitation(problem)
         if reason is not None:
-            parser.error(f"backend {args.backend!r} cannot run here: it needs {reason}")
+            parser.error(f"backend {args.backend!r} cannot {'run here' if cuda else 'take this call'}: it needs {reason}")
     if args.backend is None and cuda:
         inputs = shape.call(device)
         backend = flashdecode.plan_for(inputs.q, inputs.k_cache, inputs.v_cache, **inputs.kwargs()).backend

@@ -200,7 +200,8 @@ def build(shape: Shape, backend: str | None, mode: str, sections: list[dict], no
           extra: dict) -> dict:
     """The whole report: the shape and its lengths, notes, ``extra`` (device, files...), the sections."""
     lengths = shape.lengths()
-    return {"shape": {"label": shape.label, "case": shape.case.number or None, **dataclasses.asdict(shape.case),
+    return {"shape": {"label": shape.label, "case": shape.case.label if shape.case.number else None,
+                      **dataclasses.asdict(shape.case),
                       "nheads": shape.case.nheads, "headdim": shape.headdim, "dtype": shape.dtype},
             "describe": shape.describe(), "backend": backend, "mode": mode, "lengths": lengths,
             "problem_bytes": shape.problem_bytes(), "notes": notes, **extra, "sections": sections}

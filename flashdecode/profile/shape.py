@@ -19,8 +19,8 @@ SHAPE_FLAGS = ("batch", "seqlen_cache", "nheads_k", "group")
 
 @dataclasses.dataclass(frozen=True)
 class Shape:
-    """A decode call: ``case.number`` is 0 for a shape given with flags; ``variant`` names one of
-    ``cases.VARIANTS``."""
+    """A decode call: a case of a matrix (``cases.MATRICES``), or a shape given with flags
+    (``case.number`` 0); ``variant`` names one of ``cases.VARIANTS``."""
 
     case: cases.Case
     headdim: int = cases.HEADDIM
@@ -32,14 +32,14 @@ class Shape:
         """Short name for directories: ``case12[-paged64]`` or ``b8-s32768-hk8-g4[-d64][-float16][-q4]``."""
         suffix = "" if self.variant == "plain" else f"-{self.variant}"
         if self.case.number:
-            return f"case{self.case.number}{suffix}"
+            return f"case{self.case.label}{suffix}"
         c = self.case
         extra = ("" if self.headdim == cases.HEADDIM else f"-d{self.headdim}") + \
                 ("" if self.dtype == "bfloat16" else f"-{self.dtype}")
         return f"b{c.batch}-s{c.seqlen_cache}-hk{c.nheads_k}-g{c.group}{extra}{suffix}"
 
     def describe(self) -> str:
-        name = f"case {self.case.number}" if self.case.number else "shape"
+        name = f"case {self.case.label}" if self.case.number else "shape"
         how = "" if self.variant == "plain" else f", {cases.VARIANTS[self.variant].description}"
         return f"{name} ({self.case.describe()}, headdim {self.headdim}, {self.dtype}{how})"
 
@@ -49,7 +49,7 @@ class Shape:
 
     def lengths(self) -> list[int]:
         """Keys each sequence sees (cached and appended)."""
-        return cases.case_seqlens(self.case.batch, self.case.seqlen_cache).tolist()
+        return self.case.seqlens().tolist()
 
     def problem_bytes(self) -> int:
         """Bytes the call must move (cases.bytes_read): K and V of the real tokens (1 byte an element
@@ -63,7 +63,7 @@ class Shape:
         """The arguments that name this call again (for ``python -m flashdecode.profile.target``)."""
         variant = [] if self.variant == "plain" else ["--variant", self.variant]
         if self.case.number:
-            return ["--case", str(self.case.number), *variant]
+            return ["--case", self.case.label, *variant]
         c = self.case
         return ["--batch", str(c.batch), "--seqlen-cache", str(c.seqlen_cache), "--nheads-k", str(c.nheads_k),
                 "--group", str(c.group), "--headdim", str(self.headdim), "--dtype", self.dtype, *variant]
@@ -76,9 +76,18 @@ class Shape:
         return cases.make_call(case, cases.VARIANTS[self.variant], device, dtype=getattr(torch, self.dtype))
 
 
+#: Every case of the benchmark's matrices by its label ("7", "W3", "M5"): as ``flashdecode bench
+#: --matrix`` names them, and the candidates log.
+MATRIX_CASES = {case.label: case for matrix in cases.MATRICES.values() for case in matrix}
+
+
+def _ranges() -> str:
+    return ", ".join(f"{matrix[0].label}-{matrix[-1].label}" for matrix in cases.MATRICES.values())
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """--case N, or --batch --seqlen-cache --nheads-k --group [--headdim --dtype]."""
-    parser.add_argument("--case", type=int, help=f"a case of the matrix, 1-{len(cases.CASES)}")
+    """--case LABEL, or --batch --seqlen-cache --nheads-k --group [--headdim --dtype]."""
+    parser.add_argument("--case", help=f"a case of a matrix: {_ranges()}")
     for flag in SHAPE_FLAGS:
         parser.add_argument("--" + flag.replace("_", "-"), type=positive_int, help="instead of --case: the shape")
     parser.add_argument("--headdim", type=int, choices=HEADDIMS, default=cases.HEADDIM,
@@ -94,12 +103,16 @@ def from_args(args: argparse.Namespace) -> Shape:
     given = [flag for flag in SHAPE_FLAGS if getattr(args, flag) is not None]
     flags = "--batch, --seqlen-cache, --nheads-k and --group"
     if args.case is not None:
-        if given or args.headdim != cases.HEADDIM or args.dtype != "bfloat16":
-            raise ValueError(f"give --case or the shape flags ({flags}), not both")
-        if args.case not in cases.CASES_BY_NUMBER:
-            raise ValueError(f"unknown case {args.case}: cases are 1-{len(cases.CASES)}")
-        return Shape(cases.CASES_BY_NUMBER[args.case], variant=args.variant)
+        extra = [f"--{flag.replace('_', '-')}" for flag in given]
+        extra += [flag for flag, changed in (("--headdim", args.headdim != cases.HEADDIM),
+                                             ("--dtype", args.dtype != "bfloat16")) if changed]
+        if extra:
+            raise ValueError(f"give --case or the shape flags, not both: --case with {', '.join(extra)}")
+        if args.case not in MATRIX_CASES:
+            raise ValueError(f"unknown case {args.case}: cases are {_ranges()}")
+        case = MATRIX_CASES[args.case]
+        return Shape(case, case.headdim, variant=args.variant)
     if len(given) != len(SHAPE_FLAGS):
-        raise ValueError(f"need --case N, or all of {flags}")
+        raise ValueError(f"need --case LABEL, or all of {flags}")
     return Shape(cases.Case(0, args.batch, args.seqlen_cache, args.nheads_k, args.group), args.headdim, args.dtype,
                  args.variant)
