@@ -877,6 +877,18 @@ def test_markdown_is_written_by_the_bench_and_from_a_json(fake_run, tmp_path, ca
     assert capsys.readouterr().out == (tmp_path / "run.md").read_text()
 
 
+@pytest.mark.parametrize("content, message", [
+    (None, "no run at"), ("{", "is no JSON"), ('{"rows": []}', "is no run of flashdecode bench --json"),
+])
+def test_the_report_names_a_file_that_is_no_run(tmp_path, capsys, content, message):
+    path = tmp_path / "run.json"
+    if content is not None:
+        path.write_text(content)
+    with pytest.raises(SystemExit):
+        report.main([str(path)])
+    assert message in capsys.readouterr().err
+
+
 def test_runs_of_other_cases_merge_into_one_page(fake_run, tmp_path, capsys):
     whole = report.run_to_dict(fake_run)
     variants = ["variant paged1: pages of 1 token", "variant paged4: pages of 4 tokens"]
@@ -1096,6 +1108,42 @@ def test_fa2_unbuilt_kernels_are_defined_as_errors(build_fa2):
     assert "run_mha_fwd_<cutlass::half_t, 128," not in source and "TORCH_CHECK(false" in source
 
 
+def test_grid_coverage_names_a_condensed_log(tmp_path, capsys, monkeypatch):
+    """docs/data's GPU-test logs keep verdict counts, not verdicts: tools/fa_grid_coverage.py says so
+    rather than report those runs as one combo."""
+    log = tmp_path / "gpu_tests.log"
+    log.write_text("    335 tests/test_fa_kvcache.py PASSED\n")
+    monkeypatch.setattr(sys, "argv", ["fa_grid_coverage.py", str(log)])
+    tool_script("fa_grid_coverage").main()
+    assert f"{log}: 0 verdicts read, 335 counted: a condensed log" in capsys.readouterr().err
+
+
+def test_ptx_comparison_exits_one_unless_every_file_is_the_same(tmp_path, capsys, monkeypatch):
+    """tools/triton_ptx.py --compare (and tilelang_source.py's) is a check a script can rely on."""
+    monkeypatch.syspath_prepend(str(REPO / "tools"))
+    print_comparison = tool_script("triton_ptx").print_comparison
+    mine, theirs = tmp_path / "mine", tmp_path / "theirs"
+    for folder in (mine, theirs):
+        folder.mkdir()
+        (folder / "a.ptx").write_text("add.f32")
+    assert print_comparison(mine, theirs) == 0 and capsys.readouterr().out == "a.ptx: same\n"
+    (theirs / "a.ptx").write_text("mul.f32")
+    assert print_comparison(mine, theirs) == 1 and "a.ptx: differs" in capsys.readouterr().out
+    (theirs / "a.ptx").unlink()
+    assert print_comparison(mine, theirs) == 1 and f"a.ptx: only in {mine}" in capsys.readouterr().out
+    assert print_comparison(mine, tmp_path / "gone") == 1 and "no folder at" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("product", ["HMMA.16816.F32", "HGMMA.64x64x16.F32.BF16", "QGMMA.64x16x32.F32.E4M3.E4M3"])
+def test_fp8_sass_main_loop_holds_a_tensor_core_product_of_either_kind(product):
+    """The main loop is the largest loop holding mma.sync or wgmma (64-row tiles take HGMMA: its
+    counts read 0 when only HMMA was looked for)."""
+    main_loop = tool_script("fp8_sass").main_loop
+    lines = [(0x00, "MOV R1, c[0x0][0x28]"), (0x10, "LDS.64 R2, [R3]"), (0x20, product), (0x30, "BRA 0x10"),
+             (0x40, "ISETP.GE.AND P0, PT, R4, R5, PT"), (0x50, "BRA 0x40"), (0x60, "EXIT")]
+    assert [address for address, _ in main_loop(lines)] == [0x10, 0x20, 0x30]
+
+
 # --- tools/summary_table.py ---------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
@@ -1119,6 +1167,21 @@ def test_headroom_bounds_every_case_by_the_ceiling_and_one_launch(summary_table)
     assert bounds[1.0] == pytest.approx(2.0)  # 200 / 100 us at the ceiling, 10 / 5 us at the floor
     assert bounds[0.5] == pytest.approx(math.sqrt(2.0))  # the big case at 200 us: level with FA2
     assert summary_table.headroom(_bounded_run(None)) == {}
+
+
+def test_variants_over_plain_compare_runs_of_one_device_only(summary_table, capsys):
+    """A variant's GPU time over another GPU's plain call is no ratio (an H100's fp8 over an H200's
+    plain call read 0.80-0.87); a run without variants prints no table."""
+    def run(device, variants):
+        return {"device": device, "settings": {"variants": variants}, "cases": [
+            {"case": 7, "variant": name, "results": {"triton": {"correct": True, "graph_us": graph}}}
+            for name, graph in zip(variants, (100.0, 60.0))]}
+    summary_table.print_against_plain(run("NVIDIA H100", ["plain", "fp8"]), run("NVIDIA H100", ["plain"]))
+    assert "| 7 | 100.0 | 0.60 |" in capsys.readouterr().out
+    with pytest.raises(ValueError, match="--plain: its run is an NVIDIA H200's and this one an NVIDIA H100's"):
+        summary_table.check_same_device(run("NVIDIA H100", ["plain", "fp8"]), run("NVIDIA H200", ["plain"]))
+    summary_table.print_against_plain(run("NVIDIA H100", ["plain"]), run("NVIDIA H100", ["plain"]))
+    assert capsys.readouterr().out == ""
 
 
 # --- the candidates log ---------------------------------------------------------------------------

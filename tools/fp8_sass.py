@@ -1,6 +1,7 @@
 """SASS counts of the split kernel of bench cases in a variant (default fp8; the H200 plan unless
 ``--profile`` names another), compiled for sm_90a without a GPU by the installed Triton: registers,
-stack, shared memory, and instructions by class in its main loop (the largest loop holding HMMA) /
+stack, shared memory, and instructions by class in its main loop (the largest loop holding a tensor-core
+product: HMMA, or HGMMA/QGMMA for 64-row tiles) /
 in the whole kernel. Compiled as the launcher does: again with the register ceiling only where the
 kernel exceeds it (CAPPED rows).
 
@@ -26,11 +27,13 @@ from flashdecode.kernels import get_backend  # noqa: E402
 from flashdecode.kernels.triton.launch import REGISTER_CEILING  # noqa: E402
 from flashdecode.planner import plan  # noqa: E402
 
+#: A tensor-core product: mma.sync (HMMA), or wgmma (HGMMA; QGMMA on fp8 operands) of 64-row tiles.
+MMA = r"^(HMMA|[HQ]GMMA)"
 CLASSES = [
     ("LDS.U8", r"^LDS\.U8\b|^LDS\.S8\b"), ("LDS.U16", r"^LDS\.U16\b|^LDS\.S16\b"),
     ("LDS.32", r"^LDS(\.U)?(\s|$)|^LDS\.32\b"), ("LDS.64", r"^LDS(\.U)?\.64\b"), ("LDS.128", r"^LDS(\.U)?\.128\b"),
     ("LDSM", r"^LDSM\.16\.M"), ("LDSM.T", r"^LDSM\.16\.MT"), ("STS", r"^STS"), ("LDGSTS", r"^LDGSTS"),
-    ("HMMA", r"^HMMA"), ("F2FP", r"^F2FP"), ("F2F", r"^F2F\b|^F2F\."), ("HADD2", r"^HADD2"), ("PRMT", r"^PRMT"),
+    ("HMMA", r"^HMMA"), ("GMMA", r"^[HQ]GMMA"), ("F2FP", r"^F2FP"), ("F2F", r"^F2F\b|^F2F\."), ("HADD2", r"^HADD2"), ("PRMT", r"^PRMT"),
     ("LOP3", r"^LOP3"), ("SHF", r"^SHF"), ("SHFL", r"^SHFL"), ("BAR", r"^BAR"), ("MUFU", r"^MUFU"),
 ]
 
@@ -47,14 +50,14 @@ def sass_lines(compiled):
 
 
 def main_loop(lines):
-    """The lines of the largest loop (a backward branch) holding an HMMA."""
+    """The lines of the largest loop (a backward branch) holding a tensor-core product (``MMA``)."""
     best = []
     for address, text in lines:
         target = re.search(r"0x([0-9a-f]+)", text) if text.startswith("BRA") else None
         if target is None or int(target.group(1), 16) >= address:
             continue
         body = [line for line in lines if int(target.group(1), 16) <= line[0] <= address]
-        if any(t.startswith("HMMA") for _, t in body) and len(body) > len(best):
+        if any(re.match(MMA, t) for _, t in body) and len(body) > len(best):
             best = body
     return best
 

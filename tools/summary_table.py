@@ -70,10 +70,20 @@ def headroom(run, fractions=(1.0, 0.9)):
             for fraction in fractions}
 
 
+def check_same_device(run, plain_run):
+    """ValueError unless both runs are one device's: a GPU time over another GPU's is no ratio."""
+    if plain_run["device"] != run["device"]:
+        raise ValueError(f"--plain: its run is an {plain_run['device']}'s and this one an {run['device']}'s; GPU "
+                         f"times compare on one device")
+
+
 def print_against_plain(run, plain_run):
-    """Each variant's best GPU time over the plain call's, per case (markdown)."""
+    """Each variant's best GPU time over the plain call's, per case (markdown); nothing for a run
+    without variants."""
     plain = {str(c["case"]): best_graph(c["results"]) for c in plain_run["cases"] if c.get("variant", "plain") == "plain"}
     variants = [name for name in run["settings"].get("variants", ["plain"]) if name != "plain"]
+    if not variants:
+        return
     table = {}
     for case in run["cases"]:
         label, variant = str(case["case"]), case.get("variant", "plain")
@@ -110,6 +120,12 @@ def main():
                         help="a run with the plain calls: adds each variant's GPU time over the plain call's")
     args = parser.parse_args()
     run = json.loads(args.run.read_text())
+    plain_run = json.loads(args.plain.read_text()) if args.plain else None
+    if plain_run is not None:
+        try:
+            check_same_device(run, plain_run)
+        except ValueError as error:
+            parser.error(str(error))
     # TileOPs' times, like the FA2 anchor's, were measured on the H200: no comparison on another GPU
     anchor = anchor_for(run["device"])
     anchor_graph = {str(c["case"]): c["fa2"]["graph_us"] for c in anchor["cases"]} if anchor else {}
@@ -174,8 +190,8 @@ def main():
                                                       for fraction, value in bounds.items())
               + " over FA2 (GPU time; no case below one torch launch's GPU time, "
               f"{run['settings']['torch_launch_gpu_us']:.2f} us)")
-    if args.plain:
-        print_against_plain(run, json.loads(args.plain.read_text()))
+    if plain_run is not None:
+        print_against_plain(run, plain_run)
 
 
 if __name__ == "__main__":

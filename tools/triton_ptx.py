@@ -7,7 +7,7 @@ locates source lines (``.loc``, ``.file``, debug labels and sections), so two tr
 when they compile to the same instructions. Run it on each tree, then compare:
 
 Usage: python tools/triton_ptx.py DIR                  # write DIR/<problem>-<launch>.ptx
-       python tools/triton_ptx.py DIR --compare OTHER  # and say which differ from OTHER's
+       python tools/triton_ptx.py DIR --compare OTHER  # and say which differ from OTHER's (exit 1 if any)
 The kernels compiled are those of the tree this script lies in (its folder's parent goes first on
 the import path, ahead of an installed flashdecode): run each tree's own copy.
 """
@@ -88,6 +88,18 @@ def compare(folder: pathlib.Path, other: pathlib.Path, pattern: str = "*.ptx") -
     return verdicts
 
 
+def print_comparison(folder: pathlib.Path, other: pathlib.Path, pattern: str = "*.ptx") -> int:
+    """Print ``compare``'s verdicts; the exit status: 0 when every file is the same, 1 otherwise
+    (and where ``other`` is no folder: nothing compared)."""
+    if not other.is_dir():
+        print(f"--compare: no folder at {other}", file=sys.stderr)
+        return 1
+    verdicts = compare(folder, other, pattern)
+    for name, verdict in verdicts.items():
+        print(f"{name}: {verdict}")
+    return 0 if all(verdict == "same" for verdict in verdicts.values()) else 1
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("folder", type=pathlib.Path)
@@ -96,10 +108,9 @@ def main():
     names = write(args.folder)
     if args.compare is None:
         print("\n".join(names))
-    else:
-        for name, verdict in compare(args.folder, args.compare).items():
-            print(f"{name}: {verdict}")
+        return 0
+    return print_comparison(args.folder, args.compare)
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

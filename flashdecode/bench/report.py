@@ -678,8 +678,19 @@ def main(argv=None) -> None:
                         help="a run's JSON (flashdecode bench --json)")
     parser.add_argument("--json", type=pathlib.Path, metavar="PATH", help="write the merged run as JSON")
     args = parser.parse_args(argv)
+    parts = []
+    for path in args.runs:
+        if not path.is_file():
+            parser.error(f"no run at {path}")
+        try:
+            part = json.loads(path.read_text())
+        except ValueError as error:
+            parser.error(f"{path} is no JSON: {error}")
+        if not isinstance(part, dict) or not {"device", "settings", "cases"} <= part.keys():
+            parser.error(f"{path} is no run of flashdecode bench --json (it lacks device, settings or cases)")
+        parts.append(part)
     try:
-        run = merge_runs([json.loads(path.read_text()) for path in args.runs])
+        run = merge_runs(parts)
     except ValueError as error:
         parser.error(str(error))
     if args.json:
