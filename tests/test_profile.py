@@ -225,6 +225,13 @@ def test_each_pattern_fires_on_recorded_counters_that_show_it(recorded, letter):
     assert pattern.key not in catalogue.diagnose(pattern.dimension, {**figures, **quiet})[1]
 
 
+@pytest.mark.parametrize("value, shown", [(1.5028, "1.503"), (1.5000001, "1.5000001"), (2.0, "2"), (0.7234, "0.723")])
+def test_evidence_shows_the_digits_that_tell_a_figure_from_its_threshold(value, shown):
+    """A profile read "max_over_mean_work 1.5 > 1.5" for 1.5028."""
+    assert catalogue.Condition("max_over_mean_work", ">", 1.5).evidence({"max_over_mean_work": value}) == \
+        f"max_over_mean_work {shown} > 1.5"
+
+
 def test_missing_figures_leave_patterns_open():
     line, keys = catalogue.diagnose("memory", {})
     assert keys == [] and "extra_dram_traffic" in line and "not evaluated" in line

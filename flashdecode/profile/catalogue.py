@@ -35,7 +35,11 @@ class Condition:
         return value < self.threshold if self.op == "<" else value > self.threshold
 
     def evidence(self, figures: dict) -> str:
-        return f"{self.figure} {figures[self.figure]:.3g} {self.op} {self.threshold:g}"
+        """The figure against the threshold, with the digits that tell them apart (1.5028 > 1.5)."""
+        value = figures[self.figure]
+        shown = next((f"{value:.{digits}g}" for digits in (3, 4, 5, 6)
+                      if f"{value:.{digits}g}" != f"{self.threshold:.{digits}g}"), repr(value))
+        return f"{self.figure} {shown} {self.op} {self.threshold:g}"
 
     def __str__(self) -> str:
         return f"{self.figure} {self.op} {self.threshold:g}"
