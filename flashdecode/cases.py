@@ -130,6 +130,8 @@ MODEL_CASES: tuple[Case, ...] = tuple(
 MATRICES = {"cases": CASES, "wide": WIDE_CASES, "models": MODEL_CASES}
 #: Label prefixes; "shapes" holds the cases a command line gives (``parse_shapes``), S1, S2, ...
 MATRIX_PREFIX = {"cases": "", "wide": "W", "models": "M", "shapes": "S"}
+#: Every case of the matrices by its label ("7", "W3", "M5"), as commands and logs name them.
+CASES_BY_LABEL = {case.label: case for matrix in MATRICES.values() for case in matrix}
 
 
 def parse_shapes(text: str) -> tuple[Case, ...]:
@@ -156,7 +158,7 @@ def select(matrix: str, text: str = "all") -> tuple[Case, ...]:
     ValueError naming the offending part otherwise."""
     if matrix not in MATRICES:
         raise ValueError(f"unknown matrix {matrix!r}; matrices are {', '.join(MATRICES)}")
-    members = {case.label: case for case in MATRICES[matrix]}
+    members = {case.label: case for case in MATRICES[matrix]}  # this matrix's (CASES_BY_LABEL's part)
     if text.strip().lower() == "all":
         return MATRICES[matrix]
     prefix = MATRIX_PREFIX[matrix]

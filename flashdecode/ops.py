@@ -10,13 +10,13 @@ arguments (``call.ARGUMENTS``, each in its ``traced_as`` type; those without one
 """
 from __future__ import annotations
 
-import math
 import numbers
 
 import torch
 
 from .call import ARGUMENTS, Call
 from .context import default_context
+from .validate import descale_number
 
 #: The ops' arguments, in ARGUMENTS order.
 TRACED = tuple(argument for argument in ARGUMENTS if argument.traced_as is not None)
@@ -73,9 +73,8 @@ def traced_call(call: Call):
             batch = q.shape[0] if call.cu_seqlens_q is None else call.cu_seqlens_q.shape[0] - 1
             value = torch.full((batch,), int(value), dtype=torch.int32, device=q.device)
         elif argument.name in DESCALES and isinstance(value, numbers.Real) and not isinstance(value, bool):
-            if not 0 < value < math.inf:  # as the eager check; Dynamo cannot format a traced float: no value
-                raise ValueError(f"{argument.name} must be finite and > 0")
-            value = torch.tensor(float(value), dtype=torch.float32, device=q.device)
+            value = torch.tensor(descale_number(argument.name, value, traced=True), dtype=torch.float32,
+                                 device=q.device)
         elif argument.traced_as in _AS_TRACED:
             value = _AS_TRACED[argument.traced_as](value)
         values.append(value)

@@ -67,13 +67,12 @@ def masked_softmax(scores, visible, sinks=None):
     (broadcastable to scores[..., 0]): a logit per row that joins the denominator and the lse but
     weighs no value (a row with no visible key then has lse = its sink)."""
     scores = scores.masked_fill(~visible, float("-inf"))
-    lse = torch.logsumexp(scores.float(), dim=-1)
     if sinks is None:
         probs = torch.softmax(scores, dim=-1).masked_fill(~visible.any(-1, keepdim=True), 0.0)
-        return probs, lse
+        return probs, torch.logsumexp(scores.float(), dim=-1)
     # as the kernels fold the sink: under the max of the scores and the sink, so a sink of +inf makes
     # the row NaN (exp(inf - inf)), and a row of -inf logits only has probs 0 and lse -inf
-    sinks = sinks.float().expand_as(lse)
+    sinks = sinks.float().expand_as(scores[..., 0])
     top = torch.maximum(scores.float().amax(-1), sinks)
     top = torch.where(torch.isneginf(top), 0.0, top)
     weights = torch.exp(scores.float() - top.unsqueeze(-1))

@@ -158,6 +158,14 @@ def _require_cache(name, meta, q_dtype, device):
     _require_like_q(name, meta, q_dtype, device)
 
 
+def descale_number(name: str, value, traced: bool = False) -> float:
+    """A descale given as a number, checked: finite and > 0 (comparisons, which torch.compile
+    traces). ``traced``: while torch.compile traces, whose symbolic floats a message cannot show."""
+    if not 0 < value < math.inf:
+        _fail(ValueError, f"{name} must be finite and > 0" + ("" if traced else f", got {value!r}"))
+    return float(value)
+
+
 def _check_descale(name, meta, cache_dtype, batch, nheads_k, device):
     """``k_descale``/``v_descale``: only with fp8 caches; a finite number > 0, or a float32 tensor of
     shape (), (nheads_k,) or (batch, nheads_k) (FA3's) on q's device."""
@@ -170,8 +178,7 @@ def _check_descale(name, meta, cache_dtype, batch, nheads_k, device):
         if kind is bool or not issubclass(kind, numbers.Real):
             _fail(TypeError, f"{name} must be a float32 tensor of shape ({batch}, {nheads_k}), ({nheads_k},) or (), "
                              f"or a number, got {_type_name(kind)}")
-        if not (math.isfinite(value) and value > 0):
-            _fail(ValueError, f"{name} must be finite and > 0, got {value!r}")
+        descale_number(name, value)
         return
     dtype, tensor_device, shape, _, _ = meta
     if dtype != torch.float32:

@@ -1114,7 +1114,7 @@ def test_grid_coverage_names_a_condensed_log(tmp_path, capsys, monkeypatch):
     log = tmp_path / "gpu_tests.log"
     log.write_text("    335 tests/test_fa_kvcache.py PASSED\n")
     monkeypatch.setattr(sys, "argv", ["fa_grid_coverage.py", str(log)])
-    tool_script("fa_grid_coverage").main()
+    assert tool_script("fa_grid_coverage").main() == 1  # and nothing to report
     assert f"{log}: 0 verdicts read, 335 counted: a condensed log" in capsys.readouterr().err
 
 
@@ -1214,7 +1214,8 @@ def test_rank_orders_techniques_per_case_by_their_best_passing_runtime():
 @pytest.mark.parametrize("case, command", [
     (7, "flashdecode profile --case 7"), ("7/q4", "flashdecode profile --case 7 --variant q4"),
     ("W8/paged16", "flashdecode profile --case W8 --variant paged16"), ("M1", "flashdecode profile --case M1"),
-    ("S1", "flashdecode profile --batch --seqlen-cache --nheads-k --group of its shape"),
+    ("S1", "flashdecode profile with its shape's --batch, --seqlen-cache, --nheads-k and --group, whose lengths "
+           "follow the 14 cases' rule"),
 ])
 def test_the_next_steps_name_a_profile_command_that_parses(case, command):
     """The profile command a stagnating case's advice names takes the log's case as it is."""

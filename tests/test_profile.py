@@ -499,7 +499,7 @@ def test_a_case_of_any_matrix_is_profiled_as_the_benchmark_calls_it(label):
     """--case takes the labels of every matrix (the candidates log's): the case's head dim and
     length rule (W8: head dim 64; W11 skewed; M1 uniform), named again by its arguments."""
     item = _parse(["--case", label])
-    case = shape.MATRIX_CASES[label]
+    case = cases.CASES_BY_LABEL[label]
     assert item.case == case and item.headdim == case.headdim and item.label == f"case{label}"
     call = item.call("cpu")
     assert call.lengths == item.lengths() == case.seqlens().tolist() and call.q.shape[-1] == case.headdim

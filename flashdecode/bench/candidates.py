@@ -14,6 +14,8 @@ import hashlib
 import json
 import pathlib
 
+from ..cases import CASES_BY_LABEL
+
 #: Plan flags that name a technique when set (``planner.Plan``).
 TECHNIQUE_FLAGS = ("merge_in_split", "dependent_combine")
 #: A case stagnates after this many candidates in a row without a gain ...
@@ -26,12 +28,12 @@ NEXT_STEPS = ("re-profile it ({profile}), check the patterns A-M against the rep
 
 def profile_command(case: str | int) -> str:
     """The ``flashdecode profile`` command of a log's case ("7", "7/q4", "W3/paged16"); a shape of
-    ``bench --shapes`` ("S1") is no case there, so its flags are named instead."""
-    from ..profile.shape import MATRIX_CASES
-
+    ``bench --shapes`` ("S1") is no case there, so its flags are named instead (the record keeps no
+    shape, and profile gives shapes the 14 cases' length rule)."""
     label, _, variant = str(case).partition("/")
-    if label not in MATRIX_CASES:
-        return "flashdecode profile --batch --seqlen-cache --nheads-k --group of its shape"
+    if label not in CASES_BY_LABEL:
+        return ("flashdecode profile with its shape's --batch, --seqlen-cache, --nheads-k and --group, "
+                "whose lengths follow the 14 cases' rule")
     return f"flashdecode profile --case {label}" + (f" --variant {variant}" if variant else "")
 
 

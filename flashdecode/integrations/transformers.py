@@ -32,12 +32,10 @@ import torch
 
 from ..api import flash_attn_with_kvcache
 from ..reference import masked_softmax
-from ..validate import MAX_HEADDIM
+from ..validate import MAX_HEADDIM, SUPPORTED_DTYPES
 
 #: Most new tokens of a sequence on the decode path (the TileLang kernels' limit); more go to prefill.
 MAX_DECODE_QUERY = 16
-#: The dtypes the call takes; a model in another (float32) runs on SDPA.
-HALF_DTYPES = (torch.float16, torch.bfloat16)
 #: The ``attn_implementation`` name of each flashdecode backend.
 NAMES = {"auto": "fdecode", "tilelang": "fdecode_tilelang", "triton": "fdecode_triton",
          "reference": "fdecode_reference"}
@@ -81,8 +79,8 @@ def register(backend: str = "auto") -> str:
 
 def decode_mask(*args, **kwargs):
     """transformers' mask function for flashdecode: for decode steps (``q_length`` at most
-    MAX_DECODE_QUERY) the visible key range of each sequence as an int32 (2, batch, 1, 1) tensor
-    (``key_bounds``, the layer's window from ``local_size``), with a third row (the window) where
+    MAX_DECODE_QUERY) the visible key range of each sequence as an int32 (2 or 3, batch, 1, 1)
+    tensor (``key_bounds``, the layer's window from ``local_size``), the third row (the window) where
     a window shapes the rows of several new tokens, which the call must then be given; for longer
     queries, several new tokens of a chunked layer or of a model with KV-shared layers (Gemma-4
     slices the mask's rows), and a model that reads the mask itself (``reads_the_mask``), SDPA's
@@ -175,7 +173,7 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
         attention_mask = attention_mask.flatten(1)
     windowed = decode and len(attention_mask) == 3  # decode_mask's window over several new tokens
     wide = query.shape[-1] > MAX_HEADDIM
-    full = query.dtype not in HALF_DTYPES  # a float32 model
+    full = query.dtype not in SUPPORTED_DTYPES  # a float32 model: SDPA
     if (wide or full or biased or windowed and sliding_window is None
             or not decode and softcap is None and s_aux is None):
         if softcap is not None or s_aux is not None:

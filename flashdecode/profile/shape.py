@@ -1,5 +1,5 @@
-"""The call a profile runs: a case of the matrix, or a shape given with flags (lengths by the
-matrix's rule), under one of the benchmark's variants (``cases.VARIANTS``: pages, query tokens,
+"""The call a profile runs: a case of the benchmark's matrices by its label, or a shape given with
+flags (lengths by the 14 cases' rule), under one of the benchmark's variants (``cases.VARIANTS``: pages, query tokens,
 an appended token)."""
 from __future__ import annotations
 
@@ -76,11 +76,6 @@ class Shape:
         return cases.make_call(case, cases.VARIANTS[self.variant], device, dtype=getattr(torch, self.dtype))
 
 
-#: Every case of the benchmark's matrices by its label ("7", "W3", "M5"): as ``flashdecode bench
-#: --matrix`` names them, and the candidates log.
-MATRIX_CASES = {case.label: case for matrix in cases.MATRICES.values() for case in matrix}
-
-
 def _ranges() -> str:
     return ", ".join(f"{matrix[0].label}-{matrix[-1].label}" for matrix in cases.MATRICES.values())
 
@@ -108,9 +103,9 @@ def from_args(args: argparse.Namespace) -> Shape:
                                              ("--dtype", args.dtype != "bfloat16")) if changed]
         if extra:
             raise ValueError(f"give --case or the shape flags, not both: --case with {', '.join(extra)}")
-        if args.case not in MATRIX_CASES:
+        if args.case not in cases.CASES_BY_LABEL:
             raise ValueError(f"unknown case {args.case}: cases are {_ranges()}")
-        case = MATRIX_CASES[args.case]
+        case = cases.CASES_BY_LABEL[args.case]
         return Shape(case, case.headdim, variant=args.variant)
     if len(given) != len(SHAPE_FLAGS):
         raise ValueError(f"need --case LABEL, or all of {flags}")

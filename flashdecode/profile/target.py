@@ -1,5 +1,5 @@
-"""The program Nsight Compute profiles: ``python -m flashdecode.profile.target --case N [--variant V]
---backend B``.
+"""The program Nsight Compute profiles: ``python -m flashdecode.profile.target --case LABEL [--variant V]
+--backend B`` (or the shape flags, as ``flashdecode profile`` takes them).
 
 It builds the call's inputs as the benchmark does, runs the call ``--warmup`` times (compilation,
 caches, allocator) and then ``--calls`` times between cudaProfilerStart and cudaProfilerStop, the
