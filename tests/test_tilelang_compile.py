@@ -537,16 +537,17 @@ TILELANG_SOURCE_SCRIPT = """
 import json, pathlib, shutil, sys, tempfile
 sys.path.insert(0, "tools")
 import tilelang_source
+from triton_ptx import compare  # the comparison tilelang_source.py --compare prints
 from flashdecode.problem import Problem
 tilelang_source.PROBLEMS = {"case1": Problem(1, 1, 32, 4, 128, "bfloat16")}
 folder = pathlib.Path(tempfile.mkdtemp()) / "mine"
 names = tilelang_source.write(folder)
 other = folder.with_name("other")
 shutil.copytree(folder, other)
-same = tilelang_source.compare(folder, other, "*.cu")
+same = compare(folder, other, "*.cu")
 (other / names[0]).write_text((folder / names[0]).read_text() + "// changed\\n")
 print(json.dumps(dict(names=names, kernel="__global__" in (folder / names[0]).read_text(), same=same,
-                      changed=tilelang_source.compare(folder, other, "*.cu"))))
+                      changed=compare(folder, other, "*.cu"))))
 """
 
 
