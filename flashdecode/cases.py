@@ -158,7 +158,7 @@ def select(matrix: str, text: str = "all") -> tuple[Case, ...]:
     ValueError naming the offending part otherwise."""
     if matrix not in MATRICES:
         raise ValueError(f"unknown matrix {matrix!r}; matrices are {', '.join(MATRICES)}")
-    members = {case.label: case for case in MATRICES[matrix]}  # this matrix's (CASES_BY_LABEL's part)
+    members = {case.label: case for case in MATRICES[matrix]}
     if text.strip().lower() == "all":
         return MATRICES[matrix]
     prefix = MATRIX_PREFIX[matrix]

@@ -437,9 +437,10 @@ def check_values(problem: Problem, k_cache, cache_seqlens, cache_batch_idx, cach
         lengths = per_sequence(cache_seqlens, problem.batch, limit)  # an int: every sequence's
         bad = [b for b, (length, new) in enumerate(zip(lengths, rows)) if not 0 <= length <= problem.seqlen_cache - new]
         if bad:
+            given = lengths if tensor_lengths else cache_seqlens
             raise ValueError(f"cache_seqlens must be in [0, capacity {problem.seqlen_cache} minus the sequence's "
-                             f"appended tokens] for every sequence b, got {lengths if tensor_lengths else cache_seqlens}"
-                             f" with cu_seqlens_q {cu_seqlens_q.tolist()} (sequence {bad[0]})")
+                             f"appended tokens] for every sequence b, got {given} with cu_seqlens_q "
+                             f"{cu_seqlens_q.tolist()} (sequence {bad[0]})")
     elif needed(cache_seqlens):
         _in_range("cache_seqlens", cache_seqlens, 0, limit,
                   f" (capacity {problem.seqlen_cache} minus {problem.seqlen_new} appended tokens)")

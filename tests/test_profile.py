@@ -552,7 +552,8 @@ def test_plan_only_report_honours_the_backend(capsys, tmp_path, backend):
 @pytest.mark.parametrize("variant", ["ragged", "paged4"])
 def test_plan_only_refuses_a_named_backend_that_cannot_take_the_call(capsys, tmp_path, variant):
     """As on a GPU: TileLang takes no ragged queries nor pages under 16 tokens, so it has no plan to show."""
-    cli_fails(capsys, ["profile", "--case", "10", "--variant", variant, "--backend", "tilelang", "--out", str(tmp_path)],
+    cli_fails(capsys, ["profile", "--case", "10", "--variant", variant, "--backend", "tilelang",
+                       "--out", str(tmp_path)],
               "backend 'tilelang' cannot take this call: it needs")
     assert not (tmp_path / "report.json").exists()
 

@@ -33,7 +33,8 @@ CLASSES = [
     ("LDS.U8", r"^LDS\.U8\b|^LDS\.S8\b"), ("LDS.U16", r"^LDS\.U16\b|^LDS\.S16\b"),
     ("LDS.32", r"^LDS(\.U)?(\s|$)|^LDS\.32\b"), ("LDS.64", r"^LDS(\.U)?\.64\b"), ("LDS.128", r"^LDS(\.U)?\.128\b"),
     ("LDSM", r"^LDSM\.16\.M"), ("LDSM.T", r"^LDSM\.16\.MT"), ("STS", r"^STS"), ("LDGSTS", r"^LDGSTS"),
-    ("HMMA", r"^HMMA"), ("GMMA", r"^[HQ]GMMA"), ("F2FP", r"^F2FP"), ("F2F", r"^F2F\b|^F2F\."), ("HADD2", r"^HADD2"), ("PRMT", r"^PRMT"),
+    ("HMMA", r"^HMMA"), ("GMMA", r"^[HQ]GMMA"), ("F2FP", r"^F2FP"), ("F2F", r"^F2F\b|^F2F\."), ("HADD2", r"^HADD2"),
+    ("PRMT", r"^PRMT"),
     ("LOP3", r"^LOP3"), ("SHF", r"^SHF"), ("SHFL", r"^SHFL"), ("BAR", r"^BAR"), ("MUFU", r"^MUFU"),
 ]
 

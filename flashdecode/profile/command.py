@@ -43,9 +43,12 @@ def run(args: argparse.Namespace) -> int:
     device = torch.device("cuda" if cuda else "cpu")
     if args.backend is not None:  # without CUDA, what the problem alone decides (the plan-only report)
         problem = shape.problem()
-        reason = why_not(args.backend, problem, device) if cuda else get_backend(args.backend).problem_limitation(problem)
+        if cuda:
+            reason, what = why_not(args.backend, problem, device), "run here"
+        else:
+            reason, what = get_backend(args.backend).problem_limitation(problem), "take this call"
         if reason is not None:
-            parser.error(f"backend {args.backend!r} cannot {'run here' if cuda else 'take this call'}: it needs {reason}")
+            parser.error(f"backend {args.backend!r} cannot {what}: it needs {reason}")
     if args.backend is None and cuda:
         inputs = shape.call(device)
         backend = flashdecode.plan_for(inputs.q, inputs.k_cache, inputs.v_cache, **inputs.kwargs()).backend

@@ -1,6 +1,6 @@
 """The call a profile runs: a case of the benchmark's matrices by its label, or a shape given with
-flags (lengths by the 14 cases' rule), under one of the benchmark's variants (``cases.VARIANTS``: pages, query tokens,
-an appended token)."""
+flags (lengths by the 14 cases' rule), under one of the benchmark's variants (``cases.VARIANTS``:
+pages, query tokens, an appended token)."""
 from __future__ import annotations
 
 import argparse
