@@ -81,13 +81,18 @@ def records(run: dict) -> list[dict]:
     return found
 
 
+def is_bench_run(data) -> bool:
+    """Whether JSON data is a run as ``flashdecode bench --json`` writes it (``report.run_to_dict``)."""
+    return isinstance(data, dict) and {"device", "settings", "cases"} <= data.keys()
+
+
 def from_runs(paths) -> tuple[list[dict], list[str]]:
     """(records of the bench runs' JSON files, one per id, in timestamp order; the files left out:
     not a bench run, or plans that do not name their kernel, from before ``Plan.kernel``)."""
     found, left_out = {}, []
     for path in paths:
         run = json.loads(pathlib.Path(path).read_text())
-        if not isinstance(run, dict) or "cases" not in run:
+        if not is_bench_run(run):
             left_out.append(f"{path}: not a bench run")
             continue
         made = records(run)

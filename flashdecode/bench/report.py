@@ -686,7 +686,7 @@ def main(argv=None) -> None:
             part = json.loads(path.read_text())
         except ValueError as error:
             parser.error(f"{path} is no JSON: {error}")
-        if not isinstance(part, dict) or not {"device", "settings", "cases"} <= part.keys():
+        if not candidates.is_bench_run(part):
             parser.error(f"{path} is no run of flashdecode bench --json (it lacks device, settings or cases)")
         parts.append(part)
     try:
