@@ -60,6 +60,12 @@ class Case:
                 ("" if self.lengths == "matrix" else f" {self.lengths}")
         return f"b{self.batch} s{self.seqlen_cache} hk{self.nheads_k} g{self.group}{extra}"
 
+    @property
+    def spelling(self) -> str:
+        """The case as ``bench --shapes`` and ``profile --shape`` take it: ``16x2048x1x71x64:uniform``
+        (a matrix case has no length rule of its own: ``parse_shapes`` refuses "matrix")."""
+        return f"{self.batch}x{self.seqlen_cache}x{self.nheads_k}x{self.group}x{self.headdim}:{self.lengths}"
+
     def seqlens(self) -> torch.Tensor:
         return case_seqlens(self.batch, self.seqlen_cache, self.lengths)
 

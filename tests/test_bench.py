@@ -1214,18 +1214,36 @@ def test_rank_orders_techniques_per_case_by_their_best_passing_runtime():
 @pytest.mark.parametrize("case, command", [
     (7, "flashdecode profile --case 7"), ("7/q4", "flashdecode profile --case 7 --variant q4"),
     ("W8/paged16", "flashdecode profile --case W8 --variant paged16"), ("M1", "flashdecode profile --case M1"),
-    ("S1", "flashdecode profile with its shape's --batch, --seqlen-cache, --nheads-k and --group, whose lengths "
-           "follow the 14 cases' rule"),
+    ("16x2048x1x71x64:uniform/q4", "flashdecode profile --shape 16x2048x1x71x64:uniform --variant q4"),
 ])
 def test_the_next_steps_name_a_profile_command_that_parses(case, command):
     """The profile command a stagnating case's advice names takes the log's case as it is."""
     from flashdecode.profile import shape
 
     assert candidates.profile_command(case) == command
-    if "--case" in command:
-        parser = argparse.ArgumentParser()
-        shape.add_arguments(parser)
-        assert shape.from_args(parser.parse_args(command.split()[2:])).case.label == str(case).split("/")[0]
+    parser = argparse.ArgumentParser()
+    shape.add_arguments(parser)
+    named = shape.from_args(parser.parse_args(command.split()[2:]))
+    label = str(case).split("/")[0]
+    assert (named.case.label if named.case.number else named.case.spelling) == label
+
+
+def test_the_log_names_a_shape_of_ones_own_by_its_spelling_not_its_label():
+    """S1 is each run's first --shapes item: two runs' S1 of other shapes are two cases of the log, and
+    one shape keeps its name whatever its place on the command line."""
+    def run(date, *spellings):
+        shapes = cases.parse_shapes(",".join(spellings))
+        return {"date": date, "device": "H200", "cases": [
+            {"case": case.label, "matrix": "shapes", "variant": "plain", "shape": dataclasses.asdict(case),
+             "results": {"triton": {"kind": "ours", "median_us": 10.0, "correct": True,
+                                    "plan": {"kernel": "split"}}}} for case in shapes]}
+
+    first = candidates.records(run("2026-12-01", "1x2048x8x4x128:equal"))
+    second = candidates.records(run("2026-12-02", "1x32768x1x8x128:equal", "1x2048x8x4x128:equal"))
+    assert [r["case"] for r in first + second] == ["1x2048x8x4x128:equal", "1x32768x1x8x128:equal",
+                                                   "1x2048x8x4x128:equal"]
+    assert [(r.case, r.candidates) for r in candidates.rank(first + second)] == [
+        ("1x2048x8x4x128:equal", 2), ("1x32768x1x8x128:equal", 1)]
 
 
 def test_a_case_stagnates_after_three_candidates_without_a_one_percent_gain():

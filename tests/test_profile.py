@@ -506,6 +506,17 @@ def test_a_case_of_any_matrix_is_profiled_as_the_benchmark_calls_it(label):
     assert _parse(item.argv()) == item
 
 
+def test_a_shape_as_bench_spells_it_is_profiled_with_its_own_length_rule():
+    """--shape takes one item of bench --shapes (the candidates log names such shapes so): its head
+    dim and lengths, any dtype and variant, named again by its arguments."""
+    item = _parse(["--shape", "3x1000x2x8x96:uniform", "--dtype", "float16", "--variant", "q4"])
+    assert (item.case.batch, item.case.seqlen_cache, item.case.nheads_k, item.case.group) == (3, 1000, 2, 8)
+    assert (item.headdim, item.dtype, item.variant) == (96, "float16", "q4")
+    assert item.lengths() == cases.case_seqlens(3, 1000, "uniform").tolist() != cases.case_seqlens(3, 1000).tolist()
+    assert item.label == "b3-s1000-hk2-g8-d96-uniform-float16-q4" and item.call("cpu").q.shape[-1] == 96
+    assert _parse(item.argv()) == item
+
+
 @pytest.mark.parametrize("variant", list(cases.VARIANTS))
 @pytest.mark.parametrize("headdim", [64, 128])
 def test_a_variants_problem_is_what_its_call_validates_to(variant, headdim):
@@ -525,6 +536,12 @@ def test_a_variants_problem_is_what_its_call_validates_to(variant, headdim):
     (["profile", "--case", "2", "--dtype", "float16"], "not both: --case with --dtype"),
     (["profile", "--case", "W99"], r"unknown case W99: cases are 1-14, W1-W14, M1-M16"),
     (["profile", "--batch", "0", "--seqlen-cache", "64", "--nheads-k", "2", "--group", "4"], "positive integer"),
+    (["profile", "--case", "3", "--shape", "1x8x2x4x64:equal"], "give --case or --shape, not both"),
+    (["profile", "--shape", "1x8x2x4x64:equal", "--group", "4"], "not both: --shape with --group"),
+    (["profile", "--shape", "1x8x2x4x64:equal", "--headdim", "64"], "not both: --shape with --headdim"),
+    (["profile", "--shape", "1x8x2x4x64:equal,2x8x2x4x64:equal"], "--shape takes one shape, got 2"),
+    (["profile", "--shape", "1x8x2x4:equal"], "each shape is batch x seqlen_cache"),
+    (["profile", "--shape", "1x8x2x4x512:equal"], "--shape's head dim must be at most 256, got 512"),
 ])
 def test_profile_argument_errors(capsys, argv, message):
     cli_fails(capsys, argv, message)

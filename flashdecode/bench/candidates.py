@@ -14,8 +14,10 @@ import hashlib
 import json
 import pathlib
 
-from ..cases import CASES_BY_LABEL
+from .. import cases
 
+#: A run's case shape fields that spell a shape of ``bench --shapes``.
+SHAPE_FIELDS = ("batch", "seqlen_cache", "nheads_k", "group", "headdim", "lengths")
 #: Plan flags that name a technique when set (``planner.Plan``).
 TECHNIQUE_FLAGS = ("merge_in_split", "dependent_combine")
 #: A case stagnates after this many candidates in a row without a gain ...
@@ -27,14 +29,11 @@ NEXT_STEPS = ("re-profile it ({profile}), check the patterns A-M against the rep
 
 
 def profile_command(case: str | int) -> str:
-    """The ``flashdecode profile`` command of a log's case ("7", "7/q4", "W3/paged16"); a shape of
-    ``bench --shapes`` ("S1") is no case there, so its flags are named instead (the record keeps no
-    shape, and profile gives shapes the 14 cases' length rule)."""
+    """The ``flashdecode profile`` command of a log's case: a matrix case by its label ("7", "7/q4",
+    "W3/paged16"), a shape of ``bench --shapes`` as it is spelled ("16x2048x1x71x64:uniform/q4")."""
     label, _, variant = str(case).partition("/")
-    if label not in CASES_BY_LABEL:
-        return ("flashdecode profile with its shape's --batch, --seqlen-cache, --nheads-k and --group, "
-                "whose lengths follow the 14 cases' rule")
-    return f"flashdecode profile --case {label}" + (f" --variant {variant}" if variant else "")
+    flag = "--case" if label in cases.CASES_BY_LABEL else "--shape"
+    return f"flashdecode profile {flag} {label}" + (f" --variant {variant}" if variant else "")
 
 
 def technique(backend: str, plan: dict | None) -> str:
@@ -47,11 +46,15 @@ def technique(backend: str, plan: dict | None) -> str:
     return f"{backend} {plan['kernel']}({config}){flags}"
 
 
-def case_token(label: str, matrix: str, variant: str) -> str | int:
-    """The case as machine lines name it: the number of a plain case of the 14-case matrix, else
-    "label" or "label/variant" (``results.CaseRun.token``)."""
+def case_token(case: dict) -> str | int:
+    """A run's case as the log names it: as machine lines do (``results.CaseRun.token``: the number of
+    a plain case of the 14-case matrix, else "label" or "label/variant"), but a shape of ``bench
+    --shapes`` by its spelling, not its label: S1 is whatever a run's first shape was."""
+    label, matrix, variant = case["case"], case.get("matrix", "cases"), case.get("variant", "plain")
     if matrix == "cases" and variant == "plain":
         return int(label)
+    if matrix == "shapes":
+        label = cases.Case(0, **{field: case["shape"][field] for field in SHAPE_FIELDS}).spelling
     return label + ("" if variant == "plain" else f"/{variant}")
 
 
@@ -61,7 +64,7 @@ def records(run: dict) -> list[dict]:
     run's date, the case and the backend: rebuilding the log gives the same ids."""
     found = []
     for case in run["cases"]:
-        token = case_token(case["case"], case.get("matrix", "cases"), case.get("variant", "plain"))
+        token = case_token(case)
         for backend, result in case["results"].items():
             if result.get("kind") != "ours" or result.get("skipped"):
                 continue
