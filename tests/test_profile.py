@@ -611,11 +611,13 @@ def test_cli_plan_only_for_a_shape_given_with_flags(tmp_path, capsys):
 
 
 @pytest.mark.gpu
-def test_measured_profile_without_ncu(tmp_path, capsys):
+@pytest.mark.parametrize("named", [["--case", "3"], ["--shape", "3x500x2x4x64:uniform", "--variant", "fp8"]])
+def test_measured_profile_without_ncu(tmp_path, capsys, named):
     """On a GPU: timing, ceiling and trace are measured; a missing ncu leaves dimensions 3-4 unmeasured."""
-    argv = ["profile", "--case", "3", "--backend", "triton", "--out", str(tmp_path), "--ncu", "no-such-ncu-here"]
+    argv = ["profile", *named, "--backend", "triton", "--out", str(tmp_path), "--ncu", "no-such-ncu-here"]
     assert cli.main(argv) == 0
     data = json.loads((tmp_path / "report.json").read_text())
+    assert data["lengths"] == _parse(named).lengths()
     dims = data["sections"][0]["dimensions"]
     assert data["mode"] == "measured" and list(dims) == [key for key, _ in catalogue.DIMENSIONS]
     assert dims["stalls"]["unavailable"] and dims["memory"]["figures"]["call_us"] > 0
