@@ -115,6 +115,18 @@ def test_public_call_matches_the_identity(backend):
     assert relative_error(sunk_out, expected_out) < OUT_TOLERANCE
 
 
+def test_sinks_that_require_grad_leave_no_graph():
+    """A model's sinks are parameters (gpt-oss) and its forward may run with grad on: the call is no
+    autograd op on any backend, so neither its outputs nor the lse buffer it writes for later calls
+    keep a graph (the reference's had one, and a later call writing that buffer in place raised)."""
+    q, k_cache, v_cache, kwargs = make_inputs(sinks=True, lengths=[5, 50, 80])
+    sinks = torch.nn.Parameter(kwargs.pop("sinks"))
+    for lse_wanted in (False, True):
+        result = flash_attn_with_kvcache(q.requires_grad_(), k_cache, v_cache, **kwargs, sinks=sinks,
+                                         return_softmax_lse=lse_wanted, backend="reference")
+        assert not any(tensor.requires_grad for tensor in (result if lse_wanted else (result,)))
+
+
 def test_sinks_are_checked():
     q, k_cache, v_cache, kwargs = make_inputs(sinks=True)
     sinks = kwargs.pop("sinks")

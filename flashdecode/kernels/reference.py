@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import dataclasses
 
+import torch
+
 from .. import planner
 from ..reference import reference_attention
 from .base import Backend
@@ -41,13 +43,18 @@ class ReferenceBackend(Backend):
     def launch(self, plan, problem, args):
         """Appends k/v into the caches and writes ``args.out`` and ``args.lse`` (B, Hq, Sq; ragged:
         (Hq, total_q)) in place.
-        Causal is ``problem.window_right == 0`` (validate folds it into the window)."""
-        out, lse = reference_attention(
-            args.q, args.k_cache, args.v_cache, k=args.k_new, v=args.v_new,
-            rotary_cos=args.rotary_cos, rotary_sin=args.rotary_sin, cache_seqlens=args.cache_seqlens,
-            cache_batch_idx=args.cache_batch_idx, cache_leftpad=args.cache_leftpad, block_table=args.block_table,
-            softmax_scale=args.softmax_scale, window_size=(problem.window_left, problem.window_right),
-            softcap=args.softcap, rotary_interleaved=problem.rotary_interleaved, alibi_slopes=args.alibi_slopes,
-            k_descale=args.k_descale, v_descale=args.v_descale, sinks=args.sinks, cu_seqlens_q=args.cu_seqlens_q)
-        args.out.copy_(out)
-        args.lse.copy_(lse)
+        Causal is ``problem.window_right == 0`` (validate folds it into the window). No autograd, as
+        from a kernel: inputs that require grad (a model's sinks) leave no graph on the outputs, nor on
+        the workspace's lse buffer that later calls write in place."""
+        with torch.no_grad():
+            out, lse = reference_attention(
+                args.q, args.k_cache, args.v_cache, k=args.k_new, v=args.v_new,
+                rotary_cos=args.rotary_cos, rotary_sin=args.rotary_sin, cache_seqlens=args.cache_seqlens,
+                cache_batch_idx=args.cache_batch_idx, cache_leftpad=args.cache_leftpad,
+                block_table=args.block_table, softmax_scale=args.softmax_scale,
+                window_size=(problem.window_left, problem.window_right), softcap=args.softcap,
+                rotary_interleaved=problem.rotary_interleaved, alibi_slopes=args.alibi_slopes,
+                k_descale=args.k_descale, v_descale=args.v_descale, sinks=args.sinks,
+                cu_seqlens_q=args.cu_seqlens_q)
+            args.out.copy_(out)
+            args.lse.copy_(lse)
