@@ -316,6 +316,20 @@ def test_decode_reads_the_cache_in_place(monkeypatch):
         assert k_cache.stride() == key.transpose(1, 2).stride() and v_cache.data_ptr() == value.data_ptr()
 
 
+def capped_attention(query, key, value, mask, softcap, sinks=None):
+    """The oracle of a step with softcap and sinks, in float64: query (batch, heads, q_len, dim), key
+    and value (batch, kv_heads, kv_len, dim), mask (batch, 1, q_len, kv_len) boolean; returns
+    (batch, q_len, heads, value dim) in query's dtype."""
+    group = query.shape[1] // key.shape[1]
+    key, value = (tensor.double().repeat_interleave(group, 1) for tensor in (key, value))
+    scores = query.double() @ key.transpose(-1, -2) * query.shape[-1] ** -0.5
+    scores = (softcap * torch.tanh(scores / softcap)).masked_fill(~mask, float("-inf"))
+    if sinks is not None:  # a column of each head's sink logit that weighs no value
+        sink = sinks.double()[None, :, None, None].expand(*scores.shape[:-1], 1)
+        scores, value = torch.cat((scores, sink), -1), torch.nn.functional.pad(value, (0, 0, 0, 1))
+    return (torch.softmax(scores, -1) @ value).transpose(1, 2).to(query.dtype)
+
+
 def causal_rows(q_len, kv_len, first, end, window=None):
     """A generation mask's rows for one sequence: row i sees keys [first, end - q_len + i + 1), the
     last ``window`` of them."""
@@ -385,31 +399,31 @@ def test_a_window_over_several_new_tokens_needs_the_layers_sliding_window():
         out, _ = fd_transformers.attention_forward(module, query, key, value, bounds, sliding_window=window,
                                                    backend="reference")
         torch.testing.assert_close(out, expected, atol=2e-2, rtol=2e-2)
-    with pytest.raises(ValueError, match="sliding_window=None"):
-        fd_transformers.attention_forward(module, query, key, value, bounds, softcap=30.0, backend="reference")
+    sinks = torch.tensor([0.5, -1.0, 2.0, 0.0])  # with softcap or sinks, float32 PyTorch over that mask
+    out, _ = fd_transformers.attention_forward(module, query, key, value, bounds, softcap=3.0, s_aux=sinks,
+                                               backend="reference")
+    torch.testing.assert_close(out, capped_attention(query, key, value, mask, 3.0, sinks), atol=2e-2, rtol=2e-2)
 
 
-def test_a_float32_model_runs_on_sdpa():
-    """The kernels take float16 and bfloat16: a float32 model's steps run on SDPA (the eager model's
-    logits), and with softcap, which SDPA cannot apply, raise naming the dtype."""
+@pytest.mark.parametrize("family, cache_kind", [("llama", "static"), ("gemma2", "static"), ("gpt_oss", "dynamic")])
+def test_a_float32_model_runs_on_sdpa_or_float32_pytorch(family, cache_kind):
+    """The kernels take float16 and bfloat16: a float32 model's steps run on SDPA, and with softcap
+    (Gemma-2) or sinks (gpt-oss), which SDPA cannot apply, on float32 PyTorch: the eager model's
+    logits, left padding and windows included."""
     ids, mask = padded_prompts(256)
-    model32 = tiny_model("llama")
+    model32 = tiny_model(family)
     model32.set_attn_implementation("eager")
-    reference, tokens = step_logits(model32, ids, mask, None, "static", STEPS)
+    reference, tokens = step_logits(model32, ids, mask, None, cache_kind, STEPS)
     ours = step_logits(with_attention(model32, fd_transformers.register("reference"), torch.float32), ids, mask,
-                       tokens, "static")
+                       tokens, cache_kind)
     torch.testing.assert_close(ours, reference, atol=1e-4, rtol=1e-4)
-    query, key = torch.randn(1, 4, 1, 16), torch.randn(1, 2, 8, 16)
-    with pytest.raises(ValueError, match="the model runs in torch.float32, flashdecode in float16 or bfloat16"):
-        fd_transformers.attention_forward(None, query, key, key, torch.tensor([[0], [8]], dtype=torch.int32),
-                                          softcap=30.0, backend="reference")
 
 
 @pytest.mark.parametrize("query_dim, value_dim", [(24, 16), (320, 320)])
 def test_value_head_dims_below_the_querys_and_head_dims_above_the_kernels(query_dim, value_dim):
     """MLA's value head dim below the query's (DeepSeek-V2/V3) goes through the call padded and comes
     out cropped; head dims above MAX_HEADDIM (Gemma-4's global layers) run on SDPA over the mask the
-    bounds stand for, and with softcap, which SDPA cannot apply, raise naming the head dim."""
+    bounds stand for, and with softcap, which SDPA cannot apply, on float32 PyTorch."""
     from flashdecode.validate import MAX_HEADDIM
 
     torch.manual_seed(0)
@@ -426,12 +440,14 @@ def test_value_head_dims_below_the_querys_and_head_dims_above_the_kernels(query_
     assert out.shape == (2, 1, 4, value_dim)
     torch.testing.assert_close(out, expected, atol=2e-2, rtol=2e-2)
     if query_dim > MAX_HEADDIM:
-        with pytest.raises(ValueError, match=f"head dim {query_dim} is above"):
-            fd_transformers.attention_forward(module, query, key, value, bounds, softcap=30.0, backend="reference")
+        capped, _ = fd_transformers.attention_forward(module, query, key, value, bounds, softcap=3.0,
+                                                      backend="reference")
+        torch.testing.assert_close(capped, capped_attention(query, key, value, mask, 3.0), atol=2e-2, rtol=2e-2)
         # a sequence key_bounds flagged on a GPU (its first key past its end): NaN rows, not SDPA's zeros
-        flagged, _ = fd_transformers.attention_forward(module, query, key, value, torch.tensor(
-            [[2, 9], [7, 8]], dtype=torch.int32), backend="reference")
-        assert flagged[1].isnan().all() and torch.equal(flagged[0], out[0])
+        for softcap in (None, 3.0):
+            flagged, _ = fd_transformers.attention_forward(module, query, key, value, torch.tensor(
+                [[2, 9], [7, 8]], dtype=torch.int32), softcap=softcap, backend="reference")
+            assert flagged[1].isnan().all() and torch.equal(flagged[0], (capped if softcap else out)[0])
 
 
 @pytest.mark.gpu

@@ -156,8 +156,10 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
 
     What the kernels cannot take goes to SDPA: prefill without softcap or sinks, head dims above
     ``MAX_HEADDIM`` (Gemma-4's global layers), a float32 model, a window the model builds into its
-    masks but does not pass (Qwen2-MoE) and a ``position_bias`` on the scores (Inkling);
-    ``REFUSED_ARGUMENTS`` (sparse selections of keys, sinks per token) raise ValueError. A value head
+    masks but does not pass (Qwen2-MoE) and a ``position_bias`` on the scores (Inkling); of these,
+    steps with softcap or sinks, which SDPA cannot run, go to float32 PyTorch (``pytorch_attention``)
+    but a ``position_bias`` with them raises ValueError, as ``REFUSED_ARGUMENTS`` (sparse selections
+    of keys, sinks per token) do. A value head
     dim below the query's (MLA: DeepSeek-V2/V3) is padded with zeros for the call and cropped from
     its output, as transformers' FlashAttention path does."""
     if kwargs.get("output_attentions"):
@@ -177,12 +179,12 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
     if (wide or full or biased or windowed and sliding_window is None
             or not decode and softcap is None and s_aux is None):
         if softcap is not None or s_aux is not None:
-            why = (f"head dim {query.shape[-1]} is above flashdecode's {MAX_HEADDIM}" if wide else
-                   f"the model runs in {query.dtype}, flashdecode in float16 or bfloat16" if full else
-                   "position_bias adds to the scores, which the call cannot" if biased else
-                   "attention_mask has a sliding window the model does not pass to its attention function "
-                   "(sliding_window=None)")
-            raise ValueError(f"{why}; with softcap or sinks SDPA cannot stand in for the call")
+            if biased:
+                raise ValueError("position_bias adds to the scores, which the call cannot; with softcap or sinks "
+                                 "SDPA cannot stand in for the call")
+            if dropout:
+                raise ValueError(f"dropout must be 0 with softcap or sinks, got {dropout}")
+            return pytorch_attention(module, query, key, value, attention_mask, decode, scaling, softcap, s_aux), None
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
         if not decode:
@@ -224,6 +226,34 @@ def bounds_mask(bounds: torch.Tensor, q_len: int, kv_len: int) -> torch.Tensor:
     last = end - q_len + torch.arange(1, q_len + 1, device=bounds.device)
     lowest = first if len(bounds) == 2 else torch.maximum(first, last - bounds[2].long()[:, None])
     return ((positions >= lowest[..., None]) & (positions < last[..., None]))[:, None]
+
+
+def pytorch_attention(module, query, key, value, attention_mask, decode, scaling, softcap, sinks):
+    """``attention_forward``'s steps with softcap or sinks that the call cannot take (head dims
+    above MAX_HEADDIM, float32 models, a window not passed), in float32 PyTorch (``_masked_attention``)
+    a sequence at a time: over the mask ``decode_mask``'s bounds stand for (a sequence whose mask
+    they cannot hold gets NaN rows, as from the call), SDPA's boolean mask, or, where transformers
+    skipped it (None), causal rows aligned to the last key. Returns (batch, q_len, heads, value
+    head dim) in query's dtype."""
+    batch, _, q_len, _ = query.shape
+    kv_len = key.shape[2]
+    if decode:
+        visible = bounds_mask(attention_mask, q_len, kv_len)[:, 0]
+    elif attention_mask is None:
+        causal = q_len > 1 and getattr(module, "is_causal", True)
+        visible = torch.ones(q_len, kv_len, dtype=torch.bool, device=query.device)
+        visible = visible.tril(kv_len - q_len) if causal else visible
+        visible = visible.expand(batch, q_len, kv_len)
+    elif attention_mask.dtype == torch.bool:
+        visible = attention_mask[:, 0].expand(batch, q_len, kv_len)
+    else:
+        raise ValueError(f"attention_mask: with softcap or sinks outside the call, a boolean mask is needed, "
+                         f"got {attention_mask.dtype}")
+    out = torch.stack([_masked_attention(query[b].transpose(0, 1), key[b].transpose(0, 1), value[b].transpose(0, 1),
+                                         visible[b], scaling, softcap, sinks) for b in range(batch)])
+    if decode:
+        out = out.masked_fill((attention_mask[0] > attention_mask[1])[:, None, None, None], float("nan"))
+    return out
 
 
 def kvcache_attention(*args, s_aux=None, **kwargs):
