@@ -89,8 +89,9 @@ def _ranges() -> str:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """--case LABEL, --shape SPELLING [--dtype], or --batch --seqlen-cache --nheads-k --group [--headdim --dtype]."""
     parser.add_argument("--case", help=f"a case of a matrix: {_ranges()}")
-    parser.add_argument("--shape", help="instead of --case: a shape as bench --shapes spells one, batch x seqlen_cache x "
-                                        "nheads_k x group x headdim, ':' and its length rule, e.g. 16x2048x1x71x64:uniform")
+    parser.add_argument("--shape", help="instead of --case: a shape as bench --shapes spells one, batch x "
+                                        "seqlen_cache x nheads_k x group x headdim, ':' and its length rule, "
+                                        "e.g. 16x2048x1x71x64:uniform")
     for flag in SHAPE_FLAGS:
         parser.add_argument("--" + flag.replace("_", "-"), type=positive_int, help="instead of --case: the shape")
     parser.add_argument("--headdim", type=int, choices=HEADDIMS, default=cases.HEADDIM,
