@@ -405,6 +405,33 @@ def test_a_window_over_several_new_tokens_needs_the_layers_sliding_window():
     torch.testing.assert_close(out, capped_attention(query, key, value, mask, 3.0, sinks), atol=2e-2, rtol=2e-2)
 
 
+def test_a_bidirectional_mask_is_sdpas():
+    """BERT-family models not set as decoders ask for a bidirectional mask (rows see later keys),
+    which no key bounds hold: decode_mask leaves it as SDPA's (the bounds raised), and the steps keep
+    eager's logits. A test that notices if transformers stops telling such masks apart."""
+    settings = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(transformers.BertConfig(**settings, is_decoder=False)).eval()
+    check_against_baselines(model, *padded_prompts(256), STEPS, "dynamic", "reference", "cpu")
+
+
+def test_softcap_outside_the_call_keeps_its_gradient():
+    """Steps with softcap that SDPA would have to take (here a float32 model's) run in PyTorch, whose
+    softcap must leave autograd what it saved: a training loop's backward reaches q, as eager's does."""
+    torch.manual_seed(0)
+    query = torch.randn(2, 4, 1, 16, requires_grad=True)
+    key, value = torch.randn(2, 2, 8, 16), torch.randn(2, 2, 8, 16)
+    bounds = torch.tensor([[2, 0], [7, 8]], dtype=torch.int32)
+    mask = torch.stack([causal_rows(1, 8, 2, 7), causal_rows(1, 8, 0, 8)])[:, None]
+    module = torch.nn.Module()
+    module.is_causal, module.num_key_value_groups = True, 2
+    out, _ = fd_transformers.attention_forward(module, query, key, value, bounds, softcap=3.0, backend="reference")
+    out.square().sum().backward()
+    exact = query.detach().double().requires_grad_()
+    capped_attention(exact, key, value, mask, 3.0).square().sum().backward()
+    torch.testing.assert_close(query.grad, exact.grad.float(), atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.parametrize("family, cache_kind", [("llama", "static"), ("gemma2", "static"), ("gpt_oss", "dynamic")])
 def test_a_float32_model_runs_on_sdpa_or_float32_pytorch(family, cache_kind):
     """The kernels take float16 and bfloat16: a float32 model's steps run on SDPA, and with softcap

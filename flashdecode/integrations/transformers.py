@@ -83,12 +83,14 @@ def decode_mask(*args, **kwargs):
     tensor (``key_bounds``, the layer's window from ``local_size``), the third row (the window) where
     a window shapes the rows of several new tokens, which the call must then be given; for longer
     queries, several new tokens of a chunked layer or of a model with KV-shared layers (Gemma-4
-    slices the mask's rows), and a model that reads the mask itself (``reads_the_mask``), SDPA's
-    mask."""
+    slices the mask's rows), a model that reads the mask itself (``reads_the_mask``) and a
+    bidirectional mask, SDPA's mask."""
     from transformers.masking_utils import sdpa_mask
 
     window, config, q_length = kwargs.get("local_size"), kwargs.get("config"), kwargs["q_length"]
-    if (q_length > MAX_DECODE_QUERY or reads_the_mask(config)
+    # create_bidirectional_mask alone passes allow_is_bidirectional_skip (transformers 5.17, 5.25): rows
+    # that see later keys (BERT-family models not set as decoders), which no key bounds hold
+    if (q_length > MAX_DECODE_QUERY or reads_the_mask(config) or "allow_is_bidirectional_skip" in kwargs
             or q_length > 1 and (chunked(config, window) or getattr(config, "num_kv_shared_layers", 0))):
         return sdpa_mask(*args, **kwargs)
     bounds = key_bounds(sdpa_mask(*args, **{**kwargs, "allow_is_causal_skip": False}), window)
@@ -329,8 +331,8 @@ def _masked_attention(q, k, v, visible, scale, softcap, sinks):
     for first in range(0, q.shape[0], rows):
         block = q[first:first + rows].float().unflatten(1, (heads_k, group))  # (rows, Hk, G, D)
         scores = torch.einsum("rkgd,tkd->kgrt", block, k).mul_(scale)
-        if softcap:
-            scores.div_(softcap).tanh_().mul_(softcap)
+        if softcap:  # tanh's output is kept as it is: autograd saves it for a backward pass
+            scores = torch.tanh(scores.div_(softcap)) * softcap
         weights, _ = masked_softmax(scores, visible[first:first + rows], sink)
         out.append(torch.einsum("kgrt,tkd->rkgd", weights, v).flatten(1, 2))
     return torch.cat(out).to(q.dtype)
