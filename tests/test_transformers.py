@@ -417,6 +417,32 @@ def test_a_bidirectional_mask_is_sdpas():
     check_against_baselines(model, *padded_prompts(256), STEPS, "dynamic", "reference", "cpu")
 
 
+def test_a_prefill_without_a_mask_sees_only_its_own_tokens():
+    """An unpadded prompt of more than 16 tokens into a StaticCache: transformers skips the mask, and
+    SDPA's rows start at the first key, never in the cache's empty slots; through the call (bf16
+    gpt-oss's prefill with sinks) the same, within bf16 eager's distance."""
+    check_against_baselines(tiny_model("gpt_oss"), *padded_prompts(256, (20,)), 3, "static", "reference", "cpu")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("passed", [False, True])
+def test_rows_that_see_later_keys_with_softcap_run_in_pytorch(dtype, passed):
+    """A step that is not causal (the module's is_causal, or the keyword a model passes) with no mask
+    (transformers skipped a bidirectional one) and softcap or sinks: every row sees every key, which
+    the call's causal rows cannot give, so float32 PyTorch runs it in any dtype."""
+    torch.manual_seed(0)
+    query = torch.randn(2, 4, 8, 16, dtype=dtype)
+    key, value = (torch.randn(2, 2, 8, 16, dtype=dtype) for _ in range(2))
+    module = torch.nn.Module()
+    module.is_causal, module.num_key_value_groups = passed, 2
+    sinks = torch.tensor([0.5, -1.0, 2.0, 0.0])
+    out, _ = fd_transformers.attention_forward(module, query, key, value, None, softcap=3.0, s_aux=sinks,
+                                               backend="reference", **({"is_causal": False} if passed else {}))
+    everything = torch.ones(2, 1, 8, 8, dtype=torch.bool)
+    torch.testing.assert_close(out, capped_attention(query, key, value, everything, 3.0, sinks), atol=2e-2,
+                               rtol=2e-2)
+
+
 def test_softcap_outside_the_call_keeps_its_gradient():
     """Steps with softcap that SDPA would have to take (here a float32 model's) run in PyTorch, whose
     softcap must leave autograd what it saved: a training loop's backward reaches q, as eager's does."""
@@ -434,12 +460,15 @@ def test_softcap_outside_the_call_keeps_its_gradient():
     torch.testing.assert_close(query.grad, exact.grad.float(), atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("family, cache_kind", [("llama", "static"), ("gemma2", "static"), ("gpt_oss", "dynamic")])
-def test_a_float32_model_runs_on_sdpa_or_float32_pytorch(family, cache_kind):
+@pytest.mark.parametrize("family, cache_kind, lengths", [
+    ("llama", "static", PROMPT_LENGTHS), ("gemma2", "static", PROMPT_LENGTHS), ("gpt_oss", "dynamic", PROMPT_LENGTHS),
+    ("gemma2", "static", (20,)), ("gpt_oss", "static", (20,))])
+def test_a_float32_model_runs_on_sdpa_or_float32_pytorch(family, cache_kind, lengths):
     """The kernels take float16 and bfloat16: a float32 model's steps run on SDPA, and with softcap
     (Gemma-2) or sinks (gpt-oss), which SDPA cannot apply, on float32 PyTorch: the eager model's
-    logits, left padding and windows included."""
-    ids, mask = padded_prompts(256)
+    logits, left padding and windows included; an unpadded prompt of more than 16 tokens into a
+    StaticCache has no mask (transformers skips it: SDPA's rows from the first key)."""
+    ids, mask = padded_prompts(256, lengths)
     model32 = tiny_model(family)
     model32.set_attn_implementation("eager")
     reference, tokens = step_logits(model32, ids, mask, None, cache_kind, STEPS)

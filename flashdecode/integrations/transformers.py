@@ -88,8 +88,8 @@ def decode_mask(*args, **kwargs):
     from transformers.masking_utils import sdpa_mask
 
     window, config, q_length = kwargs.get("local_size"), kwargs.get("config"), kwargs["q_length"]
-    # create_bidirectional_mask alone passes allow_is_bidirectional_skip (transformers 5.17, 5.25): rows
-    # that see later keys (BERT-family models not set as decoders), which no key bounds hold
+    # only bidirectional masks' makers (create_bidirectional_mask and its sliding-window kin) pass
+    # allow_is_bidirectional_skip (transformers 5.17, 5.25): rows that see later keys, which no key bounds hold
     if (q_length > MAX_DECODE_QUERY or reads_the_mask(config) or "allow_is_bidirectional_skip" in kwargs
             or q_length > 1 and (chunked(config, window) or getattr(config, "num_kv_shared_layers", 0))):
         return sdpa_mask(*args, **kwargs)
@@ -179,14 +179,15 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
     wide = query.shape[-1] > MAX_HEADDIM
     full = query.dtype not in SUPPORTED_DTYPES  # a float32 model: SDPA
     if (wide or full or biased or windowed and sliding_window is None
-            or not decode and softcap is None and s_aux is None):
+            or not decode and (softcap is None and s_aux is None or not is_causal(module, kwargs))):
         if softcap is not None or s_aux is not None:
             if biased:
                 raise ValueError("position_bias adds to the scores, which the call cannot; with softcap or sinks "
                                  "SDPA cannot stand in for the call")
             if dropout:
                 raise ValueError(f"dropout must be 0 with softcap or sinks, got {dropout}")
-            return pytorch_attention(module, query, key, value, attention_mask, decode, scaling, softcap, s_aux), None
+            return pytorch_attention(query, key, value, attention_mask, decode, is_causal(module, kwargs), scaling,
+                                     softcap, s_aux), None
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
         if not decode:
@@ -205,6 +206,8 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
     if windowed:
         bounds = bounds[:2]
     first, end = (None, None) if bounds is None else bounds.unbind()  # one op: iterating costs ~2 us more
+    if bounds is None and query.shape[2] > 1:  # no mask: SDPA's is_causal rows, keys 0..i (pytorch_attention)
+        end = query.shape[2]
     window = (-1, -1) if sliding_window is None else (sliding_window - 1, 0)
     value_dim = value.shape[-1]
     if value_dim < key.shape[-1]:  # MLA: zeros up to the query's head dim, cropped from the output below
@@ -230,22 +233,30 @@ def bounds_mask(bounds: torch.Tensor, q_len: int, kv_len: int) -> torch.Tensor:
     return ((positions >= lowest[..., None]) & (positions < last[..., None]))[:, None]
 
 
-def pytorch_attention(module, query, key, value, attention_mask, decode, scaling, softcap, sinks):
+def is_causal(module, kwargs) -> bool:
+    """Whether a step's rows see no later key, as SDPA's path decides it: the ``is_causal`` a model
+    passes, else its attention module's (bidirectional encoders: False)."""
+    causal = kwargs.get("is_causal")
+    return getattr(module, "is_causal", True) if causal is None else bool(causal)
+
+
+def pytorch_attention(query, key, value, attention_mask, decode, causal, scaling, softcap, sinks):
     """``attention_forward``'s steps with softcap or sinks that the call cannot take (head dims
-    above MAX_HEADDIM, float32 models, a window not passed), in float32 PyTorch (``_masked_attention``)
-    a sequence at a time: over the mask ``decode_mask``'s bounds stand for (a sequence whose mask
-    they cannot hold gets NaN rows, as from the call), SDPA's boolean mask, or, where transformers
-    skipped it (None), causal rows aligned to the last key. Returns (batch, q_len, heads, value
-    head dim) in query's dtype."""
+    above MAX_HEADDIM, float32 models, a window not passed, rows that see later keys), in float32
+    PyTorch (``_masked_attention``) a sequence at a time: over the mask ``decode_mask``'s bounds
+    stand for (a sequence whose mask they cannot hold gets NaN rows, as from the call), SDPA's
+    boolean mask, or, where transformers skipped it (None), SDPA's ``is_causal`` rows: aligned to the
+    first key (transformers skips the mask only where that is right: as many keys as rows, or a
+    prefill into an empty StaticCache, whose later slots are empty), row i sees keys 0..i; one row,
+    or a step that is not causal, every key. Returns (batch, q_len, heads, value head dim) in
+    query's dtype."""
     batch, _, q_len, _ = query.shape
     kv_len = key.shape[2]
     if decode:
         visible = bounds_mask(attention_mask, q_len, kv_len)[:, 0]
     elif attention_mask is None:
-        causal = q_len > 1 and getattr(module, "is_causal", True)
         visible = torch.ones(q_len, kv_len, dtype=torch.bool, device=query.device)
-        visible = visible.tril(kv_len - q_len) if causal else visible
-        visible = visible.expand(batch, q_len, kv_len)
+        visible = (visible.tril() if causal and q_len > 1 else visible).expand(batch, q_len, kv_len)
     elif attention_mask.dtype == torch.bool:
         visible = attention_mask[:, 0].expand(batch, q_len, kv_len)
     else:
