@@ -1231,10 +1231,11 @@ def test_the_next_steps_name_a_profile_command_that_parses(case, command):
 def test_the_log_names_a_shape_of_ones_own_by_its_spelling_not_its_label():
     """S1 is each run's first --shapes item: two runs' S1 of other shapes are two cases of the log, and
     one shape keeps its name whatever its place on the command line."""
-    def run(date, *spellings):
+    def run(date, *spellings):  # as a run without CUDA records it: "shape" scaled down, "matrix_shape" as given
         shapes = cases.parse_shapes(",".join(spellings))
         return {"date": date, "device": "H200", "cases": [
-            {"case": case.label, "matrix": "shapes", "variant": "plain", "shape": dataclasses.asdict(case),
+            {"case": case.label, "matrix": "shapes", "variant": "plain", "matrix_shape": dataclasses.asdict(case),
+             "shape": {**dataclasses.asdict(case), "seqlen_cache": 8},
              "results": {"triton": {"kind": "ours", "median_us": 10.0, "correct": True,
                                     "plan": {"kernel": "split"}}}} for case in shapes]}
 

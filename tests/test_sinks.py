@@ -117,8 +117,9 @@ def test_public_call_matches_the_identity(backend):
 
 def test_sinks_that_require_grad_leave_no_graph():
     """A model's sinks are parameters (gpt-oss) and its forward may run with grad on: the call is no
-    autograd op on any backend, so neither its outputs nor the lse buffer it writes for later calls
-    keep a graph (the reference's had one, and a later call writing that buffer in place raised)."""
+    autograd op (the kernels' launches are none), so on the reference too neither its outputs nor the
+    lse buffer it writes for later calls keep a graph (they had one, and a later call writing that
+    buffer in place raised)."""
     q, k_cache, v_cache, kwargs = make_inputs(sinks=True, lengths=[5, 50, 80])
     sinks = torch.nn.Parameter(kwargs.pop("sinks"))
     for lse_wanted in (False, True):

@@ -12,7 +12,7 @@ from ..problem import DTYPE_BYTES
 from ..validate import MAX_HEADDIM
 from ..argtypes import positive_int
 
-#: Head dims a profiled shape may take: the tuned ones.
+#: Head dims ``--headdim`` takes (the tuned ones); ``--shape`` takes any the call does.
 HEADDIMS = (64, 128, 256)
 
 DTYPES = ("bfloat16", "float16")
@@ -94,8 +94,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                                         "e.g. 16x2048x1x71x64:uniform")
     for flag in SHAPE_FLAGS:
         parser.add_argument("--" + flag.replace("_", "-"), type=positive_int, help="instead of --case: the shape")
-    parser.add_argument("--headdim", type=int, choices=HEADDIMS, default=cases.HEADDIM,
-                        help="with the shape flags (default %(default)s)")
+    parser.add_argument("--headdim", type=int, choices=HEADDIMS,
+                        help=f"with the shape flags (default {cases.HEADDIM})")
     parser.add_argument("--dtype", choices=DTYPES, default="bfloat16",
                         help="with the shape flags (default %(default)s)")
     parser.add_argument("--variant", choices=tuple(cases.VARIANTS), default="plain",
@@ -111,7 +111,7 @@ def from_args(args: argparse.Namespace) -> Shape:
     if args.case is not None or args.shape is not None:
         named = "--case" if args.case is not None else "--shape"
         extra = [f"--{flag.replace('_', '-')}" for flag in given]
-        extra += [flag for flag, changed in (("--headdim", args.headdim != cases.HEADDIM),
+        extra += [flag for flag, changed in (("--headdim", args.headdim is not None),
                                              ("--dtype", args.dtype != "bfloat16" and named == "--case")) if changed]
         if extra:
             raise ValueError(f"give {named} or the shape flags, not both: {named} with {', '.join(extra)}")
@@ -130,5 +130,5 @@ def from_args(args: argparse.Namespace) -> Shape:
         return Shape(case, case.headdim, variant=args.variant)
     if len(given) != len(SHAPE_FLAGS):
         raise ValueError(f"need --case LABEL, --shape SPELLING, or all of {flags}")
-    return Shape(cases.Case(0, args.batch, args.seqlen_cache, args.nheads_k, args.group), args.headdim, args.dtype,
-                 args.variant)
+    return Shape(cases.Case(0, args.batch, args.seqlen_cache, args.nheads_k, args.group), args.headdim or cases.HEADDIM,
+                 args.dtype, args.variant)
