@@ -443,6 +443,22 @@ def test_rows_that_see_later_keys_with_softcap_run_in_pytorch(dtype, passed):
                                rtol=2e-2)
 
 
+@pytest.mark.parametrize("dtype, softcap", [(torch.bfloat16, None), (torch.float32, 3.0)])
+def test_dropout_is_refused_where_sdpa_does_not_run_the_step(dtype, softcap):
+    """Dropout is SDPA's alone: a decode step on the call, or one with softcap in float32 PyTorch,
+    refuses it by name; a float32 decode step without softcap (SDPA) takes it."""
+    query, key = torch.randn(2, 4, 1, 16, dtype=dtype), torch.randn(2, 2, 8, 16, dtype=dtype)
+    bounds = torch.tensor([[2, 0], [7, 8]], dtype=torch.int32)
+    module = torch.nn.Module()
+    module.is_causal, module.num_key_value_groups, module.training = True, 2, True
+    with pytest.raises(ValueError, match="dropout must be 0 on flashdecode's path and with softcap or sinks"):
+        fd_transformers.attention_forward(module, query, key, key, bounds, dropout=0.1, softcap=softcap,
+                                          backend="reference")
+    out, _ = fd_transformers.attention_forward(module, query.float(), key.float(), key.float(), bounds, dropout=0.1,
+                                               backend="reference")
+    assert out.shape == (2, 1, 4, 16)
+
+
 def test_softcap_outside_the_call_keeps_its_gradient():
     """Steps with softcap that SDPA would have to take (here a float32 model's) run in PyTorch, whose
     softcap must leave autograd what it saved: a training loop's backward reaches q, as eager's does."""

@@ -178,14 +178,15 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
     windowed = decode and len(attention_mask) == 3  # decode_mask's window over several new tokens
     wide = query.shape[-1] > MAX_HEADDIM
     full = query.dtype not in SUPPORTED_DTYPES  # a float32 model: SDPA
-    if (wide or full or biased or windowed and sliding_window is None
-            or not decode and (softcap is None and s_aux is None or not is_causal(module, kwargs))):
+    off_call = (wide or full or biased or windowed and sliding_window is None
+                or not decode and (softcap is None and s_aux is None or not is_causal(module, kwargs)))
+    if dropout and (not off_call or softcap is not None or s_aux is not None):
+        raise ValueError(f"dropout must be 0 on flashdecode's path and with softcap or sinks, got {dropout}")
+    if off_call:
         if softcap is not None or s_aux is not None:
             if biased:
                 raise ValueError("position_bias adds to the scores, which the call cannot; with softcap or sinks "
                                  "SDPA cannot stand in for the call")
-            if dropout:
-                raise ValueError(f"dropout must be 0 with softcap or sinks, got {dropout}")
             return pytorch_attention(query, key, value, attention_mask, decode, is_causal(module, kwargs), scaling,
                                      softcap, s_aux), None
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
@@ -196,11 +197,7 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
         out, weights = sdpa_attention_forward(module, query, key, value,
                                               bounds_mask(attention_mask, query.shape[2], key.shape[2]),
                                               dropout=dropout, scaling=scaling, **kwargs)
-        # a sequence whose mask the bounds cannot hold (key_bounds: first key past the end) gets NaN rows,
-        # as from the call; SDPA would give its rows, which see no key, zeros
-        return out.masked_fill((attention_mask[0] > attention_mask[1])[:, None, None, None], float("nan")), weights
-    if dropout:
-        raise ValueError(f"dropout must be 0 on flashdecode's path (decode steps, softcap, sinks), got {dropout}")
+        return unheld_as_nan(out, attention_mask), weights
     # decode_mask's bounds (a third row, the window, only where the call applies sliding_window itself)
     bounds = attention_mask if decode or attention_mask is None else key_bounds(attention_mask, sliding_window)
     if windowed:
@@ -264,9 +261,14 @@ def pytorch_attention(query, key, value, attention_mask, decode, causal, scaling
                          f"got {attention_mask.dtype}")
     out = torch.stack([_masked_attention(query[b].transpose(0, 1), key[b].transpose(0, 1), value[b].transpose(0, 1),
                                          visible[b], scaling, softcap, sinks) for b in range(batch)])
-    if decode:
-        out = out.masked_fill((attention_mask[0] > attention_mask[1])[:, None, None, None], float("nan"))
-    return out
+    return unheld_as_nan(out, attention_mask) if decode else out
+
+
+def unheld_as_nan(out: torch.Tensor, bounds: torch.Tensor) -> torch.Tensor:
+    """``out`` (batch, q_len, heads, head dim) of a decode step run off the call over ``bounds_mask``,
+    with NaN rows for each sequence whose mask the bounds cannot hold (``key_bounds``: a first key past
+    its end), as the call gives them; SDPA and PyTorch would give such rows, which see no key, zeros."""
+    return out.masked_fill((bounds[0] > bounds[1])[:, None, None, None], float("nan"))
 
 
 def kvcache_attention(*args, s_aux=None, **kwargs):
