@@ -12,7 +12,9 @@ import copy
 import functools
 import importlib.util
 import inspect
+import itertools
 import sys
+import types
 
 import pytest
 import torch
@@ -265,7 +267,13 @@ def scanned_model(config_name, settings, amplify=None):
         "sliding_attention", "full_attention", "sliding_attention", "full_attention"]), None),  # slices mask rows
     ("FalconConfig", dict(alibi=True, new_decoder_architecture=False, multi_query=False, head_dim=None,
                           num_key_value_heads=None, intermediate_size=None), None),  # adds ALiBi to the mask
-], ids=["inkling-position-bias", "doge-reads-the-mask", "gemma4-kv-shared", "falcon-alibi-edits-the-mask"])
+    # an indexer's top-4 keys a row (indices): fewer than the prompts', so a step that ignored them is far off
+    *[(config_name, dict(num_key_value_heads=4, head_dim=8, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
+                         kv_lora_rank=16, q_lora_rank=32, index_topk=4, index_head_dim=16, index_n_heads=2,
+                         n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, n_shared_experts=1),
+       None) for config_name in ("DeepseekV32Config", "GlmMoeDsaConfig")],
+], ids=["inkling-position-bias", "doge-reads-the-mask", "gemma4-kv-shared", "falcon-alibi-edits-the-mask",
+        "deepseek-v32-selected-keys", "glm-moe-dsa-selected-keys"])
 def test_models_that_bias_or_read_the_mask_match_eager(config_name, settings, amplify, cache_kind):
     """Found by running transformers 5.25's causal LMs on the backend (2026-12-06, Falcon's ALiBi
     2026-12-07): a score bias the call cannot add and models that read or edit the 4D mask go to
@@ -278,16 +286,50 @@ def test_models_that_bias_or_read_the_mask_match_eager(config_name, settings, am
 
 
 def test_arguments_the_call_cannot_take_are_refused():
-    """A model that hands its attention a sparse selection of keys (MiniMax-M3's block_indices,
-    DeepSeek-V3.2's indices) or sinks per token (Inkling-2) gets a ValueError naming it, never
-    attention without them."""
+    """A model that hands its attention a selection of key blocks (MiniMax-M3's block_indices) or
+    sinks per token (Inkling-2) gets a ValueError naming it, never attention without them."""
     query, key = torch.randn(1, 4, 1, 16), torch.randn(1, 2, 8, 16)
     bounds = torch.tensor([[0], [8]], dtype=torch.int32)
-    assert {"block_indices", "indices", "sinks"} <= set(fd_transformers.REFUSED_ARGUMENTS)
+    assert {"block_indices", "sinks"} <= set(fd_transformers.REFUSED_ARGUMENTS)
     for name in fd_transformers.REFUSED_ARGUMENTS:
         with pytest.raises(ValueError, match=name):
             fd_transformers.attention_forward(None, query, key, key, bounds, backend="reference",
                                               **{name: torch.zeros(1, 4, 1, 2, dtype=torch.long)})
+
+
+@pytest.mark.parametrize("s_aux", [None, torch.tensor([0.5, -1.0, 2.0, 0.0])], ids=["sdpa", "sinks"])
+@pytest.mark.parametrize("additive", [False, True], ids=["bool", "float"])
+def test_selected_keys_are_the_only_keys_seen(additive, s_aux):
+    """The keys a sparse-attention indexer kept (``indices``, DeepSeek-V3.2 and kin) narrow SDPA's mask:
+    the step equals eager's over the mask with every other key hidden, with or without sinks
+    (PyTorch's path, boolean masks only); decode bounds or no mask raise naming attention_mask."""
+    from transformers.models.llama.modeling_llama import eager_attention_forward
+
+    torch.manual_seed(0)
+    query, key, value = torch.randn(2, 4, 3, 16), torch.randn(2, 2, 9, 16), torch.randn(2, 2, 9, 16)
+    causal = torch.ones(3, 9, dtype=torch.bool).tril(6)[None, None].expand(2, 1, 3, 9).clone()
+    causal[1, ..., :2] = False  # the second sequence left-padded by two
+    indices = torch.tensor([[[0, 1], [2, 3], [8, 4]], [[2, 3], [5, 2], [7, 8]]], dtype=torch.int32)
+    kept = torch.zeros(2, 1, 3, 9, dtype=torch.bool)
+    for b, row, k in itertools.product(range(2), range(3), range(2)):
+        kept[b, 0, row, indices[b, row, k]] = True
+    hidden = torch.finfo(torch.float32).min
+    mask = causal.float().sub(1).mul(-hidden) if additive else causal
+    if additive and s_aux is not None:
+        with pytest.raises(ValueError, match="attention_mask"):
+            fd_transformers.attention_forward(types.SimpleNamespace(), query, key, value, mask, backend="reference",
+                                              s_aux=s_aux, indices=indices)
+        return
+    module = types.SimpleNamespace(num_key_value_groups=2, training=False, is_causal=True)
+    out, _ = fd_transformers.attention_forward(module, query, key, value, mask, backend="reference", s_aux=s_aux,
+                                               indices=indices)
+    expected = fd_transformers.pytorch_attention(query, key, value, causal & kept, False, True, None, None, s_aux) \
+        if s_aux is not None else eager_attention_forward(module, query, key, value, torch.zeros(2, 1, 3, 9).masked_fill(
+            ~(causal & kept), hidden), scaling=16 ** -0.5)[0]
+    torch.testing.assert_close(out, expected)
+    for bad in (None, torch.tensor([[0, 0], [9, 9]], dtype=torch.int32)[..., None, None]):
+        with pytest.raises(ValueError, match="attention_mask"):
+            fd_transformers.attention_forward(module, query, key, value, bad, backend="reference", indices=indices)
 
 
 def test_decode_reads_the_cache_in_place(monkeypatch):

@@ -52,12 +52,11 @@ MASK_READING_MODELS = frozenset(("doge", "deepseek_v32", "deepseek_v4", "glm_moe
 #: the mask or not at all) that the call cannot take: refused with why, never dropped.
 REFUSED_ARGUMENTS = {
     "block_indices": "a sparse selection of keys (MiniMax-M3): the call attends to every key of the range",
-    "indices": "a sparse selection of keys (DeepSeek-V3.2, GLM-MoE-DSA, dots3): the call attends to every key "
-               "of the range",
     "sinks": "sink logits per token (Inkling-2): the call takes one sink logit per head (s_aux)",
 }
-#: The keywords ``attention_forward`` looks at beyond its parameters, checked at once per call.
-UNCOMMON_ARGUMENTS = frozenset(REFUSED_ARGUMENTS) | {"position_bias"}
+#: The keywords ``attention_forward`` looks at beyond its parameters, checked at once per call
+#: (``indices``: the keys a sparse-attention indexer kept, folded into SDPA's mask: ``with_selected_keys``).
+UNCOMMON_ARGUMENTS = frozenset(REFUSED_ARGUMENTS) | {"position_bias", "indices"}
 #: The kernels-format package the paged path loads (``paged_kernel``): a repo id with "flash" and a
 #: version digit in it, as transformers' block-table gate asks, and its folder in this package.
 PAGED_KERNEL_REPO = "flashdecode/flash-attn2"
@@ -158,27 +157,31 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
 
     What the kernels cannot take goes to SDPA: prefill without softcap or sinks, head dims above
     ``MAX_HEADDIM`` (Gemma-4's global layers), a float32 model, a window the model builds into its
-    masks but does not pass (Qwen2-MoE) and a ``position_bias`` on the scores (Inkling); of these,
-    steps with softcap or sinks, which SDPA cannot run, go to float32 PyTorch (``pytorch_attention``)
-    but a ``position_bias`` with them raises ValueError, as ``REFUSED_ARGUMENTS`` (sparse selections
-    of keys, sinks per token) do. A value head
+    masks but does not pass (Qwen2-MoE), a ``position_bias`` on the scores (Inkling) and the keys a
+    sparse-attention indexer kept (``indices``: DeepSeek-V3.2 and kin, folded into the mask as
+    transformers does for SDPA); of these, steps with softcap or sinks, which SDPA cannot run, go to
+    float32 PyTorch (``pytorch_attention``) but a ``position_bias`` with them raises ValueError, as
+    ``REFUSED_ARGUMENTS`` (block selections, sinks per token) do. A value head
     dim below the query's (MLA: DeepSeek-V2/V3) is padded with zeros for the call and cropped from
     its output, as transformers' FlashAttention path does."""
     if kwargs.get("output_attentions"):
         raise ValueError("output_attentions=True is not supported by flashdecode (it never forms the weights)")
-    biased = False  # a position_bias on the scores (Inkling): SDPA adds it
+    biased = selected = False  # a position_bias on the scores (Inkling): SDPA adds it; selected: below
     if not UNCOMMON_ARGUMENTS.isdisjoint(kwargs):  # one check on the common path: none of these passed
         for name in REFUSED_ARGUMENTS:
             if kwargs.get(name) is not None:
                 raise ValueError(f"{name}: flashdecode cannot take {REFUSED_ARGUMENTS[name]}")
         biased = kwargs.get("position_bias") is not None
+        selected = kwargs.get("indices") is not None
+        if selected:  # the keys a sparse-attention indexer kept: SDPA's (or PyTorch's) step over them
+            attention_mask = with_selected_keys(attention_mask, kwargs.pop("indices"), key.shape[2])
     decode = attention_mask is not None and attention_mask.dtype == torch.int32
     if decode:  # decode_mask's bounds, (rows, batch, 1, 1), as (rows, batch): one op (~1.5 us on a CPU)
         attention_mask = attention_mask.flatten(1)
     windowed = decode and len(attention_mask) == 3  # decode_mask's window over several new tokens
     wide = query.shape[-1] > MAX_HEADDIM
     full = query.dtype not in SUPPORTED_DTYPES  # a float32 model: SDPA
-    off_call = (wide or full or biased or windowed and sliding_window is None
+    off_call = (wide or full or biased or selected or windowed and sliding_window is None
                 or not decode and (softcap is None and s_aux is None or not is_causal(module, kwargs)))
     if dropout and (not off_call or softcap is not None or s_aux is not None):
         raise ValueError(f"dropout must be 0 on flashdecode's path and with softcap or sinks, got {dropout}")
@@ -216,6 +219,22 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
         cache_leftpad=first, softmax_scale=scaling, causal=True, window_size=window, softcap=softcap or 0.0,
         backend=backend, sinks=None if s_aux is None else s_aux.float())
     return (out if out.shape[-1] == value_dim else out[..., :value_dim]), None
+
+
+def with_selected_keys(mask: torch.Tensor | None, indices: torch.Tensor, kv_len: int) -> torch.Tensor:
+    """SDPA's 4D mask (batch, 1, q_len, kv_len), boolean or additive, with only the keys of
+    ``indices`` (batch, q_len, top-k: positions in the cache a sparse-attention indexer kept for each
+    row, DeepSeek-V3.2, GLM-MoE-DSA, ...) left visible, as these models fold them for transformers'
+    eager and SDPA paths. Such models read the mask themselves (``MASK_READING_MODELS``), so it is
+    SDPA's; decode_mask's bounds or no mask raise ValueError naming attention_mask."""
+    if mask is None or mask.dtype == torch.int32:
+        raise ValueError("attention_mask: a selection of keys (indices) needs SDPA's 4D mask, got "
+                         f"{'none' if mask is None else 'decode bounds'} (a model that reads the mask belongs "
+                         "in MASK_READING_MODELS)")
+    batch, q_len, _ = indices.shape
+    kept = torch.zeros(batch, q_len, kv_len, dtype=torch.bool, device=mask.device)
+    kept = kept.scatter(-1, indices.long(), True)[:, None]
+    return mask & kept if mask.dtype == torch.bool else mask.masked_fill(~kept, torch.finfo(mask.dtype).min)
 
 
 def bounds_mask(bounds: torch.Tensor, q_len: int, kv_len: int) -> torch.Tensor:
