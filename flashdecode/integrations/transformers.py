@@ -43,20 +43,21 @@ NAMES = {"auto": "fdecode", "tilelang": "fdecode_tilelang", "triton": "fdecode_t
 #: Mistral, Gemma-2 and gpt-oss beyond (module, query, key, value, attention_mask); tests check it stays so.
 ATTENTION_ARGUMENTS = frozenset(("dropout", "scaling", "sliding_window", "softcap", "s_aux", "position_ids"))
 #: Models whose layers read the attention mask themselves as a 4D tensor (sparse-attention indexers:
-#: DeepSeek-V3.2/V4, GLM-MoE-DSA, ...; Doge's dynamic mask; Kolibri's index pooling), found by running
-#: transformers 5.25's causal LMs on the backend (2026-12-06): they get SDPA's mask (``decode_mask``).
+#: DeepSeek-V3.2/V4, GLM-MoE-DSA, MiniMax-M3's block mask, ...; Doge's dynamic mask; Kolibri's index
+#: pooling), found by running transformers 5.25's causal LMs on the backend (2026-12-06): they get
+#: SDPA's mask (``decode_mask``).
 MASK_READING_MODELS = frozenset(("doge", "deepseek_v32", "deepseek_v4", "glm_moe_dsa", "axk2", "hy_v4",
                                  "hy_v4_vl_text", "mistral_large4_text", "kolibri1_1", "qwen4_exp_text",
-                                 "dots3_note_text"))
+                                 "dots3_note_text", "minimax_m3_vl", "minimax_m3_vl_text"))
 #: Keywords a model hands attention functions other than eager and SDPA (which get it folded into
 #: the mask or not at all) that the call cannot take: refused with why, never dropped.
 REFUSED_ARGUMENTS = {
-    "block_indices": "a sparse selection of keys (MiniMax-M3): the call attends to every key of the range",
     "sinks": "sink logits per token (Inkling-2): the call takes one sink logit per head (s_aux)",
 }
 #: The keywords ``attention_forward`` looks at beyond its parameters, checked at once per call
-#: (``indices``: the keys a sparse-attention indexer kept, folded into SDPA's mask: ``with_selected_keys``).
-UNCOMMON_ARGUMENTS = frozenset(REFUSED_ARGUMENTS) | {"position_bias", "indices"}
+#: (``indices``, ``block_indices``: the keys or key blocks a sparse-attention indexer kept, folded into
+#: SDPA's mask: ``with_selected_keys``).
+UNCOMMON_ARGUMENTS = frozenset(REFUSED_ARGUMENTS) | {"position_bias", "indices", "block_indices"}
 #: The kernels-format package the paged path loads (``paged_kernel``): a repo id with "flash" and a
 #: version digit in it, as transformers' block-table gate asks, and its folder in this package.
 PAGED_KERNEL_REPO = "flashdecode/flash-attn2"
@@ -158,10 +159,10 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
     What the kernels cannot take goes to SDPA: prefill without softcap or sinks, head dims above
     ``MAX_HEADDIM`` (Gemma-4's global layers), a float32 model, a window the model builds into its
     masks but does not pass (Qwen2-MoE), a ``position_bias`` on the scores (Inkling) and the keys a
-    sparse-attention indexer kept (``indices``: DeepSeek-V3.2 and kin, folded into the mask as
-    transformers does for SDPA); of these, steps with softcap or sinks, which SDPA cannot run, go to
-    float32 PyTorch (``pytorch_attention``) but a ``position_bias`` with them raises ValueError, as
-    ``REFUSED_ARGUMENTS`` (block selections, sinks per token) do. A value head
+    sparse-attention indexer kept (``indices``: DeepSeek-V3.2 and kin; ``block_indices``: MiniMax-M3;
+    folded into the mask as transformers does for SDPA); of these, steps with softcap or sinks, which
+    SDPA cannot run, go to float32 PyTorch (``pytorch_attention``) but a ``position_bias`` with them
+    raises ValueError, as ``REFUSED_ARGUMENTS`` (sinks per token) do. A value head
     dim below the query's (MLA: DeepSeek-V2/V3) is padded with zeros for the call and cropped from
     its output, as transformers' FlashAttention path does."""
     if kwargs.get("output_attentions"):
@@ -172,9 +173,10 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
             if kwargs.get(name) is not None:
                 raise ValueError(f"{name}: flashdecode cannot take {REFUSED_ARGUMENTS[name]}")
         biased = kwargs.get("position_bias") is not None
-        selected = kwargs.get("indices") is not None
+        selected = kwargs.get("indices") is not None or kwargs.get("block_indices") is not None
         if selected:  # the keys a sparse-attention indexer kept: SDPA's (or PyTorch's) step over them
-            attention_mask = with_selected_keys(attention_mask, kwargs.pop("indices"), key.shape[2])
+            attention_mask = with_selected_keys(module, attention_mask, query, key, kwargs.pop("indices", None),
+                                                kwargs.pop("block_indices", None), kwargs.get("position_ids"))
     decode = attention_mask is not None and attention_mask.dtype == torch.int32
     if decode:  # decode_mask's bounds, (rows, batch, 1, 1), as (rows, batch): one op (~1.5 us on a CPU)
         attention_mask = attention_mask.flatten(1)
@@ -221,17 +223,30 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
     return (out if out.shape[-1] == value_dim else out[..., :value_dim]), None
 
 
-def with_selected_keys(mask: torch.Tensor | None, indices: torch.Tensor, kv_len: int) -> torch.Tensor:
-    """SDPA's 4D mask (batch, 1, q_len, kv_len), boolean or additive, with only the keys of
-    ``indices`` (batch, q_len, top-k: positions in the cache a sparse-attention indexer kept for each
-    row, DeepSeek-V3.2, GLM-MoE-DSA, ...) left visible, as these models fold them for transformers'
-    eager and SDPA paths. Such models read the mask themselves (``MASK_READING_MODELS``), so it is
-    SDPA's; decode_mask's bounds or no mask raise ValueError naming attention_mask."""
-    if mask is None or mask.dtype == torch.int32:
-        raise ValueError("attention_mask: a selection of keys (indices) needs SDPA's 4D mask, got "
+def with_selected_keys(module, mask, query, key, indices=None, block_indices=None, position_ids=None):
+    """SDPA's 4D mask, boolean or additive, with only the keys a sparse-attention indexer kept left
+    visible, as these models fold them for transformers' eager and SDPA paths: ``indices`` (batch,
+    q_len, top-k: positions in the cache for each row; DeepSeek-V3.2, GLM-MoE-DSA, ...) here;
+    ``block_indices`` (MiniMax-M3: key blocks a KV head) by the model's own
+    ``module.indexer.build_block_mask``, over SDPA's rows (``position_ids``: the model's, else the
+    last q_len positions, as the model takes them). Such models read the mask themselves
+    (``MASK_READING_MODELS``), so it is SDPA's; decode_mask's bounds (or, with ``indices``, no
+    mask) raise ValueError naming attention_mask."""
+    if mask is not None and mask.dtype == torch.int32 or mask is None and indices is not None:
+        raise ValueError("attention_mask: a selection of keys needs SDPA's 4D mask, got "
                          f"{'none' if mask is None else 'decode bounds'} (a model that reads the mask belongs "
                          "in MASK_READING_MODELS)")
-    batch, q_len, _ = indices.shape
+    batch, _, q_len, _ = query.shape
+    kv_len = key.shape[2]
+    if block_indices is not None:
+        build = getattr(getattr(module, "indexer", None), "build_block_mask", None)
+        if build is None:
+            raise ValueError("block_indices: key blocks are folded by the layer's indexer.build_block_mask "
+                             "(MiniMax-M3), which this layer lacks")
+        if position_ids is None:
+            position_ids = torch.arange(kv_len - q_len, kv_len, device=query.device)
+        position_ids = (position_ids if position_ids.ndim > 1 else position_ids[None]).expand(batch, -1)
+        return build(block_indices, mask, kv_len, query.dtype, query.device, position_ids)
     kept = torch.zeros(batch, q_len, kv_len, dtype=torch.bool, device=mask.device)
     kept = kept.scatter(-1, indices.long(), True)[:, None]
     return mask & kept if mask.dtype == torch.bool else mask.masked_fill(~kept, torch.finfo(mask.dtype).min)
