@@ -23,6 +23,7 @@ transformers = pytest.importorskip("transformers")
 
 from flashdecode.bench.models import smollm2_gguf as installed_smollm2_gguf  # noqa: E402
 from flashdecode.integrations import transformers as fd_transformers  # noqa: E402
+from transformers.models.llama.modeling_llama import eager_attention_forward  # noqa: E402
 
 PROMPT_LENGTHS = (6, 3)  # left padded to the longest: a row of 3 pads
 STEPS = 8  # the configs' windows of 8 are passed after a few steps
@@ -324,8 +325,6 @@ def test_selected_keys_are_the_only_keys_seen(additive, s_aux):
     """The keys a sparse-attention indexer kept (``indices``, DeepSeek-V3.2 and kin) narrow SDPA's mask:
     the step equals eager's over the mask with every other key hidden, with or without sinks
     (PyTorch's path, boolean masks only); decode bounds or no mask raise naming attention_mask."""
-    from transformers.models.llama.modeling_llama import eager_attention_forward
-
     torch.manual_seed(0)
     query, key, value = torch.randn(2, 4, 3, 16), torch.randn(2, 2, 9, 16), torch.randn(2, 2, 9, 16)
     causal = torch.ones(3, 9, dtype=torch.bool).tril(6)[None, None].expand(2, 1, 3, 9).clone()
@@ -334,8 +333,10 @@ def test_selected_keys_are_the_only_keys_seen(additive, s_aux):
     kept = torch.zeros(2, 1, 3, 9, dtype=torch.bool)
     for b, row, k in itertools.product(range(2), range(3), range(2)):
         kept[b, 0, row, indices[b, row, k]] = True
-    hidden = torch.finfo(torch.float32).min
-    mask = causal.float().sub(1).mul(-hidden) if additive else causal
+    def additive_of(visible):
+        return torch.zeros(visible.shape).masked_fill(~visible, torch.finfo(torch.float32).min)
+
+    mask = additive_of(causal) if additive else causal
     if additive and s_aux is not None:
         with pytest.raises(ValueError, match="attention_mask"):
             fd_transformers.attention_forward(types.SimpleNamespace(), query, key, value, mask, backend="reference",
@@ -344,9 +345,10 @@ def test_selected_keys_are_the_only_keys_seen(additive, s_aux):
     module = types.SimpleNamespace(num_key_value_groups=2, training=False, is_causal=True)
     out, _ = fd_transformers.attention_forward(module, query, key, value, mask, backend="reference", s_aux=s_aux,
                                                indices=indices)
-    expected = fd_transformers.pytorch_attention(query, key, value, causal & kept, False, True, None, None, s_aux) \
-        if s_aux is not None else eager_attention_forward(module, query, key, value, torch.zeros(2, 1, 3, 9).masked_fill(
-            ~(causal & kept), hidden), scaling=16 ** -0.5)[0]
+    if s_aux is None:
+        expected = eager_attention_forward(module, query, key, value, additive_of(causal & kept), scaling=16 ** -0.5)[0]
+    else:
+        expected = fd_transformers.pytorch_attention(query, key, value, causal & kept, False, True, None, None, s_aux)
     torch.testing.assert_close(out, expected)
     for bad in (None, torch.tensor([[0, 0], [9, 9]], dtype=torch.int32)[..., None, None]):
         with pytest.raises(ValueError, match="attention_mask"):
@@ -374,8 +376,6 @@ def test_selected_key_blocks_take_the_layers_own_mask():
     (given_blocks, given_mask, kv_len, dtype, _, positions), = seen
     assert given_blocks is blocks and given_mask is mask and (kv_len, dtype) == (9, torch.float32)
     assert torch.equal(positions, torch.arange(6, 9).expand(2, 3))
-    from transformers.models.llama.modeling_llama import eager_attention_forward
-
     torch.testing.assert_close(out, eager_attention_forward(module, query, key, key, folded, scaling=16 ** -0.5)[0])
     with pytest.raises(ValueError, match="block_indices"):
         fd_transformers.attention_forward(types.SimpleNamespace(), query, key, key, mask, block_indices=blocks)
