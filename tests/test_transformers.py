@@ -324,7 +324,8 @@ def test_arguments_the_call_cannot_take_are_refused():
 def test_selected_keys_are_the_only_keys_seen(additive, s_aux):
     """The keys a sparse-attention indexer kept (``indices``, DeepSeek-V3.2 and kin) narrow SDPA's mask:
     the step equals eager's over the mask with every other key hidden, with or without sinks
-    (PyTorch's path, boolean masks only); decode bounds or no mask raise naming attention_mask."""
+    (PyTorch's path, boolean masks only); over decode_mask's bounds, their mask narrowed, a sequence whose
+    mask they cannot hold given NaN rows; no mask raises naming attention_mask."""
     torch.manual_seed(0)
     query, key, value = torch.randn(2, 4, 3, 16), torch.randn(2, 2, 9, 16), torch.randn(2, 2, 9, 16)
     causal = torch.ones(3, 9, dtype=torch.bool).tril(6)[None, None].expand(2, 1, 3, 9).clone()
@@ -348,17 +349,25 @@ def test_selected_keys_are_the_only_keys_seen(additive, s_aux):
     if s_aux is None:
         expected = eager_attention_forward(module, query, key, value, additive_of(causal & kept), scaling=16 ** -0.5)[0]
     else:
-        expected = fd_transformers.pytorch_attention(query, key, value, causal & kept, False, True, None, None, s_aux)
+        expected = fd_transformers.pytorch_attention(query, key, value, causal & kept, True, None, None, s_aux)
     torch.testing.assert_close(out, expected)
-    for bad in (None, torch.tensor([[0, 0], [9, 9]], dtype=torch.int32)[..., None, None]):
-        with pytest.raises(ValueError, match="attention_mask"):
-            fd_transformers.attention_forward(module, query, key, value, bad, backend="reference", indices=indices)
+    bounds = torch.tensor([[0, 5], [9, 4]], dtype=torch.int32)  # the second sequence's mask unheld: first > end
+    out, _ = fd_transformers.attention_forward(module, query, key, value, bounds[..., None, None], backend="reference",
+                                               s_aux=s_aux, indices=indices)
+    seen = fd_transformers.bounds_mask(bounds, 3, 9) & kept
+    expected = (eager_attention_forward(module, query, key, value, additive_of(seen), scaling=16 ** -0.5)[0]
+                if s_aux is None else fd_transformers.pytorch_attention(query, key, value, seen, True, None, None, s_aux))
+    torch.testing.assert_close(out[0], expected[0])
+    assert out[1].isnan().all()
+    with pytest.raises(ValueError, match="attention_mask"):
+        fd_transformers.attention_forward(module, query, key, value, None, backend="reference", indices=indices)
 
 
 def test_selected_key_blocks_take_the_layers_own_mask():
     """``block_indices`` (MiniMax-M3) are folded by the layer's ``indexer.build_block_mask``, given the
     mask, the cache's length and, where the model passes none, the last q_len positions a sequence, and
-    the step runs over the mask it returns; a layer without one, or decode bounds, raise naming them."""
+    the step runs over the mask it returns (given decode_mask's bounds, as their boolean mask); a layer
+    without one raises naming block_indices."""
     query, key = torch.randn(2, 4, 3, 16), torch.randn(2, 2, 9, 16)
     blocks, mask = torch.zeros(2, 2, 3, 1, dtype=torch.long), torch.ones(2, 1, 3, 9, dtype=torch.bool)
     folded = torch.zeros(2, 4, 3, 9).masked_fill(torch.rand(2, 4, 3, 9) < 0.5, torch.finfo(torch.float32).min)
@@ -379,9 +388,10 @@ def test_selected_key_blocks_take_the_layers_own_mask():
     torch.testing.assert_close(out, eager_attention_forward(module, query, key, key, folded, scaling=16 ** -0.5)[0])
     with pytest.raises(ValueError, match="block_indices"):
         fd_transformers.attention_forward(types.SimpleNamespace(), query, key, key, mask, block_indices=blocks)
-    with pytest.raises(ValueError, match="attention_mask"):
-        fd_transformers.attention_forward(module, query, key, key, torch.tensor([[0, 0], [9, 9]], dtype=torch.int32)
-                                          [..., None, None], block_indices=blocks)
+    bounds = torch.tensor([[0, 2], [9, 7]], dtype=torch.int32)
+    fd_transformers.attention_forward(module, query, key, key, bounds[..., None, None], backend="reference",
+                                      block_indices=blocks)
+    assert torch.equal(seen[-1][1], fd_transformers.bounds_mask(bounds, 3, 9))
 
 
 def test_decode_reads_the_cache_in_place(monkeypatch):

@@ -43,12 +43,11 @@ NAMES = {"auto": "fdecode", "tilelang": "fdecode_tilelang", "triton": "fdecode_t
 #: Mistral, Gemma-2 and gpt-oss beyond (module, query, key, value, attention_mask); tests check it stays so.
 ATTENTION_ARGUMENTS = frozenset(("dropout", "scaling", "sliding_window", "softcap", "s_aux", "position_ids"))
 #: Models whose layers read the attention mask themselves as a 4D tensor (sparse-attention indexers:
-#: DeepSeek-V3.2/V4, GLM-MoE-DSA, MiniMax-M3's block mask, ...; Doge's dynamic mask; Kolibri's index
-#: pooling), found by running transformers 5.25's causal LMs on the backend (2026-12-06): they get
-#: SDPA's mask (``decode_mask``).
+#: DeepSeek-V3.2/V4, GLM-MoE-DSA, ...; Doge's dynamic mask; Kolibri's index pooling), found by running
+#: transformers 5.25's causal LMs on the backend (2026-12-06): they get SDPA's mask (``decode_mask``).
 MASK_READING_MODELS = frozenset(("doge", "deepseek_v32", "deepseek_v4", "glm_moe_dsa", "axk2", "hy_v4",
                                  "hy_v4_vl_text", "mistral_large4_text", "kolibri1_1", "qwen4_exp_text",
-                                 "dots3_note_text", "minimax_m3_vl", "minimax_m3_vl_text"))
+                                 "dots3_note_text"))
 #: Keywords a model hands attention functions other than eager and SDPA (which get it folded into
 #: the mask or not at all) that the call cannot take: refused with why, never dropped.
 REFUSED_ARGUMENTS = {
@@ -167,16 +166,15 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
     its output, as transformers' FlashAttention path does."""
     if kwargs.get("output_attentions"):
         raise ValueError("output_attentions=True is not supported by flashdecode (it never forms the weights)")
-    biased = selected = False  # a position_bias on the scores (Inkling): SDPA adds it; selected: below
+    biased = False  # a position_bias on the scores (Inkling): SDPA adds it
+    indices = block_indices = None  # the keys (key blocks) a sparse-attention indexer kept: folded into the mask
     if not UNCOMMON_ARGUMENTS.isdisjoint(kwargs):  # one check on the common path: none of these passed
         for name in REFUSED_ARGUMENTS:
             if kwargs.get(name) is not None:
                 raise ValueError(f"{name}: flashdecode cannot take {REFUSED_ARGUMENTS[name]}")
         biased = kwargs.get("position_bias") is not None
-        selected = kwargs.get("indices") is not None or kwargs.get("block_indices") is not None
-        if selected:  # the keys a sparse-attention indexer kept: SDPA's (or PyTorch's) step over them
-            attention_mask = with_selected_keys(module, attention_mask, query, key, kwargs.pop("indices", None),
-                                                kwargs.pop("block_indices", None), kwargs.get("position_ids"))
+        indices, block_indices = kwargs.pop("indices", None), kwargs.pop("block_indices", None)
+    selected = indices is not None or block_indices is not None
     decode = attention_mask is not None and attention_mask.dtype == torch.int32
     if decode:  # decode_mask's bounds, (rows, batch, 1, 1), as (rows, batch): one op (~1.5 us on a CPU)
         attention_mask = attention_mask.flatten(1)
@@ -187,22 +185,22 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
                 or not decode and (softcap is None and s_aux is None or not is_causal(module, kwargs)))
     if dropout and (not off_call or softcap is not None or s_aux is not None):
         raise ValueError(f"dropout must be 0 on flashdecode's path and with softcap or sinks, got {dropout}")
-    if off_call:
+    if off_call:  # over SDPA's form of the mask; decode_mask's bounds give NaN rows where they cannot hold it
+        mask = bounds_mask(attention_mask, query.shape[2], key.shape[2]) if decode else attention_mask
+        if selected:
+            mask = with_selected_keys(module, mask, query, key, indices, block_indices, kwargs.get("position_ids"))
         if softcap is not None or s_aux is not None:
             if biased:
                 raise ValueError("position_bias adds to the scores, which the call cannot; with softcap or sinks "
                                  "SDPA cannot stand in for the call")
-            return pytorch_attention(query, key, value, attention_mask, decode, is_causal(module, kwargs), scaling,
-                                     softcap, s_aux), None
-        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+            out, weights = pytorch_attention(query, key, value, mask, is_causal(module, kwargs), scaling, softcap,
+                                             s_aux), None
+        else:
+            from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-        if not decode:
-            return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
-                                          scaling=scaling, **kwargs)
-        out, weights = sdpa_attention_forward(module, query, key, value,
-                                              bounds_mask(attention_mask, query.shape[2], key.shape[2]),
-                                              dropout=dropout, scaling=scaling, **kwargs)
-        return unheld_as_nan(out, attention_mask), weights
+            out, weights = sdpa_attention_forward(module, query, key, value, mask, dropout=dropout, scaling=scaling,
+                                                  **kwargs)
+        return (unheld_as_nan(out, attention_mask) if decode else out), weights
     # decode_mask's bounds (a third row, the window, only where the call applies sliding_window itself)
     bounds = attention_mask if decode or attention_mask is None else key_bounds(attention_mask, sliding_window)
     if windowed:
@@ -224,18 +222,15 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
 
 
 def with_selected_keys(module, mask, query, key, indices=None, block_indices=None, position_ids=None):
-    """SDPA's 4D mask, boolean or additive, with only the keys a sparse-attention indexer kept left
-    visible, as these models fold them for transformers' eager and SDPA paths: ``indices`` (batch,
-    q_len, top-k: positions in the cache for each row; DeepSeek-V3.2, GLM-MoE-DSA, ...) here;
-    ``block_indices`` (MiniMax-M3: key blocks a KV head) by the model's own
-    ``module.indexer.build_block_mask``, over SDPA's rows (``position_ids``: the model's, else the
-    last q_len positions, as the model takes them). Such models read the mask themselves
-    (``MASK_READING_MODELS``), so it is SDPA's; decode_mask's bounds (or, with ``indices``, no
-    mask) raise ValueError naming attention_mask."""
-    if mask is not None and mask.dtype == torch.int32 or mask is None and indices is not None:
-        raise ValueError("attention_mask: a selection of keys needs SDPA's 4D mask, got "
-                         f"{'none' if mask is None else 'decode bounds'} (a model that reads the mask belongs "
-                         "in MASK_READING_MODELS)")
+    """SDPA's 4D ``mask`` (for decode steps ``bounds_mask``'s), boolean or additive, with only the keys
+    a sparse-attention indexer kept left visible, as these models fold them for transformers' eager
+    and SDPA paths: ``indices`` (batch, q_len, top-k: positions in the cache for each row;
+    DeepSeek-V3.2, GLM-MoE-DSA, ...) here; ``block_indices`` (MiniMax-M3: key blocks a KV head) by
+    the model's own ``module.indexer.build_block_mask``, over SDPA's rows (``position_ids``: the
+    model's, else the last q_len positions, as the model takes them). ``indices`` without a mask
+    raise ValueError naming attention_mask (their models' indexers read it: ``MASK_READING_MODELS``)."""
+    if mask is None and indices is not None:
+        raise ValueError("attention_mask: a selection of keys (indices) needs SDPA's 4D mask, got none")
     batch, _, q_len, _ = query.shape
     kv_len = key.shape[2]
     if block_indices is not None:
@@ -271,21 +266,18 @@ def is_causal(module, kwargs) -> bool:
     return getattr(module, "is_causal", True) if causal is None else bool(causal)
 
 
-def pytorch_attention(query, key, value, attention_mask, decode, causal, scaling, softcap, sinks):
+def pytorch_attention(query, key, value, attention_mask, causal, scaling, softcap, sinks):
     """``attention_forward``'s steps with softcap or sinks that the call cannot take (head dims
     above MAX_HEADDIM, float32 models, a window not passed, rows that see later keys), in float32
-    PyTorch (``_masked_attention``) a sequence at a time: over the mask ``decode_mask``'s bounds
-    stand for (a sequence whose mask they cannot hold gets NaN rows, as from the call), SDPA's
-    boolean mask, or, where transformers skipped it (None), SDPA's ``is_causal`` rows: aligned to the
-    first key (transformers skips the mask only where that is right: as many keys as rows, or a
-    prefill into an empty StaticCache, whose later slots are empty), row i sees keys 0..i; one row,
-    or a step that is not causal, every key. Returns (batch, q_len, heads, value head dim) in
-    query's dtype."""
+    PyTorch (``_masked_attention``) a sequence at a time: over SDPA's boolean mask (decode_mask's
+    bounds made one by ``bounds_mask``) or, where transformers skipped it (None), SDPA's
+    ``is_causal`` rows: aligned to the first key (transformers skips the mask only where that is
+    right: as many keys as rows, or a prefill into an empty StaticCache, whose later slots are
+    empty), row i sees keys 0..i; one row, or a step that is not causal, every key. Returns
+    (batch, q_len, heads, value head dim) in query's dtype."""
     batch, _, q_len, _ = query.shape
     kv_len = key.shape[2]
-    if decode:
-        visible = bounds_mask(attention_mask, q_len, kv_len)[:, 0]
-    elif attention_mask is None:
+    if attention_mask is None:
         visible = torch.ones(q_len, kv_len, dtype=torch.bool, device=query.device)
         visible = (visible.tril() if causal and q_len > 1 else visible).expand(batch, q_len, kv_len)
     elif attention_mask.dtype == torch.bool:
@@ -293,9 +285,8 @@ def pytorch_attention(query, key, value, attention_mask, decode, causal, scaling
     else:
         raise ValueError(f"attention_mask: with softcap or sinks outside the call, a boolean mask is needed, "
                          f"got {attention_mask.dtype}")
-    out = torch.stack([_masked_attention(query[b].transpose(0, 1), key[b].transpose(0, 1), value[b].transpose(0, 1),
-                                         visible[b], scaling, softcap, sinks) for b in range(batch)])
-    return unheld_as_nan(out, attention_mask) if decode else out
+    return torch.stack([_masked_attention(query[b].transpose(0, 1), key[b].transpose(0, 1), value[b].transpose(0, 1),
+                                          visible[b], scaling, softcap, sinks) for b in range(batch)])
 
 
 def unheld_as_nan(out: torch.Tensor, bounds: torch.Tensor) -> torch.Tensor:
