@@ -1228,6 +1228,12 @@ def test_the_next_steps_name_a_profile_command_that_parses(case, command):
     assert (named.case.label if named.case.number else named.case.spelling) == label
 
 
+def test_a_shape_named_by_its_runs_label_gets_no_profile_command():
+    """A log from before shapes were named by their spelling says "S1": any command would guess."""
+    advice = candidates.profile_command("S1/q4")
+    assert "--from-runs" in advice and "--shape" not in advice
+
+
 def test_the_log_names_a_shape_of_ones_own_by_its_spelling_not_its_label():
     """S1 is each run's first --shapes item: two runs' S1 of other shapes are two cases of the log, and
     one shape keeps its name whatever its place on the command line."""

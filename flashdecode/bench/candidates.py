@@ -13,6 +13,7 @@ import dataclasses
 import hashlib
 import json
 import pathlib
+import re
 
 from .. import cases
 
@@ -30,8 +31,12 @@ NEXT_STEPS = ("re-profile it ({profile}), check the patterns A-M against the rep
 
 def profile_command(case: str | int) -> str:
     """The ``flashdecode profile`` command of a log's case: a matrix case by its label ("7", "7/q4",
-    "W3/paged16"), a shape of ``bench --shapes`` as it is spelled ("16x2048x1x71x64:uniform/q4")."""
+    "W3/paged16"), a shape of ``bench --shapes`` as it is spelled ("16x2048x1x71x64:uniform/q4").
+    A log written before shapes were named by their spelling names one by its run's label ("S1"),
+    which says nothing of the shape: the advice is then to rebuild the log."""
     label, _, variant = str(case).partition("/")
+    if re.fullmatch(r"S\d+", label):
+        return "its shape is named by its run's label only: rebuild the log with --from-runs, then profile"
     flag = "--case" if label in cases.CASES_BY_LABEL else "--shape"
     return f"flashdecode profile {flag} {label}" + (f" --variant {variant}" if variant else "")
 
