@@ -42,7 +42,7 @@ def {name}({parameters}, context=None):
 flash_attn_with_kvcache = define(_CALL, globals(), "flash_attn_with_kvcache", doc="""\
     Attention of a few new query tokens per sequence over a KV cache: FlashAttention 2's call,
     with its arguments, positional order, defaults and return shapes (``docs/design.md``,
-    "Semantics"; the README documents every argument).
+    "Semantics"; docs/api.md documents every argument).
 
     q (batch, seqlen_q, nheads, headdim); k_cache, v_cache (batch_cache, seqlen_cache, nheads_k,
     headdim), or pages (num_pages, page_size, nheads_k, headdim) with ``block_table`` (batch,

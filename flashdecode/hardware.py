@@ -5,7 +5,7 @@ the profile's :class:`Tuning`; the benchmark sizes its L2 flush from it. ``curre
 CUDA device in use; ``PROFILES`` holds named profiles so plans can be computed and tested on a
 machine without that device.
 
-Sources of the named numbers (see docs/hardware.md):
+Sources of the named numbers (see docs/hardware/):
 - H100 SXM and H200: NVIDIA datasheets (SMs, shared memory, bandwidth); L2 as PyTorch reports it
   on the H200 this project measures on (60 MiB), 50 MiB for the H100.
 - MetaX C500: the vendor's figures as given in this project's brief (104 compute units, wave64,

@@ -39,7 +39,8 @@ The schedule is decided in two steps (``docs/design.md``, "The schedule").
    splits or a batch leaves the grid underfilled, ``min_blocks_per_combined_split``, or for one
    sequence, ``min_blocks_per_one_sequence_split``; 1 for the short caches split for idle
    multiprocessors). Since ceil(x) < x + 1, sum_b splits_b <=
-   (P - B) + B = P. A forced ``num_splits = F > 0`` gives splits_b = min(F, max(1, nblk_b)) and P = B * F.
+   (P - B) + B = P. A forced ``num_splits = F > 0`` gives splits_b = min(F, max(1, nblk_b)) and
+   P = B * min(F, max(1, the longest key span's blocks)).
 """
 from __future__ import annotations
 
