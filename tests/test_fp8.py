@@ -673,3 +673,20 @@ def test_fp8_repeats_take_the_compiled_host_path(descale):
     assert torch.equal(got, flash_attn_with_kvcache(q, k_cache, v_cache, **scaled, context=DecodeContext()))
     assert not torch.equal(got, first)
     assert host.hits == hits + (1 if descale == "number" else 2)
+
+
+def test_loop_floor_tables_read_the_same_pages_one_way_from_l2(monkeypatch):
+    """tools/loop_floor.py: its L2 table cycles over the resident pages, its DRAM table is every
+    page once, and both calls (fp8, a tile of its own on Triton's interpreter) agree with the
+    reference; without a GPU the times are NaN."""
+    monkeypatch.setattr(sys, "path", ["tools", *sys.path])
+    import loop_floor
+
+    case = cases.CASES_BY_LABEL["3"]
+    _, k, _, _, tables = loop_floor.paged_inputs(case, "float8_e4m3fn", page_size=8, resident_pages=5, device="cpu")
+    assert sorted(tables["dram"].flatten().tolist()) == list(range(k.shape[0]))
+    assert set(tables["l2"].flatten().tolist()) == set(range(5))
+    report = loop_floor.main(["--cases", "3", "--kv", "float8_e4m3fn", "--page-size", "8", "--resident-pages", "5",
+                              "--block-n", "32", "--device", "cpu"])
+    row = report.splitlines()[-1].split("|")
+    assert row[1].strip() == "3" and row[4].strip() == "nan" and float(row[7]) < 2e-2
