@@ -11,7 +11,7 @@ caches take descales of 1.
 
 Usage: python tools/loop_floor.py --cases 7,12,13 --kv bfloat16,float8_e4m3fn [--lengths equal --page-size 64
        --resident-pages 64 --backend triton --block-n 128 --warps 8 --stages 2 --iters 40]
-       (--block-n, --warps, --stages: the plan's Triton tile with that field changed)
+       (--block-n, --warps, --stages: the plan's Triton tile with that field changed and no register cap)
 """
 import argparse
 import dataclasses
@@ -28,7 +28,7 @@ TILE_FIELDS = {"block_n": "block_n", "warps": "num_warps", "stages": "num_stages
 def paged_inputs(case: cases.Case, kv_dtype: str, page_size: int, resident_pages: int, device: str,
                  lengths: str | None = None):
     """q, the page pools, the case's lengths and the two block tables (distinct pages, a random
-    permutation; resident: page i of the pool is i mod ``resident_pages``); ``lengths``: a length
+    permutation; resident: entry i, in row order, is page i mod ``resident_pages``); ``lengths``: a length
     rule in place of the case's."""
     generator = torch.Generator(device).manual_seed(0)
     pages_per_sequence = -(-case.seqlen_cache // page_size)
