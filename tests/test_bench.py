@@ -933,6 +933,22 @@ def test_docs_benchmark_pages_are_their_committed_runs_pages(name):
     assert (docs / f"{name}.md").read_text() == report.markdown(json.loads((docs / f"{name}.json").read_text()))
 
 
+def test_every_data_file_is_in_the_data_index():
+    """docs/data/README.md names each raw file (``{a,b}`` for a few at once): a file no document
+    points to is not kept, and one the index does not name is found only by chance."""
+    data = pathlib.Path(__file__).parent.parent / "docs" / "data"
+    named = set()
+    for spelled in re.findall(r"`([^`]+)`", (data / "README.md").read_text()):
+        expanded = [spelled]
+        while any("{" in name for name in expanded):
+            expanded = [name[:name.index("{")] + choice + name[name.index("}") + 1:] for name in expanded
+                        for choice in name[name.index("{") + 1:name.index("}")].split(",")]
+        named.update(name.rstrip("/") for name in expanded)
+    files = {path.name for path in data.iterdir() if path.is_file() and path.name != "README.md"}
+    profiles = {f"profiles/{path.name}" for path in (data / "profiles").iterdir()}
+    assert sorted(files - named) == [] and sorted(profiles - named) == []
+
+
 def test_progress_counter_without_tqdm(monkeypatch):
     monkeypatch.setitem(sys.modules, "tqdm", None)  # makes "from tqdm import tqdm" fail
     stream = io.StringIO()
