@@ -683,8 +683,9 @@ def test_loop_floor_tables_read_the_same_pages_one_way_from_l2(monkeypatch):
     import loop_floor
 
     case = cases.CASES_BY_LABEL["3"]
-    _, k, _, _, tables = loop_floor.paged_inputs(case, "float8_e4m3fn", page_size=8, resident_pages=5, device="cpu")
-    assert sorted(tables["dram"].flatten().tolist()) == list(range(k.shape[0]))
+    call, tables = loop_floor.paged_call(case, "float8_e4m3fn", page_size=8, resident_pages=5, device="cpu")
+    assert call.k_cache.dtype == torch.float8_e4m3fn and call.k_descale is not None
+    assert sorted(tables["dram"].flatten().tolist()) == list(range(call.k_cache.shape[0]))
     assert set(tables["l2"].flatten().tolist()) == set(range(5))
     report = loop_floor.main(["--cases", "3", "--kv", "float8_e4m3fn", "--page-size", "8", "--resident-pages", "5",
                               "--block-n", "32", "--device", "cpu"])
