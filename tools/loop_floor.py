@@ -91,8 +91,9 @@ def main(argv=None) -> str:
         for kv_dtype in args.kv.split(","):
             rows.append(measure(case, kv_dtype, args, timer, args.device))
             print(rows[-1], flush=True)
-    print(table(rows))
-    return table(rows)
+    report = table(rows)
+    print(report)
+    return report
 
 
 if __name__ == "__main__":
