@@ -407,7 +407,8 @@ def test_decode_reads_the_cache_in_place(monkeypatch):
         return flash_attn_with_kvcache(query, k_cache, v_cache, *args, **kwargs)
 
     def recording(module, query, key, value, *args, **kwargs):
-        seen.append((key, value))
+        if query.shape[2] == 1:  # decode steps; the prompts' prefill, with no key cached before it, is SDPA's
+            seen.append((key, value))
         return attention(module, query, key, value, *args, **kwargs)
 
     flash_attn_with_kvcache = fd_transformers.flash_attn_with_kvcache
@@ -471,13 +472,64 @@ def masks_the_call_cannot_reproduce(device="cpu"):
     return mask.to(device), additive.to(device)
 
 
-def test_key_bounds_refuse_masks_the_call_cannot_reproduce():
+def test_masks_the_call_cannot_reproduce_are_flagged_and_left_to_sdpa_on_the_cpu():
+    """key_bounds flags such a sequence (its first key past its end: the call's NaN rows, no host
+    read); decode_mask, whose CPU mask the host reads for free, hands the step SDPA's mask instead."""
     mask, additive = masks_the_call_cannot_reproduce()
-    assert fd_transformers.key_bounds(mask[:1]).tolist() == [[0], [8]]
-    with pytest.raises(ValueError, match=r"attention_mask: .* sequences \[1, 2, 3\]"):
-        fd_transformers.key_bounds(mask)
-    with pytest.raises(ValueError, match=r"sequences \[1, 2, 3, 4\]"):
-        fd_transformers.key_bounds(additive)
+    assert fd_transformers.key_bounds(mask[:1]).tolist() == [[0], [8]] and fd_transformers.holds(
+        fd_transformers.key_bounds(mask[:1]))
+    for tested, bad in ((mask, [1, 2, 3]), (additive, [1, 2, 3, 4])):
+        first, end = fd_transformers.key_bounds(tested).tolist()
+        assert [b for b in range(5) if first[b] > end[b]] == bad and not fd_transformers.holds(
+            fd_transformers.key_bounds(tested))
+    hole = torch.ones(2, 8, dtype=torch.bool)
+    hole[1, 3] = False  # a real token equal to the pad id (assisted decoding builds masks as ids != pad)
+    arguments = dict(batch_size=2, q_length=2, kv_length=8, q_offset=6, attention_mask=hole)
+    sdpa = fd_transformers.decode_mask(**arguments)
+    assert sdpa.dtype == torch.bool and sdpa.shape == (2, 1, 2, 8) and not sdpa[1, 0, :, 3].any()
+    assert fd_transformers.decode_mask(**{**arguments, "attention_mask": torch.ones(2, 8, dtype=torch.bool)}).dtype \
+        == torch.int32
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma2"])
+@pytest.mark.parametrize("padding", ["right", "packed"])
+def test_short_forwards_without_a_cache_match_eager(family, padding):
+    """Forwards of at most 16 tokens with no key cached before them (scoring, classification):
+    right padding (tokenizers' default) and packed sequences (position_ids that restart, no mask)
+    run on SDPA's mask, or with softcap (Gemma-2) in float32 PyTorch, as eager does: before
+    2026-12-07 their masks raised ValueError on the CPU (NaN rows on a GPU)."""
+    model32 = tiny_model(family)
+    ids, mask = padded_prompts(256, (6, 3))
+    if padding == "right":
+        ids, mask, positions = ids.flip(1), mask.flip(1), (mask.flip(1).cumsum(-1) - 1).clamp(min=0)
+    else:  # two sequences of 3 and 6 tokens in one row
+        ids, mask, positions = torch.cat((ids[1, 3:], ids[0]))[None], None, torch.tensor([[0, 1, 2, *range(6)]])
+    logits = {}
+    for name in ("eager", fd_transformers.register("reference")):
+        with torch.no_grad():
+            model = with_attention(model32, name)
+            logits[name] = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=False).logits
+    real = slice(None) if mask is None else mask.bool()
+    torch.testing.assert_close(logits["fdecode_reference"][real], logits["eager"][real], atol=3e-2, rtol=3e-2)
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma2"])
+def test_a_forward_that_keeps_gradients_runs_off_the_call(family):
+    """The call keeps no gradient: a step whose query needs one (training) runs on SDPA, or with
+    softcap in float32 PyTorch, and its backward reaches q_proj as eager's does (before 2026-12-07 a
+    forward of at most 16 tokens, or any of Gemma-2's, left q_proj without a gradient, silently)."""
+    ids, mask = padded_prompts(256, (6, 6))  # unpadded: a pad row's logits (a label's) are each system's own
+    labels = ids
+    grads = {}
+    for name, dtype in (("eager", torch.float32), ("eager", torch.bfloat16), ("fdecode_reference", torch.bfloat16)):
+        model = with_attention(tiny_model(family), fd_transformers.register("reference") if name != "eager" else name,
+                               dtype)
+        model(input_ids=ids, attention_mask=mask, labels=labels).loss.backward()
+        grads[name, dtype] = model.model.layers[0].self_attn.q_proj.weight.grad.float()
+    exact = grads["eager", torch.float32]
+    error = {name: ((grads[name, torch.bfloat16] - exact).norm() / exact.norm()).item()
+             for name in ("eager", "fdecode_reference")}
+    assert error["fdecode_reference"] <= 2 * error["eager"], error
 
 
 def test_a_window_over_several_new_tokens_needs_the_layers_sliding_window():

@@ -78,21 +78,26 @@ def register(backend: str = "auto") -> str:
 
 def decode_mask(*args, **kwargs):
     """transformers' mask function for flashdecode: for decode steps (``q_length`` at most
-    MAX_DECODE_QUERY) the visible key range of each sequence as an int32 (2 or 3, batch, 1, 1)
-    tensor (``key_bounds``, the layer's window from ``local_size``), the third row (the window) where
-    a window shapes the rows of several new tokens, which the call must then be given; for longer
-    queries, several new tokens of a chunked layer or of a model with KV-shared layers (Gemma-4
-    slices the mask's rows), a model that reads the mask itself (``reads_the_mask``) and a
-    bidirectional mask, SDPA's mask."""
+    MAX_DECODE_QUERY, after keys already cached) the visible key range of each sequence as an int32
+    (2 or 3, batch, 1, 1) tensor (``key_bounds``, the layer's window from ``local_size``), the third
+    row (the window) where a window shapes the rows of several new tokens, which the call must then
+    be given; SDPA's mask for longer queries, several new tokens with no key cached before them (a
+    prefill, right-padded or packed sequences included), several new tokens of a chunked layer or of a
+    model with KV-shared layers (Gemma-4 slices the mask's rows), a model that reads the mask itself
+    (``reads_the_mask``), a bidirectional mask, and a CPU mask that no bounds hold (``key_bounds``;
+    on a GPU the host does not read the mask: such sequences give NaN rows)."""
     from transformers.masking_utils import sdpa_mask
 
     window, config, q_length = kwargs.get("local_size"), kwargs.get("config"), kwargs["q_length"]
     # only bidirectional masks' makers (create_bidirectional_mask and its sliding-window kin) pass
     # allow_is_bidirectional_skip (transformers 5.17, 5.25): rows that see later keys, which no key bounds hold
     if (q_length > MAX_DECODE_QUERY or reads_the_mask(config) or "allow_is_bidirectional_skip" in kwargs
-            or q_length > 1 and (chunked(config, window) or getattr(config, "num_kv_shared_layers", 0))):
+            or q_length > 1 and (kwargs.get("kv_length") == q_length or chunked(config, window)
+                                 or getattr(config, "num_kv_shared_layers", 0))):
         return sdpa_mask(*args, **kwargs)
     bounds = key_bounds(sdpa_mask(*args, **{**kwargs, "allow_is_causal_skip": False}), window)
+    if bounds.device.type == "cpu" and readable(bounds) and not holds(bounds):
+        return sdpa_mask(*args, **kwargs)
     if window is not None and q_length > 1:  # one row: its range already starts inside the window
         bounds = torch.cat((bounds, torch.full_like(bounds[:1], window)))
     # 4D, as a mask made ahead must be to pass create_causal_mask as it is (generate over a StaticCache
@@ -120,9 +125,9 @@ def key_bounds(mask: torch.Tensor, window: int | None = None) -> torch.Tensor:
     (2, batch) tensor, from a 4D mask (batch, 1, q_len, kv_len) (boolean, True: visible; or
     additive, 0: visible, the dtype's lowest or -inf: not). The call reproduces the mask of
     generation (left padding, causal rows aligned to the last key, a ``window`` of keys a row):
-    a sequence whose mask it cannot (keys with holes, other rows, chunks, an additive bias) raises
-    ValueError for a CPU mask, and on a GPU (no host sync) gets a first key past its end, which the
-    call answers with NaN rows: never a silently wrong result."""
+    a sequence whose mask it cannot (keys with holes, right padding, other rows, chunks, an additive
+    bias) gets a first key past its end (``holds``: False), which the call answers with NaN rows:
+    never a silently wrong result, and no host sync."""
     if mask.dtype == torch.bool:
         visible, biased = mask[:, 0], None
     else:
@@ -140,11 +145,20 @@ def key_bounds(mask: torch.Tensor, window: int | None = None) -> torch.Tensor:
     unlike = (shown != visible).flatten(1).any(-1)
     if biased is not None:
         unlike |= biased.flatten(1).any(-1)
-    if mask.device.type == "cpu" and unlike.any():
-        raise ValueError(f"attention_mask: flashdecode takes masks of left padding, causal rows and the layer's "
-                         f"window (of {window}), not those of sequences {unlike.nonzero().flatten().tolist()}")
     first = torch.where(unlike, kv_len + 1, first)
     return torch.stack((first, end)).to(torch.int32)
+
+
+def holds(bounds: torch.Tensor) -> bool:
+    """Whether ``key_bounds``' bounds hold every sequence's mask (a host read of them)."""
+    return bool((bounds[0] <= bounds[1]).all())
+
+
+def readable(tensor: torch.Tensor) -> bool:
+    """Whether the host may read ``tensor`` now: on the CPU, or on a GPU outside a CUDA graph's
+    capture; never while torch.compile traces."""
+    return not torch.compiler.is_compiling() and (tensor.device.type == "cpu"
+                                                  or not torch.cuda.is_current_stream_capturing())
 
 
 def attention_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None, sliding_window=None,
@@ -155,13 +169,17 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
     ``kernel``: what to call in place of flashdecode's ``flash_attn_with_kvcache`` (same arguments;
     the decode-step benchmark times FlashAttention 2's over the same cache view).
 
-    What the kernels cannot take goes to SDPA: prefill without softcap or sinks, head dims above
-    ``MAX_HEADDIM`` (Gemma-4's global layers), a float32 model, a window the model builds into its
+    What the kernels cannot take goes to SDPA: prefill without softcap or sinks, steps that keep a
+    gradient (training: the call keeps none), head dims above ``MAX_HEADDIM`` (Gemma-4's global
+    layers), a float32 model, a window the model builds into its
     masks but does not pass (Qwen2-MoE), a ``position_bias`` on the scores (Inkling) and the keys a
     sparse-attention indexer kept (``indices``: DeepSeek-V3.2 and kin; ``block_indices``: MiniMax-M3;
     folded into the mask as transformers does for SDPA); of these, steps with softcap or sinks, which
     SDPA cannot run, go to float32 PyTorch (``pytorch_attention``) but a ``position_bias`` with them
-    raises ValueError, as ``REFUSED_ARGUMENTS`` (sinks per token) do. A value head
+    raises ValueError, as ``REFUSED_ARGUMENTS`` (sinks per token) do. Float32 PyTorch also runs a
+    prefill with softcap or sinks over a mask the call cannot hold (right padding) where the host may
+    read the mask (``readable``; under a CUDA graph's capture or torch.compile such sequences give
+    NaN rows). A value head
     dim below the query's (MLA: DeepSeek-V2/V3) is padded with zeros for the call and cropped from
     its output, as transformers' FlashAttention path does."""
     if kwargs.get("output_attentions"):
@@ -181,8 +199,15 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
     windowed = decode and len(attention_mask) == 3  # decode_mask's window over several new tokens
     wide = query.shape[-1] > MAX_HEADDIM
     full = query.dtype not in SUPPORTED_DTYPES  # a float32 model: SDPA
-    off_call = (wide or full or biased or selected or windowed and sliding_window is None
+    # training: the call keeps no gradient, SDPA and PyTorch do
+    trains = torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad)
+    off_call = (wide or full or biased or selected or trains or windowed and sliding_window is None
                 or not decode and (softcap is None and s_aux is None or not is_causal(module, kwargs)))
+    bounds = attention_mask  # decode_mask's bounds, SDPA's mask or none
+    if not (off_call or decode or attention_mask is None):  # a prefill with softcap or sinks: SDPA's mask as bounds
+        bounds = key_bounds(attention_mask, sliding_window)
+        # one the call cannot hold (right padding, packed sequences): float32 PyTorch, where the host may read them
+        off_call = readable(bounds) and not holds(bounds)
     if dropout and (not off_call or softcap is not None or s_aux is not None):
         raise ValueError(f"dropout must be 0 on flashdecode's path and with softcap or sinks, got {dropout}")
     if off_call:  # over SDPA's form of the mask; decode_mask's bounds give NaN rows where they cannot hold it
@@ -202,7 +227,6 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
                                                   **kwargs)
         return (unheld_as_nan(out, attention_mask) if decode else out), weights
     # decode_mask's bounds (a third row, the window, only where the call applies sliding_window itself)
-    bounds = attention_mask if decode or attention_mask is None else key_bounds(attention_mask, sliding_window)
     if windowed:
         bounds = bounds[:2]
     first, end = (None, None) if bounds is None else bounds.unbind()  # one op: iterating costs ~2 us more
