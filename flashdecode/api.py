@@ -23,7 +23,7 @@ from .validate import value_checks_enabled  # noqa: F401
 _CALL = """
 def {name}({parameters}, context=None):
     if is_compiling():
-        return traced_call(Call({arguments}))  # (a plain namedtuple for torch.compile to trace)
+        return traced_call(Call({arguments}), context)  # (a plain namedtuple for torch.compile to trace)
     if not isinstance(q, Tensor):
         raise TypeError(f"q must be a torch.Tensor, got {{type(q).__name__}}")
     if context is not None:

@@ -16,7 +16,7 @@ import torch
 
 from .call import ARGUMENTS, Call
 from .context import default_context
-from .validate import descale_number
+from .validate import check_out, descale_number
 
 #: The ops' arguments, in ARGUMENTS order.
 TRACED = tuple(argument for argument in ARGUMENTS if argument.traced_as is not None)
@@ -61,11 +61,18 @@ attend.register_fake(_fake)
 attend_append.register_fake(_fake)
 
 
-def traced_call(call: Call):
+def traced_call(call: Call, context=None):
     """The public call while torch.compile traces: the arguments in the ops' types (an int length
     and a descale number become tensors, the window a list of ints), one of the two ops, and ``out``
-    filled by a copy."""
+    (checked here: the ops never see it) filled by a copy. The ops run on the default context of
+    their stream, so a ``context`` is refused rather than left unused."""
     q = call.q
+    if context is not None:
+        raise ValueError("context: under torch.compile the call runs on the default context of q's device and "
+                         "stream; call without context= there (its tuning and config apply to eager calls)")
+    if call.out is not None and isinstance(q, torch.Tensor):
+        out = call.out
+        check_out((out.dtype, out.device, out.shape, out.stride(), None), (q.dtype, q.device, q.shape, q.stride(), None))
     values = []
     for argument in TRACED:
         value = getattr(call, argument.name)

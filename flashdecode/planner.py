@@ -55,6 +55,9 @@ from .problem import Problem  # noqa: F401 - the planner's input, re-exported fo
 #: no combine; SPLIT: the split kernel over the balanced rule, then the combine of split sequences.
 SHORT_CACHE, SINGLE_PASS, SPLIT = "short_cache", "single_pass", "split"
 KERNELS = (SHORT_CACHE, SINGLE_PASS, SPLIT)
+#: CUDA's largest grid y and z: the split kernel's row tiles (z) and the combine's (KV head, row)
+#: pairs (y) must fit, so a call with more rows than the combine's grid holds runs unsplit.
+GRID_YZ_LIMIT = 65535
 
 
 @dataclasses.dataclass(frozen=True)
@@ -173,9 +176,25 @@ def plan(problem: Problem, profile: HardwareProfile, backend, num_splits: int = 
     ``backend`` answers the capability questions (``flashdecode.kernels.Backend``): which kernels it
     has, its default tile config for each, and how many split programs one SM holds. ``config``
     replaces the tile config of the kernel chosen where it is of that kernel's config type (sweeps);
-    ``num_splits`` > 0 forces the split."""
+    ``num_splits`` > 0 forces the split. A plan whose combine grid would exceed ``GRID_YZ_LIMIT``
+    (KV heads x query rows: a long chunk of queries) runs unsplit; more row tiles than a grid holds
+    raise ValueError naming q (max_seqlen_q for ragged queries)."""
     if num_splits < 0:
         raise ValueError(f"num_splits must be >= 0, got {num_splits}")
+    chosen = _plan(problem, profile, backend, num_splits, config)
+    if chosen.needs_combine and problem.nheads_k * problem.q_rows > GRID_YZ_LIMIT:
+        chosen = _plan(problem, profile, backend, 1, config)
+    tiles = chosen.row_tiles(problem)
+    if tiles > GRID_YZ_LIMIT:
+        name, fix = ("max_seqlen_q", "pass a tighter bound") if problem.ragged else ("q", "split the queries over calls")
+        raise ValueError(f"{name}: {problem.q_rows} query rows a KV head (seqlen_q {problem.seqlen_q} x group "
+                         f"{problem.nheads // problem.nheads_k}) make {tiles} row tiles of {chosen.config.block_m}, "
+                         f"above the {GRID_YZ_LIMIT} a launch's grid holds: {fix}")
+    return chosen
+
+
+def _plan(problem: Problem, profile: HardwareProfile, backend, num_splits: int, config) -> Plan:
+    """``plan``'s choice, before the grid's limits are applied."""
     tuning = profile.tuning
 
     def config_for(kernel):

@@ -135,7 +135,7 @@ def _require_index(name, meta, shape, device, batch_from=""):
 def _require_unrepeated(name, meta, why):
     """A tensor the call writes: no element shares memory through a stride of 0 (an ``expand()`` view),
     where the writes of several elements would land on one and leave the others wrong."""
-    if any(stride == 0 and size > 1 for size, stride in zip(meta[2], meta[3])):
+    if any([stride == 0 and size > 1 for size, stride in zip(meta[2], meta[3])]):  # (a list: dynamo traces it)
         _fail(ValueError, f"{name} must not repeat its memory ({why}): a stride of 0 in a dimension of "
                           f"size > 1, as expand() gives, got shape {tuple(meta[2])}, strides {meta[3]}")
 
@@ -213,6 +213,16 @@ def _window(meta, causal, seqlen_q, capacity):
     left = -1 if left >= capacity else left
     right = -1 if right >= capacity else right
     return left, right
+
+
+def check_out(out, q) -> None:
+    """``out`` (a ``tensor_meta``) as the call writes it: q's shape (``q``: its ``tensor_meta``),
+    dtype and device, contiguous in its last dimension, no element repeated."""
+    _require_tensor("out", out, len(q[2]), _PACKED if len(q[2]) == 3 else _BSHD)
+    _require_like_q("out", out, q[0], q[1])
+    if out[2] != q[2]:
+        _fail(ValueError, f"out must have q's shape {tuple(q[2])}, got {tuple(out[2])}")
+    _require_unrepeated("out", out, "the call writes it")
 
 
 def check_call(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad,
@@ -391,11 +401,7 @@ def check_call(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens,
         if meta is not None:
             dense = dense and meta[4] and is_contiguous(meta[2], meta[3])
     if out is not None:
-        _require_tensor("out", out, len(q[2]), _PACKED if ragged else _BSHD)
-        _require_like_q("out", out, q_dtype, device)
-        if out[2] != q[2]:
-            _fail(ValueError, f"out must have q's shape {tuple(q[2])}, got {tuple(out[2])}")
-        _require_unrepeated("out", out, "the call writes it")
+        check_out(out, q)
         dense = dense and out[4] and is_contiguous(out[2], out[3])
     offsets_32 = all(offsets_fit_32(meta[2], meta[3]) for meta in (k_cache, v_cache))
     return Problem(batch, capacity, nheads, nheads_k, headdim, str(q_dtype).removeprefix("torch."),

@@ -180,6 +180,27 @@ def test_torch_compile_fullgraph(backend):
     assert torch.equal(k_cache, expected_k) and torch.equal(v_cache, expected_v)
 
 
+def test_torch_compile_checks_out_and_refuses_a_context():
+    """Traced, the ops never see ``out`` or a context: ``out`` is checked as an eager call checks it
+    (before 2026-12-07 a wrong dtype or shape was cast or broadcast into), and a DecodeContext, whose
+    tuning and config the ops could not apply, is refused by name rather than ignored."""
+    q, k_cache, v_cache, lengths = inputs(seqlen=16)
+
+    def step(q, k_cache, v_cache, lengths, out=None, context=None):
+        return flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=lengths, out=out, context=context)
+
+    out = torch.empty_like(q)
+    got = torch.compile(step, fullgraph=True, backend="aot_eager")(q, k_cache, v_cache, lengths, out)
+    assert got.data_ptr() == out.data_ptr()
+    torch.testing.assert_close(got, step(q, k_cache, v_cache, lengths), atol=2e-3, rtol=2e-3)
+    for bad, message in ((out.float(), "out must have q's dtype"), (q.new_empty(2, 4, 8, 64), "out must have q's shape"),
+                         (None, "context: under torch.compile")):
+        torch._dynamo.reset()
+        context = DecodeContext("cpu") if bad is None else None
+        with pytest.raises(Exception, match=message):  # dynamo wraps it; its text stays
+            torch.compile(step, fullgraph=True, backend="aot_eager")(q, k_cache, v_cache, lengths, bad, context)
+
+
 @pytest.mark.gpu
 def test_a_context_made_for_cuda_takes_the_current_device():
     """DecodeContext("cuda") serves tensors on the current CUDA device (whose name carries an index)."""

@@ -240,6 +240,27 @@ def test_plan_bounds_hold_under_windows_and_appended_tokens(backend, data):
                for item in items if item.tokens)
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("profile_name", PROFILE_NAMES)
+@pytest.mark.parametrize("seqlen_q, nheads_k, group, num_splits", [
+    (256, 32, 8, 64), (2048, 8, 4, 0), (2048, 8, 4, 64), (4096, 32, 1, 0), (16, 8, 4, 0), (16, 8, 4, 5)])
+def test_grids_fit_cudas_limits(backend, profile_name, seqlen_q, nheads_k, group, num_splits):
+    """A long chunk of queries over a long cache (a chunked prefill) forced into more splits than the
+    split kernel merges would get a combine whose grid of KV heads x query rows exceeds CUDA's
+    65,535, above which CUDA launches no grid (256 x 32 x 8 rows, num_splits=64; planned so before
+    2026-12-07): such calls run unsplit; more row tiles than a grid holds raise ValueError naming q."""
+    from flashdecode.planner import GRID_YZ_LIMIT
+
+    problem = problem_for([0] * 2, 32768, nheads_k=nheads_k, group=group, seqlen_q=seqlen_q)
+    p = plan(problem, PROFILES[profile_name], get_backend(backend), num_splits)
+    assert max(p.grid(problem)[1:]) <= GRID_YZ_LIMIT
+    assert not p.needs_combine or nheads_k * problem.q_rows <= GRID_YZ_LIMIT
+    if backend == "triton":  # (TileLang's programs hold all of a KV head's rows: one row tile)
+        huge = dataclasses.replace(problem, seqlen_q=2 ** 26)
+        with pytest.raises(ValueError, match=r"q: .* row tiles .* above the 65535"):
+            plan(huge, PROFILES[profile_name], get_backend(backend))
+
+
 @pytest.mark.parametrize("threshold", [0, 4, 64, 10_000])
 def test_split_plans_merge_in_the_kernel_up_to_the_tunings_splits(threshold):
     """Triton's split plans merge in the split kernel exactly when no sequence can get more splits
