@@ -16,6 +16,7 @@ from conftest import HAS_CUDA
 from flashdecode.kernels.base import BackendError
 from flashdecode.kernels.triton.backend import INTERPRETED, TritonBackend, TritonConfig
 from flashdecode.kernels.triton.workarounds import (FP8_V_WORDS_LAST_SEEN_ON, INTERPRETER_BF16_LAST_SEEN_ON,
+                                                    INTERPRETER_BF16_ROUNDING_LAST_SEEN_ON,
                                                     LAST_SEEN_ON, SAFE_BLOCK_N)
 from flashdecode.hardware import PROFILES
 from flashdecode.problem import Problem
@@ -68,6 +69,34 @@ def test_the_interpreter_still_multiplies_bfloat16_bit_patterns():
     assert not torch.equal(c, a.float() @ b.float()), (
         f"Triton {triton.__version__}'s interpreter now multiplies bfloat16 right (wrong up to "
         f"{INTERPRETER_BF16_LAST_SEEN_ON}): lift INTERPRETER_BF16 in flashdecode/kernels/triton/workarounds.py")
+
+
+@triton.jit
+def _to_bfloat16_kernel(X, Y, N: tl.constexpr):
+    offsets = tl.arange(0, N)
+    tl.store(Y + offsets, tl.load(X + offsets).to(tl.bfloat16))
+
+
+@interpreted
+def test_the_interpreter_still_truncates_to_bfloat16():
+    x = torch.full((16,), 1.0 + 2 ** -8 + 2 ** -10)  # halfway-plus: rounds up to 1 + 2^-7
+    y = torch.zeros(16, dtype=torch.bfloat16)
+    _to_bfloat16_kernel[(1,)](x, y, N=16)
+    assert not torch.equal(y, x.bfloat16()), (
+        f"Triton {triton.__version__}'s interpreter now rounds float32 -> bfloat16 to nearest (truncated up to "
+        f"{INTERPRETER_BF16_ROUNDING_LAST_SEEN_ON}): lift INTERPRETER_BF16_ROUNDING in "
+        f"flashdecode/kernels/triton/workarounds.py")
+
+
+@interpreted
+def test_the_interpreter_refuses_rotary_under_bfloat16_q():
+    q = torch.randn(1, 1, 4, 64, dtype=torch.bfloat16)
+    cache = torch.randn(1, 32, 2, 64).to(torch.float8_e4m3fn)
+    k = torch.randn(1, 1, 2, 64, dtype=torch.bfloat16)
+    cos, sin = torch.ones(32, 16, dtype=torch.bfloat16), torch.zeros(32, 16, dtype=torch.bfloat16)
+    with pytest.raises(BackendError, match=r"rotary with bfloat16 q.*truncates"):
+        flashdecode.flash_attn_with_kvcache(q, cache, cache.clone(), k, k, cos, sin,
+                                            cache_seqlens=torch.tensor([20], dtype=torch.int32), backend="triton")
 
 
 @interpreted

@@ -26,7 +26,11 @@ Triton's interpreter (CPU tensors, ``TRITON_INTERPRET=1``) stores bfloat16 as it
 patterns and ``tl.dot`` multiplies those patterns (values near 1e10; triton-lang/triton#11584,
 closed as "not supported yet"), so a bfloat16 call whose products are bfloat16 (a bfloat16
 cache) is refused there rather than answered wrongly; fp8 caches take float16 products and run.
-``tests/test_triton_workarounds.py`` fails once the installed interpreter multiplies bfloat16 right.
+It also truncates float32 -> bfloat16 conversions (GPUs round to nearest), so rotary under bfloat16
+q, whose rotated q and k the kernels round to q's dtype, is refused there too: 1-ulp-off keys flip
+the fp8 rounding of appended keys (an e5m2 cache's lse 0.1 off, 2026-12-07).
+``tests/test_triton_workarounds.py`` fails once the installed interpreter multiplies or rounds
+bfloat16 right.
 """
 from __future__ import annotations
 
@@ -49,9 +53,21 @@ INTERPRETER_BF16 = ("a CUDA device for bfloat16 products: Triton's interpreter m
                     "(triton-lang/triton#11584); use float16 or backend='reference' on CPU tensors")
 
 
+#: The last Triton release whose interpreter was seen truncating float32 -> bfloat16 conversions.
+INTERPRETER_BF16_ROUNDING_LAST_SEEN_ON = "3.9.0"
+#: Why the interpreter cannot take rotary under bfloat16 q (``interpreter_limitation``).
+INTERPRETER_BF16_ROUNDING = ("a CUDA device for rotary with bfloat16 q: Triton's interpreter truncates float32 -> "
+                             "bfloat16 conversions, so rotated q and k come out 1 ulp off; use float16 or "
+                             "backend='reference' on CPU tensors")
+
+
 def interpreter_limitation(problem) -> str | None:
     """Why Triton's interpreter cannot run ``problem`` (module docstring), or None."""
-    return INTERPRETER_BF16 if problem.dtype == "bfloat16" and problem.cache_dtype is None else None
+    if problem.dtype != "bfloat16":
+        return None
+    if problem.cache_dtype is None:
+        return INTERPRETER_BF16
+    return INTERPRETER_BF16_ROUNDING if problem.rotary_dim > 0 else None
 
 
 def interleaved_rotary_small_head(problem, head_pad: int, block_n: int, num_warps: int) -> bool:
