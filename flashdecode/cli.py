@@ -70,6 +70,8 @@ def _run_bench(args) -> int:
             import matplotlib  # noqa: F401
         except ImportError:
             parser.error("--plot needs matplotlib (pip install matplotlib)")
+    for flag in ("json", "csv", "plot", "markdown", "record"):  # before the timing, not after it
+        _require_writable_file(parser, f"--{flag}", getattr(args, flag))
 
     from .bench import BenchError, report, runner
 
@@ -135,7 +137,8 @@ def _add_candidates(subparsers) -> None:
     parser.add_argument("--file", default="results/candidates.jsonl", metavar="PATH",
                         help="the candidates log (default: %(default)s)")
     parser.add_argument("--case", type=_names, default=(),
-                        help="cases as machine lines name them, e.g. 10,W3,7/q4 (default: all)")
+                        help="cases as the log names them, e.g. 10,W3,7/q4, a --shapes shape as spelled "
+                             "(1x8x1x1x64:equal) (default: all)")
     parser.add_argument("--top", type=positive_int, default=5, help="techniques shown per case (default %(default)s)")
     parser.add_argument("--stall", type=positive_int, default=candidates.STALL_CANDIDATES,
                         help="candidates without a gain that flag a case (default %(default)s)")
@@ -153,9 +156,11 @@ def _run_candidates(args) -> int:
             rebuilt, left_out = candidates.from_runs(args.from_runs)
         except (OSError, ValueError) as error:
             args.command_parser.error(f"--from-runs: {error}")
-        candidates.write(rebuilt, args.file)
         for reason in left_out:
             print(f"flashdecode candidates: left out {reason}", file=sys.stderr)
+        if not rebuilt:
+            args.command_parser.error(f"--from-runs: no record in {', '.join(args.from_runs)}; {args.file} left as it was")
+        candidates.write(rebuilt, args.file)
         print(f"flashdecode candidates: wrote {len(rebuilt)} records to {args.file}", file=sys.stderr)
     try:
         found = candidates.read(args.file)
@@ -167,8 +172,22 @@ def _run_candidates(args) -> int:
         found = [record for record in found if str(record["case"]) in args.case]
         if not found:
             args.command_parser.error(f"--case: no candidate of {', '.join(args.case)} in {args.file}")
+    if not found:
+        args.command_parser.error(f"--file: no candidates in {args.file}")
     print(candidates.format_rankings(candidates.rank(found, args.stall), args.top))
     return 0
+
+
+def _require_writable_file(parser, flag: str, path: str | None) -> None:
+    """``path`` (None: not given) as a file to write: not a folder; its folder made where missing."""
+    if path is None:
+        return
+    if os.path.isdir(path):
+        parser.error(f"{flag}: {path} is a folder; name a file")
+    try:
+        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    except OSError as error:
+        parser.error(f"{flag}: cannot make the folder of {path}: {error.strerror}")
 
 
 def _ints(text: str) -> tuple[int, ...]:
@@ -246,6 +265,8 @@ def _run_warmup(args) -> int:
     if not (index.isdigit() and count.isdigit() and int(index) < int(count)):
         parser.error(f"--shard must be I/N with 0 <= I < N, got {args.shard!r}")
     if args.cache_dir:
+        if os.path.exists(args.cache_dir) and not os.path.isdir(args.cache_dir):
+            parser.error(f"--cache-dir: {args.cache_dir} is a file; name a folder")
         os.environ["TILELANG_CACHE_DIR"] = os.path.abspath(args.cache_dir)
     from .kernels.tilelang.backend import TileLangBackend
 
@@ -257,7 +278,10 @@ def _run_warmup(args) -> int:
     from .kernels.tilelang import warmup
 
     problems = [cases.VARIANTS[name].problem(case) for case in selected for name in args.variant]
-    variants = warmup.tile_variants(block_n=args.block_n, num_stages=args.stages, block_m=args.q_rows)
+    try:
+        variants = warmup.tile_variants(block_n=args.block_n, num_stages=args.stages, block_m=args.q_rows)
+    except ValueError as error:
+        parser.error(f"--block-n, --stages, --q-rows: {error}")
     calls = [(problem, num_splits) for problem in problems for num_splits in args.splits or warmup.DEFAULT_SPLITS]
     entries = warmup.kernels(calls, variants, backend=backend)
     built = warmup.build(entries, shard=(int(index), int(count)), backend=backend,
@@ -274,8 +298,10 @@ def _add_models_bench(subparsers) -> None:
                     "and flashdecode; writes rows (ms/step, tokens/s, attention share, correct) as JSON.")
     parser.add_argument("--quick", action="store_true", help="the small grid (2 models, batch 1/16, 1k/8k)")
     parser.add_argument("--models", default="", help="a comma list of models of the grid (default: all)")
-    parser.add_argument("--out", default="docs/model-decode.json", help="the JSON rows (default: %(default)s)")
-    parser.add_argument("--device", default=None, help="cuda or cpu (default: cuda where present)")
+    parser.add_argument("--out", default="model-decode.json",
+                        help="the JSON rows (default: %(default)s; the committed run is docs/model-decode.json)")
+    parser.add_argument("--device", choices=("cuda", "cpu"), default=None,
+                        help="default: cuda where present; cpu times eager steps of the tiny models only")
     parser.set_defaults(handler=_run_models_bench, command_parser=parser)
 
 

@@ -134,6 +134,22 @@ def test_end_to_end_variants_and_wide_matrix(tmp_path):
     assert own[0]["results"]["triton"]["correct"] and "S1 plain" in stdout
 
 
+def test_output_paths_are_checked_before_the_timing(capsys, tmp_path):
+    """A folder given as a file fails at once, not after the run; missing folders are made."""
+    for flag in ("--json", "--csv", "--markdown", "--record"):
+        cli_fails(capsys, ["bench", "--cases", "1", flag, str(tmp_path)], f"{flag}: {tmp_path} is a folder")
+    cli_fails(capsys, ["profile", "--case", "1", "--out", __file__], "--out: cannot make the folder")
+    cli_fails(capsys, ["profile", "--case", "1", "--out", ""], "--out: name a folder")
+
+
+def test_models_bench_refuses_what_the_machine_cannot_run(capsys):
+    if not torch.cuda.is_available():
+        cli_fails(capsys, ["models-bench", "--device", "cuda", "--out", ""], "torch sees no CUDA device")
+    cli_fails(capsys, ["models-bench", "--device", "cpu", "--models", "llama-3.1-8b", "--out", ""],
+              "models llama-3.1-8b on the CPU")
+    cli_fails(capsys, ["models-bench", "--device", "tpu"], "invalid choice: 'tpu'")
+
+
 def test_cold_cache_is_accepted_and_is_the_default(capsys):
     from flashdecode import cli
 
@@ -162,6 +178,19 @@ def test_candidates_ranks_the_log_and_flags_a_stagnating_case(capsys, tmp_path):
     assert "case 10" not in capsys.readouterr().out
     cli_fails(capsys, ["candidates", "--file", str(log), "--case", "W1"], "--case: no candidate of W1")
     cli_fails(capsys, ["candidates", "--file", str(tmp_path / "none.jsonl")], "--file: cannot read")
+    for text, message in (('{"a": 1}\n', "line 1 is not a candidate record (missing: ['case'"),
+                          ("[1, 2]\n", "line 1 is not a candidate record"), ("\n", "no candidates in")):
+        (tmp_path / "odd.jsonl").write_text(text)
+        cli_fails(capsys, ["candidates", "--file", str(tmp_path / "odd.jsonl")], message)
+
+
+def test_candidates_from_runs_without_a_record_leaves_the_log(capsys, tmp_path):
+    """A rebuild that read no bench run (the wrong file) refuses and leaves the log as it was."""
+    log, other = tmp_path / "log.jsonl", tmp_path / "other.json"
+    log.write_text("kept\n")
+    other.write_text("{}")
+    cli_fails(capsys, ["candidates", "--file", str(log), "--from-runs", str(other)], "--from-runs: no record in")
+    assert log.read_text() == "kept\n"
 
 
 def test_candidates_rebuilds_the_log_from_the_committed_runs(capsys, tmp_path):
@@ -185,6 +214,10 @@ def test_candidates_rebuilds_the_log_from_the_committed_runs(capsys, tmp_path):
     (["warmup", "--block-n", "-64"], "must be a comma list of integers >= 0"),
     (["warmup", "--shard", "2/2"], "--shard must be I/N with 0 <= I < N"),
     (["warmup", "--shard", "1"], "--shard must be I/N with 0 <= I < N"),
+    (["warmup", "--block-n", "7"], "block_n values must be multiples of 16, got [7]"),
+    (["warmup", "--q-rows", "3"], "block_m values must be powers of two, at least 16, got [3]"),
+    (["warmup", "--stages", "0"], "num_stages values must be at least 1, got [0]"),
+    (["warmup", "--cache-dir", __file__], "is a file; name a folder"),
 ])
 def test_warmup_argument_errors_exit_nonzero(capsys, argv, message):
     cli_fails(capsys, argv, message)

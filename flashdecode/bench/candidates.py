@@ -119,9 +119,23 @@ def write(found: list[dict], path) -> None:
     path.write_text("".join(json.dumps(record, allow_nan=False) + "\n" for record in found))
 
 
+#: The fields of a record the ranking reads.
+RECORD_FIELDS = frozenset(("timestamp", "device", "case", "technique", "validation", "runtime_ms"))
+
+
 def read(path) -> list[dict]:
-    """The records of a jsonl file, in file order."""
-    return [json.loads(line) for line in pathlib.Path(path).read_text().splitlines() if line.strip()]
+    """The records of a jsonl file, in file order; ValueError naming the first line that is not
+    a record (a JSON object with ``RECORD_FIELDS``)."""
+    found = []
+    for number, line in enumerate(pathlib.Path(path).read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        record = json.loads(line)
+        if not isinstance(record, dict) or not RECORD_FIELDS <= record.keys():
+            missing = sorted(RECORD_FIELDS - record.keys()) if isinstance(record, dict) else type(record).__name__
+            raise ValueError(f"line {number} is not a candidate record (missing: {missing})")
+        found.append(record)
+    return found
 
 
 @dataclasses.dataclass(frozen=True)

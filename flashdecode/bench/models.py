@@ -459,8 +459,16 @@ def run(grid: str = "default", models=None, out: str | None = None, device: str 
     each (batch, context) cell, so a run cut by a time limit keeps the cells it finished."""
     if grid not in GRIDS:
         raise ValueError(f"grid must be one of {sorted(GRIDS)}, got {grid!r}")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device cuda: torch sees no CUDA device here")
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     spec = GRIDS[grid]
+    for name in models or spec["models"]:
+        model_config(name)  # ValueError naming the grid's models for another
+    large = [name for name in models or spec["models"] if name != "tiny"]
+    if device == "cpu" and large:
+        raise ValueError(f"models {', '.join(large)} on the CPU: their weights and caches need a GPU's memory "
+                         f"(the CPU runs --models tiny)")
     modes = MODES if device == "cuda" else ("eager",)
     rows = []
     for name in models or spec["models"]:

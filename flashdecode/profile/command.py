@@ -39,6 +39,13 @@ def run(args: argparse.Namespace) -> int:
         shape = shapes.from_args(args)
     except ValueError as error:
         parser.error(str(error))
+    if args.out is not None:  # a folder to write into, checked before anything is measured
+        if str(args.out) in ("", "."):
+            parser.error("--out: name a folder for the report")
+        try:
+            args.out.mkdir(parents=True, exist_ok=True)
+        except OSError as error:
+            parser.error(f"--out: cannot make the folder {args.out}: {error.strerror}")
     cuda = torch.cuda.is_available()
     device = torch.device("cuda" if cuda else "cpu")
     if args.backend is not None:  # without CUDA, what the problem alone decides (the plan-only report)
