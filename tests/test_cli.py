@@ -261,3 +261,24 @@ def test_warmup_builds_a_tiny_case_into_the_given_cache(tmp_path):
     assert done.returncode == 0, done.stderr[-2000:]
     assert f"1 of 1 kernels built into {tmp_path / 'cache'}" in done.stdout
     assert any(path.is_file() for path in (tmp_path / "cache").rglob("*"))
+
+
+# --- tools/ ---------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("argv, message", [
+    (["fp8_sass.py", "--cases", "W3"], "--cases: numbers of cases 1-14"),
+    (["fp8_sass.py", "--field", "fp8_v_words"], "--field, --values: a TritonConfig field and its integer values"),
+    (["triton_ptx.py", __file__], "is a file; name a folder"),
+    (["warmup_tests.py", "--shard", "5/2"], "--shard must be I/N with 0 <= I < N"),
+])
+def test_tools_refuse_bad_arguments_by_name(argv, message):
+    """The tools' bad arguments end in argparse's error (exit 2), not a traceback after work."""
+    result = subprocess.run([sys.executable, str(REPO / "tools" / argv[0]), *argv[1:]], capture_output=True, text=True,
+                            timeout=300, cwd=REPO)
+    assert result.returncode == 2 and message in result.stderr and "Traceback" not in result.stderr, result.stderr
+
+
+def test_device_script_prints_its_usage():
+    result = subprocess.run(["bash", str(REPO / "tools" / "device.sh"), "--help"], capture_output=True, text=True,
+                            timeout=60, cwd=REPO)
+    assert result.returncode == 0 and "Steps:" in result.stdout and "tar" not in result.stderr

@@ -34,6 +34,12 @@ def main():
     parser.add_argument("--context", default="1024")
     parser.add_argument("--profile", type=int, default=0, metavar="N", help="print a profiled step's N costliest ops")
     args = parser.parse_args()
+    if not torch.cuda.is_available():
+        parser.error("it times eager steps on a CUDA device; torch sees none here")
+    try:
+        models.model_config(args.model)
+    except ValueError as error:
+        parser.error(f"--model: {error}")
     from transformers import AttentionInterface, AutoModelForCausalLM
 
     names = models.register_systems()

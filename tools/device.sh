@@ -42,6 +42,10 @@
 # e.g. carry [".gpu-bundle", ".fi-bundle", ".fa2-src.tar.xz"] and run
 #   bash tools/device.sh fa2build peers bench "--variant plain,paged16,paged256,q4,append --json $OUT/run.json"
 set -uo pipefail
+if [ $# -eq 0 ] || [ "$1" = -h ] || [ "$1" = --help ]; then  # the comment above is the usage
+  sed -n '2,/^set -uo/p' "$0" | sed '$d; s/^# \{0,1\}//'
+  exit 0
+fi
 export PYTHONUNBUFFERED=1
 mkdir -p /tmp/tl && tar -xJf .gpu-bundle/tilelang-cp312.tar.xz -C /tmp/tl
 export PYTHONPATH=$PWD:/tmp/tl/tilelang_site${PYTHONPATH:+:$PYTHONPATH} CUDA_HOME=${CUDA_HOME:-/usr/local/cuda}

@@ -24,6 +24,7 @@ from triton_resources import compile_for_hopper, cuobjdump, plan_launches, resou
 from flashdecode.cases import CASES_BY_NUMBER, VARIANTS  # noqa: E402
 from flashdecode.hardware import PROFILES  # noqa: E402
 from flashdecode.kernels import get_backend  # noqa: E402
+from flashdecode.kernels.triton.backend import TritonConfig  # noqa: E402
 from flashdecode.kernels.triton.launch import REGISTER_CEILING  # noqa: E402
 from flashdecode.planner import plan  # noqa: E402
 
@@ -124,8 +125,17 @@ def main():
     parser.add_argument("--tag", default="")
     parser.add_argument("--dump", default=None)
     args = parser.parse_args()
+    numbers = [int(c) for c in args.cases.split(",") if c.strip().isdigit()]
+    if len(numbers) != len(args.cases.split(",")) or not all(n in CASES_BY_NUMBER for n in numbers):
+        parser.error(f"--cases: numbers of cases {min(CASES_BY_NUMBER)}-{max(CASES_BY_NUMBER)}, comma separated, "
+                     f"got {args.cases!r}")
+    if args.field and (args.field not in {f.name for f in dataclasses.fields(TritonConfig)}
+                       or not args.values
+                       or not all(v.strip().lstrip("-").isdigit() for v in args.values.split(","))):
+        parser.error(f"--field, --values: a TritonConfig field and its integer values, got {args.field!r}, "
+                     f"{args.values!r}")
     settings = [{}] if not args.field else [{args.field: int(v)} for v in args.values.split(",")]
-    for number in (int(c) for c in args.cases.split(",")):
+    for number in numbers:
         for changes in settings:
             the_plan, compiled, capped, _ = compile_case(number, changes, args.variant, args.profile)
             c = the_plan.config

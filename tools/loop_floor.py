@@ -21,6 +21,7 @@ import torch
 import flashdecode
 from flashdecode import DecodeContext, cases, plan_for
 from flashdecode.bench.timing import Timer
+from flashdecode.kernels.base import BackendError
 from flashdecode.reference import relative_error
 
 TILE_FIELDS = {"block_n": "block_n", "warps": "num_warps", "stages": "num_stages"}
@@ -89,7 +90,10 @@ def main(argv=None) -> str:
     rows = []
     for case in cases.select("cases", args.cases):
         for kv_dtype in args.kv.split(","):
-            rows.append(measure(case, kv_dtype, args, timer, args.device))
+            try:
+                rows.append(measure(case, kv_dtype, args, timer, args.device))
+            except BackendError as error:  # e.g. bfloat16 under Triton's interpreter, on a CPU
+                parser.error(f"case {case.label} {kv_dtype} on {args.device}: {error}")
             print(rows[-1], flush=True)
     report = table(rows)
     print(report)

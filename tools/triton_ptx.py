@@ -105,6 +105,8 @@ def main():
     parser.add_argument("folder", type=pathlib.Path)
     parser.add_argument("--compare", type=pathlib.Path, default=None, help="a folder an earlier run wrote")
     args = parser.parse_args()
+    if args.folder.exists() and not args.folder.is_dir():
+        parser.error(f"{args.folder} is a file; name a folder")
     names = write(args.folder)
     if args.compare is None:
         print("\n".join(names))

@@ -121,7 +121,7 @@ def main():
     # kernel compiled to 107 registers, at 32 on 8 KV heads to 80, as ncu read case 7 on the H200
     parser.add_argument("--batch", type=int, default=32, help="sequences (default 32, as case 9)")
     parser.add_argument("--kv-heads", type=int, default=8, help="KV heads (default 8, as case 9)")
-    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16"))
     parser.add_argument("--page-size", type=int, default=0, help="a paged cache of pages of this many tokens")
     parser.add_argument("--dump", metavar="DIR", help="also write each kernel's TTGIR and PTX there")
     for flag in ("--warps", "--block-n", "--stages", "--max-registers"):

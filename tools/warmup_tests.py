@@ -118,8 +118,11 @@ def main():
                         "(TILELANG_CACHE_DIR; default: .tl-cache in the repository)")
     parser.add_argument("--shard", default="0/1", help="I/N: build every N-th kernel from the I-th (N processes)")
     args = parser.parse_args()
+    index, _, count = args.shard.partition("/")
+    if not (index.isdigit() and count.isdigit() and int(index) < int(count)):
+        parser.error(f"--shard must be I/N with 0 <= I < N, got {args.shard!r}")
+    index, count = int(index), int(count)
     os.environ["TILELANG_CACHE_DIR"] = os.path.abspath(args.cache_dir)
-    index, count = (int(part) for part in args.shard.split("/"))
     entries = warmup.kernels(test_problems())
     built = warmup.build(entries, shard=(index, count),
                          on_built=lambda kernel, problem, config: print("built", kernel, problem, config, flush=True))
