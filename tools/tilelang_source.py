@@ -13,7 +13,7 @@ Usage: python tools/tilelang_source.py DIR                  # write DIR/<problem
        python tools/tilelang_source.py DIR --problems leftpad-split,leftpad-append  # only these
 The kernels compiled are those of the tree this script lies in (its folder's parent goes first on
 the import path, ahead of an installed flashdecode): run each tree's own copy. About 10-30 s a
-kernel on 2 idle cores (13 plans, 20 kernels).
+kernel on 2 idle cores (each of ``PROBLEMS``' plans builds its kernel, and its combine where it splits).
 """
 import argparse
 import pathlib
