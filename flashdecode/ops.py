@@ -71,8 +71,10 @@ def traced_call(call: Call, context=None):
         raise ValueError("context: under torch.compile the call runs on the default context of q's device and "
                          "stream; call without context= there (its tuning and config apply to eager calls)")
     if call.out is not None and isinstance(q, torch.Tensor):
-        out = call.out
-        check_out((out.dtype, out.device, out.shape, out.stride(), None), (q.dtype, q.device, q.shape, q.stride(), None))
+        out = call.out  # metas as validate.tensor_meta's, without its data_ptr (which dynamo cannot trace)
+        out_meta = ((out.dtype, out.device, out.shape, out.stride(), None) if isinstance(out, torch.Tensor)
+                    else (type(out), None))
+        check_out(out_meta, (q.dtype, q.device, q.shape, q.stride(), None))
     values = []
     for argument in TRACED:
         value = getattr(call, argument.name)

@@ -176,12 +176,15 @@ def plan(problem: Problem, profile: HardwareProfile, backend, num_splits: int = 
     ``backend`` answers the capability questions (``flashdecode.kernels.Backend``): which kernels it
     has, its default tile config for each, and how many split programs one SM holds. ``config``
     replaces the tile config of the kernel chosen where it is of that kernel's config type (sweeps);
-    ``num_splits`` > 0 forces the split. A plan whose combine grid would exceed ``GRID_YZ_LIMIT``
-    (KV heads x query rows: a long chunk of queries) runs unsplit; more row tiles than a grid holds
-    raise ValueError naming q (max_seqlen_q for ragged queries)."""
+    ``num_splits`` > 0 forces the split. For a backend that launches the grid
+    (``Backend.launches_grid``), a plan whose combine grid would exceed ``GRID_YZ_LIMIT`` (KV heads x
+    query rows: a long chunk of queries) runs unsplit, and more row tiles than a grid holds raise
+    ValueError naming q (max_seqlen_q for ragged queries)."""
     if num_splits < 0:
         raise ValueError(f"num_splits must be >= 0, got {num_splits}")
     chosen = _plan(problem, profile, backend, num_splits, config)
+    if not backend.launches_grid:
+        return chosen
     if chosen.needs_combine and problem.nheads_k * problem.q_rows > GRID_YZ_LIMIT:
         chosen = _plan(problem, profile, backend, 1, config)
     tiles = chosen.row_tiles(problem)

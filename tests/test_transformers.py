@@ -513,6 +513,37 @@ def test_short_forwards_without_a_cache_match_eager(family, padding):
     torch.testing.assert_close(logits["fdecode_reference"][real], logits["eager"][real], atol=3e-2, rtol=3e-2)
 
 
+@pytest.mark.parametrize("softcap", [None, 3.0])
+@pytest.mark.parametrize("needs_grad", ["query", "value"])
+def test_a_decode_step_that_keeps_gradients_runs_off_the_call(softcap, needs_grad, monkeypatch):
+    """A one-token step over decode_mask's bounds whose query (or only value: a frozen q_proj) needs a
+    gradient runs on SDPA, or with softcap in float32 PyTorch: never the call, and the gradient
+    reaches the tensor as an eager step's does. Under no_grad the same step takes the call."""
+    calls = []
+    monkeypatch.setattr(fd_transformers, "flash_attn_with_kvcache",
+                        lambda q, *a, **kw: calls.append(1) or torch.zeros_like(q))
+    torch.manual_seed(0)
+    query = torch.randn(2, 4, 1, 16, dtype=torch.bfloat16)
+    key, value = torch.randn(2, 2, 8, 16, dtype=torch.bfloat16), torch.randn(2, 2, 8, 16, dtype=torch.bfloat16)
+    bounds = torch.tensor([[2, 0], [7, 8]], dtype=torch.int32)
+    mask = torch.stack([causal_rows(1, 8, 2, 7), causal_rows(1, 8, 0, 8)])[:, None]
+    module = torch.nn.Module()
+    module.is_causal, module.num_key_value_groups = True, 2
+    leaf = (query if needs_grad == "query" else value).requires_grad_()
+    out, _ = fd_transformers.attention_forward(module, query, key, value, bounds, softcap=softcap, backend="reference")
+    out.float().square().sum().backward()
+    assert not calls and leaf.grad is not None
+    exact = leaf.detach().double().requires_grad_()
+    inputs = (exact, key, value) if needs_grad == "query" else (query.detach(), key, exact)
+    expected = (capped_attention(*inputs, mask, softcap) if softcap else torch.nn.functional.scaled_dot_product_attention(
+        *(x.double() for x in inputs), attn_mask=mask, enable_gqa=True).transpose(1, 2))
+    expected.square().sum().backward()
+    torch.testing.assert_close(leaf.grad.double(), exact.grad, atol=5e-2, rtol=5e-2)
+    with torch.no_grad():
+        fd_transformers.attention_forward(module, query, key, value, bounds, softcap=softcap, backend="reference")
+    assert calls
+
+
 @pytest.mark.parametrize("family", ["llama", "gemma2"])
 def test_a_forward_that_keeps_gradients_runs_off_the_call(family):
     """The call keeps no gradient: a step whose query needs one (training) runs on SDPA, or with

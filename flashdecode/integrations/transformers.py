@@ -31,6 +31,7 @@ import os
 import torch
 
 from ..api import flash_attn_with_kvcache
+from ..compat import is_compiling
 from ..reference import masked_softmax
 from ..validate import MAX_HEADDIM, SUPPORTED_DTYPES
 
@@ -81,8 +82,9 @@ def decode_mask(*args, **kwargs):
     MAX_DECODE_QUERY, after keys already cached) the visible key range of each sequence as an int32
     (2 or 3, batch, 1, 1) tensor (``key_bounds``, the layer's window from ``local_size``), the third
     row (the window) where a window shapes the rows of several new tokens, which the call must then
-    be given; SDPA's mask for longer queries, several new tokens with no key cached before them (a
-    prefill, right-padded or packed sequences included), several new tokens of a chunked layer or of a
+    be given; SDPA's mask for longer queries, several new tokens with no key cached before them
+    (``kv_length == q_length``: a prefill into a DynamicCache or without a cache, right-padded or packed
+    sequences included; a StaticCache's is ``max_cache_len``), several new tokens of a chunked layer or of a
     model with KV-shared layers (Gemma-4 slices the mask's rows), a model that reads the mask itself
     (``reads_the_mask``), a bidirectional mask, and a CPU mask that no bounds hold (``key_bounds``;
     on a GPU the host does not read the mask: such sequences give NaN rows)."""
@@ -96,7 +98,7 @@ def decode_mask(*args, **kwargs):
                                  or getattr(config, "num_kv_shared_layers", 0))):
         return sdpa_mask(*args, **kwargs)
     bounds = key_bounds(sdpa_mask(*args, **{**kwargs, "allow_is_causal_skip": False}), window)
-    if bounds.device.type == "cpu" and readable(bounds) and not holds(bounds):
+    if bounds.device.type == "cpu" and not is_compiling() and not holds(bounds):
         return sdpa_mask(*args, **kwargs)
     if window is not None and q_length > 1:  # one row: its range already starts inside the window
         bounds = torch.cat((bounds, torch.full_like(bounds[:1], window)))
@@ -150,15 +152,15 @@ def key_bounds(mask: torch.Tensor, window: int | None = None) -> torch.Tensor:
 
 
 def holds(bounds: torch.Tensor) -> bool:
-    """Whether ``key_bounds``' bounds hold every sequence's mask (a host read of them)."""
+    """Whether ``key_bounds``' bounds hold every sequence's mask (a host read of them); a sequence
+    that sees no key (first = kv_len, end = 0) counts as one they cannot."""
     return bool((bounds[0] <= bounds[1]).all())
 
 
 def readable(tensor: torch.Tensor) -> bool:
     """Whether the host may read ``tensor`` now: on the CPU, or on a GPU outside a CUDA graph's
     capture; never while torch.compile traces."""
-    return not torch.compiler.is_compiling() and (tensor.device.type == "cpu"
-                                                  or not torch.cuda.is_current_stream_capturing())
+    return not is_compiling() and (tensor.device.type == "cpu" or not torch.cuda.is_current_stream_capturing())
 
 
 def attention_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None, sliding_window=None,
@@ -169,8 +171,8 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
     ``kernel``: what to call in place of flashdecode's ``flash_attn_with_kvcache`` (same arguments;
     the decode-step benchmark times FlashAttention 2's over the same cache view).
 
-    What the kernels cannot take goes to SDPA: prefill without softcap or sinks, steps that keep a
-    gradient (training: the call keeps none), head dims above ``MAX_HEADDIM`` (Gemma-4's global
+    What the kernels cannot take goes to SDPA: prefill without softcap or sinks, steps whose query,
+    key or value needs a gradient (grad enabled: the call keeps none), head dims above ``MAX_HEADDIM`` (Gemma-4's global
     layers), a float32 model, a window the model builds into its
     masks but does not pass (Qwen2-MoE), a ``position_bias`` on the scores (Inkling) and the keys a
     sparse-attention indexer kept (``indices``: DeepSeek-V3.2 and kin; ``block_indices``: MiniMax-M3;
@@ -199,7 +201,7 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
     windowed = decode and len(attention_mask) == 3  # decode_mask's window over several new tokens
     wide = query.shape[-1] > MAX_HEADDIM
     full = query.dtype not in SUPPORTED_DTYPES  # a float32 model: SDPA
-    # training: the call keeps no gradient, SDPA and PyTorch do
+    # training: the call keeps no gradient, SDPA and PyTorch do (decode loops: under no_grad or inference_mode)
     trains = torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad)
     off_call = (wide or full or biased or selected or trains or windowed and sliding_window is None
                 or not decode and (softcap is None and s_aux is None or not is_causal(module, kwargs)))
@@ -292,7 +294,8 @@ def is_causal(module, kwargs) -> bool:
 
 def pytorch_attention(query, key, value, attention_mask, causal, scaling, softcap, sinks):
     """``attention_forward``'s steps with softcap or sinks that the call cannot take (head dims
-    above MAX_HEADDIM, float32 models, a window not passed, rows that see later keys), in float32
+    above MAX_HEADDIM, float32 models, a window not passed, rows that see later keys, steps that keep
+    a gradient, prefills over a mask no key bounds hold), in float32
     PyTorch (``_masked_attention``) a sequence at a time: over SDPA's boolean mask (decode_mask's
     bounds made one by ``bounds_mask``) or, where transformers skipped it (None), SDPA's
     ``is_causal`` rows: aligned to the first key (transformers skips the mask only where that is

@@ -104,6 +104,8 @@ class Backend(abc.ABC):
     its compiled kernels (bounded caches keyed by tile config)."""
 
     name: str
+    #: Whether its plans launch the plan's grid (``planner.GRID_YZ_LIMIT`` binds them); the reference has none.
+    launches_grid: bool = True
 
     def unavailable(self) -> str | None:
         """Why this backend cannot run in this process at all (a missing package), or None."""

@@ -27,6 +27,7 @@ class ReferenceBackend(Backend):
     """Every feature of the surface, in PyTorch (``docs/design.md``, "Semantics")."""
 
     name = "reference"
+    launches_grid = False
 
     def limitation(self, problem, device):
         return None
