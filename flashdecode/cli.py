@@ -254,6 +254,18 @@ def _add_warmup(subparsers) -> None:
     parser.set_defaults(handler=_run_warmup, command_parser=parser)
 
 
+def parse_shard(text: str) -> tuple[int, int]:
+    """(I, N) of an "I/N" shard, 0 <= I < N (warmup's and tools/warmup_tests.py's); ValueError otherwise."""
+    index, _, count = text.partition("/")
+    if not (index.isdigit() and count.isdigit() and int(index) < int(count)):
+        raise ValueError(f"--shard must be I/N with 0 <= I < N, got {text!r}")
+    return int(index), int(count)
+
+
+#: warmup's flag of each split-kernel field (``warmup.tile_variants``).
+WARMUP_FLAGS = {"block_n": "--block-n", "num_stages": "--stages", "block_m": "--q-rows"}
+
+
 def _run_warmup(args) -> int:
     """Resolve the cases, variants and shard, then build (``kernels.tilelang.warmup``)."""
     parser = args.command_parser
@@ -261,9 +273,10 @@ def _run_warmup(args) -> int:
     unknown = [name for name in args.variant if name not in cases.VARIANTS]
     if unknown:
         parser.error(f"unknown variants {unknown}; variants are {', '.join(cases.VARIANTS)}")
-    index, _, count = args.shard.partition("/")
-    if not (index.isdigit() and count.isdigit() and int(index) < int(count)):
-        parser.error(f"--shard must be I/N with 0 <= I < N, got {args.shard!r}")
+    try:
+        shard = parse_shard(args.shard)
+    except ValueError as error:
+        parser.error(str(error))
     if args.cache_dir:
         if os.path.exists(args.cache_dir) and not os.path.isdir(args.cache_dir):
             parser.error(f"--cache-dir: {args.cache_dir} is a file; name a folder")
@@ -281,10 +294,11 @@ def _run_warmup(args) -> int:
     try:
         variants = warmup.tile_variants(block_n=args.block_n, num_stages=args.stages, block_m=args.q_rows)
     except ValueError as error:
-        parser.error(f"--block-n, --stages, --q-rows: {error}")
+        field = str(error).split()[0]
+        parser.error(f"{WARMUP_FLAGS.get(field, '--block-n, --stages, --q-rows')}: {error}")
     calls = [(problem, num_splits) for problem in problems for num_splits in args.splits or warmup.DEFAULT_SPLITS]
     entries = warmup.kernels(calls, variants, backend=backend)
-    built = warmup.build(entries, shard=(int(index), int(count)), backend=backend,
+    built = warmup.build(entries, shard=shard, backend=backend,
                          on_built=lambda kernel, problem, config: print("built", kernel, problem, config, flush=True))
     print(f"flashdecode warmup: {built} of {len(entries)} kernels built into {env.TILELANG_CACHE_DIR}")
 
@@ -308,6 +322,8 @@ def _add_models_bench(subparsers) -> None:
 def _run_models_bench(args) -> int:
     from .bench import models
 
+    if args.out:
+        _require_writable_file(args.command_parser, "--out", args.out)
     try:
         rows = models.run("quick" if args.quick else "default", _names(args.models) or None, args.out, args.device)
     except (ImportError, ValueError) as error:

@@ -129,6 +129,8 @@ def main():
     if len(numbers) != len(args.cases.split(",")) or not all(n in CASES_BY_NUMBER for n in numbers):
         parser.error(f"--cases: numbers of cases {min(CASES_BY_NUMBER)}-{max(CASES_BY_NUMBER)}, comma separated, "
                      f"got {args.cases!r}")
+    if args.values and not args.field:
+        parser.error("--values: the values of --field, which is not given")
     if args.field and (args.field not in {f.name for f in dataclasses.fields(TritonConfig)}
                        or not args.values
                        or not all(v.strip().lstrip("-").isdigit() for v in args.values.split(","))):

@@ -21,10 +21,17 @@ import torch
 import flashdecode
 from flashdecode import DecodeContext, cases, plan_for
 from flashdecode.bench.timing import Timer
-from flashdecode.kernels.base import BackendError
+from flashdecode.hardware import profile_for
+from flashdecode.kernels.base import BackendError, select
 from flashdecode.reference import relative_error
 
 TILE_FIELDS = {"block_n": "block_n", "warps": "num_warps", "stages": "num_stages"}
+
+
+def floor_variant(kv_dtype: str, page_size: int) -> cases.Variant:
+    """The benchmark variant of the floor's calls: pages of ``page_size``, the cache in ``kv_dtype``."""
+    fp8 = kv_dtype if kv_dtype.startswith("float8") else None
+    return cases.Variant(f"paged{page_size}", "loop floor", page_size=page_size, cache_dtype=fp8)
 
 
 def paged_call(case: cases.Case, kv_dtype: str, page_size: int, resident_pages: int, device: str,
@@ -33,9 +40,8 @@ def paged_call(case: cases.Case, kv_dtype: str, page_size: int, resident_pages: 
     fp8 cache quantised with calibrated descales) and its two block tables: the call's own ("dram")
     and one whose entry i, in row order, is page i mod ``resident_pages`` ("l2"); ``lengths``: a
     length rule in place of the case's."""
-    fp8 = kv_dtype if kv_dtype.startswith("float8") else None
-    variant = cases.Variant(f"paged{page_size}", "loop floor", page_size=page_size, cache_dtype=fp8)
-    call = cases.make_call(dataclasses.replace(case, lengths=lengths or case.lengths), variant, device)
+    call = cases.make_call(dataclasses.replace(case, lengths=lengths or case.lengths), floor_variant(kv_dtype, page_size),
+                           device)
     table = call.block_table
     resident = torch.arange(table.numel(), device=device, dtype=torch.int32) % min(resident_pages, table.numel())
     return call, {"dram": table, "l2": resident.view_as(table)}
@@ -86,15 +92,18 @@ def main(argv=None) -> str:
     parser.add_argument("--iters", type=int, default=40)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = parser.parse_args(argv)
-    timer = Timer(torch.device(args.device), iters=args.iters, warmup=5)
+    device = torch.device(args.device)
+    selected = [(case, kv_dtype) for case in cases.select("cases", args.cases) for kv_dtype in args.kv.split(",")]
+    for case, kv_dtype in selected:  # before any is measured: e.g. bfloat16 under Triton's interpreter, on a CPU
+        try:
+            select(args.backend, floor_variant(kv_dtype, args.page_size).problem(case), device, profile_for(device))
+        except BackendError as error:
+            parser.error(f"case {case.label} {kv_dtype} on {args.device}: {error}")
+    timer = Timer(device, iters=args.iters, warmup=5)
     rows = []
-    for case in cases.select("cases", args.cases):
-        for kv_dtype in args.kv.split(","):
-            try:
-                rows.append(measure(case, kv_dtype, args, timer, args.device))
-            except BackendError as error:  # e.g. bfloat16 under Triton's interpreter, on a CPU
-                parser.error(f"case {case.label} {kv_dtype} on {args.device}: {error}")
-            print(rows[-1], flush=True)
+    for case, kv_dtype in selected:
+        rows.append(measure(case, kv_dtype, args, timer, args.device))
+        print(rows[-1], flush=True)
     report = table(rows)
     print(report)
     return report

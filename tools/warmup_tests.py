@@ -24,6 +24,7 @@ sys.path[:0] = [str(REPO), str(REPO / "tests")]
 import torch  # noqa: E402
 
 from flashdecode import plan_for  # noqa: E402
+from flashdecode.cli import parse_shard  # noqa: E402
 from flashdecode.kernels.tilelang import warmup  # noqa: E402
 from flashdecode.problem import Problem  # noqa: E402
 
@@ -118,10 +119,10 @@ def main():
                         "(TILELANG_CACHE_DIR; default: .tl-cache in the repository)")
     parser.add_argument("--shard", default="0/1", help="I/N: build every N-th kernel from the I-th (N processes)")
     args = parser.parse_args()
-    index, _, count = args.shard.partition("/")
-    if not (index.isdigit() and count.isdigit() and int(index) < int(count)):
-        parser.error(f"--shard must be I/N with 0 <= I < N, got {args.shard!r}")
-    index, count = int(index), int(count)
+    try:
+        index, count = parse_shard(args.shard)
+    except ValueError as error:
+        parser.error(str(error))
     os.environ["TILELANG_CACHE_DIR"] = os.path.abspath(args.cache_dir)
     entries = warmup.kernels(test_problems())
     built = warmup.build(entries, shard=(index, count),

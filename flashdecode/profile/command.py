@@ -20,12 +20,19 @@ from .report import Measurements, build, notes_for, plan_only, section, write
 BACKENDS = ("tilelang", "triton")
 
 
+def _folder(text: str) -> pathlib.Path:
+    """argparse type: a folder's path, not empty."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("name a folder for the report")
+    return pathlib.Path(text)
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     shapes.add_arguments(parser)
     parser.add_argument("--backend", choices=BACKENDS,
                         help="kernel backend (default: what backend=\"auto\" runs; without CUDA, the plan of the "
                              "backend auto runs on each hardware profile)")
-    parser.add_argument("--out", metavar="DIR", type=pathlib.Path,
+    parser.add_argument("--out", metavar="DIR", type=_folder,
                         help="where report.md, report.json, trace.json, graph-trace.json and ncu.csv go "
                              "(default: profiles/<case>-<backend>)")
     parser.add_argument("--ncu", default="ncu", metavar="PATH",
@@ -40,8 +47,6 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as error:
         parser.error(str(error))
     if args.out is not None:  # a folder to write into, checked before anything is measured
-        if str(args.out) in ("", "."):
-            parser.error("--out: name a folder for the report")
         try:
             args.out.mkdir(parents=True, exist_ok=True)
         except OSError as error:
