@@ -159,7 +159,8 @@ def _run_candidates(args) -> int:
         for reason in left_out:
             print(f"flashdecode candidates: left out {reason}", file=sys.stderr)
         if not rebuilt:
-            args.command_parser.error(f"--from-runs: no record in {', '.join(args.from_runs)}; {args.file} left as it was")
+            args.command_parser.error(f"--from-runs: no record in {', '.join(args.from_runs)}; "
+                                      f"{args.file} left as it was")
         candidates.write(rebuilt, args.file)
         print(f"flashdecode candidates: wrote {len(rebuilt)} records to {args.file}", file=sys.stderr)
     try:

@@ -189,7 +189,8 @@ def plan(problem: Problem, profile: HardwareProfile, backend, num_splits: int = 
         chosen = _plan(problem, profile, backend, 1, config)
     tiles = chosen.row_tiles(problem)
     if tiles > GRID_YZ_LIMIT:
-        name, fix = ("max_seqlen_q", "pass a tighter bound") if problem.ragged else ("q", "split the queries over calls")
+        name, fix = (("max_seqlen_q", "pass a tighter bound") if problem.ragged
+                     else ("q", "split the queries over calls"))
         raise ValueError(f"{name}: {problem.q_rows} query rows a KV head (seqlen_q {problem.seqlen_q} x group "
                          f"{problem.nheads // problem.nheads_k}) make {tiles} row tiles of {chosen.config.block_m}, "
                          f"above the {GRID_YZ_LIMIT} a launch's grid holds: {fix}")

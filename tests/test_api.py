@@ -193,8 +193,10 @@ def test_torch_compile_checks_out_and_refuses_a_context():
     got = torch.compile(step, fullgraph=True, backend="aot_eager")(q, k_cache, v_cache, lengths, out)
     assert got.data_ptr() == out.data_ptr()
     torch.testing.assert_close(got, step(q, k_cache, v_cache, lengths), atol=2e-3, rtol=2e-3)
-    for bad, message in ((out.float(), "out must have q's dtype"), (q.new_empty(2, 4, 8, 64), "out must have q's shape"),
-                         ([0.0], "out must be a torch.Tensor, got list"), (None, "context: under torch.compile")):
+    for bad, message in ((out.float(), "out must have q's dtype"),
+                         (q.new_empty(2, 4, 8, 64), "out must have q's shape"),
+                         ([0.0], "out must be a torch.Tensor, got list"),
+                         (None, "context: under torch.compile")):
         torch._dynamo.reset()
         context = DecodeContext("cpu") if bad is None else None
         with pytest.raises(Exception, match=message):  # dynamo wraps it; its text stays

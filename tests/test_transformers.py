@@ -535,8 +535,9 @@ def test_a_decode_step_that_keeps_gradients_runs_off_the_call(softcap, needs_gra
     assert not calls and leaf.grad is not None
     exact = leaf.detach().double().requires_grad_()
     inputs = (exact, key, value) if needs_grad == "query" else (query.detach(), key, exact)
-    expected = (capped_attention(*inputs, mask, softcap) if softcap else torch.nn.functional.scaled_dot_product_attention(
-        *(x.double() for x in inputs), attn_mask=mask, enable_gqa=True).transpose(1, 2))
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    expected = (capped_attention(*inputs, mask, softcap) if softcap
+                else sdpa(*(x.double() for x in inputs), attn_mask=mask, enable_gqa=True).transpose(1, 2))
     expected.square().sum().backward()
     torch.testing.assert_close(leaf.grad.double(), exact.grad, atol=5e-2, rtol=5e-2)
     with torch.no_grad():

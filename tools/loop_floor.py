@@ -40,8 +40,8 @@ def paged_call(case: cases.Case, kv_dtype: str, page_size: int, resident_pages: 
     fp8 cache quantised with calibrated descales) and its two block tables: the call's own ("dram")
     and one whose entry i, in row order, is page i mod ``resident_pages`` ("l2"); ``lengths``: a
     length rule in place of the case's."""
-    call = cases.make_call(dataclasses.replace(case, lengths=lengths or case.lengths), floor_variant(kv_dtype, page_size),
-                           device)
+    variant = floor_variant(kv_dtype, page_size)
+    call = cases.make_call(dataclasses.replace(case, lengths=lengths or case.lengths), variant, device)
     table = call.block_table
     resident = torch.arange(table.numel(), device=device, dtype=torch.int32) % min(resident_pages, table.numel())
     return call, {"dram": table, "l2": resident.view_as(table)}

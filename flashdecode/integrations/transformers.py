@@ -83,11 +83,11 @@ def decode_mask(*args, **kwargs):
     (2 or 3, batch, 1, 1) tensor (``key_bounds``, the layer's window from ``local_size``), the third
     row (the window) where a window shapes the rows of several new tokens, which the call must then
     be given; SDPA's mask for longer queries, several new tokens with no key cached before them
-    (``kv_length == q_length``: a prefill into a DynamicCache or without a cache, right-padded or packed
-    sequences included; a StaticCache's is ``max_cache_len``), several new tokens of a chunked layer or of a
-    model with KV-shared layers (Gemma-4 slices the mask's rows), a model that reads the mask itself
-    (``reads_the_mask``), a bidirectional mask, and a CPU mask that no bounds hold (``key_bounds``;
-    on a GPU the host does not read the mask: such sequences give NaN rows)."""
+    (``kv_length == q_length``: a prefill into a DynamicCache or without a cache, right-padded or
+    packed sequences included; a StaticCache's is ``max_cache_len``), several new tokens of a
+    chunked layer or of a model with KV-shared layers (Gemma-4 slices the mask's rows), a model that
+    reads the mask itself (``reads_the_mask``), a bidirectional mask, and a CPU mask that no bounds
+    hold (``key_bounds``; on a GPU the host does not read the mask: such sequences give NaN rows)."""
     from transformers.masking_utils import sdpa_mask
 
     window, config, q_length = kwargs.get("local_size"), kwargs.get("config"), kwargs["q_length"]
@@ -172,8 +172,8 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
     the decode-step benchmark times FlashAttention 2's over the same cache view).
 
     What the kernels cannot take goes to SDPA: prefill without softcap or sinks, steps whose query,
-    key or value needs a gradient (grad enabled: the call keeps none), head dims above ``MAX_HEADDIM`` (Gemma-4's global
-    layers), a float32 model, a window the model builds into its
+    key or value needs a gradient (grad enabled: the call keeps none), head dims above
+    ``MAX_HEADDIM`` (Gemma-4's global layers), a float32 model, a window the model builds into its
     masks but does not pass (Qwen2-MoE), a ``position_bias`` on the scores (Inkling) and the keys a
     sparse-attention indexer kept (``indices``: DeepSeek-V3.2 and kin; ``block_indices``: MiniMax-M3;
     folded into the mask as transformers does for SDPA); of these, steps with softcap or sinks, which
