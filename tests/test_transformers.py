@@ -861,7 +861,8 @@ def gpu_tiny_model(family, backend):
 @pytest.mark.parametrize("family", FAMILIES)
 def test_gpu_tiny_models_match_eager(family, cache_kind, backend):
     """On TileLang (named: its kernels take transformers' heads-first caches and left pads, ``auto``
-    keeps such calls on Triton) every decode step and short prefill runs its kernels or raises."""
+    keeps such calls on Triton) every decode step, and a short prefill into a StaticCache, runs its
+    kernels or raises (one into a DynamicCache, with no key cached before it, is SDPA's)."""
     ids, mask = padded_prompts(256)
     check_against_baselines(gpu_tiny_model(family, backend), ids, mask, STEPS, cache_kind, backend, "cuda")
 
