@@ -938,6 +938,28 @@ def test_paged_kernel_loads_offline_through_transformers():
     assert {"softcap", "s_aux"} <= set(passed), passed
 
 
+def test_paged_decode_runs_the_keywords_transformers_builds():
+    """The keywords of transformers' block-table decode branch, through its own kwargs processing, as
+    it calls the package: 5.25 passes max_seqlen_q beside the dense q (before 2026-12-07 the call
+    refused it, and generate_batch's first decode step failed), which the package drops."""
+    from transformers.modeling_flash_attention_utils import _lazy_define_process_function
+
+    _, _, _, with_kvcache = paged_kernel_module()
+    torch.manual_seed(0)
+    k_cache, v_cache = (torch.randn(3, 16, 2, 64, dtype=torch.float16) for _ in range(2))
+    q = torch.randn(2, 1, 4, 64, dtype=torch.float16)
+    k, v = (torch.randn(2, 1, 2, 64, dtype=torch.float16) for _ in range(2))
+    block_table, cache_seqlens = torch.tensor([[2], [0]], dtype=torch.int32), torch.tensor([8, 15], dtype=torch.int32)
+    paged = dict(block_table=block_table, cache_seqlens=cache_seqlens)
+    passed = _lazy_define_process_function(with_kvcache)(query_length=1, key_length=2, is_causal=True, softmax_scale=None,
+                                                         max_seqlen_q=1, max_seqlen_k=16, **paged)
+    expected_caches = k_cache.clone(), v_cache.clone()
+    expected = fd_transformers.flash_attn_with_kvcache(q, *expected_caches, k, v, **paged, causal=True)
+    out = with_kvcache(q, k_cache, v_cache, k, v, **{**paged, **passed})
+    torch.testing.assert_close(out, expected)
+    assert torch.equal(k_cache, expected_caches[0])
+
+
 def test_paged_decode_takes_sinks_as_s_aux():
     """The package's ``flash_attn_with_kvcache``: transformers' ``s_aux`` (bf16, as it passes them) are sinks."""
     from flashdecode import flash_attn_with_kvcache

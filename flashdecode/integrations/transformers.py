@@ -325,9 +325,13 @@ def unheld_as_nan(out: torch.Tensor, bounds: torch.Tensor) -> torch.Tensor:
 
 def kvcache_attention(*args, s_aux=None, **kwargs):
     """``flash_attn_with_kvcache`` for the paged path, taking transformers' name for attention
-    sinks: ``s_aux``, a logit per query head in any float dtype (gpt-oss), goes as ``sinks``."""
+    sinks: ``s_aux``, a logit per query head in any float dtype (gpt-oss), goes as ``sinks``; the
+    ``max_seqlen_q`` transformers 5.25's block-table decode passes beside a dense q (the call takes
+    it only with ``cu_seqlens_q``, as FlashAttention 3 reads it) is dropped."""
     if s_aux is not None:
         kwargs["sinks"] = s_aux.float()
+    if kwargs.get("cu_seqlens_q") is None:
+        kwargs.pop("max_seqlen_q", None)
     return flash_attn_with_kvcache(*args, **kwargs)
 
 
