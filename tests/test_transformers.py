@@ -951,8 +951,8 @@ def test_paged_decode_runs_the_keywords_transformers_builds():
     k, v = (torch.randn(2, 1, 2, 64, dtype=torch.float16) for _ in range(2))
     block_table, cache_seqlens = torch.tensor([[2], [0]], dtype=torch.int32), torch.tensor([8, 15], dtype=torch.int32)
     paged = dict(block_table=block_table, cache_seqlens=cache_seqlens)
-    passed = _lazy_define_process_function(with_kvcache)(query_length=1, key_length=2, is_causal=True, softmax_scale=None,
-                                                         max_seqlen_q=1, max_seqlen_k=16, **paged)
+    passed = _lazy_define_process_function(with_kvcache)(query_length=1, key_length=2, is_causal=True,
+                                                         softmax_scale=None, max_seqlen_q=1, max_seqlen_k=16, **paged)
     expected_caches = k_cache.clone(), v_cache.clone()
     expected = fd_transformers.flash_attn_with_kvcache(q, *expected_caches, k, v, **paged, causal=True)
     out = with_kvcache(q, k_cache, v_cache, k, v, **{**paged, **passed})
