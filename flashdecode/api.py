@@ -14,7 +14,7 @@ from torch import Tensor
 from .call import DECODE_POSITIONAL, Call, define, parameters
 # (F401: names only the generated functions below use, as their globals)
 from .compat import is_compiling  # noqa: F401
-from .context import DecodeContext, default_context, new_call, read_scalars  # noqa: F401
+from .context import DecodeContext, checked_call, default_context, new_call, read_scalars  # noqa: F401
 from .ops import traced_call  # noqa: F401
 from .planner import Plan
 from .problem import Problem
@@ -79,7 +79,9 @@ def _route(call: Call, context: DecodeContext | None) -> Route:
     if not isinstance(call.q, Tensor):
         raise TypeError(f"q must be a torch.Tensor, got {type(call.q).__name__}")
     context = context if context is not None else DecodeContext(call.q.device)
-    problem, chosen, plan, _, _ = context.resolve(read_scalars(call))
+    call = read_scalars(call)
+    problem, chosen, plan, host_checks, copies = context.resolve(call)
+    checked_call(call, problem, chosen, plan, host_checks, copies)  # the index values, checked as the call checks them
     return Route(chosen.name, problem, plan)
 
 

@@ -25,7 +25,8 @@ from .call import ARGUMENTS, FLAG, NAMES, REQUIRED, SCALAR, TENSOR, Call, define
 from .kernels import base
 from .planner import plan as make_plan
 from .problem import contiguous_strides
-from .validate import check_call, check_values, scalar_meta, tensor_meta, tensor_scalars, value_checks_enabled
+from .validate import (check_call, check_tile_config, check_values, scalar_meta, tensor_meta, tensor_scalars,
+                       value_checks_enabled)
 
 #: ``new_call(values)``: the Call of a tuple of the call's arguments (no Python frame, unlike ``Call(*values)``).
 new_call = functools.partial(tuple.__new__, Call)
@@ -52,6 +53,10 @@ class DecodeContext:
     repeat call), or None before the first CUDA call and where it is off (``host_path_off_because``)."""
 
     def __init__(self, device=None, *, tuning=None, config=None):
+        if tuning is not None and not isinstance(tuning, hardware.Tuning):
+            raise TypeError(f"tuning must be a flashdecode.hardware.Tuning, got {type(tuning).__name__}")
+        if config is not None:
+            check_tile_config(config)
         self.device = None if device is None else torch.device(device)
         self.stream = None
         self.tuning = tuning
@@ -148,12 +153,7 @@ class DecodeContext:
         if capturing:
             host = None
         problem, chosen, plan, host_checks, copies = self.resolve(call)
-        launched = contiguous_copies(call) if copies else call
-        if host_checks or value_checks_enabled():
-            check_values(problem, launched.k_cache, launched.cache_seqlens, launched.cache_batch_idx,
-                         launched.cache_leftpad, launched.block_table, force=True,
-                         block_ids_from=chosen.block_ids_read_from(plan), cu_seqlens_q=launched.cu_seqlens_q,
-                         total_q=launched.q.shape[0])
+        launched = checked_call(call, problem, chosen, plan, host_checks, copies)
         result = torch.empty_like(launched.q) if call.out is None else call.out
         memory = self.workspace
         lse = memory.lse(problem, device, call.return_softmax_lse, capturing, launched.q.shape[0])
@@ -290,6 +290,19 @@ class _DefaultContexts(threading.local):
 _defaults = _DefaultContexts()
 #: Streams per thread whose default contexts are kept; past it the table starts again.
 MAX_DEFAULT_CONTEXTS = 16
+
+
+def checked_call(call: Call, problem, chosen, plan, host_checks: bool, copies: bool) -> Call:
+    """The call as launched (``contiguous_copies`` where ``resolve`` said so), its index values
+    checked on the host where ``resolve`` or the value checks ask (never on meta tensors, which
+    hold none: ``plan_for`` plans such calls without memory)."""
+    launched = contiguous_copies(call) if copies else call
+    if (host_checks or value_checks_enabled()) and launched.q.device.type != "meta":
+        check_values(problem, launched.k_cache, launched.cache_seqlens, launched.cache_batch_idx,
+                     launched.cache_leftpad, launched.block_table, force=True,
+                     block_ids_from=chosen.block_ids_read_from(plan), cu_seqlens_q=launched.cu_seqlens_q,
+                     total_q=launched.q.shape[0])
+    return launched
 
 
 def default_context(q: torch.Tensor) -> DecodeContext:

@@ -12,6 +12,7 @@ device-to-host copy, which would break CUDA-graph capture. Off, the kernels clam
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import numbers
 import os
@@ -213,6 +214,34 @@ def _window(meta, causal, seqlen_q, capacity):
     left = -1 if left >= capacity else left
     right = -1 if right >= capacity else right
     return left, right
+
+
+#: Tile-config fields that size ``tl.arange`` ranges, warps or MMA tiles: powers of two (block_n and
+#: block_m at least 16, a ``tl.dot`` operand's least side).
+POWER_OF_TWO_FIELDS = {"block_n": 16, "block_m": 16, "num_warps": 1, "combine_step": 1, "combine_dims": 1, "step": 1}
+#: Tile-config fields where 0 means "off" (TileLang's producer_registers: the even split).
+ZERO_ALLOWED_FIELDS = frozenset(("producer_registers",))
+
+
+def check_tile_config(config, name: str = "config") -> None:
+    """A ``DecodeContext``'s ``config``: a backend's frozen tile config (a dataclass: TritonConfig,
+    TileLang's SplitConfig or ShortCacheConfig) whose int fields are positive (``ZERO_ALLOWED_FIELDS``:
+    >= 0) and ``POWER_OF_TWO_FIELDS`` powers of two at least their minimum; TypeError/ValueError
+    naming the field."""
+    if not dataclasses.is_dataclass(config) or isinstance(config, type):
+        _fail(TypeError, f"{name} must be a backend's tile config (TritonConfig, TileLang's SplitConfig or "
+                         f"ShortCacheConfig), got {type(config).__name__}")
+    for field in dataclasses.fields(config):
+        value, label = getattr(config, field.name), f"{name}.{field.name}"
+        if dataclasses.is_dataclass(value):
+            check_tile_config(value, label)
+        elif value is not None and not isinstance(value, bool):
+            if not isinstance(value, int):
+                _fail(TypeError, f"{label} must be an int, got {value!r}")
+            least = POWER_OF_TWO_FIELDS.get(field.name, 0 if field.name in ZERO_ALLOWED_FIELDS else 1)
+            if value < least or field.name in POWER_OF_TWO_FIELDS and value & (value - 1):
+                rule = f"a power of two >= {least}" if field.name in POWER_OF_TWO_FIELDS else f">= {least}"
+                _fail(ValueError, f"{label} must be {rule}, got {value}")
 
 
 def check_out(out, q) -> None:

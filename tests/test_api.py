@@ -1,5 +1,6 @@
 """The public API on the CPU: FlashAttention's signature and positional order, the project's own
 name, routes, contexts, backend errors, and torch.compile through the custom ops."""
+import dataclasses
 import inspect
 import threading
 
@@ -178,6 +179,36 @@ def test_torch_compile_fullgraph(backend):
     for a, b in zip(got, expected):
         torch.testing.assert_close(a, b, atol=2e-3, rtol=2e-3)
     assert torch.equal(k_cache, expected_k) and torch.equal(v_cache, expected_v)
+
+
+def test_a_context_checks_its_tuning_and_config():
+    """DecodeContext's tuning and tile config are checked when it is made, naming the field: a
+    negative block_n ran, wrong (error 1.09), and 0 divided by zero, before 2026-12-07."""
+    from flashdecode.hardware import Tuning
+    from flashdecode.kernels.triton.backend import TritonConfig
+
+    good = TritonConfig(block_n=16, block_m=16, num_warps=4, num_stages=1, combine_step=4)
+    DecodeContext("cpu", tuning=Tuning(), config=good)
+    for bad, kind, message in ((dict(block_n=-16), ValueError, "config.block_n must be a power of two >= 16, got -16"),
+                               (dict(block_m=3), ValueError, "config.block_m must be a power of two >= 16"),
+                               (dict(num_warps=3), ValueError, "config.num_warps must be a power of two"),
+                               (dict(num_stages=0), ValueError, "config.num_stages must be >= 1, got 0"),
+                               (dict(block_n=16.0), TypeError, "config.block_n must be an int, got 16.0")):
+        with pytest.raises(kind, match=message):
+            DecodeContext("cpu", config=dataclasses.replace(good, **bad))
+    with pytest.raises(TypeError, match="config must be a backend's tile config .* got int"):
+        DecodeContext("cpu", config=5)
+    with pytest.raises(TypeError, match="tuning must be a flashdecode.hardware.Tuning, got int"):
+        DecodeContext("cpu", tuning=5)
+
+
+def test_plan_for_checks_index_values_as_the_call_does():
+    """plan_for's route is validated as the call is, index values of CPU tensors included."""
+    q, k_cache, v_cache, _ = inputs(seqlen=12)
+    with pytest.raises(ValueError, match=r"cache_seqlens must be in \[0, 12\]"):
+        plan_for(q, k_cache, v_cache, cache_seqlens=torch.tensor([5, 13], dtype=torch.int32))
+    with pytest.raises(ValueError, match="cache_batch_idx must be in"):
+        plan_for(q, k_cache, v_cache, cache_seqlens=4, cache_batch_idx=torch.tensor([0, 2], dtype=torch.int32))
 
 
 def test_torch_compile_checks_out_and_refuses_a_context():

@@ -567,7 +567,7 @@ def test_merge_step_by_row_tile(seqlen_q, merge_step):
 def test_merging_plan_without_counters_is_refused():
     """A plan that merges in the split kernel, launched without its ticket counters: a clear error
     naming them, not a compile error deep in Triton."""
-    call = make_call(lengths=[117, 70])
+    call = make_call(capacity=128, lengths=[117, 70])
     problem = plan_for(call.q, call.k_cache, call.v_cache, **call.kwargs, backend="triton").problem
     chosen = dataclasses.replace(plan(problem, PROFILES["h200"], BACKEND, 3, config=SMALL), merge_in_split=True)
     args = LaunchArgs(call.q, call.k_cache, call.v_cache, call.kwargs["cache_seqlens"], torch.empty_like(call.q),
