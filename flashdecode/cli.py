@@ -295,7 +295,7 @@ def _run_warmup(args) -> int:
     try:
         variants = warmup.tile_variants(block_n=args.block_n, num_stages=args.stages, block_m=args.q_rows)
     except ValueError as error:
-        field = str(error).split()[0]
+        field = str(error).split()[0].removeprefix("config.")
         parser.error(f"{WARMUP_FLAGS.get(field, '--block-n, --stages, --q-rows')}: {error}")
     calls = [(problem, num_splits) for problem in problems for num_splits in args.splits or warmup.DEFAULT_SPLITS]
     entries = warmup.kernels(calls, variants, backend=backend)

@@ -16,7 +16,7 @@ import torch
 
 from .call import ARGUMENTS, Call
 from .context import default_context
-from .validate import check_out, descale_number
+from .validate import check_out, descale_number, tensor_meta
 
 #: The ops' arguments, in ARGUMENTS order.
 TRACED = tuple(argument for argument in ARGUMENTS if argument.traced_as is not None)
@@ -71,10 +71,7 @@ def traced_call(call: Call, context=None):
         raise ValueError("context: under torch.compile the call runs on the default context of q's device and "
                          "stream; call without context= there (its tuning and config apply to eager calls)")
     if call.out is not None and isinstance(q, torch.Tensor):
-        out = call.out  # metas as validate.tensor_meta's, without its data_ptr (which dynamo cannot trace)
-        out_meta = ((out.dtype, out.device, out.shape, out.stride(), None) if isinstance(out, torch.Tensor)
-                    else (type(out), None))
-        check_out(out_meta, (q.dtype, q.device, q.shape, q.stride(), None))
+        check_out(tensor_meta("out", call.out, traced=True), tensor_meta("q", q, traced=True))
     values = []
     for argument in TRACED:
         value = getattr(call, argument.name)

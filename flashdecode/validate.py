@@ -51,14 +51,16 @@ def value_checks_enabled() -> bool:
     return _ValueChecks.enabled
 
 
-def tensor_meta(name, tensor):
+def tensor_meta(name, tensor, traced: bool = False):
     """What the checks read of an argument: (dtype, device, shape, strides, 16-byte aligned) of a
-    tensor, None for None, (type, value) of anything else (rejected by the checks)."""
+    tensor, None for None, (type, value) of anything else (rejected by the checks). ``traced``:
+    while torch.compile traces, which cannot read a data pointer (alignment None)."""
     if tensor is None:
         return None
     if not isinstance(tensor, torch.Tensor):
         return (type(tensor), _hashable(tensor))
-    return (tensor.dtype, tensor.device, tensor.shape, tensor.stride(), tensor.data_ptr() % 16 == 0)
+    aligned = None if traced else tensor.data_ptr() % 16 == 0
+    return (tensor.dtype, tensor.device, tensor.shape, tensor.stride(), aligned)
 
 
 def _hashable(value):

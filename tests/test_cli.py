@@ -214,9 +214,9 @@ def test_candidates_rebuilds_the_log_from_the_committed_runs(capsys, tmp_path):
     (["warmup", "--block-n", "-64"], "must be a comma list of integers >= 0"),
     (["warmup", "--shard", "2/2"], "--shard must be I/N with 0 <= I < N"),
     (["warmup", "--shard", "1"], "--shard must be I/N with 0 <= I < N"),
-    (["warmup", "--block-n", "7"], "block_n values must be multiples of 16, got [7]"),
-    (["warmup", "--q-rows", "3"], "block_m values must be powers of two, at least 16, got [3]"),
-    (["warmup", "--stages", "0"], "num_stages values must be at least 1, got [0]"),
+    (["warmup", "--block-n", "7"], "--block-n: config.block_n must be a power of two >= 16, got 7"),
+    (["warmup", "--q-rows", "3"], "--q-rows: config.block_m must be a power of two >= 16, got 3"),
+    (["warmup", "--stages", "0"], "--stages: config.num_stages must be >= 1, got 0"),
     (["warmup", "--cache-dir", __file__], "is a file; name a folder"),
 ])
 def test_warmup_argument_errors_exit_nonzero(capsys, argv, message):

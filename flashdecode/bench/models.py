@@ -463,15 +463,16 @@ def run(grid: str = "default", models=None, out: str | None = None, device: str 
         raise ValueError("device cuda: torch sees no CUDA device here")
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     spec = GRIDS[grid]
-    for name in models or spec["models"]:
+    names = models or spec["models"]
+    for name in names:
         model_config(name)  # ValueError naming the grid's models for another
-    large = [name for name in models or spec["models"] if name != "tiny"]
+    large = [name for name in names if name != "tiny"]
     if device == "cpu" and large:
         raise ValueError(f"models {', '.join(large)} on the CPU: their weights and caches need a GPU's memory "
                          f"(the CPU runs --models tiny)")
     modes = MODES if device == "cuda" else ("eager",)
     rows = []
-    for name in models or spec["models"]:
+    for name in names:
         done = list(rows)
         rows += model_rows(name, spec["batches"], spec["contexts"], modes, SYSTEMS, device, progress,
                            on_cell=(lambda cells: write(done + cells, out)) if out else None)

@@ -97,9 +97,10 @@ def decode_mask(*args, **kwargs):
             or q_length > 1 and (kwargs.get("kv_length") == q_length or chunked(config, window)
                                  or getattr(config, "num_kv_shared_layers", 0))):
         return sdpa_mask(*args, **kwargs)
-    bounds = key_bounds(sdpa_mask(*args, **{**kwargs, "allow_is_causal_skip": False}), window)
+    mask = sdpa_mask(*args, **{**kwargs, "allow_is_causal_skip": False})
+    bounds = key_bounds(mask, window)
     if bounds.device.type == "cpu" and not is_compiling() and not holds(bounds):
-        return sdpa_mask(*args, **kwargs)
+        return mask  # (one no bounds hold is no mask transformers would skip)
     if window is not None and q_length > 1:  # one row: its range already starts inside the window
         bounds = torch.cat((bounds, torch.full_like(bounds[:1], window)))
     # 4D, as a mask made ahead must be to pass create_causal_mask as it is (generate over a StaticCache

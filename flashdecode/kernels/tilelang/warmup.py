@@ -20,7 +20,8 @@ from ... import planner
 from ...hardware import PROFILES, HardwareProfile
 from .backend import TileLangBackend, problem_limitation, q_tile_rows
 from .build import SM90A
-from .config import KernelShape
+from ...validate import check_tile_config
+from .config import KernelShape, SplitConfig
 
 #: Forced split counts each case is planned with by default (0: the planner's own choice): the
 #: unsplit and split kernels the GPU tests and the sanitizer force too.
@@ -35,15 +36,12 @@ def tile_variants(**values: tuple[int, ...]) -> list[dict]:
     unknown = sorted(set(values) - set(SPLIT_FIELDS))
     if unknown:
         raise ValueError(f"tile fields must be among {SPLIT_FIELDS}, got {unknown}")
-    for field, allowed, rule in (("block_n", lambda n: n >= 16 and n % 16 == 0, "multiples of 16"),
-                                 ("block_m", lambda m: m >= 16 and m & (m - 1) == 0, "powers of two, at least 16"),
-                                 ("num_stages", lambda s: s >= 1, "at least 1")):
-        bad = [value for value in values.get(field, ()) if not allowed(value)]
-        if bad:
-            raise ValueError(f"{field} values must be {rule}, got {bad}")
     given = [(field, options) for field, options in values.items() if options]
-    return [dict(zip([field for field, _ in given], combination))
-            for combination in itertools.product(*[options for _, options in given])]
+    variants = [dict(zip([field for field, _ in given], combination))
+                for combination in itertools.product(*[options for _, options in given])]
+    for variant in variants:  # the rule a DecodeContext's config meets (ValueError naming the field)
+        check_tile_config(dataclasses.replace(SplitConfig(block_n=64), **variant))
+    return variants
 
 
 def kernels(calls, variants=({},), profile: HardwareProfile = PROFILES["h200"],
