@@ -127,6 +127,34 @@ class Tuning:
     #: ``triton.backend.split_32_row_resident``'s.
     triton_split_32_row_resident_programs: tuple = ()
 
+    def __post_init__(self):
+        """Counts are ints, at least 1 where a plan divides by them or sizes a grid with them (and in
+        every table), else at least 0; ValueError/TypeError naming the field."""
+        for field in dataclasses.fields(self):
+            value = getattr(self, field.name)
+            if field.name == "auto_order" or value is None or isinstance(value, bool):
+                continue
+            table = isinstance(value, tuple)
+            least = 1 if table or field.name in _COUNTS_OF_AT_LEAST_ONE else 0
+            for number in _table_numbers(value) if table else (value,):
+                if type(number) is not int:
+                    raise TypeError(f"tuning.{field.name} must hold ints, got {value!r}")
+                if number < least:
+                    raise ValueError(f"tuning.{field.name} must be at least {least}"
+                                     f"{' in every entry' if table else ''}, got {value!r}")
+
+
+#: Tuning's int fields that a plan divides by or sizes its grid with.
+_COUNTS_OF_AT_LEAST_ONE = frozenset(("programs_per_multiprocessor", "min_blocks_per_split",
+                                     "max_rows_merged_in_split"))
+
+
+def _table_numbers(table: tuple) -> list:
+    """The numbers of a Tuning table: a tuple of ints, or of rows (backend name or head dim, ints...)
+    whose backend names are skipped."""
+    rows = table if table and isinstance(table[0], tuple) else (table,)
+    return [item for row in rows for item in row if not isinstance(item, str)]
+
 
 #: Hopper's tuning (H100, H200), measured on the H200 (docs/tuning.md): the merge in the split kernel,
 #: a dependent combine, shorter splits for Triton's combined, one-sequence and underfilled plans,

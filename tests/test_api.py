@@ -183,7 +183,8 @@ def test_torch_compile_fullgraph(backend):
 
 def test_a_context_checks_its_tuning_and_config():
     """DecodeContext's tuning and tile config are checked when it is made, naming the field: a
-    negative block_n ran, wrong (error 1.09), and 0 divided by zero, before 2026-12-07."""
+    negative block_n ran, wrong (error 1.09), and 0 divided by zero, before 2026-12-07; so did a
+    Tuning with min_blocks_per_split=0."""
     from flashdecode.hardware import Tuning
     from flashdecode.kernels.triton.backend import TritonConfig
 
@@ -198,6 +199,14 @@ def test_a_context_checks_its_tuning_and_config():
             DecodeContext("cpu", config=dataclasses.replace(good, **bad))
     with pytest.raises(TypeError, match="config must be a backend's tile config .* got int"):
         DecodeContext("cpu", config=5)
+    for bad, kind, message in ((dict(min_blocks_per_split=0), ValueError,
+                                "tuning.min_blocks_per_split must be at least 1, got 0"),
+                               (dict(split_above_blocks=-1), ValueError, "tuning.split_above_blocks must be at least 0"),
+                               (dict(min_blocks_per_combined_split=(("triton", 0),)), ValueError,
+                                "tuning.min_blocks_per_combined_split must be at least 1 in every entry"),
+                               (dict(triton_fp8_stages=1.5), TypeError, "tuning.triton_fp8_stages must hold ints")):
+        with pytest.raises(kind, match=message):
+            Tuning(**bad)
     with pytest.raises(TypeError, match="tuning must be a flashdecode.hardware.Tuning, got int"):
         DecodeContext("cpu", tuning=5)
 
