@@ -1348,3 +1348,26 @@ def test_sweep_packed_heads_name_what_they_cannot_pack(variant, heads):
     inputs = cases.make_call(cases.CASES_BY_NUMBER[5], cases.VARIANTS[variant])
     with pytest.raises(ValueError, match=f"--pack-heads {heads}: needs"):
         sweep.pack_heads(inputs, heads)
+
+
+def test_prewarm_calls_every_shape_the_benchmark_draws(monkeypatch, capsys):
+    """tools/prewarm.py: a ragged variant's seeds give each set of drafts the benchmark's timed, fresh
+    and layer inputs draw, once; another variant's calls have one shape (one seed). Each part of a
+    call runs with and without lse (Triton's interpreter here)."""
+    from flashdecode.bench import runner
+
+    monkeypatch.setattr(sys, "path", ["tools", *sys.path])
+    import prewarm
+
+    case, ragged = cases.CASES_BY_LABEL["4"], cases.VARIANTS["ragged-per-length"]
+    drawn = [1, runner.FRESH_SEED] + [runner.LAYER_SEED + index for index in range(1, runner.EAGER_LAYERS)]
+    every = {tuple(cases.draft_lengths(case, ragged, seed)) for seed in drawn}
+    kept = prewarm.seeds(case, ragged)
+    assert len(kept) == len(every) > 1 and {tuple(cases.draft_lengths(case, ragged, seed)) for seed in kept} == every
+    assert prewarm.seeds(case, cases.VARIANTS["fp8"]) == [1]
+    shape, _ = runner.as_run(cases.CASES_BY_LABEL["3"], cuda=False)
+    parts = sum(len(cases.make_call(shape, ragged, seed=seed).parts) for seed in prewarm.seeds(shape, ragged))
+    made, refused = prewarm.warm((cases.CASES_BY_LABEL["3"], "ragged-per-length", ("triton",)))
+    assert (made, refused) == (2 * parts, [])
+    assert prewarm.main(["--cases", "3", "--variant", "plain", "--jobs", "1"]) == 0
+    assert "prewarm: 2 calls over 1 (case, variant)" in capsys.readouterr().out

@@ -23,6 +23,10 @@
 #               six serving variants with FlashInfer over the 14 cases outlast 530 s: 2026-12-07;
 #               --cases 1-7 then 8-14 on one machine took 390 s and 148 s on an H100, the same day;
 #               merge the JSONs with python -m flashdecode.bench.report A.json B.json --json RUN.json)
+#   prewarm ARGS  tools/prewarm.py with the given arguments (PREWARM_JOBS processes, default 12): the
+#               host path's extension and the Triton kernels of a bench selection (ARGS: its --cases,
+#               --variant, --backends) built before a bench step times anything; put it after peers
+#               and before bench
 #   sweep ARGS  tools/sweep.py with the given arguments
 #   combos ARGS tools/fa_combos.py with the given arguments (a grid combo by id, --repeat, --value-checks),
 #               then the same once under compute-sanitizer memcheck (COMBOS_MEMCHECK=0: not;
@@ -167,6 +171,14 @@ json.dump(fa_grid.merge_reports([json.load(open(p)) for p in paths]), open('$OUT
         2>"$OUT/bench_progress.log" | tee -a "$OUT/bench.log"
       summary+=("bench rc=${PIPESTATUS[0]}")
       kill $smi 2>/dev/null; trap - EXIT;;
+    prewarm)
+      wait_for_warmups
+      args=$1; shift
+      timeout -k 10 "${STEP_TIMEOUT:-400}" python3 tools/prewarm.py $args --jobs "${PREWARM_JOBS:-12}" \
+        > "$OUT/prewarm.log" 2>&1
+      rc=$?
+      tail -1 "$OUT/prewarm.log"
+      summary+=("prewarm rc=$rc");;
     sweep)
       wait_for_warmups
       args=$1; shift

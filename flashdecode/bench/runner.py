@@ -260,7 +260,7 @@ def torch_launch_gpu_us(timer: Timer) -> float | None:
     return None if graph is None else graph[0].median_us
 
 
-def _as_run(case: cases.Case, cuda: bool) -> tuple[cases.Case, torch.dtype]:
+def as_run(case: cases.Case, cuda: bool) -> tuple[cases.Case, torch.dtype]:
     """The case's shape and dtype as this machine runs it (scaled down and float16 without CUDA)."""
     if cuda:
         return case, cases.DTYPE
@@ -283,7 +283,7 @@ def case_inputs(case: cases.Case, variant: cases.Variant, selection: Selection, 
     """(shape run, the eager loop's layers with the timed inputs first, fresh inputs, what the timed
     and the fresh inputs' outputs are judged against: ``correctness.Expected``) of one case and
     variant, as every system of the run gets them."""
-    shape, dtype = _as_run(case, selection.cuda)
+    shape, dtype = as_run(case, selection.cuda)
     call = cases.make_call(shape, variant, device, dtype)
     fresh = cases.make_call(shape, variant, device, dtype, seed=FRESH_SEED)
     references = correctness.expected(call), correctness.expected(fresh)
