@@ -128,32 +128,52 @@ class Tuning:
     triton_split_32_row_resident_programs: tuple = ()
 
     def __post_init__(self):
-        """Counts are ints, at least 1 where a plan divides by them or sizes a grid with them (and in
-        every table), else at least 0; ValueError/TypeError naming the field."""
+        """Each field of its default's kind: True or False; an int, or a table of ints or of rows
+        led by a backend name, whose numbers are at least 1 where a plan divides by them or counts
+        programs with them (``_AT_LEAST_ONE``), else at least 0 (0: the rule off); None where the
+        default is None. TypeError/ValueError naming the field."""
         for field in dataclasses.fields(self):
-            value = getattr(self, field.name)
-            if field.name == "auto_order" or value is None or isinstance(value, bool):
+            name, value, default = field.name, getattr(self, field.name), field.default
+            if name == "auto_order" or value is None and default is None:
                 continue
-            table = isinstance(value, tuple)
-            least = 1 if table or field.name in _COUNTS_OF_AT_LEAST_ONE else 0
-            for number in _table_numbers(value) if table else (value,):
+            if isinstance(default, bool):
+                if not isinstance(value, bool):
+                    raise TypeError(f"tuning.{name} must be True or False, got {value!r}")
+                continue
+            table = isinstance(value, tuple) and not isinstance(default, int)
+            if table:
+                numbers = _table_numbers(name, value)
+            elif type(value) is int and not isinstance(default, tuple):
+                numbers = [value]
+            else:
+                kind = "an int" if isinstance(default, int) else "a tuple" if isinstance(default, tuple) else \
+                    "an int, a tuple or None"
+                raise TypeError(f"tuning.{name} must be {kind}, got {value!r}")
+            least = 1 if name in _AT_LEAST_ONE else 0
+            for number in numbers:
                 if type(number) is not int:
-                    raise TypeError(f"tuning.{field.name} must hold ints, got {value!r}")
+                    raise TypeError(f"tuning.{name} must hold ints, got {value!r}")
                 if number < least:
-                    raise ValueError(f"tuning.{field.name} must be at least {least}"
-                                     f"{' in every entry' if table else ''}, got {value!r}")
+                    rule = f"hold numbers of at least {least}" if table else f"be at least {least}"
+                    raise ValueError(f"tuning.{name} must {rule}, got {value!r}")
+        if self.underfilled_merge_caps is not None and len(self.underfilled_merge_caps) != 2:
+            raise ValueError(f"tuning.underfilled_merge_caps must be (most splits, most partial rows), "
+                             f"got {self.underfilled_merge_caps!r}")
 
 
-#: Tuning's int fields that a plan divides by or sizes its grid with.
-_COUNTS_OF_AT_LEAST_ONE = frozenset(("programs_per_multiprocessor", "min_blocks_per_split",
-                                     "max_rows_merged_in_split"))
+#: Tuning's fields whose numbers a plan divides by or counts programs with.
+_AT_LEAST_ONE = frozenset(("programs_per_multiprocessor", "min_blocks_per_split", "min_blocks_per_combined_split",
+                           "min_blocks_per_one_sequence_split", "triton_tiles", "triton_resident_programs",
+                           "triton_paged_resident_programs", "triton_split_32_row_resident_programs"))
 
 
-def _table_numbers(table: tuple) -> list:
-    """The numbers of a Tuning table: a tuple of ints, or of rows (backend name or head dim, ints...)
-    whose backend names are skipped."""
-    rows = table if table and isinstance(table[0], tuple) else (table,)
-    return [item for row in rows for item in row if not isinstance(item, str)]
+def _table_numbers(name: str, table: tuple) -> list:
+    """The numbers of Tuning table ``name``: a tuple of ints, or of rows each led by a backend name
+    or a head dim; TypeError naming it for another shape."""
+    rows = table if any(isinstance(row, tuple) for row in table) else (table,) if table else ()
+    if not all(isinstance(row, tuple) and row for row in rows):
+        raise TypeError(f"tuning.{name} must be a tuple of ints or of rows (tuples), got {table!r}")
+    return [item for row in rows for item in (row[1:] if isinstance(row[0], str) else row)]
 
 
 #: Hopper's tuning (H100, H200), measured on the H200 (docs/tuning.md): the merge in the split kernel,

@@ -2,6 +2,7 @@
 name, routes, contexts, backend errors, and torch.compile through the custom ops."""
 import dataclasses
 import inspect
+import re
 import threading
 
 import pytest
@@ -199,14 +200,19 @@ def test_a_context_checks_its_tuning_and_config():
             DecodeContext("cpu", config=dataclasses.replace(good, **bad))
     with pytest.raises(TypeError, match="config must be a backend's tile config .* got int"):
         DecodeContext("cpu", config=5)
-    for bad, kind, message in ((dict(min_blocks_per_split=0), ValueError,
-                                "tuning.min_blocks_per_split must be at least 1, got 0"),
-                               (dict(split_above_blocks=-1), ValueError, "tuning.split_above_blocks must be at least 0"),
-                               (dict(min_blocks_per_combined_split=(("triton", 0),)), ValueError,
-                                "tuning.min_blocks_per_combined_split must be at least 1 in every entry"),
-                               (dict(triton_fp8_stages=1.5), TypeError, "tuning.triton_fp8_stages must hold ints")):
-        with pytest.raises(kind, match=message):
+    for bad, kind, message in (
+            (dict(min_blocks_per_split=0), ValueError, "tuning.min_blocks_per_split must be at least 1, got 0"),
+            (dict(min_blocks_per_split=False), TypeError, "tuning.min_blocks_per_split must be an int, got False"),
+            (dict(split_above_blocks=-1), ValueError, "tuning.split_above_blocks must be at least 0"),
+            (dict(min_blocks_per_combined_split=(("triton", 0),)), ValueError,
+             "tuning.min_blocks_per_combined_split must hold numbers of at least 1"),
+            (dict(triton_tiles=((64, "128", 4, 2),)), TypeError, "tuning.triton_tiles must hold ints"),
+            (dict(triton_resident_programs=((64, 4), 5)), TypeError, "tuning.triton_resident_programs must be a tuple"),
+            (dict(underfilled_merge_caps=(8,)), ValueError, "tuning.underfilled_merge_caps must be"),
+            (dict(dependent_combine="yes"), TypeError, "tuning.dependent_combine must be True or False")):
+        with pytest.raises(kind, match=re.escape(message)):
             Tuning(**bad)
+    Tuning(max_rows_merged_in_split=0, underfilled_merge_caps=(0, 256), split_above_blocks=0)  # 0: the rule off
     with pytest.raises(TypeError, match="tuning must be a flashdecode.hardware.Tuning, got int"):
         DecodeContext("cpu", tuning=5)
 
