@@ -460,7 +460,8 @@ def test_our_backends_pass_the_per_row_check_on_the_matrix(runner, backend):
     it times and checks; a call the backend cannot take is left out."""
     check, _, _, setup_with_lse = runner.call_ours(backend)
     calls = [(case, "plain") for case in cases.CASES]
-    calls += [(cases.CASES_BY_NUMBER[n], variant) for n in (3, 7, 10) for variant in cases.VARIANTS if variant != "plain"]
+    calls += [(cases.CASES_BY_NUMBER[n], variant)
+              for n in (3, 7, 10) for variant in cases.VARIANTS if variant != "plain"]
     judged = []
     for case, variant in calls:
         call = cases.make_call(case, cases.VARIANTS[variant], "cuda")
@@ -1352,22 +1353,29 @@ def test_sweep_packed_heads_name_what_they_cannot_pack(variant, heads):
 
 def test_prewarm_calls_every_shape_the_benchmark_draws(monkeypatch, capsys):
     """tools/prewarm.py: a ragged variant's seeds give each set of drafts the benchmark's timed, fresh
-    and layer inputs draw, once; another variant's calls have one shape (one seed). Each part of a
-    call runs with and without lse (Triton's interpreter here)."""
+    and layer inputs draw, once; another variant's calls have one shape (one seed). A call runs with
+    and without lse, a call of parts each part without, as the benchmark runs them (Triton's
+    interpreter here); a call that fails is reported and the rest go on."""
     from flashdecode.bench import runner
 
     monkeypatch.setattr(sys, "path", ["tools", *sys.path])
     import prewarm
 
     case, ragged = cases.CASES_BY_LABEL["4"], cases.VARIANTS["ragged-per-length"]
-    drawn = [1, runner.FRESH_SEED] + [runner.LAYER_SEED + index for index in range(1, runner.EAGER_LAYERS)]
+    drawn = [runner.TIMED_SEED, runner.FRESH_SEED, *runner.layer_seeds(runner.EAGER_LAYERS)]
     every = {tuple(cases.draft_lengths(case, ragged, seed)) for seed in drawn}
     kept = prewarm.seeds(case, ragged)
     assert len(kept) == len(every) > 1 and {tuple(cases.draft_lengths(case, ragged, seed)) for seed in kept} == every
-    assert prewarm.seeds(case, cases.VARIANTS["fp8"]) == [1]
-    shape, _ = runner.as_run(cases.CASES_BY_LABEL["3"], cuda=False)
-    parts = sum(len(cases.make_call(shape, ragged, seed=seed).parts) for seed in prewarm.seeds(shape, ragged))
-    made, refused = prewarm.warm((cases.CASES_BY_LABEL["3"], "ragged-per-length", ("triton",)))
-    assert (made, refused) == (2 * parts, [])
+    assert prewarm.seeds(case, cases.VARIANTS["fp8"]) == [runner.TIMED_SEED]
+    small, _ = runner.as_run(cases.CASES_BY_LABEL["3"], cuda=False)
+    parts = sum(len(cases.make_call(small, ragged, seed=seed).parts) for seed in prewarm.seeds(small, ragged))
+    assert prewarm.warm((cases.CASES_BY_LABEL["3"], "ragged-per-length", ("triton",))) == (parts, [], [])
     assert prewarm.main(["--cases", "3", "--variant", "plain", "--jobs", "1"]) == 0
     assert "prewarm: 2 calls over 1 (case, variant)" in capsys.readouterr().out
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("no such kernel")
+
+    monkeypatch.setattr(prewarm.flashdecode, "flash_attn_with_kvcache", broken)
+    made, refused, failed = prewarm.warm((cases.CASES_BY_LABEL["3"], "plain", ("triton",)))
+    assert (made, refused, failed) == (0, [], ["case 3 plain triton: RuntimeError: no such kernel"])

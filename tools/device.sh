@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Runs on the H200 machine (the device tool): unpack the TileLang bundle, then each step named on
 # the command line, logging everything under $OUT (STEP_TIMEOUT, default 400 s, bounds the bench,
-# sweep and sanitize steps so one stuck step cannot eat the whole call). Steps:
+# prewarm, sweep and sanitize steps so one stuck step cannot eat the whole call). Steps:
 #   warmup      build the GPU tests' TileLang kernels missing from the carried cache here, in the
 #               background (WARMUP_SHARDS processes, default 12; tools/warmup_tests.py) while the later
 #               steps that time nothing run (tests, fa2build, peers); a timing step waits for them

@@ -2,15 +2,15 @@
 
 Triton compiles a kernel specialisation on its first launch and keeps it in its disk cache
 (``TRITON_CACHE_DIR``, default ``~/.triton/cache``); the host path's extension is built once per
-machine. On a fresh machine the benchmark's own process pays both, one kernel at a time: the serving
-variants over cases 1-7 took 390 s on a fresh H100, and cases 8-14 then 148 s on the same machine
-(2026-12-07, docs/iterations.md entry 65). This tool builds the extension once, then calls each
-(case, variant) of a selection once per backend, with and without lse, in ``--jobs`` processes
-sharing the cache, over every seed whose shapes the benchmark draws (a ragged variant's drafts
-change with the seed), so the timed run loads each kernel instead of compiling it. Nothing is
-timed; outputs are not checked (the benchmark checks its own).
+machine. The benchmark's own process pays both on a newly started machine, one kernel at a time (the
+serving variants' device calls took 390 s for cases 1-7 on a newly started H100 and 148 s for cases
+8-14 on the same machine afterwards, FlashInfer's builds included: 2026-12-07, docs/iterations.md
+entry 65; the share of compiling was not measured). This tool builds the extension once, then makes
+the benchmark's calls of each (case, variant) once per backend, in ``--jobs`` processes sharing the
+cache, over every seed whose shapes the benchmark draws (a ragged variant's drafts change with the
+seed), so the timed run finds its kernels on disk. Nothing is timed; outputs are not checked.
 
-Usage: python tools/prewarm.py --cases 1-14 --variant plain,fp8,sinks,ragged --backends triton [--jobs 12]
+Usage: python tools/prewarm.py --cases 1-14 --variant plain,fp8,sinks,ragged --backends triton [--jobs 8]
 """
 import argparse
 import concurrent.futures
@@ -29,7 +29,7 @@ from flashdecode.kernels.base import BackendError
 def seeds(case: cases.Case, variant: cases.Variant) -> list[int]:
     """The seeds of the benchmark's inputs for ``case`` (timed, fresh, then the eager loop's
     layers) whose calls differ in shape: the first only, unless the variant's drafts are random."""
-    drawn = [1, runner.FRESH_SEED] + [runner.LAYER_SEED + index for index in range(1, runner.EAGER_LAYERS)]
+    drawn = [runner.TIMED_SEED, runner.FRESH_SEED, *runner.layer_seeds(runner.EAGER_LAYERS)]
     if not variant.max_draft:
         return drawn[:1]
     kept, seen = [], set()
@@ -41,29 +41,31 @@ def seeds(case: cases.Case, variant: cases.Variant) -> list[int]:
     return kept
 
 
-def warm(work: tuple) -> tuple[int, list[str]]:
-    """Call one (case, variant) over its seeds on each backend that takes it: (calls made, the
-    backends that refused it, with why)."""
+def warm(work: tuple) -> tuple[int, list[str], list[str]]:
+    """Make one (case, variant)'s calls over its seeds on each backend, as the benchmark makes them
+    (a call with and without lse; a call of parts, each part without): (calls made, the backends
+    that refused it, with why; the calls that failed, with the error)."""
     case, variant_name, backends = work
     variant = cases.VARIANTS[variant_name]
     device = "cuda" if torch.cuda.is_available() else "cpu"
     shape, dtype = runner.as_run(case, device == "cuda")
-    made, refused = 0, []
+    made, refused, failed = 0, set(), set()
     for seed in seeds(shape, variant):
         call = cases.make_call(shape, variant, device, dtype, seed=seed)
+        runs = [(part, False) for part in call.parts or ()] or [(call, False), (call, True)]
         for backend in backends:
-            for part in call.parts or [call]:
-                try:
-                    for lse in (False, True):
-                        flashdecode.flash_attn_with_kvcache(part.q, part.k_cache, part.v_cache, **part.kwargs(),
-                                                            backend=backend, return_softmax_lse=lse)
-                        made += 1
-                except BackendError as error:
-                    refused.append(f"case {case.label} {variant_name} {backend}: {error}")
-                    break
+            try:
+                for part, lse in runs:
+                    flashdecode.flash_attn_with_kvcache(part.q, part.k_cache, part.v_cache, **part.kwargs(),
+                                                        backend=backend, return_softmax_lse=lse)
+                    made += 1
+            except BackendError as error:
+                refused.add(f"case {case.label} {variant_name} {backend}: {error}")
+            except Exception as error:  # noqa: BLE001 - reported; the benchmark records it again when it runs
+                failed.add(f"case {case.label} {variant_name} {backend}: {type(error).__name__}: {error}")
     if device == "cuda":
         torch.cuda.synchronize()
-    return made, sorted(set(refused))
+    return made, sorted(refused), sorted(failed)
 
 
 def main(argv=None) -> int:
@@ -72,7 +74,7 @@ def main(argv=None) -> int:
     parser.add_argument("--cases", default="all", help="as flashdecode bench takes them")
     parser.add_argument("--variant", default="plain", help="comma list of flashdecode bench's variants")
     parser.add_argument("--backends", default="triton", help="our backends to call (default: triton)")
-    parser.add_argument("--jobs", type=int, default=8, help="processes (default 8)")
+    parser.add_argument("--jobs", type=int, default=8, help="processes (default 8; device.sh: PREWARM_JOBS, 12)")
     args = parser.parse_args(argv)
     try:
         selected = cases.select(args.matrix, args.cases)
@@ -80,6 +82,8 @@ def main(argv=None) -> int:
         parser.error(f"--cases: {error}")
     variants = [name.strip() for name in args.variant.split(",") if name.strip()]
     unknown = [name for name in variants if name not in cases.VARIANTS]
+    if not variants:
+        parser.error("--variant: name at least one variant")
     if unknown:
         parser.error(f"--variant: unknown variants {unknown}; variants are {', '.join(cases.VARIANTS)}")
     backends = tuple(name.strip() for name in args.backends.split(",") if name.strip())
@@ -94,17 +98,18 @@ def main(argv=None) -> int:
 
         print(f"host path: {host_path.unavailable() or 'built'}")
     work = [(case, name, backends) for case in selected for name in variants]
-    made, refused = 0, []
+    made, refused, failed = 0, [], []
     context = multiprocessing.get_context("spawn")  # CUDA in the workers: no fork
     with concurrent.futures.ProcessPoolExecutor(args.jobs, mp_context=context) as pool:
-        for calls, why in pool.map(warm, work):
-            made += calls
-            refused += why
+        for calls, why, errors in pool.map(warm, work):
+            made, refused, failed = made + calls, refused + why, failed + errors
     for line in refused:
         print(f"skipped: {line}", file=sys.stderr)
+    for line in failed:
+        print(f"failed: {line}", file=sys.stderr)
     print(f"prewarm: {made} calls over {len(work)} (case, variant) in {time.perf_counter() - start:.0f} s, "
-          f"{args.jobs} processes")
-    return 0
+          f"{args.jobs} processes, {len(failed)} failed")
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

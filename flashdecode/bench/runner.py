@@ -35,8 +35,8 @@ from .results import BenchRun, CaseRun, Result, System
 from .timing import INTERLEAVE_ROUNDS, CallFailed, Timer, summarize
 
 OUR_BACKENDS = ("tilelang", "triton")
-#: Seed of the second correctness check; the timed inputs use make_inputs' default seed.
-FRESH_SEED = 2
+#: Seeds of the timed inputs (make_inputs' default) and of the second correctness check.
+TIMED_SEED, FRESH_SEED = 1, 2
 #: Layer i >= 1 of the eager loop draws its inputs with seed LAYER_SEED + i (layer 0: the timed inputs).
 LAYER_SEED = 100
 CUDA_ITERS, CUDA_MIN_ITERS, CUDA_WARMUP = 100, 50, 10
@@ -284,12 +284,17 @@ def case_inputs(case: cases.Case, variant: cases.Variant, selection: Selection, 
     and the fresh inputs' outputs are judged against: ``correctness.Expected``) of one case and
     variant, as every system of the run gets them."""
     shape, dtype = as_run(case, selection.cuda)
-    call = cases.make_call(shape, variant, device, dtype)
+    call = cases.make_call(shape, variant, device, dtype, seed=TIMED_SEED)
     fresh = cases.make_call(shape, variant, device, dtype, seed=FRESH_SEED)
     references = correctness.expected(call), correctness.expected(fresh)
-    layers = [call] + [cases.make_call(shape, variant, device, dtype, seed=LAYER_SEED + index)
-                       for index in range(1, layer_count(call, selection))]
+    layers = [call] + [cases.make_call(shape, variant, device, dtype, seed=seed)
+                       for seed in layer_seeds(layer_count(call, selection))]
     return shape, layers, fresh, references
+
+
+def layer_seeds(layers: int) -> list[int]:
+    """The seeds of an eager loop's inputs past the timed ones (layer 0), for ``layers`` layers."""
+    return [LAYER_SEED + index for index in range(1, layers)]
 
 
 def _run_case(case, variant, selection, timer, ceiling, anchor, advance) -> CaseRun:
