@@ -128,52 +128,89 @@ class Tuning:
     triton_split_32_row_resident_programs: tuple = ()
 
     def __post_init__(self):
-        """Each field of its default's kind: True or False; an int, or a table of ints or of rows
-        led by a backend name, whose numbers are at least 1 where a plan divides by them or counts
-        programs with them (``_AT_LEAST_ONE``), else at least 0 (0: the rule off); None where the
-        default is None. TypeError/ValueError naming the field."""
+        """Every field as ``_FIELD_CHECKS`` says (TypeError/ValueError naming it): a plan divides by
+        some counts, sizes its grid or pipeline with others, and indexes the tables by row."""
         for field in dataclasses.fields(self):
-            name, value, default = field.name, getattr(self, field.name), field.default
-            if name == "auto_order" or value is None and default is None:
-                continue
-            if isinstance(default, bool):
-                if not isinstance(value, bool):
-                    raise TypeError(f"tuning.{name} must be True or False, got {value!r}")
-                continue
-            table = isinstance(value, tuple) and not isinstance(default, int)
-            if table:
-                numbers = _table_numbers(name, value)
-            elif type(value) is int and not isinstance(default, tuple):
-                numbers = [value]
-            else:
-                kind = "an int" if isinstance(default, int) else "a tuple" if isinstance(default, tuple) else \
-                    "an int, a tuple or None"
-                raise TypeError(f"tuning.{name} must be {kind}, got {value!r}")
-            least = 1 if name in _AT_LEAST_ONE else 0
-            for number in numbers:
-                if type(number) is not int:
-                    raise TypeError(f"tuning.{name} must hold ints, got {value!r}")
-                if number < least:
-                    rule = f"hold numbers of at least {least}" if table else f"be at least {least}"
-                    raise ValueError(f"tuning.{name} must {rule}, got {value!r}")
-        if self.underfilled_merge_caps is not None and len(self.underfilled_merge_caps) != 2:
-            raise ValueError(f"tuning.underfilled_merge_caps must be (most splits, most partial rows), "
-                             f"got {self.underfilled_merge_caps!r}")
+            _FIELD_CHECKS[field.name](f"tuning.{field.name}", getattr(self, field.name))
 
 
-#: Tuning's fields whose numbers a plan divides by or counts programs with.
-_AT_LEAST_ONE = frozenset(("programs_per_multiprocessor", "min_blocks_per_split", "min_blocks_per_combined_split",
-                           "min_blocks_per_one_sequence_split", "triton_tiles", "triton_resident_programs",
-                           "triton_paged_resident_programs", "triton_split_32_row_resident_programs"))
+#: Most programs an SM a tuning may aim for or count on: twice Hopper's resident blocks (32).
+MAX_PROGRAMS_PER_MULTIPROCESSOR = 64
+#: Most pipeline stages a tuning may ask for: far past any measured (2-4); the planner drops
+#: stages one at a time until a tile fits shared memory.
+MAX_STAGES = 16
 
 
-def _table_numbers(name: str, table: tuple) -> list:
-    """The numbers of Tuning table ``name``: a tuple of ints, or of rows each led by a backend name
-    or a head dim; TypeError naming it for another shape."""
-    rows = table if any(isinstance(row, tuple) for row in table) else (table,) if table else ()
-    if not all(isinstance(row, tuple) and row for row in rows):
-        raise TypeError(f"tuning.{name} must be a tuple of ints or of rows (tuples), got {table!r}")
-    return [item for row in rows for item in (row[1:] if isinstance(row[0], str) else row)]
+def _number(name: str, value, least: int = 0, most: int | None = None, power_of_two: bool = False) -> None:
+    if type(value) is not int:
+        raise TypeError(f"{name} takes ints, got {value!r}")
+    if value < least or most is not None and value > most or power_of_two and value & (value - 1):
+        rule = f"at least {least}" if most is None else f"in [{least}, {most}]"
+        raise ValueError(f"{name} must be {'a power of two ' if power_of_two else ''}{rule}, got {value!r}")
+
+
+def _count(least: int = 0, most: int | None = None, optional: bool = False):
+    """A check of an int field in [least, most] (None: no upper bound; ``optional``: None allowed)."""
+    def check(name: str, value) -> None:
+        if not (optional and value is None):
+            _number(name, value, least, most)
+    return check
+
+
+def _flag(name: str, value) -> None:
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be True or False, got {value!r}")
+
+
+def _rows(lead: type | None, *columns: tuple, not_empty: bool = False, optional: bool = False):
+    """A check of a table: a tuple of rows, each a ``lead`` (a backend name: str; a head dim: int;
+    None: a single row of numbers, the field itself) then one number per column, a column being
+    (least, most, power of two)."""
+    ints = f"{len(columns)} int{'s' if len(columns) > 1 else ''}"
+    shape = f"({'backend name' if lead is str else 'head dim'}, {ints}) rows" if lead else ints
+
+    def check(name: str, value) -> None:
+        if optional and value is None:
+            return
+        rows = (value,) if lead is None else value
+        if not isinstance(value, tuple) or not_empty and not value or not all(
+                isinstance(row, tuple) and len(row) == len(columns) + (lead is not None) for row in rows):
+            raise TypeError(f"{name} must be a {'non-empty ' if not_empty else ''}tuple of {shape}, got {value!r}")
+        for row in rows:
+            if lead is str and not isinstance(row[0], str):
+                raise TypeError(f"{name} must lead each row with a backend name, got {value!r}")
+            numbers = row if lead is None else row[1:]
+            if lead is int:
+                _number(name, row[0], 1)
+            for number, (least, most, power_of_two) in zip(numbers, columns):
+                _number(name, number, least, most, power_of_two)
+    return check
+
+
+_PROGRAMS = (1, MAX_PROGRAMS_PER_MULTIPROCESSOR, False)
+#: How each Tuning field is checked (``Tuning.__post_init__``); a new field needs its entry here.
+_FIELD_CHECKS = {
+    "programs_per_multiprocessor": _count(1, MAX_PROGRAMS_PER_MULTIPROCESSOR),
+    "min_blocks_per_split": _count(1),
+    "min_blocks_per_combined_split": _rows(str, (1, None, False)),
+    "min_blocks_per_one_sequence_split": _rows(str, (1, None, False)),
+    "split_above_blocks": _count(),
+    "underfilled_split_above_blocks": _rows(str, (0, None, False)),
+    "short_cache_max_blocks": _count(),
+    "max_splits_merged_in_split": _count(),
+    "max_rows_merged_in_split": _count(optional=True),
+    "underfilled_merge_caps": _rows(None, (0, None, False), (0, None, False), optional=True),
+    "ragged_query_tiles_max_cache_bytes": _count(),
+    "dependent_combine": _flag,
+    "auto_order": lambda name, value: None,  # AutoRule values, read by kernels.base.select
+    "triton_tiles": _rows(int, (16, None, True), (1, 32, True), (1, MAX_STAGES, False), not_empty=True),
+    "triton_pipelined_stages": _count(0, MAX_STAGES),
+    "triton_fp8_stages": _count(0, MAX_STAGES),
+    "triton_fp8_v_words": _flag,
+    "triton_resident_programs": _rows(int, _PROGRAMS, not_empty=True),
+    "triton_paged_resident_programs": _rows(int, _PROGRAMS),
+    "triton_split_32_row_resident_programs": _rows(int, _PROGRAMS),
+}
 
 
 #: Hopper's tuning (H100, H200), measured on the H200 (docs/tuning.md): the merge in the split kernel,
