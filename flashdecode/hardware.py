@@ -142,6 +142,7 @@ MAX_STAGES = 16
 
 
 def _number(name: str, value, least: int = 0, most: int | None = None, power_of_two: bool = False) -> None:
+    """``value``, a number of Tuning field ``name``: an int (not a bool) in [least, most]."""
     if type(value) is not int:
         raise TypeError(f"{name} takes ints, got {value!r}")
     if value < least or most is not None and value > most or power_of_two and value & (value - 1):
@@ -158,6 +159,7 @@ def _count(least: int = 0, most: int | None = None, optional: bool = False):
 
 
 def _flag(name: str, value) -> None:
+    """A check of a bool field."""
     if not isinstance(value, bool):
         raise TypeError(f"{name} must be True or False, got {value!r}")
 
