@@ -141,12 +141,13 @@ MAX_PROGRAMS_PER_MULTIPROCESSOR = 64
 MAX_STAGES = 16
 
 
-def _number(name: str, value, least: int = 0, most: int | None = None, power_of_two: bool = False) -> None:
-    """``value``, a number of Tuning field ``name``: an int (not a bool) in [least, most]."""
+def check_int(name: str, value, least: int = 0, most: int | None = None, power_of_two: bool = False) -> None:
+    """``value`` an int (not a bool) in [least, most] (None: no upper bound), a power of two where
+    asked; TypeError/ValueError naming ``name`` (Tuning's fields, ``validate.check_tile_config``'s)."""
     if type(value) is not int:
-        raise TypeError(f"{name} takes ints, got {value!r}")
+        raise TypeError(f"{name} must be an int, got {value!r}")
     if value < least or most is not None and value > most or power_of_two and value & (value - 1):
-        rule = f"at least {least}" if most is None else f"in [{least}, {most}]"
+        rule = f">= {least}" if most is None else f"in [{least}, {most}]"
         raise ValueError(f"{name} must be {'a power of two ' if power_of_two else ''}{rule}, got {value!r}")
 
 
@@ -154,7 +155,7 @@ def _count(least: int = 0, most: int | None = None, optional: bool = False):
     """A check of an int field in [least, most] (None: no upper bound; ``optional``: None allowed)."""
     def check(name: str, value) -> None:
         if not (optional and value is None):
-            _number(name, value, least, most)
+            check_int(name, value, least, most)
     return check
 
 
@@ -183,9 +184,9 @@ def _rows(lead: type | None, *columns: tuple, not_empty: bool = False, optional:
                 raise TypeError(f"{name} must lead each row with a backend name, got {value!r}")
             numbers = row if lead is None else row[1:]
             if lead is int:
-                _number(name, row[0], 1)
+                check_int(name, row[0], 1)
             for number, (least, most, power_of_two) in zip(numbers, columns):
-                _number(name, number, least, most, power_of_two)
+                check_int(name, number, least, most, power_of_two)
     return check
 
 

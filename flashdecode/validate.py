@@ -19,6 +19,7 @@ import os
 
 import torch
 
+from .hardware import check_int
 from .planner import key_range
 from .problem import (ALIBI_NONE, ALIBI_PER_HEAD, ALIBI_PER_SEQUENCE, FP8_DTYPES, Problem, is_contiguous,
                       is_heads_first, offsets_fit_32)
@@ -238,12 +239,8 @@ def check_tile_config(config, name: str = "config") -> None:
         if dataclasses.is_dataclass(value):
             check_tile_config(value, label)
         elif value is not None and not isinstance(value, bool):
-            if not isinstance(value, int):
-                _fail(TypeError, f"{label} must be an int, got {value!r}")
             least = POWER_OF_TWO_FIELDS.get(field.name, 0 if field.name in ZERO_ALLOWED_FIELDS else 1)
-            if value < least or field.name in POWER_OF_TWO_FIELDS and value & (value - 1):
-                rule = f"a power of two >= {least}" if field.name in POWER_OF_TWO_FIELDS else f">= {least}"
-                _fail(ValueError, f"{label} must be {rule}, got {value}")
+            check_int(label, value, least, power_of_two=field.name in POWER_OF_TWO_FIELDS)
 
 
 def check_out(out, q) -> None:

@@ -201,18 +201,18 @@ def test_a_context_checks_its_tuning_and_config():
     with pytest.raises(TypeError, match="config must be a backend's tile config .* got int"):
         DecodeContext("cpu", config=5)
     for bad, kind, message in (
-            (dict(min_blocks_per_split=0), ValueError, "tuning.min_blocks_per_split must be at least 1, got 0"),
-            (dict(min_blocks_per_split=False), TypeError, "tuning.min_blocks_per_split takes ints, got False"),
+            (dict(min_blocks_per_split=0), ValueError, "tuning.min_blocks_per_split must be >= 1, got 0"),
+            (dict(min_blocks_per_split=False), TypeError, "tuning.min_blocks_per_split must be an int, got False"),
             (dict(programs_per_multiprocessor=2 ** 24), ValueError,
              "tuning.programs_per_multiprocessor must be in [1, 64]"),
-            (dict(split_above_blocks=-1), ValueError, "tuning.split_above_blocks must be at least 0"),
+            (dict(split_above_blocks=-1), ValueError, "tuning.split_above_blocks must be >= 0"),
             (dict(min_blocks_per_combined_split=(("triton", 0),)), ValueError,
-             "tuning.min_blocks_per_combined_split must be at least 1, got 0"),
+             "tuning.min_blocks_per_combined_split must be >= 1, got 0"),
             (dict(min_blocks_per_combined_split=("triton", 2)), TypeError,
              "tuning.min_blocks_per_combined_split must be a tuple of (backend name, 1 int) rows"),
             (dict(triton_tiles=()), TypeError, "tuning.triton_tiles must be a non-empty tuple of (head dim, 3 ints)"),
             (dict(triton_tiles=((256, 48, 4, 2),)), ValueError,
-             "tuning.triton_tiles must be a power of two at least 16"),
+             "tuning.triton_tiles must be a power of two >= 16"),
             (dict(triton_fp8_stages=10 ** 12), ValueError, "tuning.triton_fp8_stages must be in [0, 16]"),
             (dict(triton_resident_programs=((64, 4), 5)), TypeError, "tuning.triton_resident_programs must be a"),
             (dict(underfilled_merge_caps=(8,)), TypeError, "tuning.underfilled_merge_caps must be a tuple of 2 ints"),
