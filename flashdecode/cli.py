@@ -15,10 +15,10 @@ from . import cases
 from .argtypes import positive_int
 
 
-def _names(text: str) -> tuple[str, ...]:
+def names(text: str) -> tuple[str, ...]:
     """A comma-separated list of names, duplicates dropped; "none" for the empty list."""
-    names = tuple(dict.fromkeys(name.strip() for name in text.split(",") if name.strip()))
-    return () if names == ("none",) else names
+    found = tuple(dict.fromkeys(name.strip() for name in text.split(",") if name.strip()))
+    return () if found == ("none",) else found
 
 
 def _add_bench(subparsers) -> None:
@@ -29,10 +29,10 @@ def _add_bench(subparsers) -> None:
                     "torch SDPA and flex_attention, check every output against the reference, and report bandwidth "
                     "against an in-run ceiling. Without CUDA: scaled-down cases under Triton's interpreter, "
                     "CPU timings.")
-    _add_case_selection(parser, default_variants=("plain",))
-    parser.add_argument("--backends", type=_names, default=None,
+    add_case_selection(parser, default_variants=("plain",))
+    parser.add_argument("--backends", type=names, default=None,
                         help="our backends, e.g. tilelang,triton (default: all that can run here)")
-    parser.add_argument("--peers", type=_names, default=None,
+    parser.add_argument("--peers", type=names, default=None,
                         help="peers: fa2,flashinfer-tc,flashinfer-cc,flashinfer-single,sdpa,flex or none (default: "
                              "all that import); a named peer that cannot run is an error")
     parser.add_argument("--iters", type=positive_int, default=None,
@@ -59,7 +59,7 @@ def _run_bench(args) -> int:
     import torch
 
     parser = args.command_parser
-    selected = _selected_cases(args)
+    selected = selected_cases(args)
     if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
         # Must precede the first import of Triton (flashdecode.kernels, bench.runner).
         if "triton" in sys.modules:
@@ -136,7 +136,7 @@ def _add_candidates(subparsers) -> None:
                     f"{candidates.MIN_GAIN:.0%} is flagged STAGNATING with the next steps (docs/optimising.md).")
     parser.add_argument("--file", default="results/candidates.jsonl", metavar="PATH",
                         help="the candidates log (default: %(default)s)")
-    parser.add_argument("--case", type=_names, default=(),
+    parser.add_argument("--case", type=names, default=(),
                         help="cases as the log names them, e.g. 10,W3,7/q4, a --shapes shape as spelled "
                              "(1x8x1x1x64:equal) (default: all)")
     parser.add_argument("--top", type=positive_int, default=5, help="techniques shown per case (default %(default)s)")
@@ -202,8 +202,8 @@ def _ints(text: str) -> tuple[int, ...]:
     return values
 
 
-def _add_case_selection(parser, default_variants) -> None:
-    """--matrix, --cases, --shapes and --variant, as bench and warmup take them."""
+def add_case_selection(parser, default_variants) -> None:
+    """--matrix, --cases, --shapes and --variant, as bench, warmup and tools/prewarm.py take them."""
     parser.add_argument("--matrix", choices=tuple(cases.MATRICES), default="cases",
                         help="cases: the 14 cases 1-14 (default); wide: W1-W14 (MHA, MQA, head dims 64/256, ...); "
                              "models: M1-M16 (public models' heads per GPU: groups 1-71, head dims 64-256)")
@@ -215,12 +215,19 @@ def _add_case_selection(parser, default_variants) -> None:
                              f"group x headdim, ':' and a length rule ({', '.join(cases.LENGTH_RULES[1:])}), e.g. "
                              "16x2048x1x71x64:uniform")
     default = "all" if default_variants == tuple(cases.VARIANTS) else ",".join(default_variants)
-    parser.add_argument("--variant", type=_names, default=default_variants,
+    parser.add_argument("--variant", type=names, default=default_variants,
                         help=f"comma list of {', '.join(cases.VARIANTS)} (default: {default})")
 
 
-def _selected_cases(args) -> tuple:
-    """The matrix's selected cases, then --shapes' own (only those when --cases is left at all)."""
+def selected_cases(args) -> tuple:
+    """The matrix's selected cases, then --shapes' own (only those when --cases is left at all);
+    ``args.command_parser``'s error for those and for unknown --variant names (bench, warmup,
+    tools/prewarm.py)."""
+    unknown = [name for name in args.variant if name not in cases.VARIANTS]
+    if not args.variant:
+        args.command_parser.error("--variant: name at least one variant")
+    if unknown:
+        args.command_parser.error(f"unknown variants {unknown}; variants are {', '.join(cases.VARIANTS)}")
     try:
         shapes = cases.parse_shapes(args.shapes)
     except ValueError as error:
@@ -239,7 +246,7 @@ def _add_warmup(subparsers) -> None:
                     "profile) of a case matrix and its variants launch, forced splits included, into TileLang's "
                     "disk cache (TILELANG_CACHE_DIR); a Hopper GPU then loads them instead of compiling each on "
                     "its first call. Calls TileLang cannot take are skipped.")
-    _add_case_selection(parser, default_variants=tuple(cases.VARIANTS))
+    add_case_selection(parser, default_variants=tuple(cases.VARIANTS))
     parser.add_argument("--splits", type=_ints, default=(),
                         help="forced split counts each call is planned with, 0 for the planner's own choice "
                              "(default: 0,2,3)")
@@ -270,10 +277,7 @@ WARMUP_FLAGS = {"block_n": "--block-n", "num_stages": "--stages", "block_m": "--
 def _run_warmup(args) -> int:
     """Resolve the cases, variants and shard, then build (``kernels.tilelang.warmup``)."""
     parser = args.command_parser
-    selected = _selected_cases(args)
-    unknown = [name for name in args.variant if name not in cases.VARIANTS]
-    if unknown:
-        parser.error(f"unknown variants {unknown}; variants are {', '.join(cases.VARIANTS)}")
+    selected = selected_cases(args)
     try:
         shard = parse_shard(args.shard)
     except ValueError as error:
@@ -326,7 +330,7 @@ def _run_models_bench(args) -> int:
     if args.out:
         _require_writable_file(args.command_parser, "--out", args.out)
     try:
-        rows = models.run("quick" if args.quick else "default", _names(args.models) or None, args.out, args.device)
+        rows = models.run("quick" if args.quick else "default", names(args.models) or None, args.out, args.device)
     except (ImportError, ValueError) as error:
         args.command_parser.error(str(error))
     print(models.table(rows))

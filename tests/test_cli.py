@@ -210,6 +210,7 @@ def test_candidates_rebuilds_the_log_from_the_committed_runs(capsys, tmp_path):
 @pytest.mark.parametrize("argv, message", [
     (["warmup", "--cases", "15"], "unknown case 15"),
     (["warmup", "--variant", "paged32"], "unknown variants ['paged32']"),
+    (["warmup", "--variant", ""], "--variant: name at least one variant"),
     (["warmup", "--splits", "2,x"], "must be a comma list of integers >= 0"),
     (["warmup", "--block-n", "-64"], "must be a comma list of integers >= 0"),
     (["warmup", "--shard", "2/2"], "--shard must be I/N with 0 <= I < N"),
@@ -266,7 +267,7 @@ def test_warmup_builds_a_tiny_case_into_the_given_cache(tmp_path):
 # --- tools/ ---------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("argv, message", [
-    (["fp8_sass.py", "--cases", "W3"], "--cases: numbers of cases 1-14"),
+    (["fp8_sass.py", "--cases", "W3"], "--cases: invalid case list 'W3'"),
     (["fp8_sass.py", "--field", "fp8_v_words"], "--field, --values: a TritonConfig field and its integer values"),
     (["triton_ptx.py", __file__], "is a file; name a folder"),
     (["warmup_tests.py", "--shard", "5/2"], "--shard must be I/N with 0 <= I < N"),

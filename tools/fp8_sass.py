@@ -21,7 +21,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 from triton_resources import compile_for_hopper, cuobjdump, plan_launches, resource_usage  # noqa: E402
 
-from flashdecode.cases import CASES_BY_NUMBER, VARIANTS  # noqa: E402
+from flashdecode.cases import CASES_BY_NUMBER, VARIANTS, select  # noqa: E402
 from flashdecode.hardware import PROFILES  # noqa: E402
 from flashdecode.kernels import get_backend  # noqa: E402
 from flashdecode.kernels.triton.backend import TritonConfig  # noqa: E402
@@ -125,10 +125,10 @@ def main():
     parser.add_argument("--tag", default="")
     parser.add_argument("--dump", default=None)
     args = parser.parse_args()
-    numbers = [int(c) for c in args.cases.split(",") if c.strip().isdigit()]
-    if len(numbers) != len(args.cases.split(",")) or not all(n in CASES_BY_NUMBER for n in numbers):
-        parser.error(f"--cases: numbers of cases {min(CASES_BY_NUMBER)}-{max(CASES_BY_NUMBER)}, comma separated, "
-                     f"got {args.cases!r}")
+    try:
+        numbers = [int(case.label) for case in select("cases", args.cases)]
+    except ValueError as error:
+        parser.error(f"--cases: {error}")
     if args.values and not args.field:
         parser.error("--values: the values of --field, which is not given")
     if args.field and (args.field not in {f.name for f in dataclasses.fields(TritonConfig)}

@@ -21,7 +21,7 @@ import time
 import torch
 
 import flashdecode
-from flashdecode import cases
+from flashdecode import cases, cli
 from flashdecode.bench import runner
 from flashdecode.kernels.base import BackendError
 
@@ -70,26 +70,15 @@ def warm(work: tuple) -> tuple[int, list[str], list[str]]:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--matrix", choices=tuple(cases.MATRICES), default="cases")
-    parser.add_argument("--cases", default="all", help="as flashdecode bench takes them")
-    parser.add_argument("--variant", default="plain", help="comma list of flashdecode bench's variants")
-    parser.add_argument("--backends", default="triton", help="our backends to call (default: triton)")
+    cli.add_case_selection(parser, default_variants=("plain",))  # as flashdecode bench takes them
+    parser.add_argument("--backends", type=cli.names, default=("triton",), help="our backends (default: triton)")
     parser.add_argument("--jobs", type=int, default=8, help="processes (default 8; device.sh: PREWARM_JOBS, 12)")
+    parser.set_defaults(command_parser=parser)
     args = parser.parse_args(argv)
-    try:
-        selected = cases.select(args.matrix, args.cases)
-    except ValueError as error:
-        parser.error(f"--cases: {error}")
-    variants = [name.strip() for name in args.variant.split(",") if name.strip()]
-    unknown = [name for name in variants if name not in cases.VARIANTS]
-    if not variants:
-        parser.error("--variant: name at least one variant")
-    if unknown:
-        parser.error(f"--variant: unknown variants {unknown}; variants are {', '.join(cases.VARIANTS)}")
-    backends = tuple(name.strip() for name in args.backends.split(",") if name.strip())
-    bad = [name for name in backends if name not in runner.OUR_BACKENDS]
-    if bad or not backends:
-        parser.error(f"--backends: must be among {', '.join(runner.OUR_BACKENDS)}, got {args.backends!r}")
+    selected = cli.selected_cases(args)
+    backends = args.backends
+    if not backends or not set(backends) <= set(runner.OUR_BACKENDS):
+        parser.error(f"--backends: must be among {', '.join(runner.OUR_BACKENDS)}, got {','.join(backends)!r}")
     if args.jobs < 1:
         parser.error(f"--jobs must be at least 1, got {args.jobs}")
     start = time.perf_counter()
@@ -97,7 +86,7 @@ def main(argv=None) -> int:
         from flashdecode import host_path
 
         print(f"host path: {host_path.unavailable() or 'built'}")
-    work = [(case, name, backends) for case in selected for name in variants]
+    work = [(case, name, backends) for case in selected for name in args.variant]
     made, refused, failed = 0, [], []
     context = multiprocessing.get_context("spawn")  # CUDA in the workers: no fork
     with concurrent.futures.ProcessPoolExecutor(args.jobs, mp_context=context) as pool:
