@@ -99,7 +99,7 @@ def decode_mask(*args, **kwargs):
         return sdpa_mask(*args, **kwargs)
     mask = sdpa_mask(*args, **{**kwargs, "allow_is_causal_skip": False})
     bounds = key_bounds(mask, window)
-    if bounds.device.type == "cpu" and not is_compiling() and not holds(bounds):
+    if bounds.device.type == "cpu" and readable(bounds) and not holds(bounds):
         return mask  # (one no bounds hold is no mask transformers would skip)
     if window is not None and q_length > 1:  # one row: its range already starts inside the window
         bounds = torch.cat((bounds, torch.full_like(bounds[:1], window)))
