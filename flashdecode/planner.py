@@ -176,10 +176,10 @@ def plan(problem: Problem, profile: HardwareProfile, backend, num_splits: int = 
     ``backend`` answers the capability questions (``flashdecode.kernels.Backend``): which kernels it
     has, its default tile config for each, and how many split programs one SM holds. ``config``
     replaces the tile config of the kernel chosen where it is of that kernel's config type (sweeps);
-    ``num_splits`` > 0 forces the split. For a backend that launches the grid
-    (``Backend.launches_grid``), a plan whose combine grid would exceed ``GRID_YZ_LIMIT`` (KV heads x
-    query rows: a long chunk of queries) runs unsplit, and more row tiles than a grid holds raise
-    ValueError naming q (max_seqlen_q for ragged queries)."""
+    ``num_splits`` > 0 forces the split; a backend without a split kernel (the reference) gets one pass
+    a sequence. For a backend that launches the grid (``Backend.launches_grid``), a plan whose combine
+    grid would exceed ``GRID_YZ_LIMIT`` (KV heads x query rows: a long chunk of queries) runs unsplit,
+    and more row tiles than a grid holds raise ValueError naming q (max_seqlen_q for ragged queries)."""
     if num_splits < 0:
         raise ValueError(f"num_splits must be >= 0, got {num_splits}")
     chosen = _plan(problem, profile, backend, num_splits, config)
@@ -205,6 +205,8 @@ def _plan(problem: Problem, profile: HardwareProfile, backend, num_splits: int, 
         default = backend.default_config(problem, profile, kernel)
         return config if isinstance(config, type(default)) else default
 
+    if SPLIT not in backend.kernels(problem):  # e.g. the reference, one pass a sequence: nothing to split
+        return _for_grid(Plan(SINGLE_PASS, config_for(SINGLE_PASS), problem.batch), problem, profile, backend, config)
     split_config = config_for(SPLIT)
     max_blocks = math.ceil(problem.key_span() / split_config.block_n)
     if num_splits > 0:

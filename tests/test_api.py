@@ -84,6 +84,19 @@ def test_plan_for_names_the_route():
     assert plan_for(q, k_cache, v_cache, cache_seqlens=lengths, backend="triton").backend == "triton"
 
 
+@pytest.mark.parametrize("num_splits", [0, 3])
+def test_the_reference_is_planned_as_one_pass_and_holds_no_partials(num_splits):
+    """The reference has no split kernel: plan_for says one program a sequence, whatever num_splits
+    asks, so the context sizes no partials for it (a long cache once planned 113 splits a head)."""
+    q, k_cache, v_cache = (torch.randn(shape).half() for shape in ((2, 1, 8, 64), (2, 4096, 2, 64), (2, 4096, 2, 64)))
+    lengths = torch.tensor([4096, 3000], dtype=torch.int32)
+    route = plan_for(q, k_cache, v_cache, cache_seqlens=lengths, backend="reference", num_splits=num_splits)
+    assert route.plan.kernel == "single_pass" and route.plan.programs_per_head == 2
+    assert route.plan.workspace_rows == 0
+    out = flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=lengths, num_splits=num_splits)
+    torch.testing.assert_close(out, reference_attention(q, k_cache, v_cache, cache_seqlens=lengths)[0])
+
+
 def test_naming_a_backend_that_cannot_take_the_call_says_which_can():
     q, k_cache, v_cache, lengths = inputs()
     with pytest.raises(flashdecode.BackendError, match="backend 'tilelang' cannot take this call: it needs .*"
