@@ -22,6 +22,7 @@ import torch
 
 import flashdecode
 from flashdecode import cases, cli
+from flashdecode.argtypes import positive_int
 from flashdecode.bench import runner
 from flashdecode.kernels.base import BackendError
 
@@ -72,15 +73,13 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     cli.add_case_selection(parser, default_variants=("plain",))  # as flashdecode bench takes them
     parser.add_argument("--backends", type=cli.names, default=("triton",), help="our backends (default: triton)")
-    parser.add_argument("--jobs", type=int, default=8, help="processes (default 8; device.sh: PREWARM_JOBS, 12)")
+    parser.add_argument("--jobs", type=positive_int, default=8, help="processes (default 8; device.sh: PREWARM_JOBS, 12)")
     parser.set_defaults(command_parser=parser)
     args = parser.parse_args(argv)
     selected = cli.selected_cases(args)
     backends = args.backends
     if not backends or not set(backends) <= set(runner.OUR_BACKENDS):
         parser.error(f"--backends: must be among {', '.join(runner.OUR_BACKENDS)}, got {','.join(backends)!r}")
-    if args.jobs < 1:
-        parser.error(f"--jobs must be at least 1, got {args.jobs}")
     start = time.perf_counter()
     if torch.cuda.is_available():  # the extension once, here, before the workers would each build it
         from flashdecode import host_path
